@@ -1,0 +1,1 @@
+"""Privacy accounting for randomized clipping (``rc_prv``)."""
