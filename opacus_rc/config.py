@@ -34,6 +34,7 @@ class SketchConfig:
     estimator: str = "hutchinson"
     sketch_size: int = 32
     sketching: str = "shared"
+    exact_when_cheaper: bool = True
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:

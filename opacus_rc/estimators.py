@@ -1,0 +1,158 @@
+"""Sketched estimators of per-sample squared gradient norms of linear layers.
+
+For one linear layer, example ``i`` has input ``A_i`` (T x d) and output gradient
+``G_i`` (T x p); its weight gradient is ``M_i = A_i^T G_i`` (d x p). We estimate
+``n_i = ||M_i||_F^2`` without forming ``M_i`` (d x p) or ``A_i A_i^T`` (T x T):
+
+* Hutchinson: ``n_hat_i = ||M_i P||_F^2 = ||A_i^T (G_i P)||_F^2`` with ``P`` (p x k),
+  i.i.d. N(0, 1/k) entries, so ``E[P P^T] = I`` and ``E n_hat_i = n_i``.
+* Hutch++ (Meyer et al. 2021): ``Q = qr(M_i S)`` spans the dominant columns, the head
+  ``||Q^T M_i||_F^2`` is exact and Hutchinson estimates the residual
+  ``||(I - Q Q^T) M_i||_F^2``.
+
+Memory is O(B k (T + d + p)); FLOPs O(B T k (d + p)). The sketch may sit on the output
+side (``P`` multiplies ``G``) or the input side (``P`` multiplies ``A``, i.e. the same
+estimator applied to ``M_i^T = G_i^T A_i``): ``side="auto"`` sketches the larger of
+(d, p), so the per-sample result (B x min(d, p) x k) is the smaller one.
+
+This module is pure tensor math: no Opacus, no state. Sketches are passed in; drawing
+them (and their randomness) is the caller's business (see :mod:`opacus_rc.grad_sample`).
+Shapes: ``activations`` is (B, ..., d), ``backprops`` is (B, ..., p); a sketch is either
+shared (rows, k) or per example (B, rows, k).
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+SIDES = ("auto", "output", "input")
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def as_sequences(
+    activations: torch.Tensor, backprops: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Reshape (B, ..., d) and (B, ..., p) to (B, T, d), (B, T, p) in float32 or wider.
+
+    Half-precision inputs are promoted so the sketch arithmetic accumulates in float32.
+    """
+    batch = activations.shape[0]
+    a = activations.reshape(batch, -1, activations.shape[-1])
+    g = backprops.reshape(batch, -1, backprops.shape[-1])
+    dtype = torch.promote_types(a.dtype, g.dtype)
+    if dtype in _LOW_PRECISION:
+        dtype = torch.float32
+    return a.to(dtype), g.to(dtype)
+
+
+def sketch_side(d: int, p: int, side: str = "auto") -> str:
+    """The side the sketch multiplies: ``"output"`` (P is p x k) or ``"input"`` (d x k).
+
+    ``"auto"`` sketches the larger dimension; FLOPs are the same on both sides.
+    """
+    if side not in SIDES:
+        raise ValueError(f"side={side!r} is not supported; accepted values: {SIDES}")
+    if side == "auto":
+        return "output" if p >= d else "input"
+    return side
+
+
+def sketch_rows(d: int, p: int, side: str) -> int:
+    """Number of rows of the sketch for a (d x p) gradient on the given side."""
+    return p if sketch_side(d, p, side) == "output" else d
+
+
+def _orient(
+    a: torch.Tensor, g: torch.Tensor, side: str
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Return (left, right) so that the sketched gradient is ``left^T right @ P``."""
+    if sketch_side(a.shape[-1], g.shape[-1], side) == "output":
+        return a, g
+    return g, a
+
+
+def _project(
+    left: torch.Tensor, right: torch.Tensor, sketch: torch.Tensor
+) -> torch.Tensor:
+    """``left_i^T (right_i P_i)`` for every example: (B, rows_left, k)."""
+    return torch.matmul(left.transpose(1, 2), torch.matmul(right, sketch.to(right.dtype)))
+
+
+def _per_sample_sq_norm(x: torch.Tensor) -> torch.Tensor:
+    return x.pow(2).sum(dim=tuple(range(1, x.dim())))
+
+
+def hutchinson_sq_norms(
+    activations: torch.Tensor,
+    backprops: torch.Tensor,
+    sketch: torch.Tensor,
+    side: str = "auto",
+) -> torch.Tensor:
+    """Hutchinson estimate of ``||A_i^T G_i||_F^2`` for every example ``i``.
+
+    ``n_hat_i = ||A_i^T (G_i P)||_F^2`` with ``P`` ~ N(0, 1/k): unbiased, and
+    ``n_hat_i / n_i = sum_j w_j chi2_k / k`` (w: normalised squared singular values).
+
+    Args:
+        activations: (B, ..., d) layer inputs.
+        backprops: (B, ..., p) gradients of the loss w.r.t. the layer outputs.
+        sketch: (rows, k) or (B, rows, k) with N(0, 1/k) entries, ``rows`` from
+            :func:`sketch_rows`.
+        side: ``"auto"``, ``"output"`` or ``"input"``.
+
+    Returns:
+        (B,) float tensor of estimated squared norms.
+    """
+    a, g = as_sequences(activations, backprops)
+    left, right = _orient(a, g, side)
+    return _per_sample_sq_norm(_project(left, right, sketch))
+
+
+def hutchpp_sq_norms(
+    activations: torch.Tensor,
+    backprops: torch.Tensor,
+    head_sketch: torch.Tensor,
+    tail_sketch: torch.Tensor,
+    side: str = "auto",
+) -> torch.Tensor:
+    """Hutch++ estimate of ``||A_i^T G_i||_F^2`` for every example ``i``.
+
+    ``Q_i = qr(M_i S)``; ``n_hat_i = ||Q_i^T M_i||_F^2 + ||(I - Q_i Q_i^T) M_i P||_F^2``
+    with ``P`` ~ N(0, 1/k) (k = tail size): exact head, unbiased Hutchinson on the residual.
+
+    Args:
+        activations, backprops: as in :func:`hutchinson_sq_norms`.
+        head_sketch: (rows, r) or (B, rows, r), any full-rank random matrix (its scale
+            does not matter: only its range is used).
+        tail_sketch: (rows, k) or (B, rows, k) with N(0, 1/k) entries.
+        side: ``"auto"``, ``"output"`` or ``"input"``.
+    """
+    a, g = as_sequences(activations, backprops)
+    left, right = _orient(a, g, side)
+    q, _ = torch.linalg.qr(_project(left, right, head_sketch))  # (B, rows_left, r)
+    head = _per_sample_sq_norm(torch.matmul(torch.matmul(left, q).transpose(1, 2), right))
+    mp = _project(left, right, tail_sketch)  # M_i P: (B, rows_left, k)
+    residual = mp - torch.matmul(q, torch.matmul(q.transpose(1, 2), mp))
+    return head + _per_sample_sq_norm(residual)
+
+
+def ghost_sq_norms(activations: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
+    """Exact ``||A_i^T G_i||_F^2 = <A_i A_i^T, G_i G_i^T>`` (ghost clipping's formula).
+
+    Costs B T^2 (d + p) FLOPs and B T^2 memory: cheaper than a k-vector sketch when
+    T <= k, where it replaces the estimate.
+    """
+    a, g = as_sequences(activations, backprops)
+    aat = torch.matmul(a, a.transpose(1, 2))
+    ggt = torch.matmul(g, g.transpose(1, 2))
+    return (aat * ggt).sum(dim=(1, 2)).clamp(min=0)
+
+
+def bias_sq_norms(backprops: torch.Tensor) -> torch.Tensor:
+    """Exact squared norm of the per-sample bias gradient ``sum_t G_i[t]``."""
+    g = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1])
+    if g.dtype in _LOW_PRECISION:
+        g = g.float()
+    return g.sum(dim=1).pow(2).sum(dim=1)

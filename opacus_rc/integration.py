@@ -1,0 +1,223 @@
+"""The one place that extends Opacus's :class:`~opacus.PrivacyEngine`.
+
+Opacus has no plugin registry for clipping modes, so :func:`install` wraps three
+``PrivacyEngine`` entry points (idempotently, keeping the originals for every other
+mode):
+
+* ``make_private(..., clipping="randomized", estimator=..., sketch_size=...,
+  sketching=..., sketch_seed=...)`` validates the options and the accountant, then runs
+  Opacus's own ``make_private`` with the randomized grad-sample module and optimizer;
+* ``_prepare_model`` builds :class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping`
+  (or its hooks form for ``wrap_model=False``) while such a call is in progress;
+* ``make_private_with_epsilon(..., clipping="randomized")`` calibrates sigma with the
+  ``rc_prv`` accountant for the requested sketch.
+
+Every other clipping mode (flat, per_layer, adaptive) and grad-sample mode goes to
+Opacus unchanged.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import opacus.privacy_engine as _pe
+from opacus import PrivacyEngine
+from opacus.accountants import register_accountant
+from opacus.accountants.utils import get_noise_multiplier
+from opacus.grad_sample import AbstractGradSampleModule
+
+from .config import SketchConfig
+from .grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
+from .optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingOptimizer
+
+logger = logging.getLogger(__name__)
+
+RANDOMIZED = "randomized"
+RC_ACCOUNTANTS = ("rc_prv",)
+RC_GRAD_SAMPLE_MODES = ("ghost",)
+SKETCH_OPTIONS = ("estimator", "sketch_size", "sketching", "exact_when_cheaper")
+
+
+@dataclass(frozen=True)
+class _RandomizedRequest:
+    config: SketchConfig
+    sketch_seed: Optional[int]
+
+
+_active_request: contextvars.ContextVar[Optional[_RandomizedRequest]] = contextvars.ContextVar(
+    "opacus_rc_randomized_request", default=None
+)
+
+
+def sketch_config_from_kwargs(kwargs: Dict[str, Any]) -> SketchConfig:
+    """Build (and validate) a :class:`SketchConfig` from make_private keyword arguments."""
+    return SketchConfig(**{k: kwargs[k] for k in SKETCH_OPTIONS if k in kwargs})
+
+
+def _check_no_sketch_options(clipping: str, kwargs: Dict[str, Any]) -> None:
+    given = [k for k in (*SKETCH_OPTIONS, "sketch_seed") if k in kwargs]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} only apply with clipping='randomized'; got clipping={clipping!r}"
+        )
+
+
+def check_randomized_setup(engine: PrivacyEngine, grad_sample_mode: str) -> None:
+    """Refuse combinations that cannot be accounted or are not implemented."""
+    mechanism = engine.accountant.mechanism()
+    if mechanism not in RC_ACCOUNTANTS:
+        raise ValueError(
+            f"clipping='randomized' needs an accountant that accounts for the random "
+            f"sensitivity of estimated norms: use PrivacyEngine(accountant='rc_prv') "
+            f"(got accountant={mechanism!r}, which would report a too small epsilon)"
+        )
+    if grad_sample_mode not in RC_GRAD_SAMPLE_MODES:
+        raise ValueError(
+            f"clipping='randomized' does not support grad_sample_mode={grad_sample_mode!r}; "
+            f"accepted values: {', '.join(repr(m) for m in RC_GRAD_SAMPLE_MODES)}"
+        )
+
+
+def _make_private(original, self: PrivacyEngine, *, clipping: str = "flat", **kwargs):
+    if clipping != RANDOMIZED:
+        _check_no_sketch_options(clipping, kwargs)
+        return original(self, clipping=clipping, **kwargs)
+    check_randomized_setup(self, kwargs.get("grad_sample_mode", "hooks"))
+    config = sketch_config_from_kwargs(kwargs)
+    for key in SKETCH_OPTIONS:
+        kwargs.pop(key, None)
+    request = _RandomizedRequest(config=config, sketch_seed=kwargs.pop("sketch_seed", None))
+    token = _active_request.set(request)
+    try:
+        return original(self, clipping=RANDOMIZED, sketch_config=config, **kwargs)
+    finally:
+        _active_request.reset(token)
+
+
+def _prepare_model(original, self: PrivacyEngine, module, **kwargs):
+    request = _active_request.get()
+    if request is None:
+        return original(self, module, **kwargs)
+    self.validate(module=module, optimizer=None, data_loader=None)
+    wrap_model = kwargs.get("wrap_model", True)
+    if isinstance(module, AbstractGradSampleModule):
+        raise ValueError(
+            "clipping='randomized' needs a plain nn.Module; got an already wrapped "
+            f"{type(module).__name__}"
+        )
+    cls = GradSampleModuleRandomizedClipping if wrap_model else GradSampleHooksRandomizedClipping
+    return cls(
+        module,
+        batch_first=kwargs.get("batch_first", True),
+        loss_reduction=kwargs.get("loss_reduction", "mean"),
+        max_grad_norm=kwargs.get("max_grad_norm", 1.0),
+        sketch_config=request.config,
+        sketch_seed=request.sketch_seed,
+        secure_mode=self.secure_mode,
+    )
+
+
+def _get_optimizer_class(original, clipping: str, distributed: bool, grad_sample_mode=None):
+    if clipping == RANDOMIZED:
+        return DistributedRandomizedClippingOptimizer if distributed else RandomizedClippingOptimizer
+    return original(clipping=clipping, distributed=distributed, grad_sample_mode=grad_sample_mode)
+
+
+def _make_private_with_epsilon(
+    original,
+    self: PrivacyEngine,
+    *,
+    target_epsilon: float,
+    target_delta: float,
+    epochs: int,
+    data_loader,
+    clipping: str = "flat",
+    **kwargs,
+):
+    if clipping != RANDOMIZED:
+        _check_no_sketch_options(clipping, kwargs)
+        return original(
+            self,
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            epochs=epochs,
+            data_loader=data_loader,
+            clipping=clipping,
+            **kwargs,
+        )
+    check_randomized_setup(self, kwargs.get("grad_sample_mode", "hooks"))
+    config = sketch_config_from_kwargs(kwargs)
+    if len(self.accountant) > 0:
+        warnings.warn(
+            "You're calling make_private_with_epsilon with non-zero privacy budget "
+            "already spent. Returned noise_multiplier assumes zero starting point, "
+            "so your overall privacy budget will be higher."
+        )
+    noise_multiplier = get_noise_multiplier(
+        target_epsilon=target_epsilon,
+        target_delta=target_delta,
+        sample_rate=1 / len(data_loader),
+        epochs=epochs,
+        accountant=self.accountant.mechanism(),
+        estimator=config.estimator,
+        sketch_size=config.sketch_size,
+        sketching=config.sketching,
+    )
+    logger.info("rc_prv calibrated noise_multiplier=%.4f for %s", noise_multiplier, config)
+    return self.make_private(
+        data_loader=data_loader,
+        noise_multiplier=noise_multiplier,
+        clipping=RANDOMIZED,
+        **kwargs,
+    )
+
+
+def _wrap(owner: Any, name: str, replacement) -> None:
+    """Replace ``owner.name`` by ``replacement(original, *args, **kwargs)`` once."""
+    original = getattr(owner, name)
+    if hasattr(original, "_opacus_rc_original"):
+        return  # already installed
+
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        return replacement(original, *args, **kwargs)
+
+    wrapped._opacus_rc_original = original
+    setattr(owner, name, wrapped)
+
+
+def _register_accountant() -> None:
+    try:
+        from .accounting.accountant import RCPRVAccountant
+    except ImportError:  # pragma: no cover - accountant module not built yet
+        logger.warning("rc_prv accountant unavailable; clipping='randomized' cannot be accounted")
+        return
+    register_accountant("rc_prv", RCPRVAccountant, force=True)
+
+
+_PATCHES = (
+    (PrivacyEngine, "make_private", _make_private),
+    (PrivacyEngine, "make_private_with_epsilon", _make_private_with_epsilon),
+    (PrivacyEngine, "_prepare_model", _prepare_model),
+    (_pe, "get_optimizer_class", _get_optimizer_class),
+)
+
+
+def install() -> None:
+    """Register randomized clipping and the ``rc_prv`` accountant with Opacus (idempotent)."""
+    for owner, name, replacement in _PATCHES:
+        _wrap(owner, name, replacement)
+    _register_accountant()
+
+
+def uninstall() -> None:
+    """Restore Opacus's original entry points (the accountant stays registered)."""
+    for owner, name, _ in _PATCHES:
+        original = getattr(getattr(owner, name), "_opacus_rc_original", None)
+        if original is not None:
+            setattr(owner, name, original)

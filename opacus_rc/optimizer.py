@@ -1,0 +1,58 @@
+"""Optimizers for randomized clipping.
+
+They behave exactly like Opacus's fast-gradient-clipping optimizers (the gradients they
+see are already clipped by the second backward pass; they add N(0, sigma^2 C^2) noise
+and average) and additionally carry the :class:`~opacus_rc.config.SketchConfig`, which
+the ``rc_prv`` accountant reads in its step hook.
+"""
+
+from __future__ import annotations
+
+from opacus.optimizers import (
+    DistributedDPOptimizerFastGradientClipping,
+    DPOptimizerFastGradientClipping,
+)
+from torch.optim import Optimizer
+
+from .config import SketchConfig
+
+
+class RandomizedClippingMixin:
+    """Adds the sketch parameters an accountant needs to an Opacus optimizer:
+    ``sketch_config`` and its ``estimator``, ``sketch_size``, ``sketching``.
+
+    Args:
+        optimizer: wrapped optimizer.
+        sketch_config: how the per-sample norms were estimated (default: Hutchinson,
+            k = 32, one sketch shared by the batch).
+        **kwargs: Opacus's optimizer arguments (noise_multiplier, max_grad_norm,
+            expected_batch_size, loss_reduction, generator, secure_mode).
+    """
+
+    def __init__(
+        self, optimizer: Optimizer, *, sketch_config: SketchConfig = SketchConfig(), **kwargs
+    ) -> None:
+        super().__init__(optimizer, **kwargs)
+        self.sketch_config = sketch_config
+
+    @property
+    def estimator(self) -> str:
+        return self.sketch_config.estimator
+
+    @property
+    def sketch_size(self) -> int:
+        return self.sketch_config.sketch_size
+
+    @property
+    def sketching(self) -> str:
+        return self.sketch_config.sketching
+
+
+class RandomizedClippingOptimizer(RandomizedClippingMixin, DPOptimizerFastGradientClipping):
+    """:class:`~opacus.optimizers.DPOptimizerFastGradientClipping` for randomized clipping."""
+
+
+class DistributedRandomizedClippingOptimizer(
+    RandomizedClippingMixin, DistributedDPOptimizerFastGradientClipping
+):
+    """Distributed (DDP) form: noise is added on rank 0 only, gradients are all-reduced."""

@@ -1,0 +1,104 @@
+"""The sketch source: independent Gaussian sketches, never derived from data.
+
+A :class:`Sketcher` owns the random generators that draw every sketch of a run. Each
+call draws a fresh, independent sketch (one per layer and per step); the generators are
+seeded from a user seed (reproducible runs) or from the operating system's entropy, and
+in ``secure_mode`` every draw is re-seeded from ``os.urandom`` (a cryptographic source).
+The state round-trips through :meth:`state_dict` / :meth:`load_state_dict` so a resumed
+run draws the same sketches as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+import torch
+
+from .config import SketchConfig
+from .estimators import hutchinson_sq_norms, hutchpp_sq_norms, sketch_rows
+
+
+def _entropy_seed() -> int:
+    """A 63-bit seed from the operating system's cryptographic source."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+class Sketcher:
+    """Draws sketches and applies the configured estimator.
+
+    Args:
+        config: estimator, sketch size and sketching (shared or per example).
+        seed: seed of the sketch generator; ``None`` draws one from ``os.urandom``.
+        secure_mode: re-seed the generator from ``os.urandom`` before every draw, so
+            sketches cannot be predicted from earlier ones (``seed`` is then refused).
+    """
+
+    def __init__(
+        self,
+        config: SketchConfig,
+        *,
+        seed: Optional[int] = None,
+        secure_mode: bool = False,
+    ) -> None:
+        if secure_mode and seed is not None:
+            raise ValueError(
+                "sketch_seed must be None when secure_mode=True: secure sketches are "
+                "seeded from os.urandom"
+            )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"sketch_seed={seed!r} is invalid; accepted values: an int or None")
+        self.config = config
+        self.secure_mode = secure_mode
+        self.seed = _entropy_seed() if seed is None else seed
+        self._generators: Dict[str, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The generator for ``device`` (one per device, seeded from the run's seed)."""
+        key = str(torch.device(device))
+        gen = self._generators.get(key)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed + len(self._generators))
+            self._generators[key] = gen
+        if self.secure_mode:
+            gen.manual_seed(_entropy_seed())
+        return gen
+
+    def gaussian(
+        self, batch: int, rows: int, cols: int, device: torch.device
+    ) -> torch.Tensor:
+        """A (rows, cols) sketch, or (batch, rows, cols) for per-example sketching, with
+        i.i.d. N(0, 1/cols) entries (float32)."""
+        shape = (batch, rows, cols) if self.config.sketching == "per_example" else (rows, cols)
+        if torch.device(device).type == "meta":  # shape-only runs (memory/FLOP counting)
+            return torch.empty(shape, device=device, dtype=torch.float32)
+        sketch = torch.randn(
+            shape, generator=self.generator(device), device=device, dtype=torch.float32
+        )
+        return sketch.mul_(cols**-0.5)
+
+    def estimate(self, activations: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
+        """Estimated per-sample ``||A_i^T G_i||_F^2`` with freshly drawn sketches: (B,)."""
+        batch, device = activations.shape[0], backprops.device
+        rows = sketch_rows(activations.shape[-1], backprops.shape[-1], "auto")
+        k = self.config.sketch_size
+        tail = self.gaussian(batch, rows, k, device)
+        if self.config.estimator == "hutchinson":
+            return hutchinson_sq_norms(activations, backprops, tail)
+        head = self.gaussian(batch, rows, k, device)
+        return hutchpp_sq_norms(activations, backprops, head, tail)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "generators": {key: g.get_state() for key, g in self._generators.items()},
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.seed = state["seed"]
+        self._generators = {}
+        for key, gen_state in state["generators"].items():
+            gen = torch.Generator(device=key)
+            gen.set_state(gen_state)
+            self._generators[key] = gen

@@ -1,0 +1,45 @@
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import opacus_rc  # noqa: F401  (registers the plugin)
+
+warnings.filterwarnings("ignore", message="Secure RNG turned off")
+warnings.filterwarnings("ignore", message=".*full_backward_hook.*")
+
+
+class SequenceClassifier(nn.Module):
+    """Embedding -> Linear -> LayerNorm -> Linear, mean-pooled over the sequence."""
+
+    def __init__(self, vocab: int = 32, d: int = 16, hidden: int = 24, classes: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.fc1 = nn.Linear(d, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.fc2(self.norm(torch.tanh(self.fc1(self.emb(x))))).mean(dim=1)
+
+
+def token_task(n: int = 256, t: int = 24, vocab: int = 32, seed: int = 0):
+    """Label 1 iff token 0 occurs in the sequence (learnable by mean pooling)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(1, vocab, (n, t), generator=gen)
+    y = torch.randint(0, 2, (n,), generator=gen)
+    pos = torch.randint(0, t, (n, 3), generator=gen)
+    for i in range(n):
+        if y[i] == 1:
+            x[i, pos[i]] = 0
+    return torch.utils.data.TensorDataset(x, y)
+
+
+@pytest.fixture
+def model_factory():
+    def make(seed: int = 0, **kwargs):
+        torch.manual_seed(seed)
+        return SequenceClassifier(**kwargs)
+
+    return make
