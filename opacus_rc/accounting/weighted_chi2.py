@@ -38,6 +38,8 @@ from scipy import integrate
 
 logger = logging.getLogger(__name__)
 
+_MAX_BATCH = 1_000_000  # complex entries per (points x nodes x weights) temporary
+
 __all__ = [
     "sketch_weights",
     "imhof_cdf",
@@ -267,8 +269,11 @@ def contour_logcdf(x: np.ndarray, lam: np.ndarray, nu: np.ndarray, n_nodes: Opti
     logf = np.empty(xb.shape)
     rel = np.empty(xb.shape)
     for n in np.unique(nodes):
-        sel = nodes == n
-        logf[sel], rel[sel] = _contour_flat(xb[sel], lb[sel], nb[sel], c[sel], int(n))
+        sel = np.flatnonzero(nodes == n)
+        step = max(1, _MAX_BATCH // (int(n) * m))  # bound the (batch, nodes, m) temporaries
+        for i in range(0, sel.size, step):
+            p = sel[i:i + step]
+            logf[p], rel[p] = _contour_flat(xb[p], lb[p], nb[p], c[p], int(n))
     logf = np.minimum(logf, 0.0).reshape(shape)
     return (logf, rel.reshape(shape)) if return_error else logf
 
