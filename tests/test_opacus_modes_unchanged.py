@@ -1,0 +1,77 @@
+"""Importing opacus_rc must leave every Opacus mode exactly as it was."""
+
+import copy
+
+import pytest
+import torch
+from opacus import PrivacyEngine
+from torch import nn
+
+from opacus_rc import integration
+
+from .conftest import token_task
+
+MODES = [
+    ({"clipping": "flat", "grad_sample_mode": "hooks"}),
+    ({"clipping": "per_layer", "grad_sample_mode": "hooks"}),
+    ({"clipping": "flat", "grad_sample_mode": "functorch"}),
+    ({"clipping": "flat", "grad_sample_mode": "ghost"}),
+    (
+        {
+            "clipping": "adaptive",
+            "grad_sample_mode": "hooks",
+            "target_unclipped_quantile": 0.5,
+            "clipbound_learning_rate": 0.2,
+            "max_clipbound": 10.0,
+            "min_clipbound": 0.01,
+            "unclipped_num_std": 1.0,
+        }
+    ),
+]
+
+
+def run(model, options):
+    """Classes returned by make_private and the parameters after two noisy steps."""
+    engine = PrivacyEngine(accountant="prv")
+    data = token_task(n=32, t=12)
+    max_grad_norm = [0.5] * len(list(model.parameters())) if options["clipping"] == "per_layer" else 0.5
+    out = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=16),
+        noise_multiplier=1.0,
+        max_grad_norm=max_grad_norm,
+        poisson_sampling=False,
+        noise_generator=torch.Generator().manual_seed(0),
+        **options,
+    )
+    module, opt, dl = out[0], out[1], out[-1]
+    crit = out[2] if len(out) == 4 else nn.CrossEntropyLoss()
+    for x, y in dl:
+        crit(module(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return [type(o) for o in out], params, engine.get_epsilon(1e-5)
+
+
+@pytest.mark.parametrize("options", MODES, ids=lambda o: f"{o['clipping']}-{o['grad_sample_mode']}")
+def test_mode_behaves_as_without_opacus_rc(model_factory, options):
+    init = model_factory(seed=4)
+    with_rc = run(copy.deepcopy(init), dict(options))
+    integration.uninstall()
+    try:
+        without_rc = run(copy.deepcopy(init), dict(options))
+    finally:
+        integration.install()
+    assert with_rc[0] == without_rc[0]
+    for name in with_rc[1]:
+        torch.testing.assert_close(with_rc[1][name], without_rc[1][name], rtol=0, atol=0)
+    assert with_rc[2] == without_rc[2]
+
+
+def test_install_is_idempotent():
+    before = PrivacyEngine.make_private
+    integration.install()
+    assert PrivacyEngine.make_private is before

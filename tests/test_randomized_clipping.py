@@ -1,0 +1,319 @@
+"""End-to-end behaviour of clipping="randomized" through Opacus's PrivacyEngine."""
+
+import copy
+import math
+
+import pytest
+import torch
+from opacus import PrivacyEngine
+from opacus.grad_sample.linear import compute_linear_norm_sample
+from torch import nn
+
+import opacus_rc
+from opacus_rc import integration
+from opacus_rc.config import SketchConfig
+from opacus_rc.norm_samplers import linear_norm_sample
+from opacus_rc.profiling import peak_allocated_bytes
+from opacus_rc.sketch import Sketcher
+
+from .conftest import token_task
+
+
+def loader(dataset, batch_size):
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size)
+
+
+def one_step_update(model, data, *, accountant="rc_prv", lr=1.0, **make_private_kwargs):
+    """Parameters after one SGD(lr) step on the single batch ``data`` (noise 0)."""
+    engine = PrivacyEngine(accountant=accountant)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    out = engine.make_private(
+        module=model,
+        optimizer=opt,
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=loader(data, len(data)),
+        noise_multiplier=0.0,
+        max_grad_norm=0.05,
+        poisson_sampling=False,
+        **make_private_kwargs,
+    )
+    opt = out[1]
+    # wrap_model=False returns a hooks object: the caller keeps using its own model.
+    forward = out[0] if make_private_kwargs.get("wrap_model", True) else model
+    x, y = data.tensors
+    if len(out) == 4:
+        loss = out[2](forward(x), y)
+    else:
+        loss = nn.functional.cross_entropy(forward(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, out[0]
+
+
+def relative_error(a, b):
+    num = sum((a[n] - b[n]).pow(2).sum() for n in a)
+    den = sum(b[n].pow(2).sum() for n in b)
+    return math.sqrt(num / den)
+
+
+def test_large_k_matches_opacus_flat_clipping(model_factory):
+    """noise 0, k = 20,000, sketching forced (exact_when_cheaper=False).
+
+    Relative error of an estimated norm: sd <= sqrt(2/k)/2 = 0.5%; every example is
+    clipped (C = 0.05), so each clipped contribution is off by <= ~4 sd = 2% at worst
+    and the update (a sum of 16 of them plus exact parts) by less: tolerance 2%.
+    """
+    data = token_task(n=16, t=48)
+    init = model_factory(seed=1)
+    start = {n: p.detach().clone() for n, p in init.named_parameters()}
+    flat, _ = one_step_update(copy.deepcopy(init), data, accountant="prv")
+    rc, _ = one_step_update(
+        copy.deepcopy(init),
+        data,
+        grad_sample_mode="ghost",
+        clipping="randomized",
+        sketch_size=20_000,
+        exact_when_cheaper=False,
+        sketch_seed=0,
+    )
+    d_flat = {n: flat[n] - start[n] for n in start}
+    d_rc = {n: rc[n] - start[n] for n in start}
+    assert relative_error(d_rc, d_flat) < 0.02
+
+
+@pytest.mark.parametrize("wrap_model", [True, False])
+def test_exact_when_t_le_k_equals_opacus_ghost(model_factory, wrap_model):
+    """T = 24 <= k = 32: linear norms are exact, so the update equals ghost clipping's."""
+    data = token_task(n=16, t=24)
+    init = model_factory(seed=2)
+    ghost, _ = one_step_update(
+        copy.deepcopy(init), data, accountant="prv", grad_sample_mode="ghost", wrap_model=wrap_model
+    )
+    rc, _ = one_step_update(
+        copy.deepcopy(init),
+        data,
+        grad_sample_mode="ghost",
+        clipping="randomized",
+        wrap_model=wrap_model,
+    )
+    for n in ghost:
+        torch.testing.assert_close(rc[n], ghost[n], rtol=1e-5, atol=1e-7)
+
+
+def test_returns_ghost_four_tuple_and_carries_sketch_config(model_factory):
+    engine = PrivacyEngine(accountant="rc_prv")
+    model = model_factory()
+    out = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=loader(token_task(n=32), 8),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        grad_sample_mode="ghost",
+        clipping="randomized",
+        estimator="hutchpp",
+        sketch_size=16,
+    )
+    assert len(out) == 4
+    module, opt, crit, _ = out
+    assert isinstance(module, opacus_rc.GradSampleModuleRandomizedClipping)
+    assert isinstance(opt, opacus_rc.RandomizedClippingOptimizer)
+    assert (opt.estimator, opt.sketch_size, opt.sketching) == ("hutchpp", 16, "shared")
+    assert module.sketch_config == opt.sketch_config
+
+
+def estimated_norms(module, crit, x, y):
+    loss = crit(module(x), y)
+    loss.backward()
+    return module.per_sample_gradient_norms.clone()
+
+
+def test_sketches_are_seeded_fresh_and_independent_of_data(model_factory):
+    """Same seed -> same norms; a later step draws new sketches; the estimates of the
+    same batch vary across steps (fresh sketches), and differ between seeds."""
+    x, y = token_task(n=8, t=64)[:]
+
+    def build(seed):
+        engine = PrivacyEngine(accountant="rc_prv")
+        model = model_factory(seed=0)
+        module, opt, crit, _ = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            criterion=nn.CrossEntropyLoss(),
+            data_loader=loader(token_task(n=8, t=64), 8),
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+            grad_sample_mode="ghost",
+            clipping="randomized",
+            sketch_size=4,
+            sketch_seed=seed,
+        )
+        return module, opt, crit
+
+    m1, o1, c1 = build(123)
+    m2, o2, c2 = build(123)
+    m3, o3, c3 = build(456)
+    n1a = estimated_norms(m1, c1, x, y)
+    o1.zero_grad()
+    n1b = estimated_norms(m1, c1, x, y)
+    n2a = estimated_norms(m2, c2, x, y)
+    n3a = estimated_norms(m3, c3, x, y)
+    torch.testing.assert_close(n1a, n2a)
+    assert not torch.allclose(n1a, n1b)
+    assert not torch.allclose(n1a, n3a)
+
+
+def test_each_layer_gets_its_own_sketch():
+    """Two identical layers fed identical inputs get different sketches in one step."""
+    sketcher = Sketcher(SketchConfig(sketch_size=4), seed=0)
+    layer = nn.Linear(8, 8)
+    a, g = torch.randn(2, 40, 8), torch.randn(2, 40, 8)
+    first = linear_norm_sample(layer, [a], g, sketcher)[layer.weight]
+    second = linear_norm_sample(layer, [a], g, sketcher)[layer.weight]
+    assert not torch.allclose(first, second)
+
+
+def test_norm_sampler_memory_linear_in_t_while_ghost_is_quadratic():
+    """Peak bytes allocated by the nn.Linear norm computation, T = 512 ... 8192.
+
+    Counted operator by operator (a TorchDispatchMode byte counter), not wall time.
+    Ours holds G P (B T k) and a d x k product; Opacus ghost holds T x T matrices.
+    A log-log slope fit over T must be ~1 (ours) and ~2 (ghost).
+    """
+    layer = nn.Linear(64, 64)
+    sketcher = Sketcher(SketchConfig(sketch_size=32), seed=0)
+    ts = [512, 1024, 2048, 4096, 8192]
+    ours, ghost = [], []
+    for t in ts:
+        a, g = torch.randn(1, t, 64), torch.randn(1, t, 64)
+        ours.append(peak_allocated_bytes(lambda: linear_norm_sample(layer, [a], g, sketcher)))
+        ghost.append(peak_allocated_bytes(lambda: compute_linear_norm_sample(layer, [a], g)))
+
+    def slope(ys):
+        lx = torch.tensor(ts, dtype=torch.float64).log()
+        ly = torch.tensor(ys, dtype=torch.float64).log()
+        return (((lx - lx.mean()) * (ly - ly.mean())).sum() / ((lx - lx.mean()) ** 2).sum()).item()
+
+    assert 0.9 <= slope(ours) <= 1.1
+    assert 1.9 <= slope(ghost) <= 2.1
+    assert ours[-1] < ghost[-1] / 100
+
+
+def train(engine_kwargs, make_private_kwargs, model, epochs=8, seed=0):
+    torch.manual_seed(seed)
+    engine = PrivacyEngine(**engine_kwargs)
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    data = token_task(n=512, t=64, seed=seed)
+    module, opt, crit, dl = engine.make_private(
+        module=model,
+        optimizer=opt,
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=loader(data, 64),
+        noise_multiplier=0.7,
+        max_grad_norm=1.0,
+        **make_private_kwargs,
+    )
+    losses = []
+    for _ in range(epochs):
+        for x, y in dl:
+            if len(x) == 0:
+                continue
+            loss = crit(module(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses, engine
+
+
+@pytest.mark.parametrize("estimator", ["hutchinson", "hutchpp"])
+def test_unchanged_opacus_loop_learns_with_noise(model_factory, estimator):
+    """Only the flag differs from an Opacus ghost-clipping loop; T = 64 > k = 8 so
+    the linear norms are really estimated. Start loss ~ln 2 = 0.69; it must halve."""
+    losses, engine = train(
+        {"accountant": "rc_prv"},
+        {
+            "grad_sample_mode": "ghost",
+            "clipping": "randomized",
+            "estimator": estimator,
+            "sketch_size": 8,
+            "sketch_seed": 0,
+        },
+        model_factory(seed=3),
+    )
+    start = losses[0]  # first batch, before any update
+    end = sum(losses[-8:]) / 8
+    assert start > 0.6
+    assert end < 0.5 * start
+    assert 0 < engine.get_epsilon(1e-5) < float("inf")
+
+
+@pytest.mark.parametrize(
+    "kwargs, param, accepted",
+    [
+        ({"sketch_size": 0}, "sketch_size", "positive integer"),
+        ({"sketch_size": -3}, "sketch_size", "positive integer"),
+        ({"sketch_size": 2.5}, "sketch_size", "positive integer"),
+        ({"sketch_size": "32"}, "sketch_size", "positive integer"),
+        ({"sketch_size": True}, "sketch_size", "positive integer"),
+        ({"estimator": "hutch+++"}, "estimator", "'hutchinson', 'hutchpp'"),
+        ({"sketching": "per_batch"}, "sketching", "'shared', 'per_example'"),
+        ({"grad_sample_mode": "hooks"}, "grad_sample_mode", "'ghost'"),
+        ({"grad_sample_mode": "functorch"}, "grad_sample_mode", "'ghost'"),
+        ({"sketch_seed": "abc"}, "sketch_seed", "an int or None"),
+    ],
+)
+def test_bad_options_raise_clear_errors(model_factory, kwargs, param, accepted):
+    engine = PrivacyEngine(accountant="rc_prv")
+    model = model_factory()
+    options = {"grad_sample_mode": "ghost", "clipping": "randomized", **kwargs}
+    with pytest.raises(ValueError) as err:
+        engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.CrossEntropyLoss(),
+            data_loader=loader(token_task(n=16), 8),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            **options,
+        )
+    assert param in str(err.value) and accepted in str(err.value)
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp", "gdp"])
+def test_randomized_clipping_refuses_accountants_that_cannot_account_for_it(
+    model_factory, accountant
+):
+    engine = PrivacyEngine(accountant=accountant)
+    model = model_factory()
+    for call, extra in [
+        (engine.make_private, {"noise_multiplier": 1.0}),
+        (engine.make_private_with_epsilon, {"target_epsilon": 3.0, "target_delta": 1e-5, "epochs": 1}),
+    ]:
+        with pytest.raises(ValueError, match="accountant='rc_prv'"):
+            call(
+                module=model,
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                criterion=nn.CrossEntropyLoss(),
+                data_loader=loader(token_task(n=16), 8),
+                max_grad_norm=1.0,
+                grad_sample_mode="ghost",
+                clipping="randomized",
+                **extra,
+            )
+
+
+def test_sketch_options_without_randomized_clipping_are_refused(model_factory):
+    engine = PrivacyEngine()
+    model = model_factory()
+    with pytest.raises(ValueError, match="sketch_size only apply with clipping='randomized'"):
+        engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader(token_task(n=16), 8),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            sketch_size=8,
+        )
