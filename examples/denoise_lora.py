@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import pathlib
+import statistics
 import sys
 import time
 import warnings
@@ -142,6 +143,8 @@ class RunResult:
     accuracy: List[float] = field(default_factory=list)
     step_seconds: float = 0.0
     denoise_seconds: float = 0.0
+    median_step_seconds: float = 0.0
+    median_denoise_seconds: float = 0.0
     denoised_fraction: float = 0.0
 
 
@@ -177,7 +180,7 @@ def run_one(args, encoder, train, test, kappa: Optional[float], seed: int) -> Ru
         max_grad_norm=args.clip, grad_sample_mode="ghost", poisson_sampling=True)
     den = attach_spectral_denoiser(opt, linear_weights(model), kappa=kappa) if kappa else None
     res = RunResult(kappa=kappa, seed=seed, epsilon=0.0, noise_multiplier=opt.noise_multiplier)
-    step, t_steps = 0, 0.0
+    step, t_steps, durations = 0, 0.0, []
     for _ in range(args.epochs):
         for h, m, y in loader:
             if len(y) == 0:
@@ -187,7 +190,8 @@ def run_one(args, encoder, train, test, kappa: Optional[float], seed: int) -> Ru
             loss = crit(model(h, m), y)
             loss.backward()
             opt.step()
-            t_steps += time.perf_counter() - t0
+            durations.append(time.perf_counter() - t0)
+            t_steps += durations[-1]
             step += 1
             if step % args.eval_every == 0:
                 res.steps.append(step)
@@ -198,8 +202,10 @@ def run_one(args, encoder, train, test, kappa: Optional[float], seed: int) -> Ru
         res.accuracy.append(accuracy(model, *test))
     res.epsilon = engine.get_epsilon(args.delta)
     res.step_seconds = t_steps / max(step, 1)
+    res.median_step_seconds = statistics.median(durations)
     if den is not None:
         res.denoise_seconds = den.stats.seconds / max(den.stats.steps, 1)
+        res.median_denoise_seconds = statistics.median(den.stats.durations)
         res.denoised_fraction = den.stats.matrices_denoised / max(den.stats.matrices_seen, 1)
     return res
 
@@ -226,13 +232,15 @@ def summarize(results: List[RunResult]) -> List[Dict]:
             best_acc=max(r.accuracy), steps_to_baseline_final=reach, baseline_steps=b.steps[-1] if b else None,
             step_saving=(1 - reach / b.steps[-1]) if (b and reach) else None,
             overhead=(r.denoise_seconds / r.step_seconds) if r.kappa else 0.0,
+            median_overhead=(r.median_denoise_seconds / r.median_step_seconds) if r.kappa else 0.0,
             denoised_fraction=r.denoised_fraction, step_seconds=r.step_seconds))
     return rows
 
 
 def print_table(rows: List[Dict]) -> None:
     hdr = ("kappa", "seed", "epsilon", "final_acc", "best_acc", "steps_to_baseline_final",
-           "baseline_steps", "step_saving", "overhead", "denoised_fraction", "step_seconds")
+           "baseline_steps", "step_saving", "overhead", "median_overhead", "denoised_fraction",
+           "step_seconds")
     print(" | ".join(hdr))
     for r in rows:
         cells = []

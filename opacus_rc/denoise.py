@@ -255,6 +255,7 @@ class DenoiseStats:
     seconds: float = 0.0
     last_noise_std: Optional[float] = None
     history: List[float] = field(default_factory=list)  # fraction denoised per step
+    durations: List[float] = field(default_factory=list)  # seconds spent per step
 
 
 class SpectralDenoiser:
@@ -323,7 +324,9 @@ class SpectralDenoiser:
             return
         start = time.perf_counter()
         seen, done = denoise_gradients_(self.params, tau, self.kappa, self.svd)
-        self.stats.seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.stats.seconds += elapsed
+        self.stats.durations.append(elapsed)
         self.stats.steps += 1
         self.stats.matrices_seen += seen
         self.stats.matrices_denoised += done

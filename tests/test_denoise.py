@@ -510,3 +510,49 @@ def test_dp_lora_trains_and_epsilon_unchanged(mode):
         assert last < first - 0.05
     den = results[True][3]
     assert den.stats.steps == 16 and den.stats.matrices_seen == 16 * 5
+
+
+def test_randomized_clipping_optimizer_direct():
+    """opacus_rc's RandomizedClippingOptimizer (a fast-gradient-clipping optimizer): the denoiser
+    derives tau from its attributes and the released noise has that std."""
+    from opacus_rc.optimizer import RandomizedClippingOptimizer
+
+    torch.manual_seed(6)
+    w = nn.Parameter(torch.zeros(64, 128))
+    opt = RandomizedClippingOptimizer(torch.optim.SGD([w], lr=1.0), noise_multiplier=1.3,
+                                      max_grad_norm=0.5, expected_batch_size=32)
+    released = _capture_released(opt)
+    den = attach_spectral_denoiser(opt, [w])
+    w.grad = torch.zeros_like(w)  # the (clipped, summed) gradient of the second backward
+    opt.step()
+    tau = 1.3 * 0.5 / 32
+    assert den.stats.last_noise_std == pytest.approx(tau, rel=1e-12)
+    assert float(released[id(w)].std()) == pytest.approx(tau, rel=0.05)  # 8192 entries: sd 0.8%
+    assert den.stats.matrices_denoised == 0
+
+
+def _integration_has_denoise():
+    import inspect
+
+    import opacus_rc.integration as integration
+
+    return "denoise" in inspect.getsource(integration)
+
+
+@pytest.mark.skipif(not _integration_has_denoise(), reason="make_private(denoise=...) not wired yet")
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_make_private_denoise_option(mode):
+    from opacus import PrivacyEngine
+
+    model = _lora_model()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    loader = torch.utils.data.DataLoader(_data(), batch_size=BATCH)
+    kwargs = dict(module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.8,
+                  max_grad_norm=1.0, grad_sample_mode=mode, denoise="spectral", denoise_kappa=1.3)
+    if mode == "ghost":
+        kwargs["criterion"] = nn.CrossEntropyLoss()
+    out = PrivacyEngine(accountant="rdp").make_private(**kwargs)
+    model, opt = out[0], out[1]
+    den = get_spectral_denoiser(opt)
+    assert den is not None and den.kappa == 1.3
+    assert {id(p) for p in den.params} == {id(p) for p in _weights(model)}
