@@ -83,5 +83,7 @@ def embedding_norm_sample(
     backprops: torch.Tensor,
     sketcher: Sketcher,
 ) -> Dict[nn.Parameter, torch.Tensor]:
-    """Exact norms for ``nn.Embedding`` (Opacus's ghost norm sampler)."""
-    return compute_embedding_norm_sample(layer, activations, backprops)
+    """Exact norms for ``nn.Embedding`` (Opacus's ghost norm sampler; token ids made
+    contiguous first, since Opacus views them, which fails on sliced inputs)."""
+    ids = [activations[0].contiguous(), *activations[1:]]
+    return compute_embedding_norm_sample(layer, ids, backprops)

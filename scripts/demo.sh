@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Main demo: short DP training of a causal decoder (T=1024) with randomized clipping.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+exec .venv/bin/python examples/demo.py "$@"
