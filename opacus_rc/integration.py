@@ -12,6 +12,10 @@ mode):
 * ``make_private_with_epsilon(..., clipping="randomized")`` calibrates sigma with the
   ``rc_prv`` accountant for the requested sketch.
 
+``make_private(..., denoise="spectral", denoise_kappa=..., denoise_svd=...)`` (any clipping
+mode) attaches :func:`opacus_rc.denoise.attach_spectral_denoiser` to the optimizer for the
+model's linear weights.
+
 Every other clipping mode (flat, per_layer, adaptive) and grad-sample mode goes to
 Opacus unchanged.
 """
@@ -23,13 +27,14 @@ import functools
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import opacus.privacy_engine as _pe
 from opacus import PrivacyEngine
 from opacus.accountants import register_accountant
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.grad_sample import AbstractGradSampleModule
+from torch import nn
 
 from .config import SketchConfig
 from .grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
@@ -41,6 +46,7 @@ RANDOMIZED = "randomized"
 RC_ACCOUNTANTS = ("rc_prv",)
 RC_GRAD_SAMPLE_MODES = ("ghost",)
 SKETCH_OPTIONS = ("estimator", "sketch_size", "sketching", "exact_when_cheaper")
+DENOISERS = ("spectral",)
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,53 @@ def check_randomized_setup(engine: PrivacyEngine, grad_sample_mode: str) -> None
         )
 
 
+def denoised_weights(module: nn.Module) -> List[nn.Parameter]:
+    """The 2-D weights spectral denoising acts on: trainable ``nn.Linear`` weights
+    (LoRA A/B factors included) and Hugging Face ``Conv1D`` weights."""
+    return [
+        m.weight
+        for m in module.modules()
+        if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
+        and m.weight.requires_grad
+        and m.weight.dim() == 2
+    ]
+
+
+def _pop_denoise_options(kwargs: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    denoise = kwargs.pop("denoise", None)
+    options = {k: kwargs.pop(f"denoise_{k}") for k in ("kappa", "svd") if f"denoise_{k}" in kwargs}
+    if denoise is None:
+        if options:
+            raise ValueError(
+                f"{', '.join('denoise_' + k for k in options)} need denoise='spectral'"
+            )
+        return None
+    if denoise not in DENOISERS:
+        raise ValueError(
+            f"denoise={denoise!r} is not supported; accepted values: None, "
+            f"{', '.join(repr(d) for d in DENOISERS)}"
+        )
+    return options
+
+
+def _with_denoising(entry_point):
+    """Handle ``denoise=`` options around a make_private entry point (any clipping)."""
+
+    @functools.wraps(entry_point)
+    def run(original, self: PrivacyEngine, **kwargs):
+        denoise_options = _pop_denoise_options(kwargs)
+        out = entry_point(original, self, **kwargs)
+        if denoise_options is not None:
+            from .denoise import attach_spectral_denoiser
+
+            weights = denoised_weights(kwargs["module"])
+            attach_spectral_denoiser(out[1], weights, **denoise_options)
+        return out
+
+    return run
+
+
+@_with_denoising
 def _make_private(original, self: PrivacyEngine, *, clipping: str = "flat", **kwargs):
     if clipping != RANDOMIZED:
         _check_no_sketch_options(clipping, kwargs)
@@ -128,6 +181,7 @@ def _get_optimizer_class(original, clipping: str, distributed: bool, grad_sample
     return original(clipping=clipping, distributed=distributed, grad_sample_mode=grad_sample_mode)
 
 
+@_with_denoising
 def _make_private_with_epsilon(
     original,
     self: PrivacyEngine,
