@@ -22,6 +22,13 @@ Two independent numerical inversions are provided:
   vectorised over ``x`` and over a batch of weight vectors; its error is estimated from
   the half-step rule (free: every other node).
 
+Numerical error (measured, see ``tests/test_envelope.py`` and
+``docs/envelope_verification.md``): the contour method agrees with ``scipy.stats.chi2``
+to 6e-14 in ``log F`` for k <= 64 and x in [1e-4, 3] (tails down to ~1e-160), with the
+closed-form hypoexponential CDF (k = 2, distinct weights) to 1e-12 relative, and with
+Imhof to ~1e-14 absolute; its half-step error estimate is conservative (typically
+1e-15..1e-11). Imhof's quadrature error estimates are ~1e-12 absolute.
+
 The randomized-clipping multiplier ``W = sum_j w_j X_j / k`` with ``X_j ~ chi2_k`` is
 ``Q`` with ``lam_j = w_j / k`` and ``nu_j = k`` (:func:`sketch_weights` builds these,
 merging equal weights into one chi-square with summed degrees of freedom).
