@@ -1,0 +1,283 @@
+"""``rc_prv``: an Opacus accountant for DP-SGD with randomized clipping.
+
+History entries are ``(noise_multiplier, sample_rate, steps, sketch)`` with ``sketch`` None
+for deterministic clipping or a plain dict (``estimator``, ``sketch_size``, ``sketching``,
+``accounting_sketch_count``). Opacus's ``get_noise_multiplier`` writes 3-tuples
+``(sigma, q, steps)``; ``get_epsilon`` reads those with its sketch keyword arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from opacus.accountants.accountant import IAccountant
+
+from ..config import ESTIMATORS, SKETCHINGS, SketchConfig
+from .prv import (
+    DEFAULT_BIN_RATIO,
+    DETERMINISTIC,
+    SensitivityMixture,
+    StepPRV,
+    compose_epsilon,
+    envelope_mixture,
+)
+
+logger = logging.getLogger(__name__)
+
+MECHANISM = "rc_prv"
+#: Fraction of delta spent on the Z mass beyond the cut-off (treated as infinite loss).
+TAIL_DELTA_FRACTION = 1e-3
+MAX_SIGMA = 1e6
+
+Sketch = Optional[Dict[str, Any]]
+
+
+def sketch_record(
+    sketch_config: Optional[SketchConfig] = None,
+    *,
+    estimator: Optional[str] = None,
+    sketch_size: Optional[int] = None,
+    sketching: str = "shared",
+) -> Sketch:
+    """Plain-dict record of the sketch of a step (None: deterministic clipping)."""
+    if sketch_config is None:
+        if estimator is None and sketch_size is None:
+            return None
+        sketch_config = SketchConfig(
+            estimator=estimator or "hutchinson",
+            sketch_size=32 if sketch_size is None else sketch_size,
+            sketching=sketching,
+        )
+    if not isinstance(sketch_config, SketchConfig):
+        raise ValueError(
+            f"sketch_config={sketch_config!r} must be an opacus_rc.SketchConfig or None"
+        )
+    return {
+        "estimator": sketch_config.estimator,
+        "sketch_size": int(sketch_config.sketch_size),
+        "sketching": sketch_config.sketching,
+        "accounting_sketch_count": int(sketch_config.accounting_sketch_count),
+    }
+
+
+def _normalise_sketch(sketch: Any) -> Sketch:
+    if sketch is None:
+        return None
+    if isinstance(sketch, SketchConfig):
+        return sketch_record(sketch)
+    if isinstance(sketch, dict):
+        est = sketch.get("estimator", "hutchinson")
+        kind = sketch.get("sketching", "shared")
+        if est not in ESTIMATORS or kind not in SKETCHINGS:
+            raise ValueError(
+                f"sketch record {sketch!r}: estimator must be one of {ESTIMATORS}, "
+                f"sketching one of {SKETCHINGS}"
+            )
+        count = int(sketch.get("accounting_sketch_count", sketch.get("sketch_size")))
+        if count <= 0:
+            raise ValueError(f"sketch record {sketch!r}: sketch_size must be positive")
+        return {
+            "estimator": est,
+            "sketch_size": int(sketch.get("sketch_size", count)),
+            "sketching": kind,
+            "accounting_sketch_count": count,
+        }
+    raise ValueError(f"sketch={sketch!r} must be None, a dict or a SketchConfig")
+
+
+def _mixture(sketch: Sketch, tail_mass: float, bin_ratio: float) -> SensitivityMixture:
+    """Z bins of a step: the envelope with the accounted sketch count; hidden Z only for
+    independent per-example sketches (never for a shared sketch)."""
+    if sketch is None:
+        return DETERMINISTIC
+    return envelope_mixture(
+        int(sketch["accounting_sketch_count"]),
+        float(tail_mass),
+        hidden=sketch["sketching"] == "per_example",
+        bin_ratio=bin_ratio,
+    )
+
+
+def _sketch_key(sketch: Sketch) -> Tuple:
+    return () if sketch is None else tuple(sorted(sketch.items()))
+
+
+class RCPRVAccountant(IAccountant):
+    """PRV accountant for steps with deterministic or randomized clipping.
+
+    eps(delta) of the composition of Poisson-subsampled Gaussian mixtures over the
+    sensitivity bins of each step (``opacus_rc.accounting.prv``); deterministic steps are
+    ordinary subsampled Gaussians.
+    """
+
+    #: relative width of the Z bins (smaller: tighter and slower)
+    bin_ratio: float = DEFAULT_BIN_RATIO
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cache: Dict[Tuple, float] = {}
+
+    # ---- IAccountant -----------------------------------------------------------------
+    def step(
+        self,
+        *,
+        noise_multiplier: float,
+        sample_rate: float,
+        sketch_config: Optional[SketchConfig] = None,
+    ) -> None:
+        """Record one step; consecutive identical steps are merged."""
+        sketch = sketch_record(sketch_config) if sketch_config is not None else None
+        if self.history:
+            last = self._entry(self.history[-1])
+            if (last[0], last[1], _sketch_key(last[3])) == (
+                noise_multiplier,
+                sample_rate,
+                _sketch_key(sketch),
+            ):
+                self.history[-1] = (last[0], last[1], last[2] + 1, last[3])
+                return
+        self.history.append((noise_multiplier, sample_rate, 1, sketch))
+
+    def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
+        """Hook for the DP optimizer: like Opacus's, plus ``optim.sketch_config``."""
+
+        def hook_fn(optim: Any) -> None:
+            self.step(
+                noise_multiplier=optim.noise_multiplier,
+                sample_rate=sample_rate * optim.accumulated_iterations,
+                sketch_config=getattr(optim, "sketch_config", None),
+            )
+
+        return hook_fn
+
+    def get_epsilon(
+        self,
+        delta: float,
+        *,
+        estimator: Optional[str] = None,
+        sketch_size: Optional[int] = None,
+        sketching: str = "shared",
+        eps_error: float = 0.01,
+        delta_error: Optional[float] = None,
+        **kwargs: Any,
+    ) -> float:
+        """Epsilon spent so far at ``delta`` (an upper bound, with error ``eps_error``).
+
+        3-tuple history entries ``(sigma, q, steps)`` are randomized-clipping steps with
+        the given ``estimator``/``sketch_size``/``sketching`` when one of the first two is
+        given, else deterministic; 4-tuples carry their own sketch record.
+        """
+        if not 0.0 < delta < 1.0:
+            raise ValueError(f"delta={delta} must lie in (0, 1)")
+        if sketching not in SKETCHINGS:
+            raise ValueError(f"sketching={sketching!r}; accepted values: {SKETCHINGS}")
+        default = sketch_record(estimator=estimator, sketch_size=sketch_size, sketching=sketching)
+        groups = self._groups(default)
+        if not groups:
+            return 0.0
+        if delta_error is None:
+            delta_error = delta / 1000.0
+        key = (delta, eps_error, delta_error, self.bin_ratio, tuple(groups))
+        if key in self._cache:
+            return self._cache[key]
+        # the Z mass beyond the cut-off costs at most TAIL_DELTA_FRACTION * delta overall
+        exposure = sum(q * n for (_, q, _), n in groups)
+        tail = min(0.5, TAIL_DELTA_FRACTION * delta / max(exposure, 1e-300))
+        steps, counts = [], []
+        for (sigma, q, skey), n in groups:
+            sketch = dict(skey) if skey else None
+            steps.append(StepPRV(sigma, q, _mixture(sketch, tail, self.bin_ratio)))
+            counts.append(n)
+        eps = compose_epsilon(steps, counts, delta, eps_error=eps_error, delta_error=delta_error)
+        if len(self._cache) > 64:
+            self._cache.clear()
+        self._cache[key] = eps
+        return eps
+
+    def __len__(self) -> int:
+        return len(self.history)
+
+    @classmethod
+    def mechanism(cls) -> str:
+        return MECHANISM
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        super().load_state_dict(state_dict)
+        self.history = [self._entry(e) for e in self.history]
+        self._cache = {}
+
+    # ---- helpers -----------------------------------------------------------------------
+    @staticmethod
+    def _entry(entry: Sequence[Any], default: Sketch = None) -> Tuple:
+        if len(entry) == 3:
+            sigma, q, n = entry
+            sketch = default
+        elif len(entry) == 4:
+            sigma, q, n, sketch = entry
+        else:
+            raise ValueError(
+                f"history entry {entry!r} must be (noise_multiplier, sample_rate, steps"
+                "[, sketch])"
+            )
+        return (float(sigma), float(q), int(n), _normalise_sketch(sketch))
+
+    def _groups(self, default: Sketch) -> List[Tuple[Tuple[float, float, Tuple], int]]:
+        """History merged into ``((sigma, q, sketch key), steps)`` groups."""
+        merged: Dict[Tuple[float, float, Tuple], int] = {}
+        for raw in self.history:
+            sigma, q, n, sketch = self._entry(raw, default)
+            if n <= 0:
+                continue
+            k = (sigma, q, _sketch_key(sketch))
+            merged[k] = merged.get(k, 0) + n
+        return sorted(merged.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2])))
+
+
+def get_noise_multiplier_rc(
+    target_epsilon: float,
+    target_delta: float,
+    sample_rate: float,
+    epochs: Optional[float] = None,
+    steps: Optional[int] = None,
+    sketch_config: Optional[SketchConfig] = None,
+    epsilon_tolerance: float = 0.01,
+    eps_error: float = 0.01,
+) -> float:
+    """Smallest noise multiplier (to the tolerance) with ``eps_rc <= target_epsilon``.
+
+    Bisection on sigma (eps is decreasing in sigma) until the epsilon of the upper end is
+    within ``epsilon_tolerance`` of the target; the upper end is returned, so the result
+    always meets the target. ``sketch_config=None`` calibrates deterministic clipping.
+    """
+    if (steps is None) == (epochs is None):
+        raise ValueError("give exactly one of steps= or epochs=")
+    if not target_epsilon > 0:
+        raise ValueError(f"target_epsilon={target_epsilon} must be > 0")
+    if not 0.0 < sample_rate <= 1.0:
+        raise ValueError(f"sample_rate={sample_rate} must lie in (0, 1]")
+    if steps is None:
+        steps = int(epochs / sample_rate)
+    acc = RCPRVAccountant()
+    acc.history = [(0.0, sample_rate, int(steps), sketch_record(sketch_config))]
+
+    def eps_at(sigma: float) -> float:
+        acc.history = [(sigma, sample_rate, int(steps), acc.history[0][3])]
+        return acc.get_epsilon(target_delta, eps_error=eps_error)
+
+    lo, hi = 0.0, 1.0
+    eps_hi = eps_at(hi)
+    while eps_hi > target_epsilon:
+        lo, hi = hi, 2.0 * hi
+        if hi > MAX_SIGMA:
+            raise ValueError("The privacy budget is too low.")
+        eps_hi = eps_at(hi)
+    while target_epsilon - eps_hi > epsilon_tolerance and hi - lo > 1e-6 * hi:
+        mid = 0.5 * (lo + hi)
+        e = eps_at(mid)
+        if e <= target_epsilon:
+            hi, eps_hi = mid, e
+        else:
+            lo = mid
+    return hi
