@@ -1,0 +1,76 @@
+"""Benchmark of the rc_prv accountant against Opacus's ``prv`` on the same input.
+
+``python -m opacus_rc.bench.accounting`` prints the time of get_epsilon for 10,000 steps
+and of a full calibration (eps=2, delta=1e-5, q=0.01, 300 steps), deterministic and
+randomized clipping (k=32, shared and per-example sketches), and the ratios to ``prv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable, Tuple
+
+from opacus.accountants import PRVAccountant
+from opacus.accountants.utils import get_noise_multiplier
+
+from ..accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
+from ..config import SketchConfig
+
+
+def _timed(fn: Callable[[], float]) -> Tuple[float, float]:
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--q", type=float, default=0.01)
+    parser.add_argument("--k", type=int, default=32)
+    args = parser.parse_args()
+
+    def prv_eps() -> float:
+        acc = PRVAccountant()
+        acc.history = [(args.sigma, args.q, args.steps)]
+        return acc.get_epsilon(1e-5)
+
+    def rc_eps(sketch) -> Callable[[], float]:
+        def run() -> float:
+            acc = RCPRVAccountant()
+            acc.history = [(args.sigma, args.q, args.steps, sketch)]
+            return acc.get_epsilon(1e-5)
+
+        return run
+
+    ref, t_ref = _timed(prv_eps)
+    print(f"get_epsilon {args.steps} steps: prv eps={ref:.4f} {t_ref:.2f}s")
+    for name, sketch in (
+        ("deterministic", None),
+        ("shared k", {"sketch_size": args.k, "sketching": "shared"}),
+        ("per_example k", {"sketch_size": args.k, "sketching": "per_example"}),
+    ):
+        eps, t = _timed(rc_eps(sketch))
+        print(f"  rc_prv {name:14s} eps={eps:.4f} {t:.2f}s  ratio {t / t_ref:.1f}x")
+
+    sig, t_ref = _timed(
+        lambda: get_noise_multiplier(
+            target_epsilon=2.0, target_delta=1e-5, sample_rate=0.01, steps=300, accountant="prv"
+        )
+    )
+    print(f"calibration eps=2 q=0.01 300 steps: prv sigma={sig:.4f} {t_ref:.2f}s")
+    for name, cfg in (
+        ("deterministic", None),
+        ("shared k", SketchConfig(sketch_size=args.k)),
+        ("per_example k", SketchConfig(sketch_size=args.k, sketching="per_example")),
+    ):
+        sig, t = _timed(
+            lambda: get_noise_multiplier_rc(2.0, 1e-5, 0.01, steps=300, sketch_config=cfg)
+        )
+        print(f"  rc_prv {name:14s} sigma={sig:.4f} {t:.2f}s  ratio {t / t_ref:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
