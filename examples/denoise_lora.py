@@ -323,14 +323,17 @@ def main(argv=None) -> List[Dict]:
     enc, train, test = prepare(args)
     majority = max(float(test[2].float().mean()), 1 - float(test[2].float().mean()))
     logger.info("task %s: %d train, %d test, majority %.3f", args.task, len(train[2]), len(test[2]), majority)
-    results = [run_one(args, enc, train, test, k, s) for s in args.seed_list for k in args.kappa_list]
-    rows = summarize(results)
+    results: List[RunResult] = []
+    for s in args.seed_list:
+        for k in args.kappa_list:
+            results.append(run_one(args, enc, train, test, k, s))
+            rows = summarize(results)
+            if args.out:  # rewritten after every run, so a long sweep can be read while it runs
+                with open(args.out, "w") as f:
+                    json.dump(dict(args=vars(args), majority=majority, rows=rows,
+                                   runs=[asdict(r) for r in results]), f, indent=1)
     print(f"task={args.task} epsilon={args.epsilon} delta={args.delta} majority={majority:.4f}")
     print_table(rows)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(args={k: v for k, v in vars(args).items()}, majority=majority, rows=rows,
-                           runs=[asdict(r) for r in results]), f, indent=1)
     return rows
 
 
