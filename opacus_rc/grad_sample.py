@@ -14,16 +14,19 @@ in ``secure_mode``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
+import torch
 from opacus.grad_sample import (
+    GradSampleHooks,
     GradSampleHooksFastGradientClipping,
     GradSampleModuleFastGradientClipping,
 )
+from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 
 from .config import SketchConfig
-from .norm_samplers import RANDOMIZED_NORM_SAMPLERS
+from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, register_model_layers
 from .sketch import Sketcher
 
 
@@ -35,11 +38,71 @@ class SketchingMixin:
     ) -> None:
         self.sketch_config = sketch_config
         self.sketcher = Sketcher(sketch_config, seed=sketch_seed, secure_mode=secure_mode)
+        register_model_layers(self._module)
         # Instance-level table: Opacus's hooks look up ``self.NORM_SAMPLERS``.
         self.NORM_SAMPLERS = {
             cls: functools.partial(fn, sketcher=self.sketcher)
             for cls, fn in RANDOMIZED_NORM_SAMPLERS.items()
         }
+
+    def capture_activations_hook(
+        self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
+    ) -> None:
+        """Opacus's activation capture, without ghost mode's refusal of tied parameters:
+        a parameter used several times is handled by :meth:`_capture_tied_backprops`."""
+        GradSampleHooks.capture_activations_hook(self, module, forward_input, _forward_output)
+
+    def capture_backprops_hook(
+        self,
+        module: nn.Module,
+        _forward_input: torch.Tensor,
+        forward_output: torch.Tensor,
+        loss_reduction: str,
+        batch_first: bool,
+    ) -> None:
+        if self.hooks_enabled and self._is_tied_use(module):
+            self._capture_tied_backprops(module, forward_output, loss_reduction, batch_first)
+            return
+        super().capture_backprops_hook(
+            module, _forward_input, forward_output, loss_reduction, batch_first
+        )
+
+    def _is_tied_use(self, module: nn.Module) -> bool:
+        """True if one of the module's trainable parameters is used more than once in
+        this forward pass (tied weights) or has a pending sum from an earlier use."""
+        return any(
+            p._forward_counter > 1 or getattr(p, "_tied_sketch_sum", None) is not None
+            for _, p in trainable_parameters(module)
+        )
+
+    def _capture_tied_backprops(
+        self, module: nn.Module, forward_output: Any, loss_reduction: str, batch_first: bool
+    ) -> None:
+        """Add this use's sketched per-sample gradient to each parameter's running sum;
+        at its last use, the norm of the sum is the parameter's per-sample norm."""
+        projection = TIED_PROJECTIONS.get(type(module))
+        if projection is None:
+            raise NotImplementedError(
+                f"parameter tying through {type(module).__name__} is not supported with "
+                f"clipping='randomized'; supported layers: "
+                f"{', '.join(c.__name__ for c in TIED_PROJECTIONS)}"
+            )
+        activations, backprops = self.rearrange_grad_samples(
+            module=module,
+            backprops=forward_output[0].detach(),
+            loss_reduction=loss_reduction,
+            batch_first=batch_first,
+        )
+        for param, contribution in projection(module, activations, backprops, self.sketcher).items():
+            total = getattr(param, "_tied_sketch_sum", None)
+            param._tied_sketch_sum = contribution if total is None else total + contribution
+            param._forward_counter -= 1
+            if param._forward_counter == 0:
+                flat = param._tied_sketch_sum.reshape(contribution.shape[0], -1)
+                param._norm_sample = flat.norm(2, dim=1)
+                param._tied_sketch_sum = None
+        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
+            del module.max_batch_len
 
     def sketch_state_dict(self) -> Dict[str, Any]:
         """State of the sketch generator(s), for checkpoints."""

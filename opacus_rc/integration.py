@@ -1,6 +1,6 @@
 """The one place that extends Opacus's :class:`~opacus.PrivacyEngine`.
 
-Opacus has no plugin registry for clipping modes, so :func:`install` wraps three
+Opacus has no plugin registry for clipping modes, so :func:`install` wraps four
 ``PrivacyEngine`` entry points (idempotently, keeping the originals for every other
 mode):
 
@@ -8,7 +8,9 @@ mode):
   sketching=..., sketch_seed=...)`` validates the options and the accountant, then runs
   Opacus's own ``make_private`` with the randomized grad-sample module and optimizer;
 * ``_prepare_model`` builds :class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping`
-  (or its hooks form for ``wrap_model=False``) while such a call is in progress;
+  (or its hooks form for ``wrap_model=False``) while such a call is in progress, and
+  ``_prepare_criterion`` the accumulating :class:`~opacus_rc.loss.DPLossRandomizedClipping`
+  linked to the optimizer;
 * ``make_private_with_epsilon(..., clipping="randomized")`` calibrates sigma with the
   ``rc_prv`` accountant for the requested sketch.
 
@@ -37,6 +39,7 @@ from opacus.grad_sample import AbstractGradSampleModule
 from torch import nn
 
 from .config import SketchConfig
+from .loss import DPLossRandomizedClipping
 from .grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
 from .optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingOptimizer
 
@@ -175,6 +178,16 @@ def _prepare_model(original, self: PrivacyEngine, module, **kwargs):
     )
 
 
+def _prepare_criterion(original, self: PrivacyEngine, *, module, optimizer, criterion, loss_reduction="mean", **kwargs):
+    if _active_request.get() is None:
+        return original(
+            self, module=module, optimizer=optimizer, criterion=criterion,
+            loss_reduction=loss_reduction, **kwargs,
+        )
+    optimizer.attach_sketcher(module.sketcher)
+    return DPLossRandomizedClipping(module, optimizer, criterion, loss_reduction)
+
+
 def _get_optimizer_class(original, clipping: str, distributed: bool, grad_sample_mode=None):
     if clipping == RANDOMIZED:
         return DistributedRandomizedClippingOptimizer if distributed else RandomizedClippingOptimizer
@@ -258,6 +271,7 @@ _PATCHES = (
     (PrivacyEngine, "make_private", _make_private),
     (PrivacyEngine, "make_private_with_epsilon", _make_private_with_epsilon),
     (PrivacyEngine, "_prepare_model", _prepare_model),
+    (PrivacyEngine, "_prepare_criterion", _prepare_criterion),
     (_pe, "get_optimizer_class", _get_optimizer_class),
 )
 

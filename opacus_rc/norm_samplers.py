@@ -21,7 +21,7 @@ import torch
 from opacus.grad_sample.embedding_norm_sample import compute_embedding_norm_sample
 from torch import nn
 
-from .estimators import bias_sq_norms, ghost_sq_norms
+from .estimators import as_sequences, bias_sq_norms, ghost_sq_norms
 from .sketch import Sketcher
 
 NormSampler = Callable[
@@ -50,13 +50,13 @@ def sequence_length(activations: torch.Tensor) -> int:
 
 
 def weight_sq_norms(
-    activations: torch.Tensor, backprops: torch.Tensor, sketcher: Sketcher
+    activations: torch.Tensor, backprops: torch.Tensor, sketcher: Sketcher, key=None
 ) -> torch.Tensor:
     """Per-sample ``||A_i^T G_i||_F^2``: sketched, or exact when T <= k (cheaper)."""
     config = sketcher.config
     if config.exact_when_cheaper and sequence_length(activations) <= config.sketch_size:
         return ghost_sq_norms(activations, backprops)
-    return sketcher.estimate(activations, backprops)
+    return sketcher.estimate(activations, backprops, key=key)
 
 
 @register_randomized_norm_sampler(nn.Linear)
@@ -70,7 +70,7 @@ def linear_norm_sample(
     a = activations[0]
     norms = {}
     if layer.weight.requires_grad:
-        norms[layer.weight] = weight_sq_norms(a, backprops, sketcher).sqrt()
+        norms[layer.weight] = weight_sq_norms(a, backprops, sketcher, key=layer.weight).sqrt()
     if layer.bias is not None and layer.bias.requires_grad:
         norms[layer.bias] = bias_sq_norms(backprops).sqrt()
     return norms
@@ -87,3 +87,105 @@ def embedding_norm_sample(
     contiguous first, since Opacus views them, which fails on sliced inputs)."""
     ids = [activations[0].contiguous(), *activations[1:]]
     return compute_embedding_norm_sample(layer, ids, backprops)
+
+
+# --- Parameters used more than once in a forward pass (tied weights) -----------------
+#
+# The per-sample gradient of a tied parameter is the sum of its uses' gradients. A
+# sketch is linear, so every use contributes ``P^T grad_use`` with the SAME row sketch
+# P (rows x k, N(0, 1/k)) and the norm is taken of the sum: an unbiased Hutchinson
+# estimate of the tied gradient's squared norm, with the usual chi-square structure.
+# A projection function returns, for each of the layer's trainable parameters, the
+# per-sample (B, columns, k) sketched gradient (or, for 1-D biases, the exact (B, p)
+# per-sample gradient, which is cheap).
+
+Projection = Callable[[nn.Module, List[torch.Tensor], torch.Tensor, Sketcher], Dict[nn.Parameter, torch.Tensor]]
+TIED_PROJECTIONS: Dict[Type[nn.Module], Projection] = {}
+
+
+def register_tied_projection(target: Union[Type[nn.Module], Sequence[Type[nn.Module]]]):
+    """Decorator registering the sketched-gradient projection of a layer type."""
+    targets = target if isinstance(target, Sequence) else [target]
+
+    def decorator(fn: Projection) -> Projection:
+        for cls in targets:
+            TIED_PROJECTIONS[cls] = fn
+        return fn
+
+    return decorator
+
+
+def _row_sketch(param: nn.Parameter, batch: int, sketcher: Sketcher, device) -> torch.Tensor:
+    """The step's sketch of ``param``'s rows, shared by all its uses."""
+    return sketcher.gaussian(batch, param.shape[0], sketcher.config.sketch_size, device, key=param)
+
+
+def _bias_sum(backprops: torch.Tensor) -> torch.Tensor:
+    g = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1])
+    return g.float().sum(dim=1) if g.dtype in (torch.float16, torch.bfloat16) else g.sum(dim=1)
+
+
+@register_tied_projection(nn.Linear)
+def linear_projection(layer, activations, backprops, sketcher):
+    """Weight (p x d), grad ``G^T A``: ``P^T G^T A`` as (B, d, k) = ``A^T (G P)``."""
+    a, g = as_sequences(activations[0], backprops)
+    out = {}
+    if layer.weight.requires_grad:
+        sketch = _row_sketch(layer.weight, a.shape[0], sketcher, g.device)
+        out[layer.weight] = torch.matmul(a.transpose(1, 2), torch.matmul(g, sketch.to(g.dtype)))
+    if layer.bias is not None and layer.bias.requires_grad:
+        out[layer.bias] = _bias_sum(backprops)
+    return out
+
+
+@register_tied_projection(nn.Embedding)
+def embedding_projection(layer, activations, backprops, sketcher):
+    """Weight (V x d), grad ``onehot(ids)^T G``: ``P^T`` of it as (B, d, k) = ``G^T P[ids]``."""
+    ids = activations[0].reshape(activations[0].shape[0], -1)
+    g = backprops.reshape(ids.shape[0], ids.shape[1], -1)
+    if g.dtype in (torch.float16, torch.bfloat16):
+        g = g.float()
+    sketch = _row_sketch(layer.weight, ids.shape[0], sketcher, g.device).to(g.dtype)
+    rows = sketch[ids] if sketch.dim() == 2 else torch.gather(
+        sketch, 1, ids[..., None].expand(-1, -1, sketch.shape[-1])
+    )
+    if layer.padding_idx is not None:  # the padding row never receives gradient
+        rows = rows * (ids != layer.padding_idx)[..., None].to(rows.dtype)
+    return {layer.weight: torch.matmul(g.transpose(1, 2), rows)}
+
+
+# --- Hugging Face transformers' Conv1D (GPT-2): a linear layer with a (d_in, d_out) weight
+
+
+def conv1d_norm_sample(layer, activations, backprops, sketcher):
+    """Norms for ``transformers.pytorch_utils.Conv1D``: y = x W + b with W (d, p), so the
+    per-sample weight gradient is ``A^T G`` (d x p), the linear layer's up to transposition."""
+    a = activations[0]
+    norms = {}
+    if layer.weight.requires_grad:
+        norms[layer.weight] = weight_sq_norms(a, backprops, sketcher, key=layer.weight).sqrt()
+    if layer.bias is not None and layer.bias.requires_grad:
+        norms[layer.bias] = bias_sq_norms(backprops).sqrt()
+    return norms
+
+
+def conv1d_projection(layer, activations, backprops, sketcher):
+    """Weight (d x p), grad ``A^T G``: ``P^T A^T G`` as (B, p, k) = ``G^T (A P)``."""
+    a, g = as_sequences(activations[0], backprops)
+    out = {}
+    if layer.weight.requires_grad:
+        sketch = _row_sketch(layer.weight, a.shape[0], sketcher, a.device)
+        out[layer.weight] = torch.matmul(g.transpose(1, 2), torch.matmul(a, sketch.to(a.dtype)))
+    if layer.bias is not None and layer.bias.requires_grad:
+        out[layer.bias] = _bias_sum(backprops)
+    return out
+
+
+def register_model_layers(model: nn.Module) -> None:
+    """Register norm samplers for third-party layer types found in ``model`` (without
+    importing their libraries): Hugging Face ``Conv1D``."""
+    for module in model.modules():
+        cls = type(module)
+        if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers"):
+            RANDOMIZED_NORM_SAMPLERS.setdefault(cls, conv1d_norm_sample)
+            TIED_PROJECTIONS.setdefault(cls, conv1d_projection)

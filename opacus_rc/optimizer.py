@@ -8,6 +8,8 @@ the ``rc_prv`` accountant reads in its step hook.
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 from opacus.optimizers import (
     DistributedDPOptimizerFastGradientClipping,
     DPOptimizerFastGradientClipping,
@@ -15,6 +17,7 @@ from opacus.optimizers import (
 from torch.optim import Optimizer
 
 from .config import SketchConfig
+from .sketch import Sketcher
 
 
 class RandomizedClippingMixin:
@@ -34,6 +37,30 @@ class RandomizedClippingMixin:
     ) -> None:
         super().__init__(optimizer, **kwargs)
         self.sketch_config = sketch_config
+        self.sketcher: Optional[Sketcher] = None
+        self.backward_passes = 0  # micro-batches accumulated since the last step() call
+
+    def attach_sketcher(self, sketcher: Sketcher) -> None:
+        """Link the grad-sample module's sketcher: every real step starts new sketches."""
+        self.sketcher = sketcher
+
+    @property
+    def accumulated_iterations(self) -> int:
+        """Micro-batches (backward passes) accumulated into this step (at least 1).
+
+        Averaging divides by ``expected_batch_size * accumulated_iterations`` and the
+        accountant charges ``sample_rate * accumulated_iterations``, as Opacus's
+        DPOptimizer does for accumulated per-sample gradients. Virtual steps through
+        BatchMemoryManager call ``step()`` after every physical batch and so count 1.
+        """
+        return max(1, self.backward_passes)
+
+    def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
+        taken = super().pre_step(closure)
+        self.backward_passes = 0
+        if taken and self.sketcher is not None:
+            self.sketcher.new_step()
+        return taken
 
     @property
     def estimator(self) -> str:

@@ -52,6 +52,7 @@ class Sketcher:
         self.secure_mode = secure_mode
         self.seed = _entropy_seed() if seed is None else seed
         self._generators: Dict[str, torch.Generator] = {}
+        self._step_sketches: Dict[Any, torch.Tensor] = {}
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The generator for ``device`` (one per device, seeded from the run's seed)."""
@@ -65,11 +66,42 @@ class Sketcher:
             gen.manual_seed(_entropy_seed())
         return gen
 
+    def new_step(self) -> None:
+        """Forget the step's sketches: called by the optimizer after every real step, so
+        no sketch is ever reused across steps."""
+        self._step_sketches.clear()
+
+    def begin_pass(self) -> None:
+        """Start of a first backward pass. Shared sketches live for the whole step (all
+        micro-batches of a logical batch share them, as one batch would); per-example
+        sketches belong to the examples of one pass and are dropped here."""
+        if self.config.sketching == "per_example":
+            self._step_sketches.clear()
+
     def gaussian(
-        self, batch: int, rows: int, cols: int, device: torch.device
+        self,
+        batch: int,
+        rows: int,
+        cols: int,
+        device: torch.device,
+        key: Optional[Any] = None,
     ) -> torch.Tensor:
         """A (rows, cols) sketch, or (batch, rows, cols) for per-example sketching, with
-        i.i.d. N(0, 1/cols) entries (float32)."""
+        i.i.d. N(0, 1/cols) entries (float32).
+
+        With a ``key`` (a layer or parameter) the sketch is drawn once per step (per pass
+        for per-example sketching) and returned again for the same key: the uses of a
+        tied parameter and the micro-batches of one step share it.
+        """
+        if key is None:
+            return self._draw(batch, rows, cols, device)
+        cache_key = (key, rows, cols)
+        sketch = self._step_sketches.get(cache_key)
+        if sketch is None or (sketch.dim() == 3 and sketch.shape[0] != batch):
+            sketch = self._step_sketches[cache_key] = self._draw(batch, rows, cols, device)
+        return sketch
+
+    def _draw(self, batch: int, rows: int, cols: int, device: torch.device) -> torch.Tensor:
         shape = (batch, rows, cols) if self.config.sketching == "per_example" else (rows, cols)
         if torch.device(device).type == "meta":  # shape-only runs (memory/FLOP counting)
             return torch.empty(shape, device=device, dtype=torch.float32)
@@ -78,15 +110,18 @@ class Sketcher:
         )
         return sketch.mul_(cols**-0.5)
 
-    def estimate(self, activations: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
-        """Estimated per-sample ``||A_i^T G_i||_F^2`` with freshly drawn sketches: (B,)."""
+    def estimate(
+        self, activations: torch.Tensor, backprops: torch.Tensor, key: Optional[Any] = None
+    ) -> torch.Tensor:
+        """Estimated per-sample ``||A_i^T G_i||_F^2``: (B,). ``key`` (the layer) makes the
+        micro-batches of one step share the layer's sketch (see :meth:`gaussian`)."""
         batch, device = activations.shape[0], backprops.device
         rows = sketch_rows(activations.shape[-1], backprops.shape[-1], "auto")
         k = self.config.sketch_size
-        tail = self.gaussian(batch, rows, k, device)
+        tail = self.gaussian(batch, rows, k, device, key=(key, "tail") if key is not None else None)
         if self.config.estimator == "hutchinson":
             return hutchinson_sq_norms(activations, backprops, tail)
-        head = self.gaussian(batch, rows, k, device)
+        head = self.gaussian(batch, rows, k, device, key=(key, "head") if key is not None else None)
         return hutchpp_sq_norms(activations, backprops, head, tail)
 
     def state_dict(self) -> Dict[str, Any]:

@@ -156,6 +156,7 @@ def test_sketches_are_seeded_fresh_and_independent_of_data(model_factory):
     m2, o2, c2 = build(123)
     m3, o3, c3 = build(456)
     n1a = estimated_norms(m1, c1, x, y)
+    o1.step()  # lr 0: a new step, new sketches
     o1.zero_grad()
     n1b = estimated_norms(m1, c1, x, y)
     n2a = estimated_norms(m2, c2, x, y)
@@ -165,14 +166,20 @@ def test_sketches_are_seeded_fresh_and_independent_of_data(model_factory):
     assert not torch.allclose(n1a, n3a)
 
 
-def test_each_layer_gets_its_own_sketch():
-    """Two identical layers fed identical inputs get different sketches in one step."""
+def test_each_layer_and_step_gets_its_own_sketch():
+    """Two layers fed identical inputs get different sketches in one step; within a step
+    a layer keeps its sketch (micro-batches share it); a new step draws a new one."""
     sketcher = Sketcher(SketchConfig(sketch_size=4), seed=0)
-    layer = nn.Linear(8, 8)
+    layer, twin = nn.Linear(8, 8), nn.Linear(8, 8)
     a, g = torch.randn(2, 40, 8), torch.randn(2, 40, 8)
     first = linear_norm_sample(layer, [a], g, sketcher)[layer.weight]
-    second = linear_norm_sample(layer, [a], g, sketcher)[layer.weight]
-    assert not torch.allclose(first, second)
+    other_layer = linear_norm_sample(twin, [a], g, sketcher)[twin.weight]
+    same_step = linear_norm_sample(layer, [a], g, sketcher)[layer.weight]
+    sketcher.new_step()
+    next_step = linear_norm_sample(layer, [a], g, sketcher)[layer.weight]
+    assert not torch.allclose(first, other_layer)
+    torch.testing.assert_close(first, same_step)
+    assert not torch.allclose(first, next_step)
 
 
 def test_norm_sampler_memory_linear_in_t_while_ghost_is_quadratic():
