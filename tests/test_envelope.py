@@ -280,3 +280,14 @@ def test_real_estimator_ratios_never_exceed_envelope_quantiles(estimator):
         assert exact == pytest.approx(float((sv**2).sum()), rel=1e-12)
         # Hutch++: only the residual's k vectors are random, so the tail-k envelope applies
         _assert_below_envelope(est.numpy() / exact, k, f"{estimator} sv={sv}")
+
+
+def test_reference_logcdf_survives_underflow():
+    x = np.array([1e-4, 1e-2, 0.3, 1.0])
+    for k in (8, 64):  # scipy is finite here: the two must agree
+        np.testing.assert_allclose(ve.reference_logcdf(x, k), stats.chi2.logcdf(k * x, k), rtol=1e-12)
+    k = 1024  # scipy underflows at small x; the series must match the contour inversion
+    ref = ve.reference_logcdf(x, k)
+    assert np.all(np.isfinite(ref)) and ref[0] < -4000
+    got = contour_logcdf(x, np.array([1.0 / k]), np.array([float(k)]))
+    np.testing.assert_allclose(got, ref, rtol=1e-12)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
-from scipy import stats
+from scipy import special, stats
 
 from .envelope import chernoff_lower_tail
 from .weighted_chi2 import contour_logcdf, imhof_cdf, sketch_weights
@@ -40,6 +40,29 @@ K_EXTRA: Tuple[int, ...] = tuple(k for k in range(1, 129) if k not in K_MAIN) + 
 # inversion (cancellation ~1e-15 * condition number, measured < 1e-13).
 REL_TOL = 1e-10
 _CHUNK = 200_000  # (w, x, component) entries per contour call
+
+
+def reference_logcdf(x: np.ndarray, k: int) -> np.ndarray:
+    """``log P(chi2_k / k < x)`` without underflow.
+
+    ``scipy.stats.chi2.logcdf`` is ``log(cdf)`` and returns ``-inf`` below ~1e-308 (k >= 192
+    at x = 1e-4); there the series ``P = z^a e^{-z} / Gamma(a+1) * sum_n z^n / ((a+1)..(a+n))``
+    (``a = k/2``, ``z = k x / 2 < a``, terms decrease geometrically) is summed in logs.
+    """
+    x = np.asarray(x, dtype=float)
+    out = stats.chi2.logcdf(k * x, k)
+    bad = ~np.isfinite(out) | (out < -600)
+    if np.any(bad):
+        a, z = 0.5 * k, 0.5 * k * x[bad]
+        term = np.ones_like(z)
+        total = np.ones_like(z)
+        for n in range(1, 100_000):
+            term = term * z / (a + n)
+            total += term
+            if np.all(term < 1e-17 * total):
+                break
+        out[bad] = a * np.log(z) - z - special.gammaln(a + 1) + np.log(total)
+    return out
 
 
 def x_grid(quick: bool = False) -> np.ndarray:
@@ -187,7 +210,7 @@ def _near_vertex(w: np.ndarray, tol: float = 1e-6) -> bool:
 
 def summarize(k: int, vecs, x: np.ndarray, logp: np.ndarray, err: np.ndarray) -> KResult:
     """Differences to the reference, violations and the closest approach."""
-    logref = stats.chi2.logcdf(k * x, k)
+    logref = reference_logcdf(x, k)
     lr = logp - logref[None, :]
     diff = np.exp(logp) - np.exp(logref)[None, :]
     viol = lr > REL_TOL + err
@@ -204,7 +227,7 @@ def summarize(k: int, vecs, x: np.ndarray, logp: np.ndarray, err: np.ndarray) ->
     res.family_max = {f: float(lr[fams == f].max()) for f in dict.fromkeys(fams)}
     for a, b in zip(*np.nonzero(viol)):
         if len(res.violations) < 20:
-            res.violations.append((vecs[a][0], tuple(np.round(vecs[a][1][:4], 6)), float(x[b]),
+            res.violations.append((vecs[a][0], tuple(float(v) for v in np.round(vecs[a][1][:4], 9)), float(x[b]),
                                    float(lr[a, b])))
     return res
 
@@ -242,7 +265,9 @@ def chernoff_gap(k: int, x: np.ndarray) -> Tuple[float, float, Dict[float, float
     ``x in {0.1, 0.5, 0.9}``."""
     ref = stats.chi2.cdf(k * x, k)
     ch = chernoff_lower_tail(x, k)
-    logratio = np.log(ch) - stats.chi2.logcdf(k * x, k)
+    with np.errstate(divide="ignore"):
+        logratio = np.log(ch) - reference_logcdf(x, k)
+    logratio = logratio[np.isfinite(logratio)]  # the bound itself may underflow
     at = {xx: float(chernoff_lower_tail(np.array([xx]), k)[0] / stats.chi2.cdf(k * xx, k))
           for xx in (0.1, 0.5, 0.9)}
     return float(np.exp(logratio.min())), float((ch - ref).max()), at
@@ -272,7 +297,7 @@ def run_search(ks: Iterable[int], quick: bool = False, extra: bool = False, seed
             res.imhof_pairs = imhof_pairs
         if mc_draws:
             # closest approach away from the vertex (at the vertex both sides are equal)
-            lr = logp - stats.chi2.logcdf(k * x, k)[None, :]
+            lr = logp - reference_logcdf(x, k)[None, :]
             cand = [i for i, (_, w) in enumerate(vecs) if not _near_vertex(w, 1e-3)]
             i = cand[int(np.argmax(lr[cand].max(1)))]
             res.mc_max_z = mc_check(k, vecs[i][1], x, logp[i], rng, mc_draws)
