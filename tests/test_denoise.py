@@ -556,3 +556,29 @@ def test_make_private_denoise_option(mode):
     den = get_spectral_denoiser(opt)
     assert den is not None and den.kappa == 1.3
     assert {id(p) for p in den.params} == {id(p) for p in _weights(model)}
+
+
+def test_make_private_randomized_clipping_with_denoise():
+    """clipping="randomized" + denoise="spectral" through make_private on a peft LoRA model."""
+    from opacus import PrivacyEngine
+
+    try:
+        engine = PrivacyEngine(accountant="rc_prv")
+    except (ValueError, KeyError) as exc:  # accountant not built in this checkout
+        pytest.skip(f"rc_prv accountant unavailable: {exc}")
+    torch.manual_seed(7)
+    model = _lora_model()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    loader = torch.utils.data.DataLoader(_data(), batch_size=BATCH)
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.8, max_grad_norm=1.0,
+        criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost", clipping="randomized",
+        denoise="spectral", denoise_kappa=1.2)
+    den = get_spectral_denoiser(opt)
+    assert den is not None and den.kappa == 1.2
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    _backward(model, crit, x, y)
+    opt.step()
+    assert den.stats.steps == 1
+    assert den.stats.last_noise_std == pytest.approx(0.8 * 1.0 / opt.expected_batch_size, rel=1e-12)
