@@ -1,0 +1,36 @@
+"""Empirical privacy audit of randomized clipping (``python -m opacus_rc.audit``).
+
+Runs the plugin's real DP step many times on neighbouring batches (without / with a
+canary whose rank-1 gradient maximises the estimator's error), tests the released
+gradient with a threshold on its projection onto the canary's gradient, and turns the
+error rates into a Clopper-Pearson lower bound on epsilon, to be compared with the
+``rc_prv`` accountant's epsilon for the same step. Broken variants (an estimator biased
+low, a data-dependent sketch) show that the audit can fail. See ``docs/audit.md``.
+"""
+
+from .experiment import AuditConfig, AuditResult, InnerProductLoss, accounted_epsilon, run_audit
+from .stats import ThresholdAudit, clopper_pearson_upper, epsilon_from_rates, threshold_audit
+from .variants import (
+    VARIANTS,
+    BiasedLowSketcher,
+    DataDependentSketcher,
+    broken_sketcher,
+    install_sketcher,
+)
+
+__all__ = [
+    "AuditConfig",
+    "AuditResult",
+    "InnerProductLoss",
+    "ThresholdAudit",
+    "VARIANTS",
+    "BiasedLowSketcher",
+    "DataDependentSketcher",
+    "accounted_epsilon",
+    "broken_sketcher",
+    "clopper_pearson_upper",
+    "epsilon_from_rates",
+    "install_sketcher",
+    "run_audit",
+    "threshold_audit",
+]

@@ -1,0 +1,341 @@
+"""The audited experiment: the plugin's real randomized-clipping step, run many times.
+
+Model: one ``nn.Linear(d, p, bias=False)`` on sequences ``(B, T, d)``, loss
+``l_i = sum_t <y_it, W x_it>`` (per-sample gradient ``M_i = sum_t y_it x_it^T``, p x d),
+summed over the batch. It goes through ``PrivacyEngine(accountant="rc_prv").make_private(
+..., grad_sample_mode="ghost", clipping="randomized")`` once; every step is then forward,
+criterion, ``loss.backward()`` (the two passes: estimated norms, clipped gradients) and
+``optimizer.step()`` (Gaussian noise, std ``sigma C``), and the audit reads the released
+noisy gradient ``W.grad`` (an SGD with ``lr = 0`` makes ``step()`` a no-op on ``W``).
+
+Canaries: replica ``r`` (``r < R``) has ``x_t = s e_{d-1}``, ``y_t = s e_r`` for all ``t``,
+a rank-1 gradient ``T s^2 e_r e_{d-1}^T`` of norm ``canary_norm * C`` (>> C, so it is
+clipped and the estimator's error matters: ``n_hat / n = chi2_k / k`` exactly for
+Hutchinson). The sketch sits on the output side (p >= d), where the canaries occupy
+distinct coordinates; so their estimates use distinct rows of the sketch, independent,
+and the noise on their gradient entries is independent too. The base data set ``D`` is a
+few background examples with random gradients in the other output coordinates. Each step
+includes a random half of the canaries; the score of replica ``r`` is
+``W.grad[r, d-1] / (sigma C)``: ``N(0, 1)`` without its canary, ``N(Z_r / sigma, 1)`` with
+it (``Z_r = sqrt(n / n_hat)``, at most ``canary_norm``). One step thus yields R independent
+trials of the pair (D, D + canary).
+
+Hutch++ finds a rank-1 gradient exactly (its head basis spans it): honest Hutch++ then
+has ``Z = 1``. With ``d = k + 2`` and the canary on input coordinate ``d - 1 >= k``, a
+head sketch orthogonal to the canary (the data-dependent variant) gives ``M S = 0``,
+whose QR basis (LAPACK: the first k unit vectors) misses the canary: ``n_hat = 0``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import ESTIMATORS, SKETCHINGS
+from .stats import ThresholdAudit, threshold_audit
+from .variants import VARIANTS, broken_sketcher, install_sketcher
+
+logger = logging.getLogger(__name__)
+
+
+class InnerProductLoss(nn.Module):
+    """``l_i = sum_{t,j} output_itj * target_itj``: the output gradient is the target.
+
+    Args:
+        reduction: ``"sum"``, ``"mean"`` or ``"none"`` (per-sample losses).
+    """
+
+    def __init__(self, reduction: str = "sum") -> None:
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        per_sample = (output * target).flatten(1).sum(dim=1)
+        if self.reduction == "none":
+            return per_sample
+        if self.reduction == "sum":
+            return per_sample.sum()
+        if self.reduction == "mean":
+            return per_sample.mean()
+        raise ValueError(f"reduction={self.reduction!r}; accepted values: 'none', 'sum', 'mean'")
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """One audited configuration.
+
+    Args:
+        estimator: ``"hutchinson"`` or ``"hutchpp"``.
+        sketch_size: k.
+        sigma: noise multiplier.
+        variant: ``"honest"``, ``"biased_low"`` or ``"data_dependent_sketch"``.
+        sketching: ``"shared"`` or ``"per_example"``.
+        steps: DP steps run; trials = steps * replicas (half with the canary).
+        replicas: canaries per step, R (independent trials per step).
+        delta: the delta of both the lower bound and the accounted epsilon.
+        alpha: the lower bound holds with probability >= 1 - alpha.
+        seed: seeds the sketches, the noise and the inclusion design.
+        canary_norm: the canary's gradient norm in units of C.
+        background: examples of the base data set D.
+        max_grad_norm: C.
+    """
+
+    estimator: str = "hutchinson"
+    sketch_size: int = 32
+    sigma: float = 1.0
+    variant: str = "honest"
+    sketching: str = "shared"
+    steps: int = 100
+    replicas: int = 256
+    delta: float = 1e-2
+    alpha: float = 0.05
+    seed: int = 0
+    canary_norm: float = 100.0
+    background: int = 4
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, value, accepted in (
+            ("estimator", self.estimator, ESTIMATORS),
+            ("variant", self.variant, VARIANTS),
+            ("sketching", self.sketching, SKETCHINGS),
+        ):
+            if value not in accepted:
+                raise ValueError(
+                    f"{name}={value!r} is not supported; accepted values: "
+                    f"{', '.join(repr(a) for a in accepted)}"
+                )
+        for name in ("sketch_size", "steps", "replicas", "background"):
+            value = getattr(self, name)
+            minimum = 2 if name in ("steps", "replicas") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name}={value!r} is invalid; accepted values: an int >= {minimum}")
+        for name in ("sigma", "canary_norm", "max_grad_norm"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r} is invalid; accepted values: a float > 0")
+        if not 0.0 < self.delta < 1.0:
+            raise ValueError(f"delta={self.delta!r} is invalid; accepted values: a float in (0, 1)")
+        if not 0.0 < self.alpha < 1.0:
+            raise ValueError(f"alpha={self.alpha!r} is invalid; accepted values: a float in (0, 1)")
+
+    @property
+    def shapes(self) -> Tuple[int, int, int]:
+        """``(d, p, T)``: ``d = k + 2`` (the canary's input coordinate ``d - 1`` is
+        outside the first k), ``p = R + background`` (at least d: the sketch is on the
+        output side), ``T = k + 8`` (longer than k: the layer is really sketched)."""
+        d = self.sketch_size + 2
+        return d, max(self.replicas + self.background, d), self.sketch_size + 8
+
+
+@dataclass
+class AuditResult:
+    """Audit of one configuration: the contract fields, then details."""
+
+    estimator: str
+    sketch_size: int
+    sigma: float
+    variant: str
+    eps_lower: float
+    eps_accounted: float
+    sketching: str = "shared"
+    delta: float = 1e-2
+    alpha: float = 0.05
+    trials: int = 0
+    test: Optional[ThresholdAudit] = None
+    mean_score_in: float = float("nan")
+    seconds: float = 0.0
+
+    CONTRACT_KEYS = ("estimator", "sketch_size", "sigma", "variant", "eps_lower", "eps_accounted")
+
+    def contract(self) -> Dict[str, object]:
+        """The fields of the command's JSON output, in order."""
+        return {k: getattr(self, k) for k in self.CONTRACT_KEYS}
+
+    def to_dict(self) -> Dict[str, object]:
+        out = asdict(self)
+        out.pop("test")
+        if self.test is not None:
+            out.update(asdict(self.test))
+        return out
+
+
+def _freeze(entry: Tuple) -> Tuple:
+    return tuple(tuple(sorted(e.items())) if isinstance(e, dict) else e for e in entry)
+
+
+@lru_cache(maxsize=64)
+def _cached_epsilon(history: Tuple, delta: float) -> float:
+    from ..accounting.accountant import RCPRVAccountant
+
+    accountant = RCPRVAccountant()
+    accountant.history = [
+        tuple(dict(e) if isinstance(e, tuple) else e for e in entry) for entry in history
+    ]
+    return float(accountant.get_epsilon(delta))
+
+
+def accounted_epsilon(accountant, delta: float) -> float:
+    """``accountant.get_epsilon(delta)`` for the accountant's current history, computed
+    by a fresh ``RCPRVAccountant`` (cached by history: the honest and broken variants of
+    a configuration share it)."""
+    return _cached_epsilon(tuple(_freeze(e) for e in accountant.history), float(delta))
+
+
+@dataclass
+class _Experiment:
+    """The private model, optimizer, criterion and data of one audited configuration."""
+
+    engine: object
+    model: nn.Module
+    weight: nn.Parameter
+    optimizer: object
+    criterion: object
+    background: Tuple[torch.Tensor, torch.Tensor]
+    canaries: Tuple[torch.Tensor, torch.Tensor]
+
+
+def _data(config: AuditConfig, gen: torch.Generator):
+    """Background examples (random gradients on output coordinates >= R, input
+    coordinates < d - 1, norms ~ C) and the R canaries (see the module docstring)."""
+    d, p, t = config.shapes
+    r, nb, c = config.replicas, config.background, config.max_grad_norm
+    xb = torch.zeros(nb, t, d)
+    xb[:, :, : d - 1] = torch.randn(nb, t, d - 1, generator=gen)
+    yb = torch.zeros(nb, t, p)
+    yb[:, :, r:] = torch.randn(nb, t, p - r, generator=gen)
+    grads = torch.einsum("btp,btd->bpd", yb, xb)
+    scale = c / grads.flatten(1).norm(dim=1).clamp(min=1e-12)  # norm C each...
+    scale = scale * torch.linspace(0.5, 2.0, nb)  # ...times 0.5..2
+    yb *= scale[:, None, None]
+    s = math.sqrt(config.canary_norm * c / t)
+    xc = torch.zeros(r, t, d)
+    xc[:, :, d - 1] = s
+    yc = torch.zeros(r, t, p)
+    yc[torch.arange(r), :, torch.arange(r)] = s
+    return (xb, yb), (xc, yc)
+
+
+def build_experiment(config: AuditConfig) -> _Experiment:
+    """``make_private(..., clipping="randomized")`` on the audit's model, with the
+    broken sketcher of ``config.variant`` swapped in (honest: none)."""
+    from opacus import PrivacyEngine
+
+    import opacus_rc  # noqa: F401  (registers clipping="randomized" and "rc_prv")
+
+    gen = torch.Generator().manual_seed(config.seed)
+    d, p, _ = config.shapes
+    layer = nn.Linear(d, p, bias=False)
+    background, canaries = _data(config, gen)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(*background), batch_size=config.background
+    )
+    engine = PrivacyEngine(accountant="rc_prv")
+    model, optimizer, criterion, _ = engine.make_private(
+        module=layer,
+        optimizer=torch.optim.SGD(layer.parameters(), lr=0.0),
+        criterion=InnerProductLoss(reduction="sum"),
+        data_loader=loader,
+        noise_multiplier=config.sigma,
+        max_grad_norm=config.max_grad_norm,
+        poisson_sampling=False,
+        loss_reduction="sum",
+        noise_generator=torch.Generator().manual_seed(config.seed + 1),
+        grad_sample_mode="ghost",
+        clipping="randomized",
+        estimator=config.estimator,
+        sketch_size=config.sketch_size,
+        sketching=config.sketching,
+        exact_when_cheaper=False,
+        sketch_seed=config.seed + 2,
+    )
+    if config.variant != "honest":
+        install_sketcher(model, optimizer, broken_sketcher(config.variant, model.sketcher))
+    return _Experiment(engine, model, layer.weight, optimizer, criterion, background, canaries)
+
+
+def _step(exp: _Experiment, include: np.ndarray) -> torch.Tensor:
+    """One real DP step on D + the included canaries; returns the released gradient."""
+    idx = torch.from_numpy(np.flatnonzero(include))
+    x = torch.cat([exp.background[0], exp.canaries[0][idx]])
+    y = torch.cat([exp.background[1], exp.canaries[1][idx]])
+    loss = exp.criterion(exp.model(x), y)
+    loss.backward()
+    exp.optimizer.step()
+    released = exp.weight.grad.detach().clone()
+    exp.optimizer.zero_grad()
+    return released
+
+
+def run_audit(
+    config: AuditConfig, progress: Optional[Callable[[int], None]] = None
+) -> AuditResult:
+    """Audit one configuration: ``config.steps`` real steps, R trials each; the first
+    half of the steps chooses the threshold, the second half gives the bound.
+
+    ``eps_accounted`` is the engine's ``rc_prv`` accountant's epsilon at ``config.delta``
+    after exactly one step (q = 1, this sigma and sketch configuration).
+    """
+    start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: threads only contend
+    try:
+        return _run(config, progress, start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(config: AuditConfig, progress: Optional[Callable[[int], None]], start: float) -> AuditResult:
+    exp = build_experiment(config)
+    rng = np.random.default_rng(config.seed + 3)
+    d, _, _ = config.shapes
+    r = config.replicas
+    scale = 1.0 / (config.sigma * config.max_grad_norm)
+    scores = np.empty((config.steps, r))
+    included = np.empty((config.steps, r), dtype=bool)
+    eps_accounted = math.nan
+    for step in range(config.steps):
+        include = rng.permutation(r) < r // 2
+        released = _step(exp, include)
+        scores[step] = released[:r, d - 1].double().numpy() * scale
+        included[step] = include
+        if step == 0:
+            history = exp.engine.accountant.history
+            if len(history) != 1 or history[0][1] != 1.0 or history[0][2] != 1:
+                raise RuntimeError(f"expected one accounted step at q=1, got {history}")
+            eps_accounted = accounted_epsilon(exp.engine.accountant, config.delta)
+        if progress is not None:
+            progress(1)
+    half = config.steps // 2
+    sel, ev = slice(0, half), slice(half, None)
+    test = threshold_audit(
+        scores[sel][included[sel]],
+        scores[sel][~included[sel]],
+        scores[ev][included[ev]],
+        scores[ev][~included[ev]],
+        delta=config.delta,
+        alpha=config.alpha,
+    )
+    return AuditResult(
+        estimator=config.estimator,
+        sketch_size=config.sketch_size,
+        sigma=float(config.sigma),
+        variant=config.variant,
+        eps_lower=test.eps_lower,
+        eps_accounted=eps_accounted,
+        sketching=config.sketching,
+        delta=config.delta,
+        alpha=config.alpha,
+        trials=int(scores.size),
+        test=test,
+        mean_score_in=float(scores[included].mean() * config.sigma),
+        seconds=time.perf_counter() - start,
+    )

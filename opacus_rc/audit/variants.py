@@ -1,0 +1,102 @@
+"""Deliberately broken sketchers, for the audit only (never reached from make_private).
+
+They are swapped into a real randomized-clipping grad-sample module with
+:func:`install_sketcher`, so the audited step is otherwise the plugin's own.
+
+* ``biased_low``: the estimate divided by 4, ``n_hat = n W / 4``: the clipped
+  contribution of a large gradient becomes ``C * 2 / sqrt(W)``, twice the accounted one.
+* ``data_dependent_sketch``: every sketch (Hutchinson's, Hutch++'s head and tail) is
+  drawn orthogonal to the coordinates on which the batch's per-sample gradients have mass
+  on the sketched side (:func:`opacus_rc.estimators.sketch_side`), so a gradient aligned
+  with such a coordinate, like the audit's canary, is estimated as 0 and not clipped at
+  all.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+
+from ..estimators import as_sequences, sketch_side
+from ..sketch import Sketcher
+
+VARIANTS = ("honest", "biased_low", "data_dependent_sketch")
+BIAS_FACTOR = 4.0
+
+
+class BiasedLowSketcher(Sketcher):
+    """Sketcher whose estimate is biased low: ``n_hat / 4``."""
+
+    def estimate(self, activations: torch.Tensor, backprops: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return super().estimate(activations, backprops, *args, **kwargs) / BIAS_FACTOR
+
+
+def data_support_mask(activations: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
+    """(rows,) float mask on the sketched side: 0 where some per-sample gradient
+    ``M_i = A_i^T G_i`` has mass (``> 1e-12`` of the largest), 1 elsewhere."""
+    a, g = as_sequences(activations, backprops)
+    per_sample = torch.matmul(a.transpose(1, 2), g)  # (B, d, p)
+    side = sketch_side(a.shape[-1], g.shape[-1], "auto")
+    energy = per_sample.pow(2).sum(dim=(0, 1) if side == "output" else (0, 2))
+    return (energy <= 1e-12 * energy.max().clamp(min=1e-300)).to(torch.float32)
+
+
+class DataDependentSketcher(Sketcher):
+    """Sketcher whose sketches depend on the data: zero on the rows (sketched-side
+    coordinates) where the batch's gradients live, i.e. orthogonal to them."""
+
+    _mask: Optional[torch.Tensor] = None
+
+    def estimate(self, activations: torch.Tensor, backprops: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._mask = data_support_mask(activations, backprops)
+        try:
+            return super().estimate(activations, backprops, *args, **kwargs)
+        finally:
+            self._mask = None
+
+    def gaussian(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        sketch = super().gaussian(*args, **kwargs)
+        if self._mask is None:
+            return sketch
+        return sketch * self._mask.to(sketch.device)[:, None]  # rows are dim -2
+
+
+_SKETCHERS = {"biased_low": BiasedLowSketcher, "data_dependent_sketch": DataDependentSketcher}
+
+
+def broken_sketcher(variant: str, like: Sketcher) -> Sketcher:
+    """A broken sketcher of the given variant with ``like``'s configuration and seed."""
+    if variant not in _SKETCHERS:
+        raise ValueError(
+            f"variant={variant!r} is not a broken variant; accepted values: "
+            f"{', '.join(repr(v) for v in _SKETCHERS)}"
+        )
+    return _SKETCHERS[variant](like.config, seed=like.seed)
+
+
+def install_sketcher(module: Any, optimizer: Any, sketcher: Sketcher) -> None:
+    """Make a randomized-clipping grad-sample module (and its optimizer) use ``sketcher``.
+
+    Replaces ``module.sketcher``, the ``sketcher`` keyword of every norm sampler in the
+    module's ``NORM_SAMPLERS`` table (``functools.partial`` objects) and, if the optimizer
+    tracks the sketcher (to start fresh sketches each step), the optimizer's link.
+    """
+    if not hasattr(module, "sketcher") or not hasattr(module, "NORM_SAMPLERS"):
+        raise ValueError(
+            f"module={type(module).__name__} is not a randomized-clipping grad-sample module"
+        )
+    table = {}
+    replaced = 0
+    for cls, fn in module.NORM_SAMPLERS.items():
+        if isinstance(fn, functools.partial) and "sketcher" in fn.keywords:
+            fn = functools.partial(fn.func, *fn.args, **{**fn.keywords, "sketcher": sketcher})
+            replaced += 1
+        table[cls] = fn
+    if replaced == 0:
+        raise RuntimeError("no norm sampler of the module takes a sketcher; nothing to replace")
+    module.NORM_SAMPLERS = table
+    module.sketcher = sketcher
+    if hasattr(optimizer, "attach_sketcher"):
+        optimizer.attach_sketcher(sketcher)
