@@ -45,6 +45,20 @@ class SketchingMixin:
             for cls, fn in RANDOMIZED_NORM_SAMPLERS.items()
         }
 
+    def get_norm_sample(self) -> torch.Tensor:
+        """Per-example norms over all trainable parameters (L2 of the per-parameter
+        norms), with a clear error when a layer did not see the batch dimension."""
+        batch = max(int(p._norm_sample.shape[0]) for p in self.trainable_parameters)
+        for name, p in trainable_parameters(self._module):
+            if p._norm_sample.shape[0] != batch:
+                raise ValueError(
+                    f"per-sample norms of {name!r} cover {p._norm_sample.shape[0]} examples but "
+                    f"the batch has {batch}: the layer's input was broadcast over the batch "
+                    "(e.g. position ids of shape (1, T)); pass it with a batch dimension "
+                    "(e.g. position_ids of shape (B, T))"
+                )
+        return super().get_norm_sample()
+
     def capture_activations_hook(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
     ) -> None:
