@@ -1,0 +1,89 @@
+"""Smoke test of ``python -m opacus_rc.bench`` at a tiny size, plus the closed-form checks
+of its per-layer counts (performance itself is measured, never asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from opacus_rc.bench.layers import LayerCase, linear_fit, loglog_slope, measure_layer
+
+CONFIGS = {"nonprivate", "hooks", "ghost", "randomized"}
+
+
+def test_entry_point_writes_valid_json(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, "-m", "opacus_rc.bench",
+        "--layer-shapes", "64x128", "--layer-seq-lens", "64,128,256",
+        "--layer-time-shapes", "", "--layer-time-seq-lens", "",
+        "--step-shapes", "48:32:2", "--reps", "1", "--threads", "1",
+        "--no-rss", "--no-progress", "--json", str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert "Per step" in proc.stdout and "Targets" in proc.stdout
+    assert {r["method"] for r in record["layers"]} == {"ghost", "fgc", "hutchinson", "hutchpp"}
+    assert len(record["layers"]) == 4 * 3
+    assert {r["config"] for r in record["steps"]} == CONFIGS
+    for r in record["steps"]:
+        assert r["time_s"] > 0 and r["peak_bytes"] > 0
+        if r["config"] in ("ghost", "randomized"):
+            # both passes and the norm computation were timed inside the step
+            assert {"backward1", "backward2", "norms"} <= set(r["phases_s"])
+    base = [r for r in record["step_ratios"] if r["config"] == "nonprivate"]
+    assert base and base[0]["time_ratio"] == pytest.approx(1.0)
+    # ghost's O(T^2) memory has slope 2 in T; Hutchinson's is at most linear
+    slopes = {f["method"]: f["slope_loglog"] for f in record["layer_fits"]}
+    assert slopes["ghost"] == pytest.approx(2.0, abs=0.05)
+    assert slopes["hutchinson"] <= 1.05
+
+
+@pytest.mark.parametrize("d,p", [(64, 256), (256, 64)])
+def test_layer_flops_match_closed_forms(d, p):
+    """FlopCounterMode on the meta device against the operation counts of the formulas:
+    ghost 2 B T^2 (d + p) plus 2 B T^2 for <A A^T, G G^T> (an einsum, counted as a batched
+    product), FGC 2 B T d p, Hutchinson 2 B T k (d + p)."""
+    b, t, k = 2, 96, 8
+    flops = {
+        m: measure_layer(LayerCase(m, d, p, t, b, k)).flops
+        for m in ("ghost", "fgc", "hutchinson")
+    }
+    assert flops["ghost"] == 2 * b * t * t * (d + p) + 2 * b * t * t
+    assert flops["fgc"] == 2 * b * t * d * p
+    assert flops["hutchinson"] == 2 * b * t * k * (d + p)
+
+
+def test_layer_memory_matches_closed_forms():
+    """Peak extra bytes (float32): ghost holds both T x T Gram matrices; Hutchinson holds
+    G P (B T k), the (B min(d,p) k) product and the sketch (max(d,p) k) at most."""
+    b, t, d, p, k = 2, 128, 64, 256, 8
+    ghost = measure_layer(LayerCase("ghost", d, p, t, b, k)).peak_bytes
+    hutch = measure_layer(LayerCase("hutchinson", d, p, t, b, k)).peak_bytes
+    assert ghost >= 2 * b * t * t * 4
+    assert hutch <= 4 * (b * t * k + b * min(d, p) * k + max(d, p) * k) + 4 * b * 4
+
+
+def test_fits():
+    xs = [1.0, 2.0, 4.0, 8.0]
+    assert loglog_slope(xs, [3 * x**2 for x in xs]) == pytest.approx(2.0)
+    a, b, worst = linear_fit(xs, [5 + 2 * x for x in xs])
+    assert (a, b) == (pytest.approx(5.0), pytest.approx(2.0)) and worst < 1e-12
+    with pytest.raises(ValueError, match="distinct"):
+        loglog_slope([2.0, 2.0], [1.0, 2.0])
+
+
+def test_bad_arguments_are_refused():
+    from opacus_rc.bench.__main__ import parse_args
+    from opacus_rc.bench.steps import StepShape
+
+    with pytest.raises(ValueError, match="T:d:batch"):
+        StepShape.parse("2048x512")
+    with pytest.raises(SystemExit):
+        parse_args(["--configs", "ghost,randomized"])  # non-private baseline required
+    with pytest.raises(ValueError, match="method"):
+        measure_layer(LayerCase("exact", 8, 8, 8))
