@@ -23,6 +23,7 @@ shared (rows, k) or per example (B, rows, k).
 
 from __future__ import annotations
 
+import math
 from typing import Tuple
 
 import torch
@@ -38,9 +39,9 @@ def as_sequences(
 
     Half-precision inputs are promoted so the sketch arithmetic accumulates in float32.
     """
-    batch = activations.shape[0]
-    a = activations.reshape(batch, -1, activations.shape[-1])
-    g = backprops.reshape(batch, -1, backprops.shape[-1])
+    batch, t = activations.shape[0], math.prod(activations.shape[1:-1])
+    a = activations.reshape(batch, t, activations.shape[-1])
+    g = backprops.reshape(batch, t, backprops.shape[-1])
     dtype = torch.promote_types(a.dtype, g.dtype)
     if dtype in _LOW_PRECISION:
         dtype = torch.float32
@@ -152,7 +153,7 @@ def ghost_sq_norms(activations: torch.Tensor, backprops: torch.Tensor) -> torch.
 
 def bias_sq_norms(backprops: torch.Tensor) -> torch.Tensor:
     """Exact squared norm of the per-sample bias gradient ``sum_t G_i[t]``."""
-    g = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1])
+    g = backprops.reshape(backprops.shape[0], math.prod(backprops.shape[1:-1]), backprops.shape[-1])
     if g.dtype in _LOW_PRECISION:
         g = g.float()
     return g.sum(dim=1).pow(2).sum(dim=1)

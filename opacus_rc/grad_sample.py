@@ -48,7 +48,7 @@ class SketchingMixin:
     def get_norm_sample(self) -> torch.Tensor:
         """Per-example norms over all trainable parameters (L2 of the per-parameter
         norms), with a clear error when a layer did not see the batch dimension."""
-        batch = max(int(p._norm_sample.shape[0]) for p in self.trainable_parameters)
+        batch = max((int(p._norm_sample.shape[0]) for p in self.trainable_parameters), default=0)
         for name, p in trainable_parameters(self._module):
             if p._norm_sample.shape[0] != batch:
                 raise ValueError(
@@ -57,7 +57,13 @@ class SketchingMixin:
                     "(e.g. position ids of shape (1, T)); pass it with a batch dimension "
                     "(e.g. position_ids of shape (B, T))"
                 )
-        return super().get_norm_sample()
+        norms = super().get_norm_sample()
+        if not bool(norms.isfinite().all()):
+            raise FloatingPointError(
+                f"non-finite per-sample gradient norm for examples "
+                f"{torch.nonzero(~norms.isfinite()).flatten().tolist()}: refusing to clip"
+            )
+        return norms
 
     def capture_activations_hook(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor

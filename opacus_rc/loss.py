@@ -32,17 +32,29 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
     accumulates across micro-batches."""
 
     def backward(self) -> None:
+        if not bool(self.loss_per_sample.isfinite().all()):
+            raise FloatingPointError(
+                "non-finite per-sample loss: backward refused, nothing was accumulated; "
+                "check this batch's inputs and the model's outputs"
+            )
         optimizer = self.optimizer
-        accumulated = [
-            None if p.grad is None else p.grad.detach().clone()
+        # Clipped sums of earlier micro-batches of this step (Opacus zeroes p.grad
+        # between the two passes); nothing to keep on a step's first pass.
+        earlier = [
+            None if p.grad is None or optimizer.backward_passes == 0 else p.grad.detach().clone()
             for p in optimizer.params
-        ] if optimizer.backward_passes > 0 else None
+        ]
         self.module.sketcher.begin_pass()
-        super().backward()
-        if accumulated is not None:
-            for p, earlier in zip(optimizer.params, accumulated):
-                if earlier is not None:
-                    p.grad = earlier if p.grad is None else p.grad.add_(earlier)
+        try:
+            super().backward()
+        except BaseException:
+            # Drop whatever this pass left (possibly unclipped) and keep the earlier sums.
+            for p, e in zip(optimizer.params, earlier):
+                p.grad = e
+            raise
+        for p, e in zip(optimizer.params, earlier):
+            if e is not None:
+                p.grad = e if p.grad is None else p.grad.add_(e)
         optimizer.backward_passes += 1
 
 

@@ -15,6 +15,7 @@ Opacus's exact per-sample gradient machinery (grad samplers or functorch).
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List, Sequence, Type, Union
 
 import torch
@@ -46,7 +47,7 @@ def register_randomized_norm_sampler(
 
 def sequence_length(activations: torch.Tensor) -> int:
     """T of a (B, ..., d) input: the product of the middle dimensions (1 for (B, d))."""
-    return activations[0].numel() // activations.shape[-1] if activations.shape[0] else 0
+    return math.prod(activations.shape[1:-1])
 
 
 def weight_sq_norms(
@@ -85,6 +86,8 @@ def embedding_norm_sample(
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """Exact norms for ``nn.Embedding`` (Opacus's ghost norm sampler; token ids made
     contiguous first, since Opacus views them, which fails on sliced inputs)."""
+    if activations[0].shape[0] == 0:  # empty Poisson batch
+        return {layer.weight: backprops.new_zeros(0)} if layer.weight.requires_grad else {}
     ids = [activations[0].contiguous(), *activations[1:]]
     return compute_embedding_norm_sample(layer, ids, backprops)
 
@@ -121,7 +124,7 @@ def _row_sketch(param: nn.Parameter, batch: int, sketcher: Sketcher, device) -> 
 
 
 def _bias_sum(backprops: torch.Tensor) -> torch.Tensor:
-    g = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1])
+    g = backprops.reshape(backprops.shape[0], math.prod(backprops.shape[1:-1]), backprops.shape[-1])
     return g.float().sum(dim=1) if g.dtype in (torch.float16, torch.bfloat16) else g.sum(dim=1)
 
 
@@ -141,7 +144,7 @@ def linear_projection(layer, activations, backprops, sketcher):
 @register_tied_projection(nn.Embedding)
 def embedding_projection(layer, activations, backprops, sketcher):
     """Weight (V x d), grad ``onehot(ids)^T G``: ``P^T`` of it as (B, d, k) = ``G^T P[ids]``."""
-    ids = activations[0].reshape(activations[0].shape[0], -1)
+    ids = activations[0].reshape(activations[0].shape[0], math.prod(activations[0].shape[1:]))
     g = backprops.reshape(ids.shape[0], ids.shape[1], -1)
     if g.dtype in (torch.float16, torch.bfloat16):
         g = g.float()

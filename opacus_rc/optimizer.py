@@ -8,7 +8,9 @@ the ``rc_prv`` accountant reads in its step hook.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, Optional
+
+import torch
 
 from opacus.optimizers import (
     DistributedDPOptimizerFastGradientClipping,
@@ -17,7 +19,9 @@ from opacus.optimizers import (
 from torch.optim import Optimizer
 
 from .config import SketchConfig
-from .sketch import Sketcher
+from .sketch import Sketcher, entropy_seed
+
+_STATE_KEY = "opacus_rc"
 
 
 class RandomizedClippingMixin:
@@ -56,11 +60,48 @@ class RandomizedClippingMixin:
         return max(1, self.backward_passes)
 
     def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
+        """Opacus's pre-step (accumulate, noise, average, accountant hook), refusing
+        non-finite clipped gradients before any noise is drawn, and starting new sketches
+        after a real step. In secure mode the noise generator is re-seeded from
+        ``os.urandom`` before every step."""
+        self._check_finite_gradients()
+        if self.secure_mode and isinstance(self.generator, torch.Generator):
+            self.generator.manual_seed(entropy_seed())
         taken = super().pre_step(closure)
         self.backward_passes = 0
         if taken and self.sketcher is not None:
             self.sketcher.new_step()
         return taken
+
+    def _check_finite_gradients(self) -> None:
+        for p in self.params:
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                raise FloatingPointError(
+                    "non-finite clipped gradient: the step is refused before noise is added; "
+                    "parameters and the privacy accountant are unchanged. Call "
+                    "optimizer.zero_grad() and check the loss and inputs of this batch"
+                )
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state plus the sketch generator's and (if any) the
+        noise generator's state, so a resumed run draws the same sketches and noise."""
+        state = dict(super().state_dict())
+        extra: Dict[str, Any] = {}
+        if self.sketcher is not None:
+            extra["sketcher"] = self.sketcher.state_dict()
+        if isinstance(self.generator, torch.Generator):
+            extra["noise_generator"] = self.generator.get_state()
+        state[_STATE_KEY] = extra
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop(_STATE_KEY, {})
+        super().load_state_dict(state_dict)
+        if "sketcher" in extra and self.sketcher is not None:
+            self.sketcher.load_state_dict(extra["sketcher"])
+        if "noise_generator" in extra and isinstance(self.generator, torch.Generator):
+            self.generator.set_state(extra["noise_generator"])
 
     @property
     def estimator(self) -> str:

@@ -19,7 +19,7 @@ from .config import SketchConfig
 from .estimators import hutchinson_sq_norms, hutchpp_sq_norms, sketch_rows
 
 
-def _entropy_seed() -> int:
+def entropy_seed() -> int:
     """A 63-bit seed from the operating system's cryptographic source."""
     return int.from_bytes(os.urandom(8), "little") >> 1
 
@@ -50,7 +50,7 @@ class Sketcher:
             raise ValueError(f"sketch_seed={seed!r} is invalid; accepted values: an int or None")
         self.config = config
         self.secure_mode = secure_mode
-        self.seed = _entropy_seed() if seed is None else seed
+        self.seed = entropy_seed() if seed is None else seed
         self._generators: Dict[str, torch.Generator] = {}
         self._step_sketches: Dict[Any, torch.Tensor] = {}
 
@@ -63,7 +63,7 @@ class Sketcher:
             gen.manual_seed(self.seed + len(self._generators))
             self._generators[key] = gen
         if self.secure_mode:
-            gen.manual_seed(_entropy_seed())
+            gen.manual_seed(entropy_seed())
         return gen
 
     def new_step(self) -> None:
