@@ -20,11 +20,19 @@ import torch
 from opacus.grad_sample import (
     GradSampleHooks,
     GradSampleHooksFastGradientClipping,
+    GradSampleModule,
     GradSampleModuleFastGradientClipping,
 )
 from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 
+from .bookkeeping import (
+    Record,
+    clipped_bias,
+    clipped_embedding,
+    clipped_linear_weight,
+    linear_forward_skipping_weight_grad,
+)
 from .config import SketchConfig
 from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, register_model_layers
 from .sketch import Sketcher
@@ -194,3 +202,119 @@ class GradSampleModuleRandomizedClipping(
             use_ghost_clipping=True,
         )
         self._init_randomized(sketch_config, sketch_seed, secure_mode)
+
+
+# --- Book-keeping: one backward pass (grad_sample_mode="hooks") ------------------------
+
+BOOKKEPT_LAYERS = (nn.Linear, nn.Embedding)
+
+
+class BookkeepingMixin:
+    """Records, for linear and embedding layers, what book-keeping needs to assemble the
+    clipped gradient after the single backward pass (:mod:`opacus_rc.bookkeeping`):
+    the per-sample squared norms (the same estimators as the two-pass method) and a
+    closure ``c -> sum_i c_i grad_i``. Every other trainable layer gets Opacus's exact
+    per-sample gradients (``p.grad_sample``). Linear layers skip their weight-gradient
+    computation in the backward pass, which book-keeping replaces.
+    """
+
+    def _init_bookkeeping(
+        self, sketch_config: SketchConfig, sketch_seed: Optional[int], secure_mode: bool
+    ) -> None:
+        self.sketch_config = sketch_config
+        self.sketcher = Sketcher(sketch_config, seed=sketch_seed, secure_mode=secure_mode)
+        self._awaiting_forward = True
+        self._bookkept = [
+            m for m in self._module.modules()
+            if isinstance(m, BOOKKEPT_LAYERS) and any(p.requires_grad for p in m.parameters(recurse=False))
+        ]
+        owners: Dict[int, int] = {}
+        for m in self._bookkept:
+            for p in m.parameters(recurse=False):
+                owners[id(p)] = owners.get(id(p), 0) + 1
+        if any(count > 1 for count in owners.values()):
+            raise ValueError(
+                "tied weights are not supported by book-keeping (grad_sample_mode='hooks') "
+                "with clipping='randomized'; use grad_sample_mode='ghost'"
+            )
+        for m in self._bookkept:
+            if isinstance(m, nn.Linear):
+                m.forward = functools.partial(linear_forward_skipping_weight_grad, m)
+
+    def capture_activations_hook(self, module, forward_input, _forward_output) -> None:
+        if self._awaiting_forward and self.hooks_enabled:
+            self.sketcher.begin_pass()  # per-example sketches belong to one pass
+            self._awaiting_forward = False
+        super().capture_activations_hook(module, forward_input, _forward_output)
+
+    def capture_backprops_hook(
+        self, module: nn.Module, _forward_input, forward_output, loss_reduction: str, batch_first: bool
+    ) -> None:
+        self._awaiting_forward = True
+        if not self.hooks_enabled or not isinstance(module, BOOKKEPT_LAYERS):
+            return super().capture_backprops_hook(
+                module, _forward_input, forward_output, loss_reduction, batch_first
+            )
+        activations, backprops = self.rearrange_grad_samples(
+            module=module,
+            backprops=forward_output[0].detach(),
+            loss_reduction=loss_reduction,
+            batch_first=batch_first,
+        )
+        norms = RANDOMIZED_NORM_SAMPLERS[type(module)](module, activations, backprops, self.sketcher)
+        for param, norm in norms.items():
+            records = getattr(param, "_bk_records", None) or []
+            records.append(Record(norm.pow(2), _clipped_sum(module, param, activations[0], backprops)))
+            param._bk_records = records
+            param._forward_counter -= 1
+        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
+            del module.max_batch_len
+
+    def cleanup(self) -> None:
+        for m in self._bookkept:
+            m.__dict__.pop("forward", None)
+        super().cleanup()
+
+
+def _clipped_sum(module: nn.Module, param: nn.Parameter, a: torch.Tensor, g: torch.Tensor):
+    if isinstance(module, nn.Embedding):
+        return functools.partial(clipped_embedding, a, g, layer=module)
+    if param is module.weight:
+        return functools.partial(clipped_linear_weight, a, g)
+    return functools.partial(clipped_bias, g)
+
+
+class GradSampleModuleBookkeeping(BookkeepingMixin, GradSampleModule):
+    """Wrapping form of book-keeping randomized clipping (``grad_sample_mode="hooks"``)."""
+
+    def __init__(
+        self,
+        m: nn.Module,
+        *,
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
+        strict: bool = True,
+        sketch_config: SketchConfig = SketchConfig(),
+        sketch_seed: Optional[int] = None,
+        secure_mode: bool = False,
+    ) -> None:
+        super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
+        self._init_bookkeeping(sketch_config, sketch_seed, secure_mode)
+
+
+class GradSampleHooksBookkeeping(BookkeepingMixin, GradSampleHooks):
+    """Hooks (``wrap_model=False``) form of book-keeping randomized clipping."""
+
+    def __init__(
+        self,
+        m: nn.Module,
+        *,
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
+        strict: bool = True,
+        sketch_config: SketchConfig = SketchConfig(),
+        sketch_seed: Optional[int] = None,
+        secure_mode: bool = False,
+    ) -> None:
+        super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
+        self._init_bookkeeping(sketch_config, sketch_seed, secure_mode)

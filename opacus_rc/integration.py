@@ -40,14 +40,23 @@ from torch import nn
 
 from .config import SketchConfig
 from .loss import DPLossRandomizedClipping
-from .grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
-from .optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingOptimizer
+from .grad_sample import (
+    GradSampleHooksBookkeeping,
+    GradSampleHooksRandomizedClipping,
+    GradSampleModuleBookkeeping,
+    GradSampleModuleRandomizedClipping,
+)
+from .optimizer import (
+    DistributedRandomizedClippingOptimizer,
+    RandomizedClippingBookkeepingOptimizer,
+    RandomizedClippingOptimizer,
+)
 
 logger = logging.getLogger(__name__)
 
 RANDOMIZED = "randomized"
 RC_ACCOUNTANTS = ("rc_prv",)
-RC_GRAD_SAMPLE_MODES = ("ghost",)
+RC_GRAD_SAMPLE_MODES = ("ghost", "hooks")
 SKETCH_OPTIONS = ("estimator", "sketch_size", "sketching", "exact_when_cheaper")
 DENOISERS = ("spectral",)
 
@@ -150,9 +159,11 @@ def _make_private(original, self: PrivacyEngine, *, clipping: str = "flat", **kw
     request = _RandomizedRequest(config=config, sketch_seed=kwargs.pop("sketch_seed", None))
     token = _active_request.set(request)
     try:
-        return original(self, clipping=RANDOMIZED, sketch_config=config, **kwargs)
+        out = original(self, clipping=RANDOMIZED, sketch_config=config, **kwargs)
     finally:
         _active_request.reset(token)
+    out[1].attach_sketcher(out[0].sketcher)  # a real step starts new sketches
+    return out
 
 
 def _prepare_model(original, self: PrivacyEngine, module, **kwargs):
@@ -166,16 +177,18 @@ def _prepare_model(original, self: PrivacyEngine, module, **kwargs):
             "clipping='randomized' needs a plain nn.Module; got an already wrapped "
             f"{type(module).__name__}"
         )
-    cls = GradSampleModuleRandomizedClipping if wrap_model else GradSampleHooksRandomizedClipping
-    return cls(
-        module,
+    common = dict(
         batch_first=kwargs.get("batch_first", True),
         loss_reduction=kwargs.get("loss_reduction", "mean"),
-        max_grad_norm=kwargs.get("max_grad_norm", 1.0),
         sketch_config=request.config,
         sketch_seed=request.sketch_seed,
         secure_mode=self.secure_mode,
     )
+    if kwargs.get("grad_sample_mode") == "hooks":  # book-keeping: one backward pass
+        cls = GradSampleModuleBookkeeping if wrap_model else GradSampleHooksBookkeeping
+        return cls(module, **common)
+    cls = GradSampleModuleRandomizedClipping if wrap_model else GradSampleHooksRandomizedClipping
+    return cls(module, max_grad_norm=kwargs.get("max_grad_norm", 1.0), **common)
 
 
 def _prepare_criterion(original, self: PrivacyEngine, *, module, optimizer, criterion, loss_reduction="mean", **kwargs):
@@ -184,11 +197,17 @@ def _prepare_criterion(original, self: PrivacyEngine, *, module, optimizer, crit
             self, module=module, optimizer=optimizer, criterion=criterion,
             loss_reduction=loss_reduction, **kwargs,
         )
-    optimizer.attach_sketcher(module.sketcher)
     return DPLossRandomizedClipping(module, optimizer, criterion, loss_reduction)
 
 
 def _get_optimizer_class(original, clipping: str, distributed: bool, grad_sample_mode=None):
+    if clipping == RANDOMIZED and grad_sample_mode == "hooks":
+        if distributed:
+            raise ValueError(
+                "book-keeping (grad_sample_mode='hooks') with clipping='randomized' does not "
+                "support distributed training yet; use grad_sample_mode='ghost'"
+            )
+        return RandomizedClippingBookkeepingOptimizer
     if clipping == RANDOMIZED:
         return DistributedRandomizedClippingOptimizer if distributed else RandomizedClippingOptimizer
     return original(clipping=clipping, distributed=distributed, grad_sample_mode=grad_sample_mode)

@@ -14,8 +14,10 @@ import torch
 
 from opacus.optimizers import (
     DistributedDPOptimizerFastGradientClipping,
+    DPOptimizer,
     DPOptimizerFastGradientClipping,
 )
+from opacus.optimizers.optimizer import _mark_as_processed
 from torch.optim import Optimizer
 
 from .config import SketchConfig
@@ -124,3 +126,75 @@ class DistributedRandomizedClippingOptimizer(
     RandomizedClippingMixin, DistributedDPOptimizerFastGradientClipping
 ):
     """Distributed (DDP) form: noise is added on rank 0 only, gradients are all-reduced."""
+
+
+class BookkeepingClippingMixin:
+    """Clipping by book-keeping: per-sample norms combine the recorded (estimated or
+    exact) norms of book-kept layers with Opacus's per-sample gradients of the others;
+    the clipped sum ``sum_i c_i grad_i`` of a book-kept parameter comes from its records
+    (:mod:`opacus_rc.bookkeeping`), of the others from ``p.grad_sample`` as in Opacus."""
+
+    @staticmethod
+    def _records(p: torch.nn.Parameter):
+        return getattr(p, "_bk_records", None)
+
+    def _per_sample_sq_norms(self, p: torch.nn.Parameter) -> torch.Tensor:
+        records = self._records(p)
+        if records:
+            return torch.cat([r.sq_norms for r in records])
+        gs = self._get_flat_grad_sample(p)
+        return gs.reshape(len(gs), -1).pow(2).sum(dim=1)
+
+    @property
+    def grad_samples(self):
+        """Per-parameter per-sample tensors whose length is the batch (Opacus checks
+        only their length outside :meth:`clip_and_accumulate`)."""
+        return [self._per_sample_sq_norms(p) for p in self.params]
+
+    @property
+    def accumulated_iterations(self) -> int:
+        counts = []
+        for p in self.params:
+            records = self._records(p)
+            if records:
+                counts.append(len(records))
+            elif isinstance(getattr(p, "grad_sample", None), list):
+                counts.append(len(p.grad_sample))
+            else:
+                counts.append(1)
+        return max(counts, default=1)
+
+    def clip_and_accumulate(self) -> None:
+        sq = torch.stack([self._per_sample_sq_norms(p).float() for p in self.params]).sum(dim=0)
+        if not bool(sq.isfinite().all()):
+            raise FloatingPointError(
+                "non-finite per-sample gradient norm: the step is refused before noise is "
+                "added; parameters and the privacy accountant are unchanged"
+            )
+        clip = (self.max_grad_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+        for p in self.params:
+            records = self._records(p)
+            if records:
+                grad, start = None, 0
+                for r in records:
+                    part = r.clipped(clip[start : start + r.batch_size]).to(p.dtype).view_as(p)
+                    grad = part if grad is None else grad + part
+                    start += r.batch_size
+                p._bk_records = None
+            else:
+                gs = self._get_flat_grad_sample(p).to(p.dtype)
+                grad = torch.einsum("i,i...", clip.to(gs), gs)
+                _mark_as_processed(p.grad_sample)
+            p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        super().zero_grad(set_to_none)
+        for p in self.params:
+            p._bk_records = None
+
+
+class RandomizedClippingBookkeepingOptimizer(
+    BookkeepingClippingMixin, RandomizedClippingMixin, DPOptimizer
+):
+    """:class:`~opacus.optimizers.DPOptimizer` with randomized clipping by book-keeping
+    (one backward pass; ``grad_sample_mode="hooks"``)."""

@@ -267,8 +267,8 @@ def test_unchanged_opacus_loop_learns_with_noise(model_factory, estimator):
         ({"sketch_size": True}, "sketch_size", "positive integer"),
         ({"estimator": "hutch+++"}, "estimator", "'hutchinson', 'hutchpp'"),
         ({"sketching": "per_batch"}, "sketching", "'shared', 'per_example'"),
-        ({"grad_sample_mode": "hooks"}, "grad_sample_mode", "'ghost'"),
-        ({"grad_sample_mode": "functorch"}, "grad_sample_mode", "'ghost'"),
+        ({"grad_sample_mode": "ew"}, "grad_sample_mode", "'ghost', 'hooks'"),
+        ({"grad_sample_mode": "functorch"}, "grad_sample_mode", "'ghost', 'hooks'"),
         ({"sketch_seed": "abc"}, "sketch_seed", "an int or None"),
     ],
 )

@@ -1,0 +1,93 @@
+"""Book-keeping (single backward pass) for randomized clipping.
+
+Instead of a second backward pass on the rescaled loss, the clipped gradient of a layer
+is assembled after the one ordinary backward pass from what its hooks kept (Bu et al.
+2023, fastDP's "book-keeping"):
+
+* linear weight (p x d): ``sum_i c_i G_i^T A_i = (c * G)^T A`` (one matmul, the cost of
+  the ordinary weight gradient, which the backward pass therefore skips);
+* bias: ``sum_i c_i sum_t G_i[t]``;
+* embedding (V x d): ``index_add`` of ``c_i G_i[t]`` at the token ids.
+
+Per-sample norms come from the same estimators as the two-pass method (sketched weight,
+exact bias/embedding), so the clipped gradient is the same for the same sketches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Record:
+    """What one backward pass left for one parameter of a book-kept layer.
+
+    ``clipped(c)`` returns ``sum_i c_i grad_i`` for the pass's examples; ``sq_norms`` are
+    the per-sample squared norms (estimated or exact), shape (B,).
+    """
+
+    sq_norms: torch.Tensor
+    clipped: Callable[[torch.Tensor], torch.Tensor]
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.sq_norms.shape[0])
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """(B, ..., n) -> (B, T, n) with T the product of the middle dimensions."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
+
+
+def clipped_linear_weight(a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``sum_i c_i G_i^T A_i`` for a (p x d) weight: ``(c * G)^T A`` flattened over (B, T)."""
+    a, g = _flat(a), _flat(g)
+    cg = g * c.to(g.dtype)[:, None, None]
+    return cg.reshape(-1, cg.shape[-1]).t().mm(a.reshape(-1, a.shape[-1]).to(g.dtype))
+
+
+def clipped_bias(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``sum_i c_i sum_t G_i[t]``."""
+    g = _flat(g)
+    return torch.einsum("b,btp->p", c.to(g.dtype), g)
+
+
+def clipped_embedding(
+    ids: torch.Tensor, g: torch.Tensor, c: torch.Tensor, layer: nn.Embedding
+) -> torch.Tensor:
+    """``sum_i c_i onehot(ids_i)^T G_i`` as a dense (V x d) gradient (padding row zero)."""
+    ids = ids.reshape(ids.shape[0], -1)
+    g = g.reshape(ids.shape[0], ids.shape[1], -1)
+    rows = (g * c.to(g.dtype)[:, None, None]).reshape(-1, g.shape[-1])
+    out = torch.zeros(layer.num_embeddings, g.shape[-1], dtype=g.dtype, device=g.device)
+    out.index_add_(0, ids.reshape(-1), rows)
+    if layer.padding_idx is not None:
+        out[layer.padding_idx] = 0
+    return out
+
+
+class _LinearSkippingWeightGrad(torch.autograd.Function):
+    """``F.linear`` whose backward computes only the input gradient: the weight and bias
+    gradients are assembled later from the recorded activations and output gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None
+
+
+def linear_forward_skipping_weight_grad(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """Forward of ``layer`` that leaves its parameter gradients to book-keeping."""
+    return _LinearSkippingWeightGrad.apply(x, layer.weight, layer.bias)
