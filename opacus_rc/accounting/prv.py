@@ -40,7 +40,8 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 from scipy import fft as sp_fft
 from scipy.signal import lfilter
-from scipy.special import log_ndtr, logsumexp, ndtr
+import torch
+from scipy.special import logsumexp, ndtr
 
 from .envelope import envelope_sf
 
@@ -51,9 +52,6 @@ logger = logging.getLogger(__name__)
 MU_INFINITE = 40.0
 #: Largest number of grid points of the discretised PRV; beyond it the mesh is widened.
 MAX_DOMAIN_POINTS = 2**22
-#: Normal-CDF terms below this are set to 0 (their total is added to delta, see ``_DROP``).
-_PHI_NEGLIGIBLE_X = 11.5  # Phi(-11.5) < 1e-30
-_DROP = 1e-30
 _X_LO = -40.0  # Phi(-40) underflows to 0: the Gaussian mass beyond is nil in float64
 _DIRECTIONS = ("remove", "add")
 _LOG2PI_HALF = 0.5 * math.log(2.0 * math.pi)
@@ -160,6 +158,154 @@ def envelope_mixture(
 
 
 # --------------------------------------------------------------------------------------
+# Cell masses of Gaussian mixtures (the single-step discretisation kernel)
+# --------------------------------------------------------------------------------------
+
+#: Series terms of ``Phi(c + h/2) - Phi(c - h/2) = phi(c) h sum_k He_2k(c) h^2k / ((2k+1)! 4^k)``
+_SERIES_TERMS = 3
+#: A cell uses the series when ``h (|c| + 3) <= _SERIES_MAX`` for every component; the
+#: first omitted term is then below ``0.05^6 / (7! 4^3) < 5e-14`` relative (``|He_6(c)| <=
+#: (|c| + 3)^6``), otherwise both ends are evaluated with ``ndtr``.
+_SERIES_MAX = 0.05
+_ROWS_PER_CHUNK = 1024
+
+
+def _herme_even_coefficients(alpha: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    """Power-series coefficients in ``t`` of ``He_2k(alpha t + beta)``, ``k < _SERIES_TERMS``.
+
+    Returns an array ``(m, K, 2K - 1)`` indexed ``[component, k, power of t]``.
+    """
+    from numpy.polynomial import hermite_e as H
+
+    n_k = _SERIES_TERMS
+    out = np.zeros((alpha.size, n_k, 2 * n_k - 1))
+    for k in range(n_k):
+        pc = H.herme2poly([0.0] * (2 * k) + [1.0])  # He_2k in powers of c
+        for j, (a, b) in enumerate(zip(alpha, beta)):
+            # sum_p pc[p] (a t + b)^p, expanded binomially
+            for p, coef in enumerate(pc):
+                if coef == 0.0:
+                    continue
+                for r in range(p + 1):
+                    out[j, k, r] += coef * math.comb(p, r) * a**r * b ** (p - r)
+    return out
+
+
+def _exact_gauss_diff(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``Phi(hi) - Phi(lo)`` from the tail that keeps relative precision."""
+    upper = lo > 0
+    return np.where(upper, ndtr(-lo) - ndtr(-hi), ndtr(hi) - ndtr(lo))
+
+
+def _matmul_1thread(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` on one thread: multi-threaded BLAS on small blocks is many times slower
+    on a shared machine (threads spin)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return (torch.from_numpy(a) @ torch.from_numpy(b)).numpy()
+    finally:
+        torch.set_num_threads(old)
+
+
+def _series_coefficients(alpha: np.ndarray, beta: np.ndarray, log_w: np.ndarray):
+    """Per-component coefficients of the monomials ``w^2k t^r`` of the midpoint series."""
+    K = _SERIES_TERMS
+    H = _herme_even_coefficients(alpha, beta)  # (m, K, 2K-1)
+    fact = np.array([alpha ** (2 * k) / (math.factorial(2 * k + 1) * 4.0**k) for k in range(K)]).T
+    k_idx = np.concatenate([np.full(2 * k + 1, k) for k in range(K)])  # nonzero powers only
+    r_idx = np.concatenate([np.arange(2 * k + 1) for k in range(K)])
+    return (H * fact[:, :, None])[:, k_idx, r_idx], k_idx, r_idx
+
+
+def mixture_cell_masses(
+    t_lo: np.ndarray,
+    t_hi: np.ndarray,
+    alpha: np.ndarray,
+    beta: np.ndarray,
+    log_w: np.ndarray,
+    twin_log_w: Optional[np.ndarray] = None,
+) -> np.ndarray:
+    """``sum_j w_j (Phi(alpha_j t_hi + beta_j) - Phi(alpha_j t_lo + beta_j))`` per cell.
+
+    ``alpha > 0``, ``t_lo <= t_hi`` (``-inf`` allowed), ``w_j = exp(log_w[j])``. With
+    ``c = alpha t_mid + beta``, ``h = alpha (t_hi - t_lo)`` the difference is
+    ``phi(c) h sum_k He_2k(c) h^2k / ((2k+1)! 4^k)`` (Taylor expansion of ``phi`` about the
+    midpoint, odd terms cancel); ``phi(c_ij) = exp(t_i^2 P_j + t_i Q_j + R_j)``, so the sum
+    over ``j`` of each monomial ``t^r h^2k`` is a matrix product: about one ``exp`` per (cell,
+    component), relative accuracy ~1e-14 per cell (no cancellation between CDF values).
+    ``twin_log_w`` adds the components ``beta_j - 1/alpha_j`` (weights ``exp(twin_log_w)``),
+    whose density is that of ``j`` times ``exp(t) exp(beta/alpha - 1/(2 alpha^2))``: they
+    reuse the same exponentials. Cells too wide for the series are evaluated with ``ndtr``.
+    """
+    alpha = np.asarray(alpha, dtype=float)
+    beta = np.asarray(beta, dtype=float)
+    log_w = np.asarray(log_w, dtype=float)
+    n = t_lo.size
+    out = np.zeros(n)
+    if n == 0 or alpha.size == 0:
+        return out
+    all_alpha, all_beta, all_w = alpha, beta, log_w
+    if twin_log_w is not None:
+        all_alpha = np.concatenate([alpha, alpha])
+        all_beta = np.concatenate([beta, beta - 1.0 / alpha])
+        all_w = np.concatenate([log_w, np.asarray(twin_log_w, dtype=float)])
+    with np.errstate(invalid="ignore"):
+        mid = 0.5 * (t_lo + t_hi)
+        width = t_hi - t_lo
+    a_max = float(all_alpha.max())
+    c_bound = np.minimum(np.abs(mid) * a_max + float(np.abs(all_beta).max()), 40.0) + 3.0
+    with np.errstate(invalid="ignore"):
+        series_ok = np.isfinite(mid) & np.isfinite(width)
+        series_ok &= width * a_max * c_bound <= _SERIES_MAX
+    # ---- cells too wide for the series: exact differences
+    bad = np.nonzero(~series_ok & (t_hi > -np.inf))[0]  # cells below -inf: no mass
+    if bad.size:
+        with np.errstate(invalid="ignore"):
+            lo = t_lo[bad, None] * all_alpha[None, :] + all_beta[None, :]
+            hi = t_hi[bad, None] * all_alpha[None, :] + all_beta[None, :]
+        lo = np.where(np.isnan(lo), -np.inf, lo)
+        hi = np.where(np.isnan(hi), -np.inf, hi)
+        out[bad] = _exact_gauss_diff(lo, hi) @ np.exp(all_w)
+    good = np.nonzero(series_ok)[0]
+    if not good.size:
+        return out
+    # ---- series cells
+    P = -0.5 * alpha**2
+    Q = -alpha * beta
+    R = -0.5 * beta**2 + log_w + np.log(alpha) - _LOG2PI_HALF  # h = alpha * width
+    coef, k_idx, r_idx = _series_coefficients(alpha, beta, log_w)
+    if twin_log_w is not None:
+        shift = np.asarray(twin_log_w, dtype=float) - log_w + beta / alpha - 0.5 / alpha**2
+        c_twin, _, _ = _series_coefficients(alpha, beta - 1.0 / alpha, log_w)
+        coef = np.concatenate([coef, c_twin * np.exp(shift)[:, None]], axis=1)
+    n_mono = k_idx.size
+    # twins: balance the exponent with exp(t/2) so that neither family underflows while the
+    # other matters (both are then exp(+-t/2) times the shared exponential)
+    q_row = Q + (0.5 if twin_log_w is not None else 0.0)
+    buf = np.empty((min(_ROWS_PER_CHUNK, good.size), alpha.size))
+    for start in range(0, good.size, _ROWS_PER_CHUNK):
+        rows = good[start : start + _ROWS_PER_CHUNK]
+        t = mid[rows]
+        w = width[rows]
+        x = buf[: rows.size]
+        np.multiply(t[:, None], P[None, :], out=x)
+        x += q_row
+        x *= t[:, None]
+        x += R
+        np.exp(x, out=x)
+        s = _matmul_1thread(x, coef)
+        mono = w[:, None] ** (2 * k_idx) * t[:, None] ** r_idx
+        if twin_log_w is None:
+            val = np.einsum("ij,ij->i", s, mono)
+        else:
+            val = np.exp(-0.5 * t) * np.einsum("ij,ij->i", s[:, :n_mono], mono)
+            val += np.exp(0.5 * t) * np.einsum("ij,ij->i", s[:, n_mono:], mono)
+        out[rows] = w * val
+    return np.maximum(out, 0.0)
+
+
+# --------------------------------------------------------------------------------------
 # One step: exact CDF / survival function / truncated mean / log-MGF of its PRV
 # --------------------------------------------------------------------------------------
 
@@ -263,60 +409,6 @@ class StepPRV:
             xc[finite] = np.clip(x, _X_LO - 1.0, x_hi)
             out[start : start + chunk] = xc
         return out
-
-    @staticmethod
-    def _phi(x: np.ndarray) -> np.ndarray:
-        """``Phi(x)``, set to 0 where it is below 1e-30 (``x < -11.5``)."""
-        out = np.zeros_like(x)
-        live = x > -_PHI_NEGLIGIBLE_X
-        out[live] = ndtr(x[live])
-        return out
-
-    # ---- CDF (lower half) and survival function (upper half) ------------------------
-    def lower_cdf(self, direction: str, s: np.ndarray) -> np.ndarray:
-        """Unnormalised ``P(Y <= s, Y finite)`` for ``s < 0`` (accurate in the lower tail)."""
-        q = self.q
-        if direction == "remove":
-            u = self._u(s)
-            if self.hidden:
-                x = self._x_hidden(u)
-                out = (1 - q) * self._phi(x)
-                for mu_j, p_j in zip(self.mu, self.p):
-                    out += q * p_j * self._phi(x - mu_j)
-            else:
-                xj = self._x_revealed(u)
-                comp = (1 - q) * self._phi(xj) + q * self._phi(xj - self.mu[None, :])
-                out = comp @ self.p
-                out += np.where(s >= self.log1mq, (1 - q) * self.p_inf, 0.0)
-            return out
-        # add: P(-log rho(X) <= s) = P(X >= x(-s)), X ~ N(0,1)
-        u = self._u(-s)
-        if self.hidden:
-            return self._phi(-self._x_hidden(u))
-        xj = self._x_revealed(u)
-        return self._phi(-xj) @ self.p
-
-    def upper_sf(self, direction: str, s: np.ndarray) -> np.ndarray:
-        """Unnormalised ``P(s < Y < inf)`` for ``s >= 0`` (accurate in the upper tail)."""
-        q = self.q
-        if direction == "remove":
-            u = self._u(s)
-            if self.hidden:
-                x = self._x_hidden(u)
-                out = (1 - q) * self._phi(-x)
-                for mu_j, p_j in zip(self.mu, self.p):
-                    out += q * p_j * self._phi(mu_j - x)
-                return out
-            xj = self._x_revealed(u)
-            comp = (1 - q) * self._phi(-xj) + q * self._phi(self.mu[None, :] - xj)
-            return comp @ self.p
-        below = -s > self.log1mq  # s < -log(1-q): loss can still exceed s
-        u = self._u(-s)
-        if self.hidden:
-            out = self._phi(self._x_hidden(u))
-        else:
-            out = self._phi(self._x_revealed(u)) @ self.p + self.p_inf
-        return np.where(below, out, 0.0)
 
     # ---- truncated first moment ------------------------------------------------------
     def partial_mean(self, direction: str, a: float, b: float) -> float:
@@ -505,35 +597,97 @@ def _make_domain(
     return _Domain(i0=i0, n=n, dt=dt, eps_error=eps_error)
 
 
+def _revealed_masses(step: StepPRV, t_lo: np.ndarray, t_hi: np.ndarray, remove: bool) -> np.ndarray:
+    """Cell masses of the revealed-Z loss for cells ``u in [t_lo, t_hi]``: per bin
+    ``x = u/mu + mu/2``; remove: ``(1-q) N(0,1) + q N(mu,1)`` (the second is the twin),
+    add: ``N(0,1)``."""
+    mu, logp = step.mu, step._logp
+    if remove:
+        twin = logp + math.log(step.q) if step.q > 0 else None
+        return mixture_cell_masses(t_lo, t_hi, 1.0 / mu, 0.5 * mu, logp + step.log1mq, twin)
+    return mixture_cell_masses(t_lo, t_hi, 1.0 / mu, 0.5 * mu, logp)
+
+
+def _hidden_components(step: StepPRV, remove: bool) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(alpha, beta, log_w)`` of ``P = (1-q) N(0,1) + q sum_j p_j N(mu_j,1)`` (remove)
+    or ``Q = N(0,1)`` (add), as ``Phi(alpha x + beta)`` components."""
+    if not remove:
+        return np.ones(1), np.zeros(1), np.zeros(1)
+    ones = np.ones(step.mu.size + 1)
+    beta = np.concatenate([[0.0], -step.mu])
+    log_w = np.concatenate([[step.log1mq], math.log(step.q) + step._logp])
+    return ones, beta, log_w
+
+
+def _gauss_mass_beyond(x: float, alpha: np.ndarray, beta: np.ndarray, log_w: np.ndarray,
+                       upper: bool) -> float:
+    """``sum_j w_j P(N(0,1) > alpha_j x + beta_j)`` (``upper``) or ``< ...``."""
+    if math.isinf(x) and (x < 0) == upper:
+        return float(np.exp(log_w).sum())
+    arg = alpha * x + beta
+    return float(np.exp(log_w) @ (ndtr(-arg) if upper else ndtr(arg)))
+
+
+def _cell_masses(step: StepPRV, direction: str, edges: np.ndarray) -> Tuple[np.ndarray, float, float]:
+    """Masses of the finite loss in the cells ``(edges[i], edges[i+1]]`` and the masses
+    below ``edges[0]`` and above ``edges[-1]``.
+
+    Remove: ``Y = log rho(X), X ~ P``; add: ``Y = -log rho(X), X ~ Q``. A cell in ``Y`` is an
+    interval in ``u = log((e^Y - (1-q))/q)`` (remove) or in ``u(-Y)`` (add), affine in
+    ``x`` per bin (revealed) or through the root ``x(u)`` of the hidden mixture.
+    """
+    remove = direction == "remove"
+    u = step._u(edges if remove else -edges[::-1])  # increasing
+    if step.hidden:
+        xe = step._x_hidden(u)
+        xe = np.where(np.isfinite(u), xe, -np.inf)
+        alpha, beta, log_w = _hidden_components(step, remove)
+        masses = mixture_cell_masses(xe[:-1], xe[1:], alpha, beta, log_w)
+        low = _gauss_mass_beyond(float(xe[0]), alpha, beta, log_w, upper=False)
+        high = _gauss_mass_beyond(float(xe[-1]), alpha, beta, log_w, upper=True)
+        atom = 0.0
+    else:
+        masses = _revealed_masses(step, u[:-1], u[1:], remove)
+        alpha, beta = 1.0 / step.mu, 0.5 * step.mu
+        lw = step._logp + (step.log1mq if remove else 0.0)
+        low = _gauss_mass_beyond(float(u[0]), alpha, beta, lw, upper=False)
+        high = _gauss_mass_beyond(float(u[-1]), alpha, beta, lw, upper=True)
+        if remove and step.q > 0:
+            lt = step._logp + math.log(step.q)
+            low += _gauss_mass_beyond(float(u[0]), alpha, beta - 1.0 / alpha, lt, upper=False)
+            high += _gauss_mass_beyond(float(u[-1]), alpha, beta - 1.0 / alpha, lt, upper=True)
+        # the infinite bin's finite atom: log(1-q) w.p. (1-q) p_inf (remove), -log(1-q)
+        # w.p. p_inf (add)
+        atom = (1.0 - step.q) * step.p_inf if remove else step.p_inf
+    if not remove:  # back to increasing Y: reverse cells, swap the two sides
+        masses, low, high = masses[::-1].copy(), high, low
+    if atom > 0 and step.q < 1.0:
+        loc = step.log1mq if remove else -step.log1mq
+        i = int(np.searchsorted(edges, loc, side="left")) - 1  # edges[i] < loc <= edges[i+1]
+        if i < 0:
+            low += atom
+        elif i >= masses.size:
+            high += atom
+        else:
+            masses[i] += atom
+    return masses, low, high
+
+
 def _discretise(step: StepPRV, direction: str, dom: _Domain) -> Tuple[np.ndarray, float, float]:
     """Cell-centred pmf on the domain, mean shift, and the step's mass at infinity.
 
     Mass below the first edge is dropped and the rest renormalised (moves mass up);
-    mass above the last edge goes to infinity. The grid is shifted so that the discrete
+    mass above the last edge, and any finite mass the cells do not account for (float
+    rounding, underflow), goes to infinity. The grid is shifted so that the discrete
     mean equals the continuous (truncated, renormalised) mean, as in Gopi et al.
     """
     dt = dom.dt
-    e_idx = dom.i0 + np.arange(dom.n + 1) - 0.5  # edge positions / dt
-    edges = e_idx * dt
-    neg = edges < 0
-    cdf_lo = np.zeros(neg.sum())
-    if cdf_lo.size:
-        cdf_lo = step.lower_cdf(direction, edges[neg])
-    sf_hi = step.upper_sf(direction, edges[~neg])
-    # pmf: cells fully below 0 from the CDF, above 0 from the survival function
-    finite = step._finite_mass(direction)
-    n_lo = cdf_lo.size  # edges[0..n_lo-1] < 0 ; edges[n_lo..] >= 0
-    pmf = np.empty(dom.n)
-    pmf[: n_lo - 1] = np.diff(cdf_lo)
-    pmf[n_lo - 1] = finite - cdf_lo[-1] - sf_hi[0]
-    pmf[n_lo:] = -np.diff(sf_hi)
-    pmf = np.maximum(pmf, 0.0)
-    # mass beyond the last edge, plus a bound on the dropped Phi terms, to infinity
-    dropped = 2.0 * _DROP * (step.p.size + 1) * dom.n
-    upper_mass = float(sf_hi[-1]) + dropped
+    edges = (dom.i0 + np.arange(dom.n + 1) - 0.5) * dt
+    pmf, below, _ = _cell_masses(step, direction, edges)
     inside = float(pmf.sum())
-    pm_inf_total = step.pm_inf(direction) + upper_mass
-    # truncated, renormalised distribution on [e_0, e_n]
+    # finite weight of the renormalised pmf: inside + below (below is moved up); all
+    # the rest of the unit mass is infinite loss (never less than the exact pm_inf)
+    pm_inf_total = max(1.0 - (inside + below), step.pm_inf(direction))
     mean_c = step.partial_mean(direction, float(edges[0]), float(edges[-1])) / max(inside, 1e-300)
     pmf /= inside
     mean_d = float(np.dot(dom.centres, pmf))
@@ -541,7 +695,6 @@ def _discretise(step: StepPRV, direction: str, dom: _Domain) -> Tuple[np.ndarray
     if abs(shift) >= dt / 2:
         logger.warning("mean shift %.3g exceeds half the mesh %.3g; clipped", shift, dt / 2)
         shift = math.copysign(dt / 2 * (1 - 1e-9), shift)
-    # finite probability after renormalisation: 1 - pm_inf_total (counts mass below e_0)
     return pmf, shift, min(pm_inf_total, 1.0)
 
 
