@@ -162,12 +162,14 @@ def envelope_mixture(
 # --------------------------------------------------------------------------------------
 
 #: Series terms of ``Phi(c + h/2) - Phi(c - h/2) = phi(c) h sum_k He_2k(c) h^2k / ((2k+1)! 4^k)``
-_SERIES_TERMS = 3
+_SERIES_TERMS = 4
 #: A cell uses the series when ``h (|c| + 3) <= _SERIES_MAX`` for every component; the
-#: first omitted term is then below ``0.05^6 / (7! 4^3) < 5e-14`` relative (``|He_6(c)| <=
-#: (|c| + 3)^6``), otherwise both ends are evaluated with ``ndtr``.
-_SERIES_MAX = 0.05
+#: first omitted term is then below ``0.15^8 / (9! 4^4) < 3e-15`` relative (``|He_8(c)| <=
+#: (|c| + 3)^8``), otherwise both ends are evaluated with ``ndtr``.
+_SERIES_MAX = 0.15
 _ROWS_PER_CHUNK = 1024
+#: ``phi(c) < exp(-800)`` beyond this: such components are skipped in a chunk.
+_C_NEGLIGIBLE = 40.0
 
 
 def _herme_even_coefficients(alpha: np.ndarray, beta: np.ndarray) -> np.ndarray:
@@ -283,18 +285,30 @@ def mixture_cell_masses(
     # twins: balance the exponent with exp(t/2) so that neither family underflows while the
     # other matters (both are then exp(+-t/2) times the shared exponential)
     q_row = Q + (0.5 if twin_log_w is not None else 0.0)
+    twin_beta = beta - 1.0 / alpha if twin_log_w is not None else beta
     buf = np.empty((min(_ROWS_PER_CHUNK, good.size), alpha.size))
     for start in range(0, good.size, _ROWS_PER_CHUNK):
         rows = good[start : start + _ROWS_PER_CHUNK]
-        t = mid[rows]
+        t = mid[rows]  # increasing
         w = width[rows]
-        x = buf[: rows.size]
-        np.multiply(t[:, None], P[None, :], out=x)
-        x += q_row
+        # components whose |c| exceeds _C_NEGLIGIBLE on the whole chunk (and whose twin's
+        # does too) contribute below exp(-800): skipped (any such mass is sent to
+        # infinity by the caller's balance)
+        lo_c, hi_c = alpha * t[0] + beta, alpha * t[-1] + beta
+        lo_t, hi_t = alpha * t[0] + twin_beta, alpha * t[-1] + twin_beta
+        cols = np.nonzero(
+            ((hi_c >= -_C_NEGLIGIBLE) & (lo_c <= _C_NEGLIGIBLE))
+            | ((hi_t >= -_C_NEGLIGIBLE) & (lo_t <= _C_NEGLIGIBLE))
+        )[0]
+        if cols.size == 0:
+            continue
+        x = buf[: rows.size, : cols.size]
+        np.multiply(t[:, None], P[None, cols], out=x)
+        x += q_row[cols]
         x *= t[:, None]
-        x += R
+        x += R[cols]
         np.exp(x, out=x)
-        s = _matmul_1thread(x, coef)
+        s = _matmul_1thread(x, coef[cols])
         mono = w[:, None] ** (2 * k_idx) * t[:, None] ** r_idx
         if twin_log_w is None:
             val = np.einsum("ij,ij->i", s, mono)
