@@ -72,22 +72,39 @@ def clipped_embedding(
     return out
 
 
-class _LinearSkippingWeightGrad(torch.autograd.Function):
-    """``F.linear`` whose backward computes only the input gradient: the weight and bias
-    gradients are assembled later from the recorded activations and output gradients."""
+class _LinearDeferredWeightGrad(torch.autograd.Function):
+    """``F.linear`` whose backward computes the parameter gradients only when
+    ``wanted()`` says so: book-keeping never needs them from autograd, the two-pass
+    method only in its second (clipped) pass."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-        ctx.save_for_backward(weight)
+    def forward(ctx, x, weight, bias, wanted: Callable[[], bool]):
+        ctx.save_for_backward(x, weight)
+        ctx.wanted = wanted
+        ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        (weight,) = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        return grad_x, None, None
+        grad_w = grad_b = None
+        if ctx.wanted():
+            g = grad_out.reshape(-1, grad_out.shape[-1])
+            if ctx.needs_input_grad[1]:
+                grad_w = g.t().mm(x.reshape(-1, x.shape[-1]))
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = g.sum(dim=0)
+        return grad_x, grad_w, grad_b, None
 
 
-def linear_forward_skipping_weight_grad(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """Forward of ``layer`` that leaves its parameter gradients to book-keeping."""
-    return _LinearSkippingWeightGrad.apply(x, layer.weight, layer.bias)
+def _never() -> bool:
+    return False
+
+
+def linear_forward_deferring_weight_grad(
+    layer: nn.Linear, x: torch.Tensor, wanted: Callable[[], bool] = _never
+) -> torch.Tensor:
+    """Forward of ``layer`` whose parameter gradients autograd computes only when
+    ``wanted()`` (default: never; book-keeping assembles them instead)."""
+    return _LinearDeferredWeightGrad.apply(x, layer.weight, layer.bias, wanted)

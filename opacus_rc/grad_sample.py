@@ -31,7 +31,7 @@ from .bookkeeping import (
     clipped_bias,
     clipped_embedding,
     clipped_linear_weight,
-    linear_forward_skipping_weight_grad,
+    linear_forward_deferring_weight_grad,
 )
 from .config import SketchConfig
 from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, register_model_layers
@@ -52,6 +52,19 @@ class SketchingMixin:
             cls: functools.partial(fn, sketcher=self.sketcher)
             for cls, fn in RANDOMIZED_NORM_SAMPLERS.items()
         }
+        # The first backward pass only needs output gradients: linear layers compute
+        # their weight gradients in the second (clipped) pass only, when hooks are off.
+        self._deferred = [
+            m for m in self._module.modules()
+            if type(m) is nn.Linear and any(p.requires_grad for p in m.parameters(recurse=False))
+        ]
+        for m in self._deferred:
+            m.forward = functools.partial(
+                linear_forward_deferring_weight_grad, m, wanted=self._in_second_pass
+            )
+
+    def _in_second_pass(self) -> bool:
+        return not self.hooks_enabled
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-example norms over all trainable parameters (L2 of the per-parameter
@@ -131,6 +144,11 @@ class SketchingMixin:
                 param._tied_sketch_sum = None
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len
+
+    def cleanup(self) -> None:
+        for m in self._deferred:
+            m.__dict__.pop("forward", None)
+        super().cleanup()
 
     def sketch_state_dict(self) -> Dict[str, Any]:
         """State of the sketch generator(s), for checkpoints."""
@@ -239,7 +257,7 @@ class BookkeepingMixin:
             )
         for m in self._bookkept:
             if isinstance(m, nn.Linear):
-                m.forward = functools.partial(linear_forward_skipping_weight_grad, m)
+                m.forward = functools.partial(linear_forward_deferring_weight_grad, m)
 
     def capture_activations_hook(self, module, forward_input, _forward_output) -> None:
         if self._awaiting_forward and self.hooks_enabled:
