@@ -57,10 +57,17 @@ def test_rc_above_prv_and_decreasing_to_it_in_k():
     eps = [rc_eps(k, bin_ratio=0.04) for k in (16, 64, 1024, 10_000)]
     assert all(e >= ref for e in eps)
     assert all(a > b for a, b in zip(eps, eps[1:])), eps
-    # k=10,000 is outside the envelope's verified set, where envelope.py uses the looser
-    # Chernoff bound: measured +3.3% (the single-chi2 envelope would give < 2%); the
-    # 4% bound leaves room for the bins' rounding-up (ratio 0.04 here).
-    assert eps[-1] <= 1.04 * ref
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="k=10,000 is outside envelope.VERIFIED_K: the Chernoff fallback gives +3.3% "
+    "(the single-chi2 envelope would be within 2%); needs k=10,000 verified",
+)
+def test_rc_within_2pct_of_prv_at_k_10000():
+    # Z* -> 1 as k grows (chi2_k/k concentrates, width sqrt(2/k) = 1.4% at k=10,000), so
+    # eps_rc -> eps_det; 2% covers the bins' rounding-up (ratio 0.04 on a 1.4%-wide law)
+    assert rc_eps(10_000, bin_ratio=0.04) <= 1.02 * opacus_prv(SIGMA, Q, T)
 
 
 def _revealed_pld_eps(sigma, q, mixture, steps, delta=DELTA, d=1e-3):
@@ -184,9 +191,14 @@ def test_calibration_reproduces_target():
     assert acc.get_epsilon(DELTA) > 3.0 - 0.05
 
 
-def test_large_epsilon_does_not_crash():
-    eps = rc_eps(32, sigma=0.5, q=0.1, steps=100, bin_ratio=0.04)
-    assert eps > 10 and math.isfinite(eps)
+def test_large_epsilon_and_100k_steps():
+    # 100k steps (mesh 1.2e-5) and eps > 10: finite, above Opacus prv (same PRV method on
+    # a dominated mechanism, both with eps_error 0.01), and not absurdly above it
+    for sigma, q, steps in [(1.0, 0.001, 100_000), (0.6, 0.05, 1000)]:
+        eps = rc_eps(32, sigma=sigma, q=q, steps=steps, bin_ratio=0.04)
+        ref = opacus_prv(sigma, q, steps)
+        assert math.isfinite(eps) and ref - 0.02 <= eps <= 2.0 * ref, (eps, ref)
+    assert rc_eps(32, sigma=0.6, q=0.05, steps=1000, bin_ratio=0.04) > 10
 
 
 def test_bad_input():
