@@ -21,7 +21,7 @@ from .variants import VARIANTS
 #: 2.21 (k = 4) and 2.62 (k = 32), where a factor-2 underestimate of the norm
 #: is visible with ~1e4 trials per side.
 DEFAULT_SIGMA = {4: 2.0, 32: 1.0}
-QUICK_STEPS = 300
+QUICK_STEPS = 400
 FULL_STEPS = 2000
 
 
