@@ -167,6 +167,7 @@ def test_honest_audit_stays_below_accountant(honest, estimator, k):
     r = honest[(estimator, k)]
     exact = exact_epsilon(estimator, k, r.sigma, "honest", DELTA)
     assert r.trials == 40 * 256
+    assert math.isfinite(r.eps_accounted), "rc_prv gave no finite epsilon for one step at q=1"
     assert r.eps_lower < r.eps_accounted
     # the exact epsilon of the audited pair (hidden Z) is below the accountant's (revealed
     # Z, envelope, bins rounded up): an independent check of rc_prv on this pair; the
