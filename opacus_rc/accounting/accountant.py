@@ -235,6 +235,69 @@ class RCPRVAccountant(IAccountant):
         return sorted(merged.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2])))
 
 
+class _LogLogSecant:
+    """Root search of a decreasing ``eps(sigma)`` in ``(log sigma, log eps)`` coordinates.
+
+    Keeps a bracket (``lo``: eps above the target, ``hi``: at or below it) and proposes the
+    secant through the last two finite points (slope ``-1`` until there are two: ``eps`` is
+    about ``1/sigma`` for a Gaussian), aimed at the middle of the acceptance window; the
+    proposal is clamped to a factor 4 per step and replaced by the geometric midpoint of the
+    bracket when it falls outside it or the same end moved twice in a row (Illinois-type
+    safeguard), so it never needs more steps than bisection plus a few.
+    """
+
+    def __init__(self, target: float, tol: float, slope: float = -1.0) -> None:
+        self.target, self.tol = target, tol
+        self.aim = math.log(max(target - 0.5 * tol, 0.5 * target))
+        self.lo: Optional[float] = None
+        self.hi: Optional[float] = None
+        self.eps_hi = math.inf
+        self.points: List[Tuple[float, float]] = []
+        self.slope = slope
+        self._last_side = ""
+        self._same_side = 0
+
+    def update(self, sigma: float, eps: float) -> None:
+        side = "hi" if eps <= self.target else "lo"
+        if side == "hi" and (self.hi is None or sigma < self.hi):
+            self.hi, self.eps_hi = sigma, eps
+        if side == "lo" and (self.lo is None or sigma > self.lo):
+            self.lo = sigma
+        self._same_side = self._same_side + 1 if side == self._last_side else 0
+        self._last_side = side
+        if math.isfinite(eps) and eps > 0:
+            self.points.append((math.log(sigma), math.log(eps)))
+            if len(self.points) >= 2:
+                (a0, b0), (a1, b1) = self.points[-2], self.points[-1]
+                if a1 != a0 and (b1 - b0) / (a1 - a0) < 0:
+                    self.slope = (b1 - b0) / (a1 - a0)
+
+    def done(self) -> bool:
+        if self.hi is None:
+            return False
+        if self.target - self.eps_hi <= self.tol:
+            return True
+        return self.lo is not None and self.hi - self.lo <= 1e-6 * self.hi
+
+    def propose(self) -> float:
+        if not self.points:  # only infinite epsilons so far: grow
+            return 2.0 * (self.lo if self.lo is not None else 1.0)
+        a, b = self.points[-1]
+        step = min(max((self.aim - b) / self.slope, -math.log(4.0)), math.log(4.0))
+        guess = math.exp(a + step)
+        if self.lo is not None and self.hi is not None:
+            inside = self.lo < guess < self.hi
+            margin = 1e-3 * (self.hi - self.lo)
+            if not inside or self._same_side >= 2:
+                return math.sqrt(self.lo * self.hi) if self.lo > 0 else 0.5 * self.hi
+            return min(max(guess, self.lo + margin), self.hi - margin)
+        if self.hi is None and self.lo is not None:
+            guess = max(guess, 1.05 * self.lo)
+        if self.lo is None and self.hi is not None:
+            guess = min(guess, 0.95 * self.hi)
+        return guess
+
+
 def get_noise_multiplier_rc(
     target_epsilon: float,
     target_delta: float,
@@ -244,12 +307,18 @@ def get_noise_multiplier_rc(
     sketch_config: Optional[SketchConfig] = None,
     epsilon_tolerance: float = 0.01,
     eps_error: float = 0.01,
+    sigma_lower: Optional[float] = None,
 ) -> float:
     """Smallest noise multiplier (to the tolerance) with ``eps_rc <= target_epsilon``.
 
-    Bisection on sigma (eps is decreasing in sigma) until the epsilon of the upper end is
-    within ``epsilon_tolerance`` of the target; the upper end is returned, so the result
-    always meets the target. ``sketch_config=None`` calibrates deterministic clipping.
+    Returns a sigma whose epsilon, computed with ``eps_error``, lies in
+    ``[target - epsilon_tolerance, target]``, so the result always meets the target.
+    Two phases of a safeguarded secant search in ``(log sigma, log eps)``: first with a
+    coarse ``eps_error`` (a coarser mesh still gives a valid upper bound on epsilon, and is
+    several times cheaper) to locate the root, then with ``eps_error`` starting there (two
+    or three evaluations). ``sigma_lower`` (e.g. the deterministic sigma, which never
+    exceeds the randomized one) is only a starting point. ``sketch_config=None``
+    calibrates deterministic clipping.
     """
     if (steps is None) == (epochs is None):
         raise ValueError("give exactly one of steps= or epochs=")
@@ -257,27 +326,36 @@ def get_noise_multiplier_rc(
         raise ValueError(f"target_epsilon={target_epsilon} must be > 0")
     if not 0.0 < sample_rate <= 1.0:
         raise ValueError(f"sample_rate={sample_rate} must lie in (0, 1]")
+    if not epsilon_tolerance > 0:
+        raise ValueError(f"epsilon_tolerance={epsilon_tolerance} must be > 0")
     if steps is None:
         steps = int(epochs / sample_rate)
+    sketch = sketch_record(sketch_config)
     acc = RCPRVAccountant()
-    acc.history = [(0.0, sample_rate, int(steps), sketch_record(sketch_config))]
 
-    def eps_at(sigma: float) -> float:
-        acc.history = [(sigma, sample_rate, int(steps), acc.history[0][3])]
-        return acc.get_epsilon(target_delta, eps_error=eps_error)
+    def eps_at(sigma: float, err: float) -> float:
+        acc.history = [(sigma, sample_rate, int(steps), sketch)]
+        return acc.get_epsilon(target_delta, eps_error=err)
 
-    lo, hi = 0.0, 1.0
-    eps_hi = eps_at(hi)
-    while eps_hi > target_epsilon:
-        lo, hi = hi, 2.0 * hi
-        if hi > MAX_SIGMA:
-            raise ValueError("The privacy budget is too low.")
-        eps_hi = eps_at(hi)
-    while target_epsilon - eps_hi > epsilon_tolerance and hi - lo > 1e-6 * hi:
-        mid = 0.5 * (lo + hi)
-        e = eps_at(mid)
-        if e <= target_epsilon:
-            hi, eps_hi = mid, e
-        else:
-            lo = mid
-    return hi
+    def search(err: float, tol: float, start: float, slope: float) -> _LogLogSecant:
+        solver = _LogLogSecant(target_epsilon, tol, slope)
+        sigma = start
+        for _ in range(200):
+            if sigma > MAX_SIGMA:
+                raise ValueError("The privacy budget is too low.")
+            solver.update(sigma, eps_at(sigma, err))
+            if solver.done():
+                return solver
+            sigma = solver.propose()
+        raise RuntimeError("noise calibration did not converge")  # pragma: no cover
+
+    start = float(sigma_lower) if sigma_lower and sigma_lower > 0 else 1.0
+    coarse_err = min(0.1, 0.05 * target_epsilon)
+    if coarse_err > 2.0 * eps_error:
+        coarse = search(coarse_err, max(epsilon_tolerance, 2.0 * coarse_err), start, -1.0)
+        start, slope = coarse.hi, coarse.slope
+        # the fine epsilon is smaller (finer mesh): start a little below the coarse root
+        start *= math.exp(-coarse_err / (target_epsilon * max(-slope, 0.25)))
+    else:
+        slope = -1.0
+    return search(eps_error, epsilon_tolerance, start, slope).hi
