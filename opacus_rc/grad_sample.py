@@ -39,7 +39,26 @@ from .sketch import Sketcher
 
 
 class SketchingMixin:
-    """Binds the randomized norm samplers to this module's sketcher."""
+    """Binds the randomized norm samplers to this module's sketcher.
+
+    Args (besides Opacus's ``m``, ``batch_first``, ``loss_reduction``, ``strict``,
+    ``force_functorch``, ``max_grad_norm``):
+        sketch_config: estimator, sketch size, sketching.
+        sketch_seed: seed of the sketch generator (``None``: from ``os.urandom``).
+        secure_mode: re-seed every sketch draw from ``os.urandom``.
+    """
+
+    def __init__(
+        self,
+        m: nn.Module,
+        *,
+        sketch_config: SketchConfig = SketchConfig(),
+        sketch_seed: Optional[int] = None,
+        secure_mode: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(m, use_ghost_clipping=True, **kwargs)
+        self._init_randomized(sketch_config, sketch_seed, secure_mode)
 
     def _init_randomized(
         self, sketch_config: SketchConfig, sketch_seed: Optional[int], secure_mode: bool
@@ -167,59 +186,11 @@ class GradSampleHooksRandomizedClipping(
     privatized: for debugging only, as in Opacus).
     """
 
-    def __init__(
-        self,
-        m: nn.Module,
-        *,
-        batch_first: bool = True,
-        loss_reduction: str = "mean",
-        strict: bool = True,
-        force_functorch: bool = False,
-        max_grad_norm: float = 1.0,
-        sketch_config: SketchConfig = SketchConfig(),
-        sketch_seed: Optional[int] = None,
-        secure_mode: bool = False,
-    ) -> None:
-        super().__init__(
-            m,
-            batch_first=batch_first,
-            loss_reduction=loss_reduction,
-            strict=strict,
-            force_functorch=force_functorch,
-            max_grad_norm=max_grad_norm,
-            use_ghost_clipping=True,
-        )
-        self._init_randomized(sketch_config, sketch_seed, secure_mode)
-
 
 class GradSampleModuleRandomizedClipping(
     SketchingMixin, GradSampleModuleFastGradientClipping
 ):
     """Wrapping (``wrap_model=True``) form of randomized clipping."""
-
-    def __init__(
-        self,
-        m: nn.Module,
-        *,
-        batch_first: bool = True,
-        loss_reduction: str = "mean",
-        strict: bool = True,
-        force_functorch: bool = False,
-        max_grad_norm: float = 1.0,
-        sketch_config: SketchConfig = SketchConfig(),
-        sketch_seed: Optional[int] = None,
-        secure_mode: bool = False,
-    ) -> None:
-        super().__init__(
-            m,
-            batch_first=batch_first,
-            loss_reduction=loss_reduction,
-            strict=strict,
-            force_functorch=force_functorch,
-            max_grad_norm=max_grad_norm,
-            use_ghost_clipping=True,
-        )
-        self._init_randomized(sketch_config, sketch_seed, secure_mode)
 
 
 # --- Book-keeping: one backward pass (grad_sample_mode="hooks") ------------------------
@@ -235,6 +206,18 @@ class BookkeepingMixin:
     per-sample gradients (``p.grad_sample``). Linear layers skip their weight-gradient
     computation in the backward pass, which book-keeping replaces.
     """
+
+    def __init__(
+        self,
+        m: nn.Module,
+        *,
+        sketch_config: SketchConfig = SketchConfig(),
+        sketch_seed: Optional[int] = None,
+        secure_mode: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(m, **kwargs)
+        self._init_bookkeeping(sketch_config, sketch_seed, secure_mode)
 
     def _init_bookkeeping(
         self, sketch_config: SketchConfig, sketch_seed: Optional[int], secure_mode: bool
@@ -305,34 +288,6 @@ def _clipped_sum(module: nn.Module, param: nn.Parameter, a: torch.Tensor, g: tor
 class GradSampleModuleBookkeeping(BookkeepingMixin, GradSampleModule):
     """Wrapping form of book-keeping randomized clipping (``grad_sample_mode="hooks"``)."""
 
-    def __init__(
-        self,
-        m: nn.Module,
-        *,
-        batch_first: bool = True,
-        loss_reduction: str = "mean",
-        strict: bool = True,
-        sketch_config: SketchConfig = SketchConfig(),
-        sketch_seed: Optional[int] = None,
-        secure_mode: bool = False,
-    ) -> None:
-        super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
-        self._init_bookkeeping(sketch_config, sketch_seed, secure_mode)
-
 
 class GradSampleHooksBookkeeping(BookkeepingMixin, GradSampleHooks):
     """Hooks (``wrap_model=False``) form of book-keeping randomized clipping."""
-
-    def __init__(
-        self,
-        m: nn.Module,
-        *,
-        batch_first: bool = True,
-        loss_reduction: str = "mean",
-        strict: bool = True,
-        sketch_config: SketchConfig = SketchConfig(),
-        sketch_seed: Optional[int] = None,
-        secure_mode: bool = False,
-    ) -> None:
-        super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
-        self._init_bookkeeping(sketch_config, sketch_seed, secure_mode)

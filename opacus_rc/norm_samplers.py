@@ -62,12 +62,13 @@ def weight_sq_norms(
 
 @register_randomized_norm_sampler(nn.Linear)
 def linear_norm_sample(
-    layer: nn.Linear,
+    layer: nn.Module,
     activations: List[torch.Tensor],
     backprops: torch.Tensor,
     sketcher: Sketcher,
 ) -> Dict[nn.Parameter, torch.Tensor]:
-    """Norms for ``nn.Linear``: activations[0] is (B, ..., d), backprops (B, ..., p)."""
+    """Norms for ``nn.Linear`` (and HF ``Conv1D``, whose (d x p) weight has the same
+    per-sample gradient norm): activations[0] is (B, ..., d), backprops (B, ..., p)."""
     a = activations[0]
     norms = {}
     if layer.weight.requires_grad:
@@ -160,18 +161,6 @@ def embedding_projection(layer, activations, backprops, sketcher):
 # --- Hugging Face transformers' Conv1D (GPT-2): a linear layer with a (d_in, d_out) weight
 
 
-def conv1d_norm_sample(layer, activations, backprops, sketcher):
-    """Norms for ``transformers.pytorch_utils.Conv1D``: y = x W + b with W (d, p), so the
-    per-sample weight gradient is ``A^T G`` (d x p), the linear layer's up to transposition."""
-    a = activations[0]
-    norms = {}
-    if layer.weight.requires_grad:
-        norms[layer.weight] = weight_sq_norms(a, backprops, sketcher, key=layer.weight).sqrt()
-    if layer.bias is not None and layer.bias.requires_grad:
-        norms[layer.bias] = bias_sq_norms(backprops).sqrt()
-    return norms
-
-
 def conv1d_projection(layer, activations, backprops, sketcher):
     """Weight (d x p), grad ``A^T G``: ``P^T A^T G`` as (B, p, k) = ``G^T (A P)``."""
     a, g = as_sequences(activations[0], backprops)
@@ -190,5 +179,6 @@ def register_model_layers(model: nn.Module) -> None:
     for module in model.modules():
         cls = type(module)
         if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers"):
-            RANDOMIZED_NORM_SAMPLERS.setdefault(cls, conv1d_norm_sample)
+            # Same norms as nn.Linear: the (d x p) weight's gradient is A^T G.
+            RANDOMIZED_NORM_SAMPLERS.setdefault(cls, linear_norm_sample)
             TIED_PROJECTIONS.setdefault(cls, conv1d_projection)

@@ -17,7 +17,11 @@ from opacus.optimizers import (
     DPOptimizer,
     DPOptimizerFastGradientClipping,
 )
-from opacus.optimizers.optimizer import _mark_as_processed
+from opacus.optimizers.optimizer import (
+    _check_processed_flag,
+    _generate_noise,
+    _mark_as_processed,
+)
 from torch.optim import Optimizer
 
 from .config import SketchConfig
@@ -74,6 +78,33 @@ class RandomizedClippingMixin:
         if taken and self.sketcher is not None:
             self.sketcher.new_step()
         return taken
+
+    def accumulate(self) -> None:
+        """Move the clipped gradient into ``p.summed_grad`` without copying it (Opacus
+        deep-copies): ``p.grad`` is released, so a later in-place zeroing cannot touch it."""
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if p.summed_grad is not None:
+                p.summed_grad.add_(p.grad.detach())
+            else:
+                p.summed_grad = p.grad.detach()
+            p.grad = None
+
+    def add_noise(self) -> None:
+        """Opacus's Gaussian noise ``N(0, sigma^2 C^2)`` added in place into the clipped
+        sum, whose buffer becomes ``p.grad`` (one parameter-sized buffer less than
+        ``summed_grad + noise``). Distributed: only rank 0 adds noise, as in Opacus."""
+        if getattr(self, "rank", 0) != 0:
+            return super().add_noise()
+        std = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            noise = _generate_noise(
+                std=std, reference=p.summed_grad, generator=self.generator, secure_mode=self.secure_mode
+            )
+            _mark_as_processed(p.summed_grad)
+            p.grad = p.summed_grad.add_(noise).view_as(p)
 
     def _check_finite_gradients(self) -> None:
         for p in self.params:
