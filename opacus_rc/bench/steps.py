@@ -1,13 +1,15 @@
 """Per-step cost of DP training of a small causal decoder, side by side in one process.
 
-Four configurations train copies of the same :class:`~opacus_rc.models.TinyDecoder` on the
+Five configurations train copies of the same :class:`~opacus_rc.models.TinyDecoder` on the
 same batch (SGD, next-token loss):
 
 * ``nonprivate``: plain training, mean cross-entropy, one backward pass;
 * ``hooks``: Opacus ``grad_sample_mode="hooks"`` (per-sample gradients, flat clipping);
 * ``ghost``: Opacus ghost clipping (``grad_sample_mode="ghost"``, two backward passes,
   per-sequence loss through Opacus's ``DPLossFastGradientClipping``);
-* ``randomized``: the same with ``clipping="randomized"`` (Hutchinson, k = 32).
+* ``randomized``: the same with ``clipping="randomized"`` (Hutchinson, k = 32);
+* ``randomized_bk``: randomized clipping by book-keeping (``grad_sample_mode="hooks"``,
+  one backward pass, plain loss; Hutchinson, k = 32).
 
 Step time is the median over interleaved repetitions (config order rotated every
 repetition, so load changes on a shared machine hit every configuration alike); the
@@ -40,7 +42,7 @@ from .layers import median
 
 logger = logging.getLogger(__name__)
 
-CONFIGS = ("nonprivate", "hooks", "ghost", "randomized")
+CONFIGS = ("nonprivate", "hooks", "ghost", "randomized", "randomized_bk")
 BASELINE = "nonprivate"
 
 
@@ -258,7 +260,8 @@ def make_trainer(
     from opacus import PrivacyEngine
 
     ensure_rc_accountant()
-    randomized = config == "randomized"
+    randomized = config.startswith("randomized")
+    one_pass = config in ("hooks", "randomized_bk")
     engine = PrivacyEngine(accountant="rc_prv" if randomized else "prv")
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(tokens), batch_size=tokens.shape[0]
@@ -277,10 +280,10 @@ def make_trainer(
             data_loader=loader,
             noise_multiplier=noise_multiplier,
             max_grad_norm=1.0,
-            grad_sample_mode="hooks" if config == "hooks" else "ghost",
+            grad_sample_mode="hooks" if one_pass else "ghost",
             **extra,
         )
-    if config == "hooks":
+    if one_pass:
         module, dp_optimizer, _ = out
         return Trainer(config, module, dp_optimizer, _plain_loss(module))
     module, dp_optimizer, criterion, _ = out
