@@ -324,3 +324,38 @@ def test_sketch_options_without_randomized_clipping_are_refused(model_factory):
             max_grad_norm=1.0,
             sketch_size=8,
         )
+
+
+def test_make_private_with_epsilon_calibrates_for_randomized_clipping(model_factory):
+    """sigma from make_private_with_epsilon(clipping="randomized") reaches the target
+    epsilon after the planned epoch (calibration tolerance 0.01 plus the accountant's
+    eps_error 0.01), and is larger than the deterministic calibration's."""
+    data = token_task(n=64, t=40)
+    sigmas = {}
+    for clipping, accountant in [("randomized", "rc_prv"), ("flat", "prv")]:
+        engine = PrivacyEngine(accountant=accountant)
+        model = model_factory()
+        module, opt, crit, dl = engine.make_private_with_epsilon(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.CrossEntropyLoss(),
+            data_loader=loader(data, 16),
+            target_epsilon=3.0,
+            target_delta=1e-5,
+            epochs=1,
+            max_grad_norm=1.0,
+            grad_sample_mode="ghost",
+            clipping=clipping,
+            **({"sketch_size": 16} if clipping == "randomized" else {}),
+        )
+        sigmas[clipping] = opt.noise_multiplier
+        if clipping == "randomized":
+            for _ in range(len(dl)):  # the planned epoch: 4 steps at q = 1/4
+                x, y = next(iter(dl))  # Poisson batch, possibly empty
+                crit(module(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            assert len(engine.accountant.history) == 1
+            assert engine.accountant.history[0][2] == len(dl)
+            assert 2.95 <= engine.get_epsilon(1e-5) <= 3.0 + 0.02
+    assert sigmas["randomized"] > sigmas["flat"]
