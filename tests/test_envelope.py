@@ -153,7 +153,8 @@ def test_search_detects_a_violation_above_one():
 
 
 def test_verified_k_matches_the_search_set():
-    assert env.VERIFIED_K == frozenset(ve.K_MAIN) | frozenset(ve.K_EXTRA)
+    assert env.VERIFIED_K == frozenset(ve.K_MAIN) | frozenset(ve.K_EXTRA) | frozenset(ve.K_LARGE)
+    assert {2048, 4096, 10000, 100000} <= env.VERIFIED_K
     assert len(ve.weight_vectors(np.random.default_rng(0))) * len(ve.K_MAIN) >= 10_000
 
 
@@ -174,10 +175,31 @@ def test_envelope_lower_tail_edges_and_fallback(caplog):
     out = env.envelope_lower_tail(x, 32)
     assert out[0] == 0 and out[1] == 0 and out[4] == 1.0
     assert out[2] == pytest.approx(stats.chi2.cdf(16, 32), rel=1e-14)
-    assert 2000 not in env.VERIFIED_K
-    np.testing.assert_array_equal(env.envelope_lower_tail(x, 2000), env.chernoff_lower_tail(x, 2000))
+    assert 2000 not in env.VERIFIED_K and env.verified_divisor(2000) == 125
+    np.testing.assert_array_equal(
+        env.envelope_lower_tail(x, 2000),
+        np.minimum(env.chernoff_lower_tail(x, 2000), env.envelope_lower_tail(x, 125)))
     with pytest.raises(ValueError, match="k"):
         env.envelope_lower_tail(x, 0)
+
+
+def test_divisor_rule_bounds_mixtures_and_beats_chernoff():
+    # k = 130 (unverified, largest verified divisor 65): chi2_130/130 is the mean of two
+    # chi2_65/65, so every mixture at k = 130 is a mixture at k = 65 and must lie below its
+    # single-chi2 tail; checked with the exact contour CDF (relative error 1e-10).
+    k, x = 130, np.concatenate([np.geomspace(1e-3, 0.1, 5), np.linspace(0.2, 1.0, 9)])
+    assert env.verified_divisor(k) == 65
+    bound = env.envelope_lower_tail(x, k)
+    rng = np.random.default_rng(5)
+    for w in (np.array([1.0]), np.array([0.7, 0.3]), rng.dirichlet(np.ones(5))):
+        logp = contour_logcdf(x, *sketch_weights(w, k))
+        assert np.all(logp <= np.log(bound) + REL_TOL_CONTOUR)
+    # near x = 1 the divisor's tail is tighter than Chernoff (k = 20,000, x = 0.99:
+    # P(chi2_10000/10000 < 0.99) = 0.24 vs e^{10000 (log 0.99 + 0.01)} = 0.60)
+    xm = np.array([0.99])
+    assert env.verified_divisor(20_000) == 10_000
+    assert env.envelope_lower_tail(xm, 20_000)[0] == pytest.approx(stats.chi2.cdf(9900, 10_000), rel=1e-12)
+    assert env.envelope_lower_tail(xm, 20_000)[0] < 0.5 * env.chernoff_lower_tail(xm, 20_000)[0]
 
 
 # ------------------------------------------------------------------ envelope of Z
@@ -291,3 +313,13 @@ def test_reference_logcdf_survives_underflow():
     assert np.all(np.isfinite(ref)) and ref[0] < -4000
     got = contour_logcdf(x, np.array([1.0 / k]), np.array([float(k)]))
     np.testing.assert_allclose(got, ref, rtol=1e-12)
+
+
+def test_large_k_section_is_spliced_into_the_doc():
+    sec = ve.LARGE_HEADING + "\n\nnew\n"
+    doc = "# T\n\n## Result\n\nr\n\n## Why the vertex\n\nw\n"
+    once = ve.splice_section(doc, sec)
+    assert once.index(ve.LARGE_HEADING) < once.index("## Why the vertex") and "r\n" in once
+    twice = ve.splice_section(once, sec.replace("new", "newer"))
+    assert twice.count(ve.LARGE_HEADING) == 1 and "newer" in twice and "\nnew\n" not in twice
+    assert twice.endswith("## Why the vertex\n\nw\n")

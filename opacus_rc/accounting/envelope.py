@@ -14,10 +14,15 @@ Carlo as second opinions; ``python -m opacus_rc.accounting.verify_envelope``, re
 (~1e-15 relative, attained next to the single-component vertex where both sides are the
 same distribution) for every ``k`` in :data:`VERIFIED_K`. No safety margin is added: the
 only numerical error on this side is that of ``scipy.stats.chi2.cdf`` (a few ulp), far
-below the accountant's discretisation, which rounds every bin up. For a ``k`` outside
-:data:`VERIFIED_K` the rigorous Chernoff bound ``min_t e^{tx} (1 + 2t/k)^{-k/2}`` is
-used instead. For Hutch++ pass the residual's sketch count
-(``SketchConfig.accounting_sketch_count``).
+below the accountant's discretisation, which rounds every bin up.
+
+For a ``k`` outside :data:`VERIFIED_K` the bound is the smaller of two rigorous ones
+(given the claim for the verified ``d``): the Chernoff bound ``min_t e^{tx} (1 +
+2t/k)^{-k/2}``, and the divisor rule: if ``d | k`` then ``chi2_k / k`` is the mean of
+``k/d`` i.i.d. ``chi2_d / d``, so ``W = sum_j sum_i (w_j d/k) chi2_d^{(j,i)} / d`` is itself a
+convex combination of ``chi2_d / d`` variables and ``sup_w P(W < x) <= P(chi2_d/d < x)`` for
+the largest verified divisor ``d`` of ``k`` (``d = 1`` always qualifies).
+For Hutch++ pass the residual's sketch count (``SketchConfig.accounting_sketch_count``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "VERIFIED_K",
     "chernoff_lower_tail",
+    "verified_divisor",
     "envelope_lower_tail",
     "envelope_sf",
     "envelope_cdf",
@@ -41,9 +47,11 @@ __all__ = [
 ]
 
 #: Sketch counts for which ``verify_envelope`` found no violation of the single-chi-square
-#: claim on ``(0, 1]`` (all of 1..128 and 192, 256, 512, 1024; see
-#: ``docs/envelope_verification.md``). Kept equal to ``K_MAIN + K_EXTRA`` there (tested).
-VERIFIED_K = frozenset(range(1, 129)) | frozenset((192, 256, 512, 1024))
+#: claim on ``(0, 1]`` (all of 1..128, 192, 256, 512, 1024 and the large-k run 2048, 4096,
+#: 10000, 16384, 32768, 65536, 100000; see ``docs/envelope_verification.md``). Kept equal to
+#: ``K_MAIN + K_EXTRA + K_LARGE`` there (tested).
+VERIFIED_K = (frozenset(range(1, 129)) | frozenset((192, 256, 512, 1024))
+              | frozenset((2048, 4096, 10000, 16384, 32768, 65536, 100000)))
 
 _warned_k: set = set()
 
@@ -72,24 +80,36 @@ def chernoff_lower_tail(x: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
+def verified_divisor(k: int) -> int:
+    """Largest ``d`` in :data:`VERIFIED_K` dividing ``k`` (``k`` itself when verified)."""
+    k = _check_k(k)
+    return max(d for d in VERIFIED_K if d <= k and k % d == 0)
+
+
+def _chi2_lower_tail(x: np.ndarray, d: int) -> np.ndarray:
+    """``P(chi2_d/d < x)`` for ``x <= 1``, 1 above."""
+    return np.where(x > 1.0, 1.0, stats.chi2.cdf(x * d, df=d))
+
+
 def envelope_lower_tail(x: np.ndarray, k: int) -> np.ndarray:
     """Upper bound on ``sup_w P(W < x)``: ``P(chi2_k/k < x)`` for ``0 < x <= 1``.
 
     For ``k`` in :data:`VERIFIED_K` this is the single-chi-square tail (the supremum,
-    verified numerically); otherwise the Chernoff bound ``(x e^{1-x})^{k/2}``. For
-    ``x <= 0`` it is 0; for ``x > 1`` it is 1 (the claim fails there and
-    over-estimation is credited nothing).
+    verified numerically); otherwise ``min(Chernoff (x e^{1-x})^{k/2}, P(chi2_d/d < x))``
+    with ``d`` = :func:`verified_divisor` (module docstring). For ``x <= 0`` it is 0; for
+    ``x > 1`` it is 1 (the claim fails there and over-estimation is credited nothing).
     """
     k = _check_k(k)
     x = np.asarray(x, dtype=float)
     if k not in VERIFIED_K:
+        d = verified_divisor(k)
         if k not in _warned_k:
             _warned_k.add(k)
             logger.warning("sketch count k=%d is outside the verified set; the randomized-clipping "
-                           "envelope uses the (looser) Chernoff bound", k)
-        return chernoff_lower_tail(x, k)
-    out = stats.chi2.cdf(x * k, df=k)
-    return np.where(x > 1.0, 1.0, out)
+                           "envelope uses min(Chernoff bound, single chi2 tail of the verified "
+                           "divisor d=%d), which is looser", k, d)
+        return np.minimum(chernoff_lower_tail(x, k), _chi2_lower_tail(x, d))
+    return _chi2_lower_tail(x, k)
 
 
 def envelope_sf(z: np.ndarray, k: int) -> np.ndarray:

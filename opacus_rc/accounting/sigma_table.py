@@ -170,6 +170,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--sketching", choices=("both",) + SKETCHINGS, default="both")
     parser.add_argument("--json", default=None, help="store/reuse raw results in this file")
     parser.add_argument("--out", default=None, help="write the markdown table to this file")
+    parser.add_argument("--render-only", action="store_true",
+                        help="with --json: render the finished cells only (no calibration)")
     parser.add_argument("--paper", action="store_true",
                         help="instead: where deterministic calibration gives the paper's 4.073 "
                         "(eps 0.7) and what k=32 (shared) gives there")
@@ -206,7 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for e, q, n, k, sk in bar:
         key = _key(e, q, n, k, sk)
         bar.set_postfix_str(key)
-        if key in results:
+        if key in results or args.render_only:
             continue
         det = results.get(_key(e, q, n, None, "shared"))
         sigma, sec = calibrate(e, q, n, k, sk, sigma_lower=det["sigma"] if det else None)
@@ -219,6 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if _key(e, q, n, None, "shared") in results:
             results[_key(e, q, n, None, "per_example")] = results[_key(e, q, n, None, "shared")]
     cmd = "python -m opacus_rc.accounting.sigma_table" + (" --quick" if args.quick else "") + (
+        " --render-only" if args.render_only else "") + (
         f" --sketching {args.sketching}" if args.sketching != "both" else "") + (
         f" --json {args.json}" if args.json else "") + (f" --out {args.out}" if args.out else "")
     shown = {key: v for key, v in results.items()
