@@ -262,13 +262,16 @@ def mixture_cell_masses(
         series_ok &= width * a_max * c_bound <= _SERIES_MAX
     # ---- cells too wide for the series: exact differences
     bad = np.nonzero(~series_ok & (t_hi > -np.inf))[0]  # cells below -inf: no mass
-    if bad.size:
+    # (chunked: a capped domain can have millions of wide cells times hundreds of bins)
+    step = max(1, 2_000_000 // max(all_alpha.size, 1))
+    for s0 in range(0, bad.size, step):
+        rows = bad[s0 : s0 + step]
         with np.errstate(invalid="ignore"):
-            lo = t_lo[bad, None] * all_alpha[None, :] + all_beta[None, :]
-            hi = t_hi[bad, None] * all_alpha[None, :] + all_beta[None, :]
+            lo = t_lo[rows, None] * all_alpha[None, :] + all_beta[None, :]
+            hi = t_hi[rows, None] * all_alpha[None, :] + all_beta[None, :]
         lo = np.where(np.isnan(lo), -np.inf, lo)
         hi = np.where(np.isnan(hi), -np.inf, hi)
-        out[bad] = _exact_gauss_diff(lo, hi) @ np.exp(all_w)
+        out[rows] = _exact_gauss_diff(lo, hi) @ np.exp(all_w)
     good = np.nonzero(series_ok)[0]
     if not good.size:
         return out
