@@ -25,7 +25,7 @@ from opacus.optimizers.optimizer import (
 from torch.optim import Optimizer
 
 from .config import SketchConfig
-from .sketch import Sketcher, entropy_seed
+from .sketch import Sketcher, secure_standard_normal
 
 _STATE_KEY = "opacus_rc"
 
@@ -68,11 +68,8 @@ class RandomizedClippingMixin:
     def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
         """Opacus's pre-step (accumulate, noise, average, accountant hook), refusing
         non-finite clipped gradients before any noise is drawn, and starting new sketches
-        after a real step. In secure mode the noise generator is re-seeded from
-        ``os.urandom`` before every step."""
+        after a real step."""
         self._check_finite_gradients()
-        if self.secure_mode and isinstance(self.generator, torch.Generator):
-            self.generator.manual_seed(entropy_seed())
         taken = super().pre_step(closure)
         self.backward_passes = 0
         if taken and self.sketcher is not None:
@@ -100,11 +97,19 @@ class RandomizedClippingMixin:
         std = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
         for p in self.params:
             _check_processed_flag(p.summed_grad)
-            noise = _generate_noise(
-                std=std, reference=p.summed_grad, generator=self.generator, secure_mode=self.secure_mode
-            )
+            noise = self._noise(std, p.summed_grad)
             _mark_as_processed(p.summed_grad)
             p.grad = p.summed_grad.add_(noise).view_as(p)
+
+    def _noise(self, std: float, reference: torch.Tensor) -> torch.Tensor:
+        """N(0, std^2) like ``reference``. Secure mode: from ``os.urandom`` (no PRNG),
+        as the sum of 4 normals halved, Opacus's guard against floating-point attacks."""
+        if not self.secure_mode:
+            return _generate_noise(std=std, reference=reference, generator=self.generator)
+        if std == 0:
+            return torch.zeros_like(reference)
+        four = secure_standard_normal((4, *reference.shape), dtype=torch.float64).sum(dim=0)
+        return four.mul_(std / 2).to(device=reference.device, dtype=reference.dtype)
 
     def _check_finite_gradients(self) -> None:
         for p in self.params:

@@ -10,6 +10,7 @@ run draws the same sketches as an uninterrupted one.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Dict, Optional
 
@@ -24,14 +25,28 @@ def entropy_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1
 
 
+def secure_standard_normal(shape, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    """i.i.d. N(0, 1) entries from ``os.urandom`` (the kernel's CSPRNG): 53-bit uniforms,
+    Box-Muller in float64. Nothing comes from a pseudo-random generator."""
+    n = math.prod(shape)
+    pairs = (n + 1) // 2
+    bits = torch.frombuffer(bytearray(os.urandom(16 * pairs)), dtype=torch.int64)
+    # 53 random bits -> (0, 1]: (b + 1) / 2^53, so log() never sees 0
+    u = ((bits >> 11) & ((1 << 53) - 1)).to(torch.float64).add_(1.0).mul_(2.0**-53)
+    u1, u2 = u[:pairs], u[pairs:]
+    radius = torch.sqrt(-2.0 * torch.log(u1))
+    z = torch.cat([radius * torch.cos(2 * math.pi * u2), radius * torch.sin(2 * math.pi * u2)])
+    return z[:n].reshape(shape).to(device=device, dtype=dtype)
+
+
 class Sketcher:
     """Draws sketches and applies the configured estimator.
 
     Args:
         config: estimator, sketch size and sketching (shared or per example).
         seed: seed of the sketch generator; ``None`` draws one from ``os.urandom``.
-        secure_mode: re-seed the generator from ``os.urandom`` before every draw, so
-            sketches cannot be predicted from earlier ones (``seed`` is then refused).
+        secure_mode: draw every sketch from ``os.urandom`` (the kernel's CSPRNG) instead
+            of a pseudo-random generator (``seed`` is then refused).
     """
 
     def __init__(
@@ -62,8 +77,6 @@ class Sketcher:
             gen = torch.Generator(device=device)
             gen.manual_seed(self.seed + len(self._generators))
             self._generators[key] = gen
-        if self.secure_mode:
-            gen.manual_seed(entropy_seed())
         return gen
 
     def new_step(self) -> None:
@@ -105,6 +118,8 @@ class Sketcher:
         shape = (batch, rows, cols) if self.config.sketching == "per_example" else (rows, cols)
         if torch.device(device).type == "meta":  # shape-only runs (memory/FLOP counting)
             return torch.empty(shape, device=device, dtype=torch.float32)
+        if self.secure_mode:
+            return secure_standard_normal(shape, device).mul_(cols**-0.5)
         sketch = torch.randn(
             shape, generator=self.generator(device), device=device, dtype=torch.float32
         )
