@@ -74,7 +74,7 @@ def _orient(
     return g, a
 
 
-def _project(
+def sketched_product(
     left: torch.Tensor, right: torch.Tensor, sketch: torch.Tensor
 ) -> torch.Tensor:
     """``left_i^T (right_i P_i)`` for every example: (B, rows_left, k)."""
@@ -108,7 +108,7 @@ def hutchinson_sq_norms(
     """
     a, g = as_sequences(activations, backprops)
     left, right = _orient(a, g, side)
-    return _per_sample_sq_norm(_project(left, right, sketch))
+    return _per_sample_sq_norm(sketched_product(left, right, sketch))
 
 
 def hutchpp_sq_norms(
@@ -132,9 +132,9 @@ def hutchpp_sq_norms(
     """
     a, g = as_sequences(activations, backprops)
     left, right = _orient(a, g, side)
-    q, _ = torch.linalg.qr(_project(left, right, head_sketch))  # (B, rows_left, r)
+    q, _ = torch.linalg.qr(sketched_product(left, right, head_sketch))  # (B, rows_left, r)
     head = _per_sample_sq_norm(torch.matmul(torch.matmul(left, q).transpose(1, 2), right))
-    mp = _project(left, right, tail_sketch)  # M_i P: (B, rows_left, k)
+    mp = sketched_product(left, right, tail_sketch)  # M_i P: (B, rows_left, k)
     residual = mp - torch.matmul(q, torch.matmul(q.transpose(1, 2), mp))
     return head + _per_sample_sq_norm(residual)
 
@@ -151,9 +151,14 @@ def ghost_sq_norms(activations: torch.Tensor, backprops: torch.Tensor) -> torch.
     return (aat * ggt).sum(dim=(1, 2)).clamp(min=0)
 
 
-def bias_sq_norms(backprops: torch.Tensor) -> torch.Tensor:
-    """Exact squared norm of the per-sample bias gradient ``sum_t G_i[t]``."""
+def bias_grads(backprops: torch.Tensor) -> torch.Tensor:
+    """Per-sample bias gradients ``sum_t G_i[t]``: (B, p), at least float32."""
     g = backprops.reshape(backprops.shape[0], math.prod(backprops.shape[1:-1]), backprops.shape[-1])
     if g.dtype in _LOW_PRECISION:
         g = g.float()
-    return g.sum(dim=1).pow(2).sum(dim=1)
+    return g.sum(dim=1)
+
+
+def bias_sq_norms(backprops: torch.Tensor) -> torch.Tensor:
+    """Exact squared norm of the per-sample bias gradient ``sum_t G_i[t]``."""
+    return bias_grads(backprops).pow(2).sum(dim=1)

@@ -15,6 +15,7 @@ Opacus's exact per-sample gradient machinery (grad samplers or functorch).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Dict, List, Sequence, Type, Union
 
@@ -22,7 +23,7 @@ import torch
 from opacus.grad_sample.embedding_norm_sample import compute_embedding_norm_sample
 from torch import nn
 
-from .estimators import as_sequences, bias_sq_norms, ghost_sq_norms
+from .estimators import as_sequences, bias_grads, bias_sq_norms, ghost_sq_norms, sketched_product
 from .sketch import Sketcher
 
 NormSampler = Callable[
@@ -124,22 +125,25 @@ def _row_sketch(param: nn.Parameter, batch: int, sketcher: Sketcher, device) -> 
     return sketcher.gaussian(batch, param.shape[0], sketcher.config.sketch_size, device, key=param)
 
 
-def _bias_sum(backprops: torch.Tensor) -> torch.Tensor:
-    g = backprops.reshape(backprops.shape[0], math.prod(backprops.shape[1:-1]), backprops.shape[-1])
-    return g.float().sum(dim=1) if g.dtype in (torch.float16, torch.bfloat16) else g.sum(dim=1)
-
-
-@register_tied_projection(nn.Linear)
-def linear_projection(layer, activations, backprops, sketcher):
-    """Weight (p x d), grad ``G^T A``: ``P^T G^T A`` as (B, d, k) = ``A^T (G P)``."""
+def _weight_projection(layer, activations, backprops, sketcher, transposed: bool):
+    """Sketched per-sample weight gradients of a linear-type layer (plus exact bias
+    gradients). ``nn.Linear``'s weight (p x d) has gradient ``G^T A``: ``P^T G^T A`` as
+    (B, d, k) = ``A^T (G P)``; HF ``Conv1D``'s weight (d x p), ``transposed``, has
+    ``A^T G``: ``P^T A^T G`` as (B, p, k) = ``G^T (A P)``."""
     a, g = as_sequences(activations[0], backprops)
+    left, right = (g, a) if transposed else (a, g)
     out = {}
     if layer.weight.requires_grad:
-        sketch = _row_sketch(layer.weight, a.shape[0], sketcher, g.device)
-        out[layer.weight] = torch.matmul(a.transpose(1, 2), torch.matmul(g, sketch.to(g.dtype)))
+        sketch = _row_sketch(layer.weight, a.shape[0], sketcher, a.device)
+        out[layer.weight] = sketched_product(left, right, sketch)
     if layer.bias is not None and layer.bias.requires_grad:
-        out[layer.bias] = _bias_sum(backprops)
+        out[layer.bias] = bias_grads(backprops)
     return out
+
+
+linear_projection = register_tied_projection(nn.Linear)(
+    functools.partial(_weight_projection, transposed=False)
+)
 
 
 @register_tied_projection(nn.Embedding)
@@ -161,16 +165,7 @@ def embedding_projection(layer, activations, backprops, sketcher):
 # --- Hugging Face transformers' Conv1D (GPT-2): a linear layer with a (d_in, d_out) weight
 
 
-def conv1d_projection(layer, activations, backprops, sketcher):
-    """Weight (d x p), grad ``A^T G``: ``P^T A^T G`` as (B, p, k) = ``G^T (A P)``."""
-    a, g = as_sequences(activations[0], backprops)
-    out = {}
-    if layer.weight.requires_grad:
-        sketch = _row_sketch(layer.weight, a.shape[0], sketcher, a.device)
-        out[layer.weight] = torch.matmul(g.transpose(1, 2), torch.matmul(a, sketch.to(a.dtype)))
-    if layer.bias is not None and layer.bias.requires_grad:
-        out[layer.bias] = _bias_sum(backprops)
-    return out
+conv1d_projection = functools.partial(_weight_projection, transposed=True)
 
 
 def register_model_layers(model: nn.Module) -> None:
