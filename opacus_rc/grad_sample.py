@@ -142,7 +142,7 @@ class SketchingMixin:
         at its last use, the norm of the sum is the parameter's per-sample norm."""
         projection = TIED_PROJECTIONS.get(type(module))
         if projection is None:
-            raise NotImplementedError(
+            raise ValueError(
                 f"parameter tying through {type(module).__name__} is not supported with "
                 f"clipping='randomized'; supported layers: "
                 f"{', '.join(c.__name__ for c in TIED_PROJECTIONS)}"

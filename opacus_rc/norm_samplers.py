@@ -32,18 +32,26 @@ NormSampler = Callable[
 RANDOMIZED_NORM_SAMPLERS: Dict[Type[nn.Module], NormSampler] = {}
 
 
-def register_randomized_norm_sampler(
-    target: Union[Type[nn.Module], Sequence[Type[nn.Module]]],
-) -> Callable[[NormSampler], NormSampler]:
-    """Decorator registering a randomized-clipping norm sampler for layer type(s)."""
-    targets = target if isinstance(target, Sequence) else [target]
+def _registering(table: Dict[Type[nn.Module], Callable], what: str):
+    """A decorator factory registering functions in ``table`` for layer type(s)."""
 
-    def decorator(fn: NormSampler) -> NormSampler:
-        for cls in targets:
-            RANDOMIZED_NORM_SAMPLERS[cls] = fn
-        return fn
+    def register(target: Union[Type[nn.Module], Sequence[Type[nn.Module]]]):
+        targets = target if isinstance(target, Sequence) else [target]
 
-    return decorator
+        def decorator(fn: Callable) -> Callable:
+            for cls in targets:
+                table[cls] = fn
+            return fn
+
+        return decorator
+
+    register.__doc__ = f"Decorator registering {what} for layer type(s)."
+    return register
+
+
+register_randomized_norm_sampler = _registering(
+    RANDOMIZED_NORM_SAMPLERS, "a randomized-clipping norm sampler"
+)
 
 
 def sequence_length(activations: torch.Tensor) -> int:
@@ -108,16 +116,9 @@ Projection = Callable[[nn.Module, List[torch.Tensor], torch.Tensor, Sketcher], D
 TIED_PROJECTIONS: Dict[Type[nn.Module], Projection] = {}
 
 
-def register_tied_projection(target: Union[Type[nn.Module], Sequence[Type[nn.Module]]]):
-    """Decorator registering the sketched-gradient projection of a layer type."""
-    targets = target if isinstance(target, Sequence) else [target]
-
-    def decorator(fn: Projection) -> Projection:
-        for cls in targets:
-            TIED_PROJECTIONS[cls] = fn
-        return fn
-
-    return decorator
+register_tied_projection = _registering(
+    TIED_PROJECTIONS, "the sketched-gradient projection of tied uses"
+)
 
 
 def _row_sketch(param: nn.Parameter, batch: int, sketcher: Sketcher, device) -> torch.Tensor:
