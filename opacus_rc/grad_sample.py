@@ -68,9 +68,9 @@ class SketchingMixin:
         register_model_layers(self._module)
         # Instance-level table: Opacus's hooks look up ``self.NORM_SAMPLERS``.
         self.NORM_SAMPLERS = {
-            cls: functools.partial(fn, sketcher=self.sketcher)
-            for cls, fn in RANDOMIZED_NORM_SAMPLERS.items()
+            cls: functools.partial(self._scaled_norms, fn) for cls, fn in RANDOMIZED_NORM_SAMPLERS.items()
         }
+        self._unscaled_backprops = False
         # The first backward pass only needs output gradients: linear layers compute
         # their weight gradients in the second (clipped) pass only, when hooks are off.
         self._deferred = [
@@ -123,9 +123,29 @@ class SketchingMixin:
         if self.hooks_enabled and self._is_tied_use(module):
             self._capture_tied_backprops(module, forward_output, loss_reduction, batch_first)
             return
-        super().capture_backprops_hook(
-            module, _forward_input, forward_output, loss_reduction, batch_first
+        self._unscaled_backprops = type(module) in self.NORM_SAMPLERS
+        try:
+            super().capture_backprops_hook(
+                module, _forward_input, forward_output, loss_reduction, batch_first
+            )
+        finally:
+            self._unscaled_backprops = False
+
+    def rearrange_grad_samples(self, *, module, backprops, loss_reduction, batch_first):
+        """Opacus's rearrangement; for layers with a randomized norm sampler the "mean"
+        factor (the batch size) is applied to the norms instead of to a copy of the
+        output gradients (``||n M|| = n ||M||``), saving one (B, T, p) tensor per layer."""
+        if self._unscaled_backprops:
+            loss_reduction = "sum"
+        return super().rearrange_grad_samples(
+            module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
         )
+
+    def _scaled_norms(self, norm_sampler, module, activations, backprops):
+        norms = norm_sampler(module, activations, backprops, self.sketcher)
+        if self.loss_reduction == "mean":
+            norms = {p: n * module.max_batch_len for p, n in norms.items()}
+        return norms
 
     def _is_tied_use(self, module: nn.Module) -> bool:
         """True if one of the module's trainable parameters is used more than once in
