@@ -124,8 +124,13 @@ def test_install_sketcher_replaces_every_reference():
     assert new.seed == exp.model.sketcher.seed and new.config == exp.model.sketcher.config
     install_sketcher(exp.model, exp.optimizer, new)
     assert exp.model.sketcher is new
-    partials = list(exp.model.NORM_SAMPLERS.values())
-    assert partials and all(fn.keywords["sketcher"] is new for fn in partials)
+    # The module's linear norm sampler now draws its estimate from the new sketcher.
+    calls = []
+    original = new.estimate
+    new.estimate = lambda *a, **k: calls.append(1) or original(*a, **k)
+    layer = torch.nn.Linear(8, 8, bias=False)
+    exp.model.NORM_SAMPLERS[torch.nn.Linear](layer, [torch.randn(2, 40, 8)], torch.randn(2, 40, 8))
+    assert calls, "the norm sampler did not use the installed sketcher"
     if hasattr(exp.optimizer, "sketcher"):
         assert exp.optimizer.sketcher is new
     with pytest.raises(ValueError, match="variant"):

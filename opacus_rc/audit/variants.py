@@ -14,7 +14,6 @@ They are swapped into a real randomized-clipping grad-sample module with
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import torch
@@ -79,24 +78,14 @@ def broken_sketcher(variant: str, like: Sketcher) -> Sketcher:
 def install_sketcher(module: Any, optimizer: Any, sketcher: Sketcher) -> None:
     """Make a randomized-clipping grad-sample module (and its optimizer) use ``sketcher``.
 
-    Replaces ``module.sketcher``, the ``sketcher`` keyword of every norm sampler in the
-    module's ``NORM_SAMPLERS`` table (``functools.partial`` objects) and, if the optimizer
-    tracks the sketcher (to start fresh sketches each step), the optimizer's link.
+    The module's norm samplers read ``module.sketcher`` at every call (see
+    :class:`opacus_rc.grad_sample.SketchingMixin`), so replacing it, and the optimizer's
+    link (fresh sketches each step), is enough.
     """
     if not hasattr(module, "sketcher") or not hasattr(module, "NORM_SAMPLERS"):
         raise ValueError(
             f"module={type(module).__name__} is not a randomized-clipping grad-sample module"
         )
-    table = {}
-    replaced = 0
-    for cls, fn in module.NORM_SAMPLERS.items():
-        if isinstance(fn, functools.partial) and "sketcher" in fn.keywords:
-            fn = functools.partial(fn.func, *fn.args, **{**fn.keywords, "sketcher": sketcher})
-            replaced += 1
-        table[cls] = fn
-    if replaced == 0:
-        raise RuntimeError("no norm sampler of the module takes a sketcher; nothing to replace")
-    module.NORM_SAMPLERS = table
     module.sketcher = sketcher
     if hasattr(optimizer, "attach_sketcher"):
         optimizer.attach_sketcher(sketcher)
