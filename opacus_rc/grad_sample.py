@@ -7,8 +7,8 @@ and every other trainable layer exactly; ``get_clipping_coef`` turns the norms i
 DPLossFastGradientClipping` runs the second, rescaled backward pass as in ghost mode.
 
 The module owns the run's :class:`~opacus_rc.sketch.Sketcher`: a fresh independent
-sketch per layer and per step, seedable (``sketch_seed``), re-seeded from ``os.urandom``
-in ``secure_mode``.
+sketch per layer and per step, seedable (``sketch_seed``), drawn from ``os.urandom`` in
+``secure_mode``.
 """
 
 from __future__ import annotations
@@ -38,15 +38,16 @@ from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, register_
 from .sketch import Sketcher
 
 
-class SketchingMixin:
-    """Binds the randomized norm samplers to this module's sketcher.
+class _SketcherOwner:
+    """Owns the run's sketcher and the layers whose ``forward`` it replaced.
 
-    Args (besides Opacus's ``m``, ``batch_first``, ``loss_reduction``, ``strict``,
-    ``force_functorch``, ``max_grad_norm``):
+    Args (besides Opacus's grad-sample arguments, passed on):
         sketch_config: estimator, sketch size, sketching.
         sketch_seed: seed of the sketch generator (``None``: from ``os.urandom``).
-        secure_mode: re-seed every sketch draw from ``os.urandom``.
+        secure_mode: draw every sketch from ``os.urandom``.
     """
+
+    _opacus_options: Dict[str, Any] = {}
 
     def __init__(
         self,
@@ -57,30 +58,47 @@ class SketchingMixin:
         secure_mode: bool = False,
         **kwargs: Any,
     ) -> None:
-        super().__init__(m, use_ghost_clipping=True, **kwargs)
-        self._init_randomized(sketch_config, sketch_seed, secure_mode)
-
-    def _init_randomized(
-        self, sketch_config: SketchConfig, sketch_seed: Optional[int], secure_mode: bool
-    ) -> None:
+        super().__init__(m, **self._opacus_options, **kwargs)
         self.sketch_config = sketch_config
         self.sketcher = Sketcher(sketch_config, seed=sketch_seed, secure_mode=secure_mode)
+        self._patched: List[nn.Module] = []
+        self._setup()  # defined by each mixin
+
+    def _defer_weight_grads(self, layers: List[nn.Module], wanted=None) -> None:
+        """Linear layers whose backward computes parameter gradients only if ``wanted()``."""
+        for m in layers:
+            options = {} if wanted is None else {"wanted": wanted}
+            m.forward = functools.partial(linear_forward_deferring_weight_grad, m, **options)
+            self._patched.append(m)
+
+    def cleanup(self) -> None:
+        for m in self._patched:
+            m.__dict__.pop("forward", None)
+        super().cleanup()
+
+
+def _trainable_linears(model: nn.Module) -> List[nn.Module]:
+    return [
+        m for m in model.modules()
+        if type(m) is nn.Linear and any(p.requires_grad for p in m.parameters(recurse=False))
+    ]
+
+
+class SketchingMixin(_SketcherOwner):
+    """Two-pass randomized clipping: binds the randomized norm samplers to this module's
+    sketcher (Opacus's hooks look up ``self.NORM_SAMPLERS``)."""
+
+    _opacus_options = {"use_ghost_clipping": True}
+
+    def _setup(self) -> None:
         register_model_layers(self._module)
-        # Instance-level table: Opacus's hooks look up ``self.NORM_SAMPLERS``.
         self.NORM_SAMPLERS = {
             cls: functools.partial(self._scaled_norms, fn) for cls, fn in RANDOMIZED_NORM_SAMPLERS.items()
         }
         self._unscaled_backprops = False
         # The first backward pass only needs output gradients: linear layers compute
         # their weight gradients in the second (clipped) pass only, when hooks are off.
-        self._deferred = [
-            m for m in self._module.modules()
-            if type(m) is nn.Linear and any(p.requires_grad for p in m.parameters(recurse=False))
-        ]
-        for m in self._deferred:
-            m.forward = functools.partial(
-                linear_forward_deferring_weight_grad, m, wanted=self._in_second_pass
-            )
+        self._defer_weight_grads(_trainable_linears(self._module), wanted=self._in_second_pass)
 
     def _in_second_pass(self) -> bool:
         return not self.hooks_enabled
@@ -184,11 +202,6 @@ class SketchingMixin:
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len
 
-    def cleanup(self) -> None:
-        for m in self._deferred:
-            m.__dict__.pop("forward", None)
-        super().cleanup()
-
     def sketch_state_dict(self) -> Dict[str, Any]:
         """State of the sketch generator(s), for checkpoints."""
         return self.sketcher.state_dict()
@@ -218,7 +231,13 @@ class GradSampleModuleRandomizedClipping(
 BOOKKEPT_LAYERS = (nn.Linear, nn.Embedding)
 
 
-class BookkeepingMixin:
+def _bookkept(module: nn.Module) -> bool:
+    """Layers book-kept exactly by type (subclasses, e.g. MultiheadAttention's output
+    projection, go through Opacus's per-sample gradients)."""
+    return type(module) in BOOKKEPT_LAYERS
+
+
+class BookkeepingMixin(_SketcherOwner):
     """Records, for linear and embedding layers, what book-keeping needs to assemble the
     clipped gradient after the single backward pass (:mod:`opacus_rc.bookkeeping`):
     the per-sample squared norms (the same estimators as the two-pass method) and a
@@ -227,30 +246,14 @@ class BookkeepingMixin:
     computation in the backward pass, which book-keeping replaces.
     """
 
-    def __init__(
-        self,
-        m: nn.Module,
-        *,
-        sketch_config: SketchConfig = SketchConfig(),
-        sketch_seed: Optional[int] = None,
-        secure_mode: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(m, **kwargs)
-        self._init_bookkeeping(sketch_config, sketch_seed, secure_mode)
-
-    def _init_bookkeeping(
-        self, sketch_config: SketchConfig, sketch_seed: Optional[int], secure_mode: bool
-    ) -> None:
-        self.sketch_config = sketch_config
-        self.sketcher = Sketcher(sketch_config, seed=sketch_seed, secure_mode=secure_mode)
+    def _setup(self) -> None:
         self._awaiting_forward = True
-        self._bookkept = [
+        layers = [
             m for m in self._module.modules()
-            if isinstance(m, BOOKKEPT_LAYERS) and any(p.requires_grad for p in m.parameters(recurse=False))
+            if _bookkept(m) and any(p.requires_grad for p in m.parameters(recurse=False))
         ]
         owners: Dict[int, int] = {}
-        for m in self._bookkept:
+        for m in layers:
             for p in m.parameters(recurse=False):
                 owners[id(p)] = owners.get(id(p), 0) + 1
         if any(count > 1 for count in owners.values()):
@@ -258,9 +261,7 @@ class BookkeepingMixin:
                 "tied weights are not supported by book-keeping (grad_sample_mode='hooks') "
                 "with clipping='randomized'; use grad_sample_mode='ghost'"
             )
-        for m in self._bookkept:
-            if isinstance(m, nn.Linear):
-                m.forward = functools.partial(linear_forward_deferring_weight_grad, m)
+        self._defer_weight_grads(_trainable_linears(self._module))
 
     def capture_activations_hook(self, module, forward_input, _forward_output) -> None:
         if self._awaiting_forward and self.hooks_enabled:
@@ -272,7 +273,7 @@ class BookkeepingMixin:
         self, module: nn.Module, _forward_input, forward_output, loss_reduction: str, batch_first: bool
     ) -> None:
         self._awaiting_forward = True
-        if not self.hooks_enabled or not isinstance(module, BOOKKEPT_LAYERS):
+        if not self.hooks_enabled or not _bookkept(module):
             return super().capture_backprops_hook(
                 module, _forward_input, forward_output, loss_reduction, batch_first
             )
@@ -290,12 +291,6 @@ class BookkeepingMixin:
             param._forward_counter -= 1
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len
-
-    def cleanup(self) -> None:
-        for m in self._bookkept:
-            m.__dict__.pop("forward", None)
-        super().cleanup()
-
 
 def _clipped_sum(module: nn.Module, param: nn.Parameter, a: torch.Tensor, g: torch.Tensor):
     if isinstance(module, nn.Embedding):

@@ -122,3 +122,20 @@ def test_plain_opacus_hooks_script_switches_with_one_flag(model_factory):
             losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
     assert 0 < engine.get_epsilon(1e-5) < float("inf")
+
+
+class SubclassedLinear(nn.Linear):
+    """A Linear subclass (like MultiheadAttention's output projection): no randomized
+    norm sampler is registered for its type, so both paths treat it exactly."""
+
+
+def test_linear_subclass_goes_through_exact_per_sample_gradients(model_factory):
+    x, y = token_task(n=16, t=48).tensors
+    init = model_factory(seed=8)
+    sub = SubclassedLinear(init.fc2.in_features, init.fc2.out_features)
+    sub.load_state_dict(init.fc2.state_dict())
+    init.fc2 = sub
+    two_pass, _ = run(copy.deepcopy(init), "ghost", x, y)
+    one_pass, _ = run(copy.deepcopy(init), "hooks", x, y)
+    for k in two_pass:
+        torch.testing.assert_close(one_pass[k], two_pass[k], rtol=1e-4, atol=1e-6)
