@@ -1,9 +1,10 @@
 """The sketch source: independent Gaussian sketches, never derived from data.
 
 A :class:`Sketcher` owns the random generators that draw every sketch of a run. Each
-call draws a fresh, independent sketch (one per layer and per step); the generators are
-seeded from a user seed (reproducible runs) or from the operating system's entropy, and
-in ``secure_mode`` every draw is re-seeded from ``os.urandom`` (a cryptographic source).
+step draws fresh, independent sketches (one per layer; the micro-batches and tied uses of
+a step share them); the generators are seeded from a user seed (reproducible runs) or
+from the operating system's entropy, and in ``secure_mode`` every sketch is drawn from
+``os.urandom`` (a cryptographic source) instead.
 The state round-trips through :meth:`state_dict` / :meth:`load_state_dict` so a resumed
 run draws the same sketches as an uninterrupted one.
 """
