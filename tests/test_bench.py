@@ -20,7 +20,7 @@ def test_entry_point_writes_valid_json(tmp_path):
         sys.executable, "-m", "opacus_rc.bench",
         "--layer-shapes", "64x128", "--layer-seq-lens", "64,128,256",
         "--layer-time-shapes", "", "--layer-time-seq-lens", "",
-        "--step-shapes", "48:32:2", "--reps", "1", "--threads", "1",
+        "--step-shapes", "48:32:2,llama:48:64:2", "--reps", "1", "--threads", "1",
         "--no-rss", "--no-progress", "--json", str(out),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -30,6 +30,7 @@ def test_entry_point_writes_valid_json(tmp_path):
     assert {r["method"] for r in record["layers"]} == {"ghost", "fgc", "hutchinson", "hutchpp"}
     assert len(record["layers"]) == 4 * 3
     assert {r["config"] for r in record["steps"]} == CONFIGS
+    assert {r["shape"] for r in record["steps"]} == {"T=48,d=32,b=2", "llama T=48,d=64,b=2"}
     for r in record["steps"]:
         assert r["time_s"] > 0 and r["peak_bytes"] > 0
         if r["config"] in ("ghost", "randomized"):
@@ -83,6 +84,10 @@ def test_bad_arguments_are_refused():
 
     with pytest.raises(ValueError, match="T:d:batch"):
         StepShape.parse("2048x512")
+    with pytest.raises(ValueError, match="unknown model 'gpt'"):
+        StepShape.parse("gpt:2048:512:1")
+    assert StepShape.parse("llama:2048:512:1") == StepShape(2048, 512, 1, arch="llama")
+    assert StepShape.parse(StepShape(64, 32, 2, arch="llama").spec).arch == "llama"
     with pytest.raises(SystemExit):
         parse_args(["--configs", "ghost,randomized"])  # non-private baseline required
     with pytest.raises(ValueError, match="method"):

@@ -61,10 +61,18 @@ def test_bookkeeping_equals_two_pass(model_factory, estimator, sketching):
         torch.testing.assert_close(one_pass[k], two_pass[k], rtol=1e-4, atol=1e-6)
 
 
-def test_bookkeeping_decoder_lm_equals_two_pass():
-    """The causal decoder (attention, LayerNorm, embeddings) with a per-sequence LM loss."""
+@pytest.mark.parametrize("arch", ["decoder", "llama"])
+def test_bookkeeping_lm_equals_two_pass(arch):
+    """The causal decoder (attention, LayerNorm, embeddings) and the Llama-style model of
+    the step benchmark (RMSNorm, rotary, SwiGLU, no biases) with a per-sequence LM loss."""
     torch.manual_seed(0)
-    model = TinyDecoder(vocab=64, d_model=32, n_layers=1, n_heads=2, max_len=64)
+    if arch == "llama":
+        pytest.importorskip("transformers")
+        from opacus_rc.models.llama import LlamaLM
+
+        model = LlamaLM(vocab=64, d_model=32, n_layers=1, n_heads=2, max_len=64)
+    else:
+        model = TinyDecoder(vocab=64, d_model=32, n_layers=1, n_heads=2, max_len=64)
     seq = markov_text(8, 40, 64)
     x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
     two_pass, _ = run(copy.deepcopy(model), "ghost", x, y, lm=True)

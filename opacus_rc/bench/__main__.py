@@ -5,9 +5,10 @@ of the per-sample norm computation of one linear layer for Opacus ghost clipping
 Hutchinson and Hutch++ (k = 32) over T, plus the log-log slope of memory in T; the CPU
 time of the same computations at moderate sizes.
 
-Per step: a 2-block causal decoder (vocabulary 512) trained non-privately, with Opacus
-hooks, Opacus ghost clipping and randomized clipping, side by side in one process
-(interleaved repetitions, medians), reported as multiples of non-private training.
+Per step: a 2-block causal decoder and a 2-block Llama-style model (vocabulary 512)
+trained non-privately, with Opacus hooks, Opacus ghost clipping and randomized clipping
+(two-pass and book-keeping), side by side in one process (interleaved repetitions,
+medians), reported as multiples of non-private training.
 
     python -m opacus_rc.bench                       # quick default (< 3 min on 2 loaded cores)
     python -m opacus_rc.bench --full --json bench.json --plot docs/benchmarks.png
@@ -32,7 +33,7 @@ import torch
 
 from . import report
 from .layers import LayerCase, layer_cases, measure_layer, memory_fits, time_layers
-from .steps import CONFIGS, StepShape, ensure_rc_accountant, measure_steps, ratios
+from .steps import CONFIGS, StepShape, measure_steps, ratios
 
 logger = logging.getLogger("opacus_rc.bench")
 
@@ -53,7 +54,7 @@ QUICK = Preset(
     layer_seq_lens="512,1024,2048,4096,8192,16384",
     layer_time_shapes="1024x1024",
     layer_time_seq_lens="512,1024,2048",
-    step_shapes="512:128:1,1024:128:1,2048:128:1",
+    step_shapes="512:128:1,1024:128:1,2048:128:1,llama:1024:128:1",
     reps=3,
     rss=False,
 )
@@ -62,7 +63,10 @@ FULL = Preset(
     layer_seq_lens="512,1024,2048,4096,8192,16384",
     layer_time_shapes="1024x1024",
     layer_time_seq_lens="512,1024,2048,4096",
-    step_shapes="512:256:1,1024:256:1,2048:512:1,4096:256:2,512:768:8",
+    step_shapes=(
+        "512:256:1,1024:256:1,2048:512:1,4096:256:2,512:768:8,"
+        "llama:512:256:1,llama:1024:256:1,llama:2048:512:1,llama:4096:256:2,llama:512:768:8"
+    ),
     reps=3,
     rss=True,
 )
@@ -103,7 +107,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--layer-batch", type=int, default=1, help="batch size of the per-layer figures")
     p.add_argument("--layer-time-shapes", help="DxP list for per-layer CPU times ('' to skip)")
     p.add_argument("--layer-time-seq-lens", help="T list for per-layer CPU times ('' to skip)")
-    p.add_argument("--step-shapes", help="T:d:batch list for the per-step figures ('' to skip)")
+    p.add_argument("--step-shapes", help="[llama:]T:d:batch list for the per-step figures, e.g. "
+                   "2048:512:1,llama:2048:512:1 ('' to skip)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"per-step configurations ({','.join(CONFIGS)})")
     p.add_argument("--reps", type=int, help="interleaved timed repetitions per configuration")
     p.add_argument("--sketch-size", type=int, default=32)
@@ -191,8 +196,6 @@ def run(args: argparse.Namespace) -> dict:
         medians = time_layers(time_cases, args.reps, tick=bar.tick)
         record["layer_times"] = [dict(vars(c), time_s=t) for c, t in zip(time_cases, medians)]
     step_results = []
-    if args.step_shapes:
-        record["meta"]["rc_prv_stand_in"] = ensure_rc_accountant()
     for shape in args.step_shapes:
         bar.describe(f"steps {shape.label}")
         results = measure_steps(shape, reps=args.reps, configs=args.configs, tick=bar.tick, sketch_size=args.sketch_size)

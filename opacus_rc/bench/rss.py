@@ -68,7 +68,7 @@ def rss_growth_subprocess(
     """Run :func:`measure_rss_growth` in a fresh interpreter; None if it failed."""
     cmd = [
         sys.executable, "-m", "opacus_rc.bench.rss", config,
-        f"{shape.seq_len}:{shape.d_model}:{shape.batch}",
+        shape.spec,
         "--steps", str(steps), "--threads", str(threads),
         "--layers", str(shape.n_layers), "--vocab", str(shape.vocab),
     ]
@@ -82,7 +82,7 @@ def rss_growth_subprocess(
 def main(argv: Optional[list] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config", choices=CONFIGS)
-    parser.add_argument("shape", help="T:d:batch, e.g. 2048:512:1")
+    parser.add_argument("shape", help="[decoder|llama:]T:d:batch, e.g. 2048:512:1")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=2)

@@ -1,7 +1,8 @@
 """Per-step cost of DP training of a small causal decoder, side by side in one process.
 
-Five configurations train copies of the same :class:`~opacus_rc.models.TinyDecoder` on the
-same batch (SGD, next-token loss):
+Five configurations train copies of the same model (a :class:`~opacus_rc.models.TinyDecoder`
+or a Llama-style :class:`~opacus_rc.models.llama.LlamaLM`) on the same batch (SGD,
+next-token loss):
 
 * ``nonprivate``: plain training, mean cross-entropy, one backward pass;
 * ``hooks``: Opacus ``grad_sample_mode="hooks"`` (per-sample gradients, flat clipping);
@@ -46,19 +47,32 @@ CONFIGS = ("nonprivate", "hooks", "ghost", "randomized", "randomized_bk")
 BASELINE = "nonprivate"
 
 
+ARCHS = ("decoder", "llama")
+
+
 @dataclass(frozen=True)
 class StepShape:
-    """A decoder and batch shape: sequence length T, width d, batch size."""
+    """A model and batch shape: sequence length T, width d, batch size; ``arch`` is
+    ``"decoder"`` (:class:`~opacus_rc.models.TinyDecoder`: LayerNorm, GELU MLP, biases) or
+    ``"llama"`` (:class:`~opacus_rc.models.llama.LlamaLM`: RMSNorm, rotary, SwiGLU)."""
 
     seq_len: int
     d_model: int
     batch: int
     n_layers: int = 2
     vocab: int = 512
+    arch: str = "decoder"
 
     @property
     def label(self) -> str:
-        return f"T={self.seq_len},d={self.d_model},b={self.batch}"
+        prefix = "" if self.arch == "decoder" else f"{self.arch} "
+        return f"{prefix}T={self.seq_len},d={self.d_model},b={self.batch}"
+
+    @property
+    def spec(self) -> str:
+        """The ``[arch:]T:d:b`` text :meth:`parse` reads back."""
+        prefix = "" if self.arch == "decoder" else f"{self.arch}:"
+        return f"{prefix}{self.seq_len}:{self.d_model}:{self.batch}"
 
     @property
     def n_heads(self) -> int:
@@ -70,50 +84,31 @@ class StepShape:
 
     @classmethod
     def parse(cls, text: str, **kwargs: int) -> "StepShape":
-        """``"T:d:b"`` (e.g. ``"2048:512:1"``) -> StepShape."""
+        """``"[arch:]T:d:b"`` (e.g. ``"2048:512:1"``, ``"llama:2048:512:1"``) -> StepShape."""
+        fields = text.strip().split(":")
+        arch = fields.pop(0) if len(fields) == 4 else "decoder"
+        accepted = f"accepted format: [{'|'.join(ARCHS)}:]T:d:batch, e.g. 2048:512:1 or llama:2048:512:1"
+        if arch not in ARCHS:
+            raise ValueError(f"step shape {text!r} has an unknown model {arch!r}; {accepted}")
         try:
-            t, d, b = (int(x) for x in text.split(":"))
+            t, d, b = (int(x) for x in fields)
         except ValueError:
-            raise ValueError(
-                f"step shape {text!r} is invalid; accepted format: T:d:batch, e.g. 2048:512:1"
-            ) from None
+            raise ValueError(f"step shape {text!r} is invalid; {accepted}") from None
         if min(t, d, b) <= 0:
             raise ValueError(f"step shape {text!r} is invalid: T, d and batch must be positive")
-        return cls(t, d, b, **kwargs)
+        return cls(t, d, b, arch=arch, **kwargs)
 
 
-def ensure_rc_accountant() -> bool:
-    """Make sure ``accountant="rc_prv"`` can be created; returns True if a stand-in was
-    registered (for timing only: a PRV accountant that reports ``mechanism() == "rc_prv"``).
-
-    Only used while the real ``rc_prv`` accountant is not available in the package.
-    """
-    import opacus_rc  # noqa: F401  registers the real accountant when it exists
-    from opacus.accountants import PRVAccountant, register_accountant
-    from opacus.accountants.registry import _ACCOUNTANTS
-
-    if "rc_prv" in _ACCOUNTANTS:
-        return False
-
-    class _TimingStandIn(PRVAccountant):
-        def mechanism(self) -> str:
-            return "rc_prv"
-
-    register_accountant("rc_prv", _TimingStandIn)
-    logger.warning("rc_prv accountant not available: registered a PRV stand-in for timing")
-    return True
-
-
-def build_model(shape: StepShape, seed: int = 0) -> TinyDecoder:
-    """The decoder for ``shape`` with seeded random weights."""
+def build_model(shape: StepShape, seed: int = 0) -> nn.Module:
+    """The model for ``shape`` (a decoder or a Llama-style LM) with seeded random weights."""
     torch.manual_seed(seed)
-    return TinyDecoder(
-        vocab=shape.vocab,
-        d_model=shape.d_model,
-        n_layers=shape.n_layers,
-        n_heads=shape.n_heads,
-        max_len=shape.seq_len,
-    )
+    size = dict(vocab=shape.vocab, d_model=shape.d_model, n_layers=shape.n_layers,
+                n_heads=shape.n_heads, max_len=shape.seq_len)
+    if shape.arch == "llama":
+        from ..models.llama import LlamaLM
+
+        return LlamaLM(**size)
+    return TinyDecoder(**size)
 
 
 def make_tokens(shape: StepShape, seed: int = 0) -> torch.Tensor:
@@ -259,7 +254,8 @@ def make_trainer(
         return Trainer(config, model, optimizer, _plain_loss(model))
     from opacus import PrivacyEngine
 
-    ensure_rc_accountant()
+    import opacus_rc  # noqa: F401  registers clipping="randomized" and accountant="rc_prv"
+
     randomized = config.startswith("randomized")
     one_pass = config in ("hooks", "randomized_bk")
     engine = PrivacyEngine(accountant="rc_prv" if randomized else "prv")
