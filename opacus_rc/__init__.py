@@ -11,7 +11,12 @@ from .config import SketchConfig
 from .estimators import hutchinson_sq_norms, hutchpp_sq_norms
 from .grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
 from .norm_samplers import register_randomized_norm_sampler
-from .optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingOptimizer
+from .optimizer import (
+    DistributedRandomizedClippingBookkeepingOptimizer,
+    DistributedRandomizedClippingOptimizer,
+    RandomizedClippingBookkeepingOptimizer,
+    RandomizedClippingOptimizer,
+)
 from .sketch import Sketcher
 
 _integration.install()
@@ -25,6 +30,8 @@ __all__ = [
     "GradSampleHooksRandomizedClipping",
     "RandomizedClippingOptimizer",
     "DistributedRandomizedClippingOptimizer",
+    "RandomizedClippingBookkeepingOptimizer",
+    "DistributedRandomizedClippingBookkeepingOptimizer",
     "register_randomized_norm_sampler",
 ]
 __version__ = "0.1.0"

@@ -47,6 +47,7 @@ from .grad_sample import (
     GradSampleModuleRandomizedClipping,
 )
 from .optimizer import (
+    DistributedRandomizedClippingBookkeepingOptimizer,
     DistributedRandomizedClippingOptimizer,
     RandomizedClippingBookkeepingOptimizer,
     RandomizedClippingOptimizer,
@@ -203,10 +204,7 @@ def _prepare_criterion(original, self: PrivacyEngine, *, module, optimizer, crit
 def _get_optimizer_class(original, clipping: str, distributed: bool, grad_sample_mode=None):
     if clipping == RANDOMIZED and grad_sample_mode == "hooks":
         if distributed:
-            raise ValueError(
-                "book-keeping (grad_sample_mode='hooks') with clipping='randomized' does not "
-                "support distributed training yet; use grad_sample_mode='ghost'"
-            )
+            return DistributedRandomizedClippingBookkeepingOptimizer
         return RandomizedClippingBookkeepingOptimizer
     if clipping == RANDOMIZED:
         return DistributedRandomizedClippingOptimizer if distributed else RandomizedClippingOptimizer

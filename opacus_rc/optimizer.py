@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from opacus.optimizers import (
+    DistributedDPOptimizer,
     DistributedDPOptimizerFastGradientClipping,
     DPOptimizer,
     DPOptimizerFastGradientClipping,
@@ -234,3 +235,10 @@ class RandomizedClippingBookkeepingOptimizer(
 ):
     """:class:`~opacus.optimizers.DPOptimizer` with randomized clipping by book-keeping
     (one backward pass; ``grad_sample_mode="hooks"``)."""
+
+
+class DistributedRandomizedClippingBookkeepingOptimizer(
+    BookkeepingClippingMixin, RandomizedClippingMixin, DistributedDPOptimizer
+):
+    """Distributed (DDP) book-keeping: each rank clips its own examples, rank 0 alone adds
+    the noise, and the clipped sums are all-reduced (Opacus's ``DistributedDPOptimizer``)."""

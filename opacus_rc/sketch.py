@@ -26,6 +26,13 @@ def entropy_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1
 
 
+def _process_rank() -> int:
+    """This process's rank in the default torch.distributed group (0 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def secure_standard_normal(shape, device="cpu", dtype=torch.float32) -> torch.Tensor:
     """i.i.d. N(0, 1) entries from ``os.urandom`` (the kernel's CSPRNG): 53-bit uniforms,
     Box-Muller in float64. Nothing comes from a pseudo-random generator."""
@@ -71,12 +78,23 @@ class Sketcher:
         self._step_sketches: Dict[Any, torch.Tensor] = {}
 
     def generator(self, device: torch.device) -> torch.Generator:
-        """The generator for ``device`` (one per device, seeded from the run's seed)."""
+        """The generator for ``device`` (one per device, seeded from the run's seed).
+
+        Per-example sketches must be independent across examples, also across the ranks
+        of a distributed run, which share ``sketch_seed``: their generators are seeded
+        with the rank folded in. Shared sketches stay identical on every rank (one sketch
+        for the whole logical batch, as in one process).
+        """
         key = str(torch.device(device))
         gen = self._generators.get(key)
         if gen is None:
+            seed = self.seed + len(self._generators)
+            if self.config.sketching == "per_example":
+                # CPU generators keep the low 32 bits of a seed: an odd multiplier maps
+                # distinct ranks to distinct low words.
+                seed += _process_rank() * 0x9E3779B1
             gen = torch.Generator(device=device)
-            gen.manual_seed(self.seed + len(self._generators))
+            gen.manual_seed(seed % 2**63)
             self._generators[key] = gen
         return gen
 

@@ -1,8 +1,10 @@
-"""DDP (gloo, 2 CPU processes) through Opacus's DPDDP path with randomized clipping.
+"""DDP (gloo, 2 CPU processes) through Opacus's DPDDP path with randomized clipping, in
+both the two-pass (grad_sample_mode="ghost") and the book-keeping ("hooks") form.
 
 Each rank estimates its own examples' norms with the same seeded shared sketches; with
 noise 0 the update equals the single-process update on the union of the batches, and
-with noise on, noise is added once (rank 0), not once per rank.
+with noise on, noise is added once (rank 0), not once per rank. Per-example sketches
+differ across ranks (independent examples), shared sketches do not.
 """
 
 import os
@@ -22,13 +24,17 @@ WORLD, PER_RANK, T = 2, 8, 40  # T > k = 8: linear layers are sketched
 C = 0.5
 
 
-def private_step(model, x, y, noise, distributed):
+MODES = {"ghost": "DistributedRandomizedClippingOptimizer",
+         "hooks": "DistributedRandomizedClippingBookkeepingOptimizer"}
+
+
+def private_step(model, x, y, noise, distributed, mode):
     """One step on (x, y); the loader spans the whole dataset, as Opacus expects (it
     derives the per-worker expected batch size from it: 16 / world size)."""
     engine = PrivacyEngine(accountant="rc_prv")
     full = token_task(n=WORLD * PER_RANK, t=T)
     loader = torch.utils.data.DataLoader(full, batch_size=WORLD * PER_RANK)
-    module, opt, crit, _ = engine.make_private(
+    out = engine.make_private(
         module=DPDDP(model) if distributed else model,
         optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
         criterion=nn.CrossEntropyLoss(),
@@ -36,40 +42,47 @@ def private_step(model, x, y, noise, distributed):
         noise_multiplier=noise,
         max_grad_norm=C,
         poisson_sampling=False,
-        grad_sample_mode="ghost",
+        grad_sample_mode=mode,
         clipping="randomized",
         sketch_size=8,
         sketch_seed=7,
         noise_generator=torch.Generator().manual_seed(11),
     )
+    module, opt = out[0], out[1]
+    crit = out[2] if mode == "ghost" else nn.CrossEntropyLoss()  # book-keeping: a plain loss
     crit(module(x), y).backward()
     opt.step()
     return type(opt).__name__
 
 
-def worker(rank, init_file, noise, out_dir):
+def worker(rank, init_file, noise, mode, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     torch.manual_seed(0)
     model = SequenceClassifier()
     x, y = token_task(n=WORLD * PER_RANK, t=T).tensors
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    name = private_step(model, x[shard], y[shard], noise, distributed=True)
+    name = private_step(model, x[shard], y[shard], noise, distributed=True, mode=mode)
     torch.save({"params": model.state_dict(), "optimizer": name}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def run_ddp(noise):
+def spawn(fn, *args):
+    """Run ``fn(rank, init_file, *args, out_dir)`` on every rank; the ranks' saved files."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.spawn(worker, args=(init_file, noise, tmp), nprocs=WORLD, join=True)
+        mp.spawn(fn, args=(init_file, *args, tmp), nprocs=WORLD, join=True)
         return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
 
 
-def single_process(noise):
+def run_ddp(noise, mode):
+    return spawn(worker, noise, mode)
+
+
+def single_process(noise, mode):
     torch.manual_seed(0)
     model = SequenceClassifier()
     x, y = token_task(n=WORLD * PER_RANK, t=T).tensors
-    private_step(model, x, y, noise, distributed=False)
+    private_step(model, x, y, noise, distributed=False, mode=mode)
     return model.state_dict()
 
 
@@ -79,26 +92,49 @@ def initial():
     return SequenceClassifier().state_dict()
 
 
-def test_ddp_equals_single_process_on_the_union(initial):
-    ranks = run_ddp(noise=0.0)
-    single = single_process(noise=0.0)
-    assert ranks[0]["optimizer"] == "DistributedRandomizedClippingOptimizer"
+@pytest.mark.parametrize("mode", MODES)
+def test_ddp_equals_single_process_on_the_union(initial, mode):
+    ranks = run_ddp(noise=0.0, mode=mode)
+    single = single_process(noise=0.0, mode=mode)
+    assert ranks[0]["optimizer"] == MODES[mode]
     for name in single:
         torch.testing.assert_close(ranks[0]["params"][name], ranks[1]["params"][name])
         torch.testing.assert_close(ranks[0]["params"][name], single[name], rtol=1e-4, atol=1e-6)
     assert any(not torch.equal(single[n], initial[n]) for n in single)
 
 
-def test_ddp_adds_noise_once(initial):
+@pytest.mark.parametrize("mode", MODES)
+def test_ddp_adds_noise_once(initial, mode):
     """Noise std of the averaged update is sigma C / (total batch), as in one process;
     noise added on both ranks would make it sqrt(2) larger. The fc1 weight has
     24 x 16 = 384 entries: the sample std is within ~3.6% (1 SE) of the truth, so the
     tolerance 15% (about 4 SE) separates 1 from sqrt(2) = 1.41."""
     sigma = 50.0  # noise dominates the clipped signal (|signal| <= C / 16 per entry)
-    noisy = run_ddp(noise=sigma)
-    clean = single_process(noise=0.0)
+    noisy = run_ddp(noise=sigma, mode=mode)
+    clean = single_process(noise=0.0, mode=mode)
     name = "fc1.weight"
     diff = noisy[0]["params"][name] - clean[name]
     expected = sigma * C / (WORLD * PER_RANK)
     assert diff.std().item() == pytest.approx(expected, rel=0.15)
     torch.testing.assert_close(noisy[0]["params"][name], noisy[1]["params"][name])
+
+
+def sketch_worker(rank, init_file, sketching, out_dir):
+    from opacus_rc.config import SketchConfig
+    from opacus_rc.sketch import Sketcher
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    sketcher = Sketcher(SketchConfig(sketching=sketching), seed=3)
+    torch.save(sketcher.gaussian(2, 16, 8, torch.device("cpu")), os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ddp_per_example_sketches_are_independent_across_ranks():
+    """Same sketch_seed on every rank: shared sketches agree (one sketch per logical
+    batch), per-example sketches differ (each rank's examples get their own draws: the
+    hidden-sketch analysis assumes independent per-example sketches)."""
+    shared = spawn(sketch_worker, "shared")
+    per_example = spawn(sketch_worker, "per_example")
+    torch.testing.assert_close(shared[0], shared[1])
+    assert per_example[0].shape == (2, 16, 8)
+    assert not torch.isclose(per_example[0], per_example[1]).any()
