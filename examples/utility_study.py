@@ -240,12 +240,13 @@ def _forever(loader):
 # summary
 # ------------------------------------------------------------------------------------------
 def summarize(runs: Sequence[Run]) -> List[Dict]:
-    """Mean and sample std (over seeds) of test accuracy per (dataset, method, epsilon)."""
+    """Mean and sample std (over seeds) of test accuracy per (dataset, method, epsilon,
+    steps): runs of different schedules are never averaged together."""
     groups: Dict[Tuple, List[Run]] = {}
     for r in runs:
-        groups.setdefault((r.dataset, r.method, r.target_epsilon), []).append(r)
+        groups.setdefault((r.dataset, r.method, r.target_epsilon, r.steps), []).append(r)
     rows = []
-    for (d, meth, eps), rs in groups.items():
+    for (d, meth, eps, _), rs in groups.items():
         accs = [r.accuracy for r in rs]
         rows.append(dict(dataset=d, method=meth, target_epsilon=eps, seeds=len(rs),
                          mean=statistics.fmean(accs), std=statistics.stdev(accs) if len(accs) > 1 else None,
@@ -253,7 +254,7 @@ def summarize(runs: Sequence[Run]) -> List[Dict]:
                          spent_epsilon=max((r.epsilon or 0.0) for r in rs),
                          seconds_per_run=statistics.fmean(r.seconds for r in rs)))
     order = {m: i for i, m in enumerate(METHODS)}
-    return sorted(rows, key=lambda r: (r["dataset"], r["target_epsilon"] or 1e9, order[r["method"]]))
+    return sorted(rows, key=lambda r: (r["dataset"], r["steps"], r["target_epsilon"] or 1e9, order[r["method"]]))
 
 
 def markdown_table(rows: List[Dict], majority: Dict[str, float]) -> str:
@@ -265,6 +266,42 @@ def markdown_table(rows: List[Dict], majority: Dict[str, float]) -> str:
         lines.append(f"| {r['dataset']} | {eps} | {r['method']} | {r['noise_multiplier']:.3f} | {r['steps']} | "
                      f"{r['mean']:.4f}{std} ({r['seeds']}) | {majority[r['dataset']]:.4f} |")
     return "\n".join(lines)
+
+
+def comparison_table(rows: List[Dict], majority: Dict[str, float]) -> str:
+    """One line per (dataset, epsilon): test accuracy (mean ± std over seeds) of exact DP-SGD,
+    Hutchinson and Hutch++, their gaps to exact in points, the non-private reference and the
+    majority class."""
+    cell = {(r["dataset"], r["steps"], r["target_epsilon"], r["method"]): r for r in rows}
+
+    def acc(r: Optional[Dict]) -> str:
+        if r is None:
+            return "–"
+        std = f" ± {r['std']:.4f}" if r["std"] is not None else ""
+        return f"{r['mean']:.4f}{std} ({r['seeds']})"
+
+    def gap(r: Optional[Dict], ref: Optional[Dict]) -> str:
+        return "–" if r is None or ref is None else f"{100 * (r['mean'] - ref['mean']):+.2f}"
+
+    lines = ["| dataset | steps | ε | exact (seeds) | Hutchinson | Hutch++ | Δ Hutch (pt) | Δ Hutch++ (pt) "
+             "| non-private | majority |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for d, n, eps in sorted({(r["dataset"], r["steps"], r["target_epsilon"]) for r in rows if r["target_epsilon"]}):
+        exact, hutch, hpp = (cell.get((d, n, eps, m)) for m in ("exact", "hutch", "hutchpp"))
+        lines.append(f"| {d} | {n} | {eps:g} | {acc(exact)} | {acc(hutch)} | {acc(hpp)} | {gap(hutch, exact)} | "
+                     f"{gap(hpp, exact)} | {acc(cell.get((d, n, None, 'nonprivate')))} | {majority[d]:.4f} |")
+    return "\n".join(lines)
+
+
+def report(paths: Sequence[str]) -> str:
+    """Both tables for saved result files (``--report``)."""
+    runs, majority = [], {}
+    for path in paths:
+        with open(path) as f:
+            rec = json.load(f)
+        runs += [Run(**{k: v for k, v in r.items()}) for r in rec["runs"]]
+        majority.update({d: v["majority"] for d, v in rec["datasets"].items()})
+    rows = summarize(runs)
+    return comparison_table(rows, majority) + "\n\n" + markdown_table(rows, majority)
 
 
 # ------------------------------------------------------------------------------------------
@@ -309,6 +346,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default=None, help="results JSON (rewritten after every run)")
+    p.add_argument("--report", nargs="+", metavar="JSON", help="only print the tables of saved result files")
     a = p.parse_args(argv)
     # CI size: 64 train / 32 test documents, Poisson batches of 16 (q = 0.25), 1 step, windows of 64 tokens
     small_defaults = dict(datasets="sms,speeches", eps="8", seeds="0", n_train=64, n_test=32, max_steps=1,
@@ -332,6 +370,9 @@ def main(argv=None) -> Dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
     warnings.filterwarnings("ignore")
     args = parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return {}
     if args.threads:
         torch.set_num_threads(args.threads)
     tokenizer, encoder = minilm.load_encoder()
@@ -355,7 +396,8 @@ def main(argv=None) -> Dict:
                     if args.out:
                         with open(args.out, "w") as f:
                             json.dump(record, f, indent=1)
-    print(markdown_table(record["summary"], {d: v["majority"] for d, v in datasets.items()}))
+    majority = {d: v["majority"] for d, v in datasets.items()}
+    print(comparison_table(record["summary"], majority) + "\n\n" + markdown_table(record["summary"], majority))
     return record
 
 
