@@ -149,8 +149,11 @@ def _bar(args, desc: str):
 # one run
 # ------------------------------------------------------------------------------------------
 def planned_steps(n: int, rec: Dict, max_steps: Optional[int]) -> Tuple[float, int]:
-    """Sample rate q = batch / n and steps = epochs / q (capped at ``max_steps``)."""
-    q = min(1.0, rec["batch"] / n)
+    """The sample rate Opacus's Poisson loader will use, q = 1 / len(loader) =
+    1 / ceil(n / batch) (``make_private`` derives it from the loader, not from batch / n),
+    and steps = epochs / q (capped at ``max_steps``): the noise is calibrated for exactly
+    the (q, steps) the accountant will be charged."""
+    q = 1.0 / math.ceil(n / rec["batch"])
     steps = int(round(rec["epochs"] / q))
     return q, min(steps, max_steps) if max_steps else steps
 
@@ -223,6 +226,8 @@ def run_one(prep: Prepared, method: str, eps: Optional[float], seed: int, args, 
     run.curve.append((steps, run.accuracy))
     if engine is not None:
         run.epsilon = engine.get_epsilon(args.delta)
+        if abs(engine.accountant.history[0][1] - q) > 1e-12:
+            logger.warning("the engine sampled at q=%.6f, calibrated for q=%.6f", engine.accountant.history[0][1], q)
     logger.info("%s %s eps=%s seed=%d: acc %.4f (sigma %.3f, spent eps %s, %d steps, %.0fs)", prep.dataset, method,
                 eps, seed, run.accuracy, run.noise_multiplier, run.epsilon, steps, run.seconds)
     return run
