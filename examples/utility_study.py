@@ -303,7 +303,7 @@ def report(paths: Sequence[str]) -> str:
     for path in paths:
         with open(path) as f:
             rec = json.load(f)
-        runs += [Run(**{k: v for k, v in r.items()}) for r in rec["runs"]]
+        runs += [Run(**r) for r in rec["runs"]]
         majority.update({d: v["majority"] for d, v in rec["datasets"].items()})
     rows = summarize(runs)
     return comparison_table(rows, majority) + "\n\n" + markdown_table(rows, majority)

@@ -434,13 +434,7 @@ def render_markdown(main: List[KResult], extra: List[KResult], command: str, ela
             f"non-vertex one {worst_nv.closest_nonvertex_log_ratio:+.1e} (k={worst_nv.k}); "
             f"largest contour error estimate {max(r.max_contour_err for r in extra):.1e}.",
         ]
-    bad = [r for r in main + extra if r.violations]
-    if bad:
-        lines += ["", "## Violations (first 20 per k)", "", "| k | family | w | x | log ratio |",
-                  "|---|---|---|---|---|"]
-        for r in bad:
-            for fam, w, xx, l in r.violations:
-                lines.append(f"| {r.k} | {fam} | {w} | {xx:.4g} | {l:.3e} |")
+    lines += _violation_lines(main + extra, "## Violations (first 20 per k)")
     lines += [
         "",
         "## Why the vertex",
@@ -503,15 +497,21 @@ def render_large_markdown(results: List[KResult], command: str, elapsed: Tuple[f
             f"{r.imhof_max_abs:.1e} ({r.imhof_pairs}) | {r.mc_max_z:.2f} ({r.mc_draws}) | "
             f"{r.chernoff_ratio_at.get(0.5, float('nan')):.3g} |"
         )
-    bad = [r for r in results if r.violations]
-    if bad:
-        lines += ["", "Violations (first 20 per k):", "", "| k | family | w | x | log ratio |",
-                  "|---|---|---|---|---|"]
-        for r in bad:
-            for fam, w, xx, l in r.violations:
-                lines.append(f"| {r.k} | {fam} | {w} | {xx:.4g} | {l:.3e} |")
+    lines += _violation_lines(results, "Violations (first 20 per k):")
     lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _violation_lines(results, heading: str) -> List[str]:
+    """A Markdown table of the recorded violations of ``results`` (nothing if none)."""
+    bad = [r for r in results if r.violations]
+    if not bad:
+        return []
+    lines = ["", heading, "", "| k | family | w | x | log ratio |", "|---|---|---|---|---|"]
+    for r in bad:
+        for fam, w, xx, l in r.violations:
+            lines.append(f"| {r.k} | {fam} | {w} | {xx:.4g} | {l:.3e} |")
+    return lines
 
 
 def splice_section(doc: str, section: str) -> str:
