@@ -27,3 +27,18 @@ def test_summary_groups_seeds_not_schedules():
     table = study.comparison_table(rows, {"sms": 0.874})
     line = [l for l in table.splitlines() if l.startswith("| sms | 100 | 3 |")][0]
     assert "| -1.00 |" in line and "0.9900 (1)" in line and line.endswith("0.8740 |")
+
+
+@pytest.mark.parametrize("n,batch", [(3869, 256), (398, 32), (398, 128), (64, 16)])
+def test_noise_is_calibrated_for_the_rate_opacus_samples_at(n, batch):
+    """The study's calibration rate equals the sample rate Opacus's Poisson loader uses
+    (an independent computation: DPDataLoader built from the same loader), so the spent
+    epsilon equals the target instead of falling below it."""
+    import torch
+    from opacus.data_loader import DPDataLoader
+
+    data = torch.utils.data.TensorDataset(torch.zeros(n, 1))
+    loader = DPDataLoader.from_data_loader(torch.utils.data.DataLoader(data, batch_size=batch))
+    q, steps = study.planned_steps(n, dict(batch=batch, epochs=10), None)
+    assert q == pytest.approx(loader.sample_rate, rel=1e-12)
+    assert steps == round(10 / loader.sample_rate)
