@@ -47,9 +47,9 @@ METHODS = ("exact", "hutch", "hutchpp", "nonprivate")
 ESTIMATOR = {"hutch": "hutchinson", "hutchpp": "hutchpp"}
 # Per-dataset recipe (DATA.md's reference recipe for short texts; long windows use smaller batches).
 RECIPES: Dict[str, Dict] = {
-    "sms": dict(max_len=32, epochs=10, batch=256, lr=5e-4, head_lr=1e-2, clip=0.5),
-    "rt": dict(max_len=32, epochs=6, batch=256, lr=5e-4, head_lr=1e-2, clip=0.5),
-    "speeches": dict(max_len=512, epochs=10, batch=32, lr=5e-4, head_lr=1e-2, clip=0.5),
+    "sms": dict(max_len=32, epochs=10, batch=256, lr=5e-4, head_lr=1e-2, clip=0.5, tail="full"),
+    "rt": dict(max_len=32, epochs=6, batch=256, lr=5e-4, head_lr=1e-2, clip=0.5, tail="full"),
+    "speeches": dict(max_len=512, epochs=3, batch=32, lr=2e-3, head_lr=3e-2, clip=0.5, tail="lora"),
 }
 Split = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -184,8 +184,8 @@ def run_one(prep: Prepared, method: str, eps: Optional[float], seed: int, args, 
     rec = recipe(prep.dataset, args)
     n = len(prep.train[2])
     q, steps = planned_steps(n, rec, args.max_steps)
-    run = Run(prep.dataset, method, eps, seed, args.delta, steps=steps, sample_rate=q, hyper=dict(rec, layers=args.layers))
-    tail = minilm.build_tail(encoder, args.layers, mode="full", seed=seed)
+    run = Run(prep.dataset, method, eps, seed, args.delta, steps=steps, sample_rate=q, hyper=dict(rec, layers=args.layers, rank=args.rank if rec["tail"] == "lora" else None))
+    tail = minilm.build_tail(encoder, args.layers, mode=rec["tail"], rank=args.rank, seed=seed)
     opt = torch.optim.AdamW(minilm.param_groups(tail, rec["lr"], rec["head_lr"]), weight_decay=0.0)
     data = torch.utils.data.TensorDataset(*prep.train)
     g = torch.Generator().manual_seed(seed)
@@ -340,7 +340,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-lr", type=float, default=None, help="head learning rate (recipe override)")
     p.add_argument("--clip", type=float, default=None, help="max_grad_norm C (recipe override)")
     p.add_argument("--max-len", type=int, default=None, help="tokens per example / window (recipe override)")
-    p.add_argument("--layers", type=int, default=1, help="top encoder layers fully fine-tuned")
+    p.add_argument("--layers", type=int, default=1, help="top encoder layers trained (the rest frozen and cached)")
+    p.add_argument("--tail", choices=minilm.TAIL_MODES, default=None,
+                   help="train every weight of those layers (full) or LoRA factors (recipe override)")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha = 2 rank) with --tail lora")
     p.add_argument("--sketch-size", type=int, default=32)
     p.add_argument("--exact-when-cheaper", action="store_true", help="let layers with T <= k use exact norms")
     p.add_argument("--n-train", type=int, default=None, help="cap the training documents")

@@ -42,3 +42,35 @@ def test_noise_is_calibrated_for_the_rate_opacus_samples_at(n, batch):
     q, steps = study.planned_steps(n, dict(batch=batch, epochs=10), None)
     assert q == pytest.approx(loader.sample_rate, rel=1e-12)
     assert steps == round(10 / loader.sample_rate)
+
+
+def test_recipe_tail_per_dataset_and_override():
+    """Short texts fully fine-tune the top layer; the 512-token speeches train LoRA factors
+    (docs/utility.md: with the full layer the body's per-sample norm takes ~92% of the
+    clipping budget); --tail overrides either."""
+    args = study.parse_args([])
+    assert study.recipe("sms", args)["tail"] == "full"
+    assert study.recipe("speeches", args)["tail"] == "lora"
+    assert study.recipe("speeches", study.parse_args(["--tail", "full"]))["tail"] == "full"
+    with pytest.raises(SystemExit):
+        study.parse_args(["--tail", "adapter"])
+
+
+def test_lora_tail_trains_only_factors_and_head_and_starts_as_the_pretrained_layer():
+    import torch
+
+    from opacus_rc.models import minilm
+
+    _, encoder = minilm.load_encoder()
+    full = minilm.build_tail(encoder, 1, mode="full", seed=0).eval()
+    lora = minilm.build_tail(encoder, 1, mode="lora", rank=8, seed=0).eval()
+    trainable = {n: p.numel() for n, p in lora.named_parameters() if p.requires_grad}
+    assert all("lora_" in n or n.startswith("head.") for n in trainable)
+    # query and value: A (8 x 384) and B (384 x 8) each, plus the 384 x 2 head and its bias
+    assert sum(trainable.values()) == 2 * (8 * 384 + 384 * 8) + 384 * 2 + 2
+    g = torch.Generator().manual_seed(0)
+    h, m = torch.randn(2, 16, 384, generator=g), torch.ones(2, 16)
+    with torch.no_grad():
+        full.head.weight.normal_(generator=g)
+        lora.head.weight.copy_(full.head.weight)
+        torch.testing.assert_close(lora(h, m), full(h, m))  # LoRA's B starts at zero
