@@ -74,3 +74,23 @@ def test_lora_tail_trains_only_factors_and_head_and_starts_as_the_pretrained_lay
         full.head.weight.normal_(generator=g)
         lora.head.weight.copy_(full.head.weight)
         torch.testing.assert_close(lora(h, m), full(h, m))  # LoRA's B starts at zero
+
+
+def test_probe_grid_learns_and_charges_the_loader_rate():
+    """The proxy grid's DP linear probe (Opacus, make_private_with_epsilon) learns a separable
+    task (majority ~0.5; a clean linear rule at eps=8 with 300 examples reaches > 0.9) and its
+    noise multiplier is Opacus's calibration for q = 1/len(loader) and the epochs run."""
+    import torch
+    from opacus.accountants.utils import get_noise_multiplier
+
+    pg = pytest.importorskip("probe_grid")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 8, generator=g)
+    y = (x[:, 0] > 0).long()
+    rows = pg.grid((x[:300], y[:300]), (x[300:], y[300:]), [8.0], [(50, 5)], [0.1], [1.0], [0, 1], 1e-5,
+                   progress=False)
+    assert rows[0]["mean"] > 0.9
+    sigma = get_noise_multiplier(target_epsilon=8.0, target_delta=1e-5, sample_rate=1 / 6, epochs=5,
+                                 accountant="prv")
+    assert rows[0]["noise_multiplier"] == pytest.approx(sigma)
+    assert "**" in pg.table(rows, 0.5).splitlines()[2]  # the best point of its epsilon is marked
