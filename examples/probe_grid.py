@@ -9,7 +9,7 @@ head learning rate, batch size and number of epochs let DP leave the majority cl
 windows, and how far each epsilon can get. The chosen point is then confirmed on the real arms
 (``docs/utility.md``).
 
-    python examples/probe_grid.py --out docs/utility_probe_grid.json     # ~5 min on 2 cores
+    python examples/probe_grid.py --threads 1 --out docs/utility_probe_grid.json   # ~11 min on 1 core
     python examples/probe_grid.py --report docs/utility_probe_grid.json  # the table only
 """
 
@@ -42,13 +42,8 @@ def pooled_features(prep: study.Prepared, encoder, chunk: int = 32) -> Tuple[Fea
     tail = study.minilm.build_tail(encoder, 1, mode="full").eval()
     out = []
     for h, m, y in (prep.train, prep.test):
-        am_chunks = []
-        for i in range(0, len(y), chunk):
-            hh, mm = h[i:i + chunk], m[i:i + chunk]
-            for layer in tail.layers:
-                hh = study.minilm._layer_out(layer(hh, attention_mask=study.minilm.additive_mask(mm)))
-            am_chunks.append((hh * mm[..., None]).sum(1) / mm.sum(1, keepdim=True).clamp(min=1.0))
-        out.append((torch.cat(am_chunks), y))
+        pooled = [tail.features(h[i:i + chunk], m[i:i + chunk]) for i in range(0, len(y), chunk)]
+        out.append((torch.cat(pooled), y))
     return out[0], out[1]
 
 
@@ -70,10 +65,9 @@ def dp_probe(train: Features, test: Features, eps: float, delta: float, batch: i
         target_epsilon=eps, target_delta=delta, epochs=epochs, max_grad_norm=clip, poisson_sampling=True)
     crit = nn.CrossEntropyLoss()
     for _ in range(epochs):
-        for x, y in loader:
+        for x, y in loader:  # empty Poisson batches too: Opacus needs their (empty) per-sample grads
             opt.zero_grad()
-            if len(y):
-                crit(head(x), y).backward()
+            crit(head(x), y).backward()
             opt.step()
     with torch.no_grad():
         acc = float((head(test[0]).argmax(-1) == test[1]).float().mean())
@@ -142,7 +136,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--report", default=None, metavar="JSON", help="only print the table of a saved grid")
     a = p.parse_args(argv)
     try:
-        a.eps_list = study._list(a.eps, "--eps", float)
+        a.eps_list = study.eps_list(a.eps)
         a.schedule_list = _pairs(a.schedules)
         a.lr_list = study._list(a.lrs, "--lrs", float)
         a.clip_list = study._list(a.clips, "--clips", float)

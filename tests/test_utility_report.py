@@ -94,3 +94,18 @@ def test_probe_grid_learns_and_charges_the_loader_rate():
                                  accountant="prv")
     assert rows[0]["noise_multiplier"] == pytest.approx(sigma)
     assert "**" in pg.table(rows, 0.5).splitlines()[2]  # the best point of its epsilon is marked
+
+
+def test_probe_grid_steps_through_empty_poisson_batches_and_rejects_bad_eps():
+    """Batch 1 of 100 examples: each step's Poisson batch is empty with probability
+    (1 - 1/100)^100 ~ 0.37, so an epoch has ~37 empty steps; they must be taken (Opacus
+    charges them) rather than crash the optimizer."""
+    import torch
+
+    pg = pytest.importorskip("probe_grid")
+    x = torch.randn(100, 4, generator=torch.Generator().manual_seed(0))
+    y = (x[:, 0] > 0).long()
+    rows = pg.grid((x, y), (x, y), [8.0], [(1, 1)], [0.1], [1.0], [0], 1e-5, progress=False)
+    assert 0.0 <= rows[0]["mean"] <= 1.0 and rows[0]["noise_multiplier"] > 0
+    with pytest.raises(SystemExit):
+        pg.parse_args(["--eps", "1,-3"])

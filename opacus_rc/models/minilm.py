@@ -133,12 +133,15 @@ class Tail(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def features(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The head's input: the layers, then ``sum_t mask_t h_t / sum_t mask_t``."""
         am = additive_mask(mask)
         for layer in self.layers:
             h = _layer_out(layer(h, attention_mask=am))
-        pooled = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1.0)
-        return self.head(pooled)
+        return (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1.0)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(h, mask))
 
 
 def build_tail(
