@@ -46,6 +46,14 @@ from .grad_sample import (
     GradSampleModuleBookkeeping,
     GradSampleModuleRandomizedClipping,
 )
+from .fsdp import (
+    FSDP_MODE,
+    DPLossRandomizedClippingFSDP,
+    FSDPRandomizedClippingOptimizer,
+    GradSampleHooksRandomizedClippingFSDP,
+    GradSampleModuleRandomizedClippingFSDP,
+    check_fsdp_mode,
+)
 from .optimizer import (
     DistributedRandomizedClippingBookkeepingOptimizer,
     DistributedRandomizedClippingOptimizer,
@@ -57,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 RANDOMIZED = "randomized"
 RC_ACCOUNTANTS = ("rc_prv",)
-RC_GRAD_SAMPLE_MODES = ("ghost", "hooks")
+RC_GRAD_SAMPLE_MODES = ("ghost", "hooks", FSDP_MODE)
 SKETCH_OPTIONS = ("estimator", "sketch_size", "sketching", "exact_when_cheaper")
 DENOISERS = ("spectral",)
 
@@ -185,6 +193,10 @@ def _prepare_model(original, self: PrivacyEngine, module, **kwargs):
         sketch_seed=request.sketch_seed,
         secure_mode=self.secure_mode,
     )
+    check_fsdp_mode(module, kwargs.get("grad_sample_mode", "hooks"))  # FSDP2: ghost_fsdp only
+    if kwargs.get("grad_sample_mode") == FSDP_MODE:
+        cls = GradSampleModuleRandomizedClippingFSDP if wrap_model else GradSampleHooksRandomizedClippingFSDP
+        return cls(module, max_grad_norm=kwargs.get("max_grad_norm", 1.0), **common)
     if kwargs.get("grad_sample_mode") == "hooks":  # book-keeping: one backward pass
         cls = GradSampleModuleBookkeeping if wrap_model else GradSampleHooksBookkeeping
         return cls(module, **common)
@@ -198,10 +210,14 @@ def _prepare_criterion(original, self: PrivacyEngine, *, module, optimizer, crit
             self, module=module, optimizer=optimizer, criterion=criterion,
             loss_reduction=loss_reduction, **kwargs,
         )
+    if isinstance(optimizer, FSDPRandomizedClippingOptimizer):
+        return DPLossRandomizedClippingFSDP(module, optimizer, criterion, loss_reduction)
     return DPLossRandomizedClipping(module, optimizer, criterion, loss_reduction)
 
 
 def _get_optimizer_class(original, clipping: str, distributed: bool, grad_sample_mode=None):
+    if clipping == RANDOMIZED and grad_sample_mode == FSDP_MODE:
+        return FSDPRandomizedClippingOptimizer
     if clipping == RANDOMIZED and grad_sample_mode == "hooks":
         if distributed:
             return DistributedRandomizedClippingBookkeepingOptimizer

@@ -1,0 +1,330 @@
+"""Randomized clipping under FSDP2 (Opacus's ``grad_sample_mode="ghost_fsdp"``).
+
+A model wrapped by :func:`opacus.utils.fsdp_utils.FSDP2Wrapper` (``fully_shard`` on every
+layer with a norm or grad sampler, then on the root) trains with
+``make_private(..., grad_sample_mode="ghost_fsdp", clipping="randomized")``:
+
+* **Norms** (:class:`GradSampleModuleRandomizedClippingFSDP`): as in Opacus's
+  ghost_fsdp, each rank computes the per-sample norms of *its own* examples in the
+  first backward pass, from the activations and output gradients its hooks captured.
+  Linear weights are sketched (:mod:`opacus_rc.norm_samplers`; no weight is read, so
+  nothing is gathered for a norm), other layers are exact. The first pass skips the
+  linear layers' weight-gradient matmul, so FSDP2 has no weight gradient to
+  reduce-scatter for them in that pass. The second (clipped) pass is Opacus's.
+* **Noise** (:class:`FSDPRandomizedClippingOptimizer`): Opacus's FSDP scheme. Every
+  parameter is a ``DTensor`` sharded over the ranks; each rank adds noise of std
+  ``sigma C / world_size`` (``loss_reduction="mean"``; FSDP2 averaged the clipped sums
+  over the ranks) to the shard it owns, so each parameter element receives noise
+  exactly once, and averaging divides by the per-rank expected batch size: the same
+  noise scale as Opacus's ghost_fsdp and as one process on the union of the batches.
+  The noise is drawn for the full parameter shape and sliced to the shard (as Opacus
+  does), so it is independent across shards even when every rank seeds its noise
+  generator identically; ``secure_mode`` draws only the shard, from ``os.urandom``.
+* **Accounting**: every rank's accountant is charged once per step with the same
+  sample rate and sketch record, so every rank reports the same epsilon.
+* **Sketches**: shared sketches are identical on every rank (one sketch for the whole
+  logical batch, as in one process; without ``sketch_seed`` rank 0's entropy seed is
+  broadcast), per-example sketches are independent across ranks (the
+  :class:`~opacus_rc.sketch.Sketcher` folds the rank into their generator).
+* **Tied weights** are refused: FSDP2Wrapper cannot shard them (FSDP2 wants a shared
+  parameter in one group), and grouped by hand Opacus's per-module FSDP norms would
+  count the shared parameter twice (``||a||^2 + ||b||^2`` instead of ``||a + b||^2``).
+* **Consensus**: a check that refuses a step (non-finite loss, norm or clipped
+  gradient) is agreed on by all ranks (one scalar all-reduce), so no rank is left
+  waiting in a collective while the others raise.
+
+Book-keeping (``grad_sample_mode="hooks"``) does not fit FSDP2's hooks and is refused
+with a ``ValueError`` (see :func:`check_fsdp_mode` and docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Type
+
+import torch
+import torch.distributed as dist
+from opacus.grad_sample import (
+    GradSampleHooksFastGradientClippingFSDP,
+    GradSampleModuleFastGradientClippingFSDP,
+)
+from opacus.optimizers import FSDPOptimizerFastGradientClipping
+from opacus.optimizers.optimizer import _generate_noise
+from opacus.utils.module_utils import requires_grad
+from torch import nn
+
+from .grad_sample import SketchingMixin
+from .loss import DPLossRandomizedClipping, DPTensorRandomizedClipping
+from .optimizer import RandomizedClippingMixin
+from .sketch import entropy_seed, secure_standard_normal
+
+logger = logging.getLogger(__name__)
+
+FSDP_MODE = "ghost_fsdp"
+
+
+def is_fsdp_module(module: Any) -> bool:
+    """True for a module wrapped by FSDP2's ``fully_shard`` (e.g. by ``FSDP2Wrapper``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _contains_fsdp(module: Any) -> bool:
+    return isinstance(module, nn.Module) and any(is_fsdp_module(m) for m in module.modules())
+
+
+def layer_type(module: nn.Module) -> Type[nn.Module]:
+    """The layer class behind FSDP2's dynamic ``FSDP<Layer>`` subclass (Opacus's rule)."""
+    return type(module).__bases__[1] if is_fsdp_module(module) else type(module)
+
+
+def check_fsdp_mode(module: Any, grad_sample_mode: str) -> None:
+    """Refuse grad-sample modes that do not fit a model sharded by FSDP2, and
+    ``ghost_fsdp`` on a model that is not.
+
+    Book-keeping assembles ``sum_i c_i G_i^T A_i`` after the single backward pass, once
+    all norms (hence the clip factors ``c_i``) are known; FSDP2 reduce-scatters each
+    layer group's gradient *during* that pass, in its post-backward hook, before any
+    clip factor exists (reasons in docs/benchmarks.md).
+    """
+    sharded = _contains_fsdp(module)
+    if sharded and grad_sample_mode != FSDP_MODE:
+        raise ValueError(
+            f"clipping='randomized' with grad_sample_mode={grad_sample_mode!r} does not "
+            "support a model sharded by FSDP2 (fully_shard / FSDP2Wrapper): use "
+            f"grad_sample_mode={FSDP_MODE!r} (two backward passes). Book-keeping "
+            "(grad_sample_mode='hooks') needs every clip factor before gradients are "
+            "reduced, which FSDP2 does during the backward pass"
+        )
+    if grad_sample_mode == FSDP_MODE and isinstance(module, nn.Module) and not sharded:
+        raise ValueError(
+            f"grad_sample_mode={FSDP_MODE!r} needs a model wrapped by FSDP2 "
+            "(opacus.utils.fsdp_utils.FSDP2Wrapper); for one process or DPDDP use "
+            "grad_sample_mode='ghost' or 'hooks'"
+        )
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_ranks_agree(ok: bool, device: Optional[torch.device] = None) -> bool:
+    """True iff ``ok`` holds on every rank (one scalar all-reduce; no-op in one process).
+
+    Gloo reduces CPU tensors only, NCCL device tensors only: the flag lives where the
+    backend wants it.
+    """
+    if _world() == 1:
+        return ok
+    backend = dist.get_backend()
+    where = device if backend == "nccl" and device is not None else torch.device("cpu")
+    if backend == "nccl" and where.type == "cpu":
+        where = torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=where)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def shared_sketch_seed(seed: Optional[int], secure_mode: bool) -> Optional[int]:
+    """The sketch seed every rank uses: ``seed``, or rank 0's entropy seed broadcast to
+    all ranks (shared sketches must be one sketch for the whole logical batch). Secure
+    mode draws every sketch from ``os.urandom`` and keeps ``None``."""
+    if seed is not None or secure_mode or _world() == 1:
+        return seed
+    box = [entropy_seed() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
+
+
+class FSDPSketchingMixin(SketchingMixin):
+    """Two-pass randomized clipping on Opacus's FSDP hooks: per-sample norms are kept on
+    the module (``module.norm_sample``, Opacus's FSDP layout) instead of on the
+    parameters, whose objects FSDP2 swaps between sharded and unsharded forms."""
+
+    def __init__(self, m: nn.Module, *, sketch_seed: Optional[int] = None, secure_mode: bool = False, **kwargs: Any) -> None:
+        super().__init__(
+            m, sketch_seed=shared_sketch_seed(sketch_seed, secure_mode), secure_mode=secure_mode, **kwargs
+        )
+
+    def _setup(self) -> None:
+        owners: Dict[int, int] = {}
+        for m in self._module.modules():
+            for p in m.parameters(recurse=False):
+                if p.requires_grad:
+                    owners[id(p)] = owners.get(id(p), 0) + 1
+        if any(count > 1 for count in owners.values()):
+            # Opacus's FSDP hooks keep norms per module: a parameter shared by two
+            # modules would count as two parameters (||a||^2 + ||b||^2, not ||a + b||^2).
+            raise ValueError(
+                "tied (shared) trainable parameters are not supported with "
+                "grad_sample_mode='ghost_fsdp'; untie them, freeze them, or use "
+                "grad_sample_mode='ghost' (one process or DPDDP), which supports tied weights"
+            )
+        super()._setup()
+        # FSDP2 renames every sharded layer's class (FSDPLinear): defer the weight
+        # gradients of those linear layers too (the parent matches nn.Linear exactly).
+        patched = set(map(id, self._patched))
+        fsdp_linears = [
+            m for m in self._module.modules()
+            if id(m) not in patched and is_fsdp_module(m) and layer_type(m) is nn.Linear
+            and any(p.requires_grad for p in m.parameters(recurse=False))
+        ]
+        self._defer_weight_grads(fsdp_linears, wanted=self._in_second_pass)
+
+    def _get_module_type(self, module: nn.Module) -> Type[nn.Module]:
+        return layer_type(module)
+
+    def capture_activations_hook(
+        self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
+    ) -> None:
+        """Opacus's FSDP capture (module-level counter). A layer applied twice in one
+        forward pass (its parameters used twice) is refused with a clear message."""
+        if (
+            requires_grad(module) and module.training and torch.is_grad_enabled()
+            and self.hooks_enabled and getattr(module, "_forward_counter", 0) > 0
+        ):
+            raise ValueError(
+                f"{layer_type(module).__name__} is applied twice in one forward pass (its "
+                "parameters are used twice): not supported with grad_sample_mode='ghost_fsdp'; "
+                "use grad_sample_mode='ghost' (one process or DPDDP), which supports it"
+            )
+        GradSampleHooksFastGradientClippingFSDP.capture_activations_hook(
+            self, module, forward_input, _forward_output
+        )
+
+    def capture_backprops_hook(
+        self,
+        module: nn.Module,
+        _forward_input: torch.Tensor,
+        forward_output: torch.Tensor,
+        loss_reduction: str,
+        batch_first: bool,
+    ) -> None:
+        # The randomized norm samplers apply the "mean" factor to the norms (see
+        # SketchingMixin.rearrange_grad_samples), keyed by the layer's real class.
+        self._unscaled_backprops = layer_type(module) in self.NORM_SAMPLERS
+        try:
+            GradSampleHooksFastGradientClippingFSDP.capture_backprops_hook(
+                self, module, _forward_input, forward_output, loss_reduction, batch_first
+            )
+        finally:
+            self._unscaled_backprops = False
+
+    def get_norm_sample(self) -> torch.Tensor:
+        """Per-example norms of this rank's examples over all trainable layers; refused on
+        every rank if any rank has a non-finite norm or a layer that missed the batch
+        dimension."""
+        per_param = [
+            (module, norm.reshape(norm.shape[0], -1).norm(2, dim=1) if norm.dim() > 1 else norm)
+            for module in self.iterate_submodules(self._module)
+            for norm in getattr(module, "norm_sample", [])
+        ]
+        batch = max((int(n.shape[0]) for _, n in per_param), default=0)
+        for module, n in per_param:
+            if n.shape[0] != batch:
+                raise ValueError(
+                    f"per-sample norms of a {layer_type(module).__name__} cover {n.shape[0]} "
+                    f"examples but the batch has {batch}: the layer's input was broadcast over "
+                    "the batch (e.g. position ids of shape (1, T)); pass it with a batch "
+                    "dimension (e.g. position_ids of shape (B, T))"
+                )
+        if per_param:
+            device = per_param[0][1].device
+            norms = torch.stack([n.to(device) for _, n in per_param]).norm(2, dim=0)
+        else:
+            norms = torch.zeros(0)
+        self.per_sample_gradient_norms = norms
+        if not all_ranks_agree(bool(norms.isfinite().all()), norms.device):
+            raise FloatingPointError(
+                "non-finite per-sample gradient norm on at least one rank: refusing to clip "
+                "(every rank refuses the step)"
+            )
+        return norms
+
+    def sketch_state_dict(self) -> Dict[str, Any]:
+        return self.sketcher.state_dict()
+
+
+class GradSampleModuleRandomizedClippingFSDP(
+    FSDPSketchingMixin, GradSampleModuleFastGradientClippingFSDP
+):
+    """Wrapping form of randomized clipping under FSDP2 (``grad_sample_mode="ghost_fsdp"``)."""
+
+
+class GradSampleHooksRandomizedClippingFSDP(
+    FSDPSketchingMixin, GradSampleHooksFastGradientClippingFSDP
+):
+    """Hooks (``wrap_model=False``) form of randomized clipping under FSDP2."""
+
+    _opacus_options: Dict[str, Any] = {}  # Opacus's FSDP hooks always use ghost clipping
+
+
+class FSDPRandomizedClippingOptimizer(RandomizedClippingMixin, FSDPOptimizerFastGradientClipping):
+    """:class:`~opacus.optimizers.FSDPOptimizerFastGradientClipping` for randomized
+    clipping: each rank noises the shard it owns (std ``sigma C / world_size`` for a
+    mean loss), so every parameter element is noised once; the step and the accountant
+    hook run on every rank with the same history."""
+
+    def accumulate(self) -> None:
+        """Move the clipped (sharded) gradient into ``grad_state`` without a copy."""
+        for p in self.params:
+            if p.grad is None:
+                continue
+            state = self.grad_state[p]
+            if state["summed_grad"] is None:
+                state["summed_grad"] = p.grad.detach()
+            else:
+                state["summed_grad"].add_(p.grad.detach())
+
+    def add_noise(self) -> None:
+        """Noise ``N(0, (sigma C / world)^2)`` (mean loss) on this rank's shard of every
+        parameter; Opacus's FSDP optimizer calls this under ``implicit_replication``."""
+        std = self.noise_multiplier * self.max_grad_norm
+        if self.loss_reduction == "mean":
+            std /= self.world_size
+        for p in self.params:
+            summed = self.grad_state[p]["summed_grad"]
+            if summed is None:
+                summed = self.grad_state[p]["summed_grad"] = torch.zeros_like(p)
+            if self.secure_mode:
+                local = summed.to_local() if hasattr(summed, "to_local") else summed
+                local.add_(self._noise(std, local))
+                p.grad = summed.view_as(p)
+            else:
+                # Full-shape draw sliced to the shard (Opacus's scheme): independent
+                # across shards even when every rank seeds the generator identically.
+                noise = _generate_noise(std=std, reference=summed, generator=self.generator)
+                p.grad = (summed + noise).view_as(p)
+
+    def _check_finite_gradients(self) -> None:
+        ok = True
+        for p in self.params:
+            if p.grad is not None:
+                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                ok = ok and bool(torch.isfinite(local).all())
+        device = next((p.device for p in self.params), None)
+        if not all_ranks_agree(ok, device):
+            raise FloatingPointError(
+                "non-finite clipped gradient on at least one rank: the step is refused on "
+                "every rank before noise is added; parameters and the privacy accountant are "
+                "unchanged. Call optimizer.zero_grad() and check the loss and inputs of this batch"
+            )
+
+
+class DPLossRandomizedClippingFSDP(DPLossRandomizedClipping):
+    """The randomized-clipping criterion under FSDP2: a non-finite per-sample loss on any
+    rank refuses the backward pass on every rank (otherwise the other ranks would wait
+    forever in FSDP2's collectives)."""
+
+    def __call__(self, *args, shape=None, **kwargs) -> DPTensorRandomizedClipping:
+        loss = super().__call__(*args, shape=shape, **kwargs)
+        per_sample = loss.loss_per_sample
+        if not all_ranks_agree(bool(per_sample.isfinite().all()), per_sample.device):
+            raise FloatingPointError(
+                "non-finite per-sample loss on at least one rank: backward refused on every "
+                "rank, nothing was accumulated; check this batch's inputs and the model's outputs"
+            )
+        return loss

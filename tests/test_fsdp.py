@@ -1,0 +1,253 @@
+"""Randomized clipping under FSDP2 (Opacus's ``grad_sample_mode="ghost_fsdp"`` on a model
+wrapped by ``FSDP2Wrapper``), with 2 gloo processes on CPU.
+
+One spawn runs every distributed scenario (each rank saves what it saw); the tests
+compare against Opacus's own ghost_fsdp and against one process on the union of the rank
+batches:
+
+* noise 0, exact norms (T <= k): the update equals Opacus's ghost_fsdp flat clipping;
+* noise 0, sketched (shared sketches, fixed sketch_seed; Hutchinson and Hutch++): the
+  update equals one process on the union of the batches with the same sketches;
+* two micro-batches accumulated equal one batch;
+* the noise std equals Opacus ghost_fsdp's (within 15%) and the theoretical
+  ``sigma C / total batch``; shards get independent noise;
+* epsilon is the same on both ranks;
+* shared sketches agree across ranks (also without a seed), per-example ones do not;
+* book-keeping (grad_sample_mode="hooks") and "ghost" on an FSDP2 model: a ValueError
+  naming ghost_fsdp.
+"""
+
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from opacus import PrivacyEngine
+from torch import nn
+
+from .conftest import SequenceClassifier, token_task
+
+WORLD, PER_RANK = 2, 8
+T_EXACT, T_SKETCHED, K = 8, 40, 8  # T <= k: exact norms; T > k: sketched
+C, SIGMA = 0.5, 50.0
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return SequenceClassifier()
+
+
+def batch(t: int, rank=None):
+    x, y = token_task(n=WORLD * PER_RANK, t=t).tensors
+    if rank is None:
+        return x, y
+    shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    return x[shard], y[shard]
+
+
+def private(model, t, *, clipping, mode, noise=0.0, accountant="rc_prv", micro_batches=1, **options):
+    """make_private on a loader whose batch spans the whole dataset (WORLD * PER_RANK),
+    or a 1 / micro_batches part of it (the expected size of one micro-batch)."""
+    engine = PrivacyEngine(accountant=accountant)
+    loader = torch.utils.data.DataLoader(
+        token_task(n=WORLD * PER_RANK, t=t), batch_size=WORLD * PER_RANK // micro_batches
+    )
+    extra = {"sketch_size": K, "sketch_seed": 7, **options} if clipping == "randomized" else {}
+    out = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=loader,
+        noise_multiplier=noise,
+        max_grad_norm=C,
+        poisson_sampling=False,
+        grad_sample_mode=mode,
+        clipping=clipping,
+        noise_generator=torch.Generator().manual_seed(11),
+        **extra,
+    )
+    return engine, out
+
+
+def full_params(model: nn.Module):
+    """Parameters gathered from their shards (a collective: every rank calls it)."""
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def lora(model: nn.Module) -> nn.Module:
+    """LoRA (r = 4) on both linear layers: only the A/B factors train."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["fc1", "fc2"]))
+
+
+def fsdp_step(rank, t, micro_batches=1, with_lora=False, **kwargs):
+    from opacus.utils.fsdp_utils import FSDP2Wrapper
+
+    model = FSDP2Wrapper(lora(make_model()) if with_lora else make_model())
+    engine, (module, opt, crit, _) = private(model, t, micro_batches=micro_batches, **kwargs)
+    if not kwargs.get("wrap_model", True):
+        module = model  # the hooks form returns the hooks object; the model is called
+    x, y = batch(t, rank)
+    for part in torch.chunk(torch.arange(PER_RANK), micro_batches):
+        crit(module(x[part]), y[part]).backward()
+    opt.step()
+    return engine, module, opt, full_params(model)
+
+
+def worker(rank, init_file, out_dir):
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    out = {}
+    _, _, opt, out["opacus_exact"] = fsdp_step(rank, T_EXACT, clipping="flat", mode="ghost_fsdp", accountant="prv")
+    _, module, opt, out["rc_exact"] = fsdp_step(rank, T_EXACT, clipping="randomized", mode="ghost_fsdp")
+    out["deferred"] = len(module._patched)
+    out["optimizer"] = type(opt).__name__
+    for estimator in ("hutchinson", "hutchpp"):
+        _, _, _, out[f"rc_{estimator}"] = fsdp_step(
+            rank, T_SKETCHED, clipping="randomized", mode="ghost_fsdp", estimator=estimator
+        )
+    _, _, _, out["rc_hooks_form"] = fsdp_step(
+        rank, T_SKETCHED, clipping="randomized", mode="ghost_fsdp", wrap_model=False
+    )
+    _, _, _, out["rc_lora"] = fsdp_step(
+        rank, T_SKETCHED, with_lora=True, clipping="randomized", mode="ghost_fsdp"
+    )
+    _, _, _, out["rc_two_micro_batches"] = fsdp_step(
+        rank, T_SKETCHED, micro_batches=2, clipping="randomized", mode="ghost_fsdp"
+    )
+    _, _, _, out["opacus_noisy"] = fsdp_step(
+        rank, T_EXACT, clipping="flat", mode="ghost_fsdp", accountant="prv", noise=SIGMA
+    )
+    engine, _, _, out["rc_noisy"] = fsdp_step(
+        rank, T_EXACT, clipping="randomized", mode="ghost_fsdp", noise=SIGMA
+    )
+    out["epsilon"] = engine.get_epsilon(delta=1e-5)
+    out["history"] = list(engine.accountant.history)
+    # sketches: shared ones agree across ranks (also seeded from entropy), per-example not
+    from opacus.utils.fsdp_utils import FSDP2Wrapper
+
+    for sketching, seed in (("shared", None), ("per_example", 7)):
+        _, (module, *_rest) = private(
+            FSDP2Wrapper(make_model()), T_SKETCHED, clipping="randomized", mode="ghost_fsdp",
+            sketching=sketching, sketch_seed=seed,
+        )
+        out[f"sketch_{sketching}"] = module.sketcher.gaussian(2, 16, K, torch.device("cpu"))
+    # tied embedding / head, grouped by hand (FSDP2Wrapper itself cannot shard them)
+    from torch.distributed.fsdp import fully_shard
+
+    tied = make_model()
+    tied.head = nn.Linear(16, 32, bias=False)
+    tied.head.weight = tied.emb.weight
+    fully_shard([tied.emb, tied.head])
+    try:
+        private(fully_shard(tied), T_SKETCHED, clipping="randomized", mode="ghost_fsdp")
+        out["error_tied"] = None
+    except ValueError as e:
+        out["error_tied"] = str(e)
+    for mode in ("hooks", "ghost"):
+        try:
+            private(FSDP2Wrapper(make_model()), T_SKETCHED, clipping="randomized", mode=mode)
+            out[f"error_{mode}"] = None
+        except ValueError as e:
+            out[f"error_{mode}"] = str(e)
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+
+
+def single_process(t, with_lora=False, **kwargs):
+    model = lora(make_model()) if with_lora else make_model()
+    _, (module, opt, crit, _) = private(model, t, clipping="randomized", mode="ghost", **kwargs)
+    x, y = batch(t)
+    crit(module(x), y).backward()
+    opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_same(a, b, **tol):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], **tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_exact_norms_equal_opacus_ghost_fsdp(ranks):
+    """T <= k: every norm is exact, so randomized clipping is Opacus's flat clipping."""
+    assert ranks[0]["optimizer"] == "FSDPRandomizedClippingOptimizer"
+    assert ranks[0]["deferred"] == 2  # fc1, fc2 (FSDPLinear) skip first-pass weight grads
+    initial = dict(make_model().named_parameters())
+    for r in ranks:
+        assert_same(r["rc_exact"], r["opacus_exact"], rtol=1e-4, atol=1e-6)
+    assert any(not torch.equal(ranks[0]["rc_exact"][n], initial[n].detach()) for n in initial)
+
+
+@pytest.mark.parametrize("estimator", ["hutchinson", "hutchpp"])
+def test_sketched_equals_single_process_on_the_union(ranks, estimator):
+    single = single_process(T_SKETCHED, estimator=estimator)
+    assert_same(ranks[0][f"rc_{estimator}"], ranks[1][f"rc_{estimator}"])
+    assert_same(ranks[0][f"rc_{estimator}"], single, rtol=1e-4, atol=1e-6)
+
+
+def test_lora_and_hooks_form_equal_single_process(ranks):
+    """LoRA-only (frozen base layers sharded too) and the wrap_model=False form."""
+    assert_same(ranks[0]["rc_lora"], single_process(T_SKETCHED, with_lora=True), rtol=1e-4, atol=1e-6)
+    assert_same(ranks[0]["rc_hooks_form"], ranks[0]["rc_hutchinson"], rtol=1e-5, atol=1e-7)
+
+
+def test_micro_batches_equal_one_batch(ranks):
+    """Two micro-batches of 4 per rank then one step == one batch of 8 per rank (the
+    micro-batches share the step's sketches; every example is clipped once)."""
+    assert_same(ranks[0]["rc_two_micro_batches"], ranks[0]["rc_hutchinson"], rtol=1e-4, atol=1e-6)
+
+
+def test_noise_std_matches_opacus_ghost_fsdp(ranks):
+    """Noise once per parameter element at Opacus's scale: std sigma C / 16 over all
+    ~1,000 parameter entries (sample std within ~2.2% per SE); noise on both ranks
+    would be sqrt(2) larger, none (or one shard only) far smaller."""
+    clean = ranks[0]["rc_exact"]
+    diff_rc = torch.cat([(ranks[0]["rc_noisy"][n] - clean[n]).flatten() for n in clean])
+    diff_opacus = torch.cat([(ranks[0]["opacus_noisy"][n] - clean[n]).flatten() for n in clean])
+    expected = SIGMA * C / (WORLD * PER_RANK)
+    assert diff_rc.std().item() == pytest.approx(diff_opacus.std().item(), rel=0.15)
+    assert diff_rc.std().item() == pytest.approx(expected, rel=0.15)
+    assert_same(ranks[0]["rc_noisy"], ranks[1]["rc_noisy"])
+    fc1 = ranks[0]["rc_noisy"]["fc1.weight"] - clean["fc1.weight"]  # rows 0-11 rank 0, 12-23 rank 1
+    assert not torch.isclose(fc1[:12], fc1[12:]).any()
+
+
+def test_epsilon_equal_on_all_ranks(ranks):
+    assert ranks[0]["epsilon"] == ranks[1]["epsilon"] > 0
+    assert len(ranks[0]["history"]) == 1  # charged once per step
+
+
+def test_sketches_shared_across_ranks_per_example_independent(ranks):
+    torch.testing.assert_close(ranks[0]["sketch_shared"], ranks[1]["sketch_shared"])
+    assert not torch.isclose(ranks[0]["sketch_per_example"], ranks[1]["sketch_per_example"]).any()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_other_modes_refused_on_fsdp_models(ranks, mode):
+    assert "grad_sample_mode='ghost_fsdp'" in ranks[0][f"error_{mode}"]
+
+
+def test_tied_weights_refused(ranks):
+    """Opacus's per-module FSDP norms would count a shared parameter twice."""
+    assert "tied" in ranks[0]["error_tied"]
+
+
+def test_ghost_fsdp_needs_an_fsdp_model():
+    with pytest.raises(ValueError, match="FSDP2Wrapper"):
+        private(make_model(), T_SKETCHED, clipping="randomized", mode="ghost_fsdp")
