@@ -12,7 +12,11 @@ mode):
   ``_prepare_criterion`` the accumulating :class:`~opacus_rc.loss.DPLossRandomizedClipping`
   linked to the optimizer;
 * ``make_private_with_epsilon(..., clipping="randomized")`` calibrates sigma with the
-  ``rc_prv`` accountant for the requested sketch.
+  ``rc_prv`` accountant for the requested sketch;
+* ``_prepare_optimizer`` / ``_prepare_data_loader`` use the public normaliser and sample
+  rate of :func:`public_sampling` (``expected_batch_size=``, ``sample_rate=`` keywords, else
+  the loader's ``batch_size`` and ``1 / len(loader)``) instead of Opacus's
+  ``int(len(dataset) / len(loader))``, which depends on the private dataset's size.
 
 ``make_private(..., denoise="spectral", denoise_kappa=..., denoise_svd=...)`` (any clipping
 mode) attaches :func:`opacus_rc.denoise.attach_spectral_denoiser` to the optimizer for the
@@ -27,6 +31,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
+import math
+import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -35,8 +41,10 @@ import opacus.privacy_engine as _pe
 from opacus import PrivacyEngine
 from opacus.accountants import register_accountant
 from opacus.accountants.utils import get_noise_multiplier
+from opacus.data_loader import DPDataLoader
 from opacus.grad_sample import AbstractGradSampleModule
 from torch import nn
+from torch.utils.data.distributed import DistributedSampler
 
 from .config import SketchConfig
 from .loss import DPLossRandomizedClipping
@@ -68,12 +76,31 @@ RC_ACCOUNTANTS = ("rc_prv",)
 RC_GRAD_SAMPLE_MODES = ("ghost", "hooks", FSDP_MODE)
 SKETCH_OPTIONS = ("estimator", "sketch_size", "sketching", "exact_when_cheaper")
 DENOISERS = ("spectral",)
+#: make_private keywords fixing the public normaliser and sample rate (randomized only)
+SAMPLING_OPTIONS = ("expected_batch_size", "sample_rate")
+
+
+@dataclass(frozen=True)
+class PublicSampling:
+    """What the randomized path treats as public, fixed at make_private time.
+
+    ``batch_size``: the averaging normaliser for ``loss_reduction="mean"`` (the expected
+    logical batch size, summed over ranks in DDP; each rank divides by
+    ``batch_size / world_size``, Opacus's convention); ``sample_rate``: the Poisson rate
+    the loader samples at and the accountant charges. Neither depends on the private
+    dataset's size (Opacus's ``int(len(dataset) / len(loader))`` does: issues #571, #819).
+    """
+
+    batch_size: int
+    sample_rate: float
+    explicit_sample_rate: bool = False
 
 
 @dataclass(frozen=True)
 class _RandomizedRequest:
     config: SketchConfig
     sketch_seed: Optional[int]
+    sampling: Optional[PublicSampling] = None
 
 
 _active_request: contextvars.ContextVar[Optional[_RandomizedRequest]] = contextvars.ContextVar(
@@ -87,7 +114,7 @@ def sketch_config_from_kwargs(kwargs: Dict[str, Any]) -> SketchConfig:
 
 
 def _check_no_sketch_options(clipping: str, kwargs: Dict[str, Any]) -> None:
-    given = [k for k in (*SKETCH_OPTIONS, "sketch_seed") if k in kwargs]
+    given = [k for k in (*SKETCH_OPTIONS, "sketch_seed", *SAMPLING_OPTIONS) if k in kwargs]
     if given:
         raise ValueError(
             f"{', '.join(given)} only apply with clipping='randomized'; got clipping={clipping!r}"
@@ -108,6 +135,71 @@ def check_randomized_setup(engine: PrivacyEngine, grad_sample_mode: str) -> None
             f"clipping='randomized' does not support grad_sample_mode={grad_sample_mode!r}; "
             f"accepted values: {', '.join(repr(m) for m in RC_GRAD_SAMPLE_MODES)}"
         )
+
+
+def loader_batch_size(data_loader) -> Optional[int]:
+    """The batch size the user gave ``data_loader`` (its ``batch_size``, else its batch
+    sampler's), times the replicas of a ``DistributedSampler`` (then it is per rank);
+    ``None`` when it has none (e.g. an Opacus ``DPDataLoader``: its size is random)."""
+    size = getattr(data_loader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(data_loader, "batch_sampler", None), "batch_size", None)
+    if size is None:
+        return None
+    sampler = getattr(data_loader, "sampler", None)
+    if isinstance(sampler, DistributedSampler):
+        size *= sampler.num_replicas
+    return int(size)
+
+
+def public_sampling(
+    data_loader, expected_batch_size: Any = None, sample_rate: Any = None
+) -> PublicSampling:
+    """The public normaliser and sample rate of a randomized-clipping run.
+
+    Normaliser: ``expected_batch_size`` when given, else the batch size of the loader as
+    the user built it (:func:`loader_batch_size`): a hyper-parameter, never a function
+    of the dataset's size. Sample rate: ``sample_rate`` when given, else
+    ``1 / len(data_loader)`` (Opacus's choice; it assumes the number of batches per
+    epoch is public, see docs/accounting.md, "What the guarantee assumes").
+
+    Raises:
+        ValueError: naming the parameter and its accepted values.
+    """
+    if expected_batch_size is not None:
+        if (
+            isinstance(expected_batch_size, bool)
+            or not isinstance(expected_batch_size, numbers.Integral)
+            or expected_batch_size < 1
+        ):
+            raise ValueError(
+                f"expected_batch_size={expected_batch_size!r} is invalid; accepted values: "
+                f"a positive int (the expected logical batch size, summed over ranks in DDP) "
+                f"or None (the data loader's batch_size)"
+            )
+        batch_size = int(expected_batch_size)
+    else:
+        batch_size = loader_batch_size(data_loader)
+        if batch_size is None:
+            raise ValueError(
+                "expected_batch_size=None is invalid for this data_loader: it has no "
+                "batch_size (nor a batch sampler with one; an Opacus DPDataLoader has a "
+                "random size) to use as the public normaliser; accepted values: a positive "
+                "int, the expected logical batch size"
+            )
+    if sample_rate is not None:
+        if (
+            isinstance(sample_rate, bool)
+            or not isinstance(sample_rate, numbers.Real)
+            or not math.isfinite(sample_rate)
+            or not 0.0 < sample_rate <= 1.0
+        ):
+            raise ValueError(
+                f"sample_rate={sample_rate!r} is invalid; accepted values: a float in "
+                f"(0, 1] or None (1 / len(data_loader))"
+            )
+        return PublicSampling(batch_size, float(sample_rate), explicit_sample_rate=True)
+    return PublicSampling(batch_size, 1.0 / len(data_loader))
 
 
 def denoised_weights(module: nn.Module) -> List[nn.Parameter]:
@@ -165,14 +257,69 @@ def _make_private(original, self: PrivacyEngine, *, clipping: str = "flat", **kw
     config = sketch_config_from_kwargs(kwargs)
     for key in SKETCH_OPTIONS:
         kwargs.pop(key, None)
-    request = _RandomizedRequest(config=config, sketch_seed=kwargs.pop("sketch_seed", None))
+    # From the loader as the user built it: Opacus's DPDataLoader has no batch_size.
+    sampling = public_sampling(
+        kwargs.get("data_loader"), kwargs.pop("expected_batch_size", None), kwargs.pop("sample_rate", None)
+    )
+    request = _RandomizedRequest(
+        config=config, sketch_seed=kwargs.pop("sketch_seed", None), sampling=sampling
+    )
     token = _active_request.set(request)
     try:
         out = original(self, clipping=RANDOMIZED, sketch_config=config, **kwargs)
     finally:
         _active_request.reset(token)
     out[1].attach_sketcher(out[0].sketcher)  # a real step starts new sketches
+    # Opacus charged 1 / len(its DPDataLoader); charge the public rate instead.
+    out[1].attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sampling.sample_rate))
+    logger.info(
+        "randomized clipping: public normaliser %d, sample rate %.6g", sampling.batch_size,
+        sampling.sample_rate,
+    )
     return out
+
+
+def _prepare_optimizer(original, self: PrivacyEngine, **kwargs):
+    request = _active_request.get()
+    if request is not None and request.sampling is not None:
+        # Opacus passes int(len(dataset) / len(loader)) (/ world size): dataset-dependent.
+        size = request.sampling.batch_size
+        if kwargs.get("distributed", False):
+            import torch.distributed as dist
+
+            size = size / dist.get_world_size()  # per rank, as Opacus
+        kwargs["expected_batch_size"] = size
+    return original(self, **kwargs)
+
+
+def _prepare_data_loader(original, self: PrivacyEngine, data_loader, **kwargs):
+    request = _active_request.get()
+    if (
+        request is None
+        or request.sampling is None
+        or not request.sampling.explicit_sample_rate
+        or not kwargs.get("poisson_sampling", False)
+    ):
+        return original(self, data_loader, **kwargs)
+    # Opacus's DPDataLoader.from_data_loader with the given rate instead of 1 / len(loader)
+    original(self, data_loader, **{**kwargs, "poisson_sampling": False})  # dataset check
+    return DPDataLoader(
+        dataset=data_loader.dataset,
+        sample_rate=request.sampling.sample_rate,
+        num_workers=data_loader.num_workers,
+        collate_fn=data_loader.collate_fn,
+        pin_memory=data_loader.pin_memory,
+        drop_last=data_loader.drop_last,
+        timeout=data_loader.timeout,
+        worker_init_fn=data_loader.worker_init_fn,
+        multiprocessing_context=data_loader.multiprocessing_context,
+        generator=self.secure_rng if self.secure_rng is not None else data_loader.generator,
+        prefetch_factor=data_loader.prefetch_factor,
+        persistent_workers=data_loader.persistent_workers,
+        distributed=kwargs.get("distributed", False),
+        batch_first=kwargs.get("batch_first", True),
+        rand_on_empty=kwargs.get("rand_on_empty", False),
+    )
 
 
 def _prepare_model(original, self: PrivacyEngine, module, **kwargs):
@@ -252,6 +399,9 @@ def _make_private_with_epsilon(
         )
     check_randomized_setup(self, kwargs.get("grad_sample_mode", "hooks"))
     config = sketch_config_from_kwargs(kwargs)
+    sampling = public_sampling(
+        data_loader, kwargs.get("expected_batch_size"), kwargs.get("sample_rate")
+    )
     if len(self.accountant) > 0:
         warnings.warn(
             "You're calling make_private_with_epsilon with non-zero privacy budget "
@@ -261,7 +411,7 @@ def _make_private_with_epsilon(
     noise_multiplier = get_noise_multiplier(
         target_epsilon=target_epsilon,
         target_delta=target_delta,
-        sample_rate=1 / len(data_loader),
+        sample_rate=sampling.sample_rate,
         epochs=epochs,
         accountant=self.accountant.mechanism(),
         estimator=config.estimator,
@@ -305,6 +455,8 @@ _PATCHES = (
     (PrivacyEngine, "make_private_with_epsilon", _make_private_with_epsilon),
     (PrivacyEngine, "_prepare_model", _prepare_model),
     (PrivacyEngine, "_prepare_criterion", _prepare_criterion),
+    (PrivacyEngine, "_prepare_optimizer", _prepare_optimizer),
+    (PrivacyEngine, "_prepare_data_loader", _prepare_data_loader),
     (_pe, "get_optimizer_class", _get_optimizer_class),
 )
 

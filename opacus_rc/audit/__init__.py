@@ -5,10 +5,19 @@ canary whose rank-1 gradient maximises the estimator's error), tests the release
 gradient with a threshold on its projection onto the canary's gradient, and turns the
 error rates into a Clopper-Pearson lower bound on epsilon, to be compared with the
 ``rc_prv`` accountant's epsilon for the same step. Broken variants (an estimator biased
-low, a data-dependent sketch) show that the audit can fail. See ``docs/audit.md``.
+low, a data-dependent sketch) show that the audit can fail. The normaliser audit
+(:mod:`opacus_rc.audit.normaliser`) checks that the averaged update does not reveal the
+dataset's size. See ``docs/audit.md``.
 """
 
 from .experiment import AuditConfig, AuditResult, InnerProductLoss, accounted_epsilon, run_audit
+from .normaliser import (
+    NORMALISER_VARIANTS,
+    NormaliserAuditConfig,
+    NormaliserAuditResult,
+    normaliser_exact_epsilon,
+    run_normaliser_audit,
+)
 from .stats import ThresholdAudit, clopper_pearson_upper, epsilon_from_rates, threshold_audit
 from .variants import (
     VARIANTS,
@@ -22,6 +31,9 @@ __all__ = [
     "AuditConfig",
     "AuditResult",
     "InnerProductLoss",
+    "NORMALISER_VARIANTS",
+    "NormaliserAuditConfig",
+    "NormaliserAuditResult",
     "ThresholdAudit",
     "VARIANTS",
     "BiasedLowSketcher",
@@ -31,6 +43,8 @@ __all__ = [
     "clopper_pearson_upper",
     "epsilon_from_rates",
     "install_sketcher",
+    "normaliser_exact_epsilon",
     "run_audit",
+    "run_normaliser_audit",
     "threshold_audit",
 ]

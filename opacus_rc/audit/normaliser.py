@@ -1,0 +1,302 @@
+"""Audit of the averaging normaliser: does the released update reveal the dataset size?
+
+With ``loss_reduction="mean"`` the optimizer releases ``(sum_i c_i g_i + N(0, sigma^2 C^2
+I_p)) / B`` with a normaliser ``B``. Opacus computes ``B = int(n / len(loader))`` from
+the private dataset size ``n`` (Opacus issues #571, #819): for batch size 20, ``n = 400``
+gives ``B = 20`` and ``n = 401`` gives ``B = 19``. The neighbours differ by one example,
+yet in high dimension the norm of the noise pins ``sigma C sqrt(p) / B`` almost exactly
+(relative spread ``1 / sqrt(2p)``, 0.7% at ``p = 10^4``, against a 5% change of ``B``),
+so the two are nearly distinguishable, whatever epsilon the accountant reported.
+
+The experiment runs the plugin's real path end to end for both neighbours:
+``make_private(..., clipping="randomized", loss_reduction="mean")`` on a
+``DataLoader(batch_size=20)`` over ``D`` (``n - 1 = 400`` examples) and over ``D'``
+(``n = 401``), Poisson sampling by Opacus's ``DPDataLoader``, and per step: a batch from
+the loader, forward, the criterion, ``loss.backward()``, ``optimizer.step()``. The model is
+one ``nn.Linear(1, p, bias=False)`` with ``p = 10^4`` outputs; every example's input is 0,
+so every per-sample gradient is 0 and the released update is exactly ``noise / B``: any
+difference between the neighbours comes from the normaliser alone (the accountant's
+guarantee holds for every dataset, this one included). The score of a step is the norm of
+the released update ``||W.grad||`` (SGD with ``lr = 0``); the held-out threshold test of
+:mod:`opacus_rc.audit.stats` turns the scores into ``eps_lower``.
+
+Variants:
+
+* ``normaliser_public``: whatever ``make_private`` sets (since the fix: the loader's
+  ``batch_size``, a public constant);
+* ``normaliser_dataset_size``: Opacus's ``int(len(dataset) / len(loader))`` installed on
+  the optimizer after ``make_private`` (audit-only, like the broken sketchers): the
+  normaliser before the fix, to show that the audit catches it.
+
+``eps_accounted`` is the larger of the two engines' ``rc_prv`` epsilons after one step
+(each is charged at its own sample rate ``1 / len(loader)``: 1/20 and 1/21).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+import torch
+from scipy.stats import chi2
+from torch import nn
+
+from ..config import ESTIMATORS
+from .experiment import AuditResult, InnerProductLoss, accounted_epsilon
+from .stats import threshold_audit
+
+NORMALISER_VARIANTS = ("normaliser_dataset_size", "normaliser_public")
+GRAD_SAMPLE_MODES = ("ghost", "hooks")
+
+
+@dataclass(frozen=True)
+class NormaliserAuditConfig:
+    """One normaliser audit.
+
+    Args:
+        variant: ``"normaliser_public"`` (make_private's normaliser) or
+            ``"normaliser_dataset_size"`` (Opacus's ``int(n / len(loader))``).
+        dataset_size: ``n``, the size of the larger neighbour ``D'``; ``D`` has ``n - 1``
+            examples. The default 401 with ``batch_size`` 20 puts them on either side of
+            a multiple of the batch size (Opacus: normalisers 19 and 20).
+        batch_size: the loader's ``batch_size``.
+        output_dim: p, outputs of the linear layer (the dimension of the update).
+        sigma: noise multiplier.
+        steps: DP steps per neighbour; the first half chooses the threshold, the second
+            half gives the bound.
+        grad_sample_mode: ``"ghost"`` (two passes) or ``"hooks"`` (book-keeping).
+        estimator, sketch_size: the sketch (irrelevant to the released update here: every
+            gradient is 0; they set the accountant's record).
+        delta, alpha: as in :class:`~opacus_rc.audit.AuditConfig`.
+        seed: seeds the loaders' sampling, the noise and the sketches.
+        max_grad_norm: C.
+    """
+
+    variant: str = "normaliser_public"
+    dataset_size: int = 401
+    batch_size: int = 20
+    output_dim: int = 10_000
+    sigma: float = 1.0
+    steps: int = 400
+    grad_sample_mode: str = "ghost"
+    estimator: str = "hutchinson"
+    sketch_size: int = 32
+    delta: float = 1e-2
+    alpha: float = 0.05
+    seed: int = 0
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, value, accepted in (
+            ("variant", self.variant, NORMALISER_VARIANTS),
+            ("grad_sample_mode", self.grad_sample_mode, GRAD_SAMPLE_MODES),
+            ("estimator", self.estimator, ESTIMATORS),
+        ):
+            if value not in accepted:
+                raise ValueError(
+                    f"{name}={value!r} is not supported; accepted values: "
+                    f"{', '.join(repr(a) for a in accepted)}"
+                )
+        for name, minimum in (
+            ("dataset_size", 3), ("batch_size", 1), ("output_dim", 1), ("steps", 4), ("sketch_size", 1)
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name}={value!r} is invalid; accepted values: an int >= {minimum}")
+        if self.batch_size >= self.dataset_size:
+            raise ValueError(
+                f"batch_size={self.batch_size!r} is invalid; accepted values: an int < "
+                f"dataset_size={self.dataset_size} (several batches per epoch)"
+            )
+        for name in ("sigma", "max_grad_norm"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r} is invalid; accepted values: a float > 0")
+        for name in ("delta", "alpha"):
+            value = getattr(self, name)
+            if not 0.0 < value < 1.0:
+                raise ValueError(f"{name}={value!r} is invalid; accepted values: a float in (0, 1)")
+
+
+def dataset_size_normaliser(dataset_size: int, batch_size: int) -> int:
+    """Opacus's normaliser ``int(n * (1 / len(loader)))`` for a loader without drop_last."""
+    return int(dataset_size * (1 / math.ceil(dataset_size / batch_size)))
+
+
+@dataclass
+class _Side:
+    engine: object
+    weight: nn.Parameter
+    model: nn.Module
+    optimizer: object
+    criterion: Callable
+    loader: torch.utils.data.DataLoader
+    normaliser: float
+
+
+def _build(config: NormaliserAuditConfig, n: int, seed: int) -> _Side:
+    from opacus import PrivacyEngine
+
+    import opacus_rc  # noqa: F401  (registers clipping="randomized" and "rc_prv")
+
+    torch.manual_seed(seed)
+    layer = nn.Linear(1, config.output_dim, bias=False)
+    data = torch.utils.data.TensorDataset(torch.zeros(n, 1), torch.ones(n, 1))
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=config.batch_size, generator=torch.Generator().manual_seed(seed)
+    )
+    engine = PrivacyEngine(accountant="rc_prv")
+    ghost = config.grad_sample_mode == "ghost"
+    out = engine.make_private(
+        module=layer,
+        optimizer=torch.optim.SGD(layer.parameters(), lr=0.0),
+        criterion=InnerProductLoss(reduction="mean"),
+        data_loader=loader,
+        noise_multiplier=config.sigma,
+        max_grad_norm=config.max_grad_norm,
+        loss_reduction="mean",
+        noise_generator=torch.Generator().manual_seed(seed + 1),
+        grad_sample_mode=config.grad_sample_mode,
+        clipping="randomized",
+        estimator=config.estimator,
+        sketch_size=config.sketch_size,
+        sketch_seed=seed + 2,
+    )
+    model, optimizer = out[0], out[1]
+    criterion = out[2] if ghost else InnerProductLoss(reduction="mean")
+    dp_loader = out[-1]
+    if config.variant == "normaliser_dataset_size":
+        # audit-only: Opacus's data-dependent normaliser, as before the fix
+        optimizer.expected_batch_size = dataset_size_normaliser(n, config.batch_size)
+    return _Side(engine, layer.weight, model, optimizer, criterion, dp_loader,
+                 float(optimizer.expected_batch_size))
+
+
+def _scores(
+    side: _Side, steps: int, delta: float, progress: Optional[Callable[[int], None]]
+) -> Tuple[np.ndarray, float]:
+    """Scores ``||W.grad||`` of ``steps`` real steps, and the engine's ``rc_prv``
+    epsilon after the first one (the steps are independent trials of one step)."""
+    out = np.empty(steps)
+    eps = math.nan
+    batches = iter(side.loader)
+    for step in range(steps):
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            batches = iter(side.loader)
+            x, y = next(batches)
+        loss = side.criterion(side.model(x), y)
+        loss.backward()
+        side.optimizer.step()
+        out[step] = side.weight.grad.detach().double().norm().item()
+        side.optimizer.zero_grad()
+        if step == 0:
+            history = side.engine.accountant.history
+            if len(history) != 1 or history[0][2] != 1:
+                raise RuntimeError(f"expected one accounted step, got {history}")
+            eps = accounted_epsilon(side.engine.accountant, delta)
+        if progress is not None:
+            progress(1)
+    return out, eps
+
+
+def normaliser_exact_epsilon(
+    output_dim: int, normaliser_in: float, normaliser_out: float, delta: float
+) -> float:
+    """Exact epsilon at ``delta`` of ``N(0, s_in^2 I_p)`` against ``N(0, s_out^2 I_p)``,
+    ``s = sigma C / normaliser``, both orders (0 when the normalisers agree).
+
+    The likelihood ratio depends on ``r = ||x||^2`` only and is monotone in it, so the
+    optimal tests are thresholds on ``r``, whose laws are scaled chi-square laws with p
+    degrees of freedom: ``delta(eps) = P(r > r_eps) - e^eps Q(r > r_eps)`` for the wider
+    law P (and the mirror image); epsilon by bisection.
+    """
+    if normaliser_in == normaliser_out:
+        return 0.0
+    wide, narrow = sorted((float(normaliser_in), float(normaliser_out)))  # smaller B: wider
+    p = output_dim
+    # variances (units of sigma C): v_w = 1 / wide^2 > v_n = 1 / narrow^2
+    v_w, v_n = 1.0 / wide**2, 1.0 / narrow**2
+    a = 0.5 * (1.0 / v_n - 1.0 / v_w)  # log L(r) = a r + p/2 log(v_n / v_w) (P=wide over Q=narrow)
+    b = 0.5 * p * math.log(v_n / v_w)
+
+    def delta_of(eps: float, wide_first: bool) -> float:
+        if wide_first:  # the loss of "wide over narrow" exceeds eps iff r > r_eps
+            r = (eps - b) / a
+            return math.exp(chi2.logsf(r / v_w, p)) - math.exp(eps + chi2.logsf(r / v_n, p))
+        r = (-eps - b) / a  # the loss of "narrow over wide" exceeds eps iff r < r_eps
+        if r <= 0:
+            return 0.0
+        return math.exp(chi2.logcdf(r / v_n, p)) - math.exp(eps + chi2.logcdf(r / v_w, p))
+
+    best = 0.0
+    for wide_first in (True, False):
+        lo, hi = 0.0, 1.0
+        while delta_of(hi, wide_first) > delta and hi < 512.0:
+            hi *= 2.0
+        if delta_of(lo, wide_first) <= delta:
+            continue
+        for _ in range(100):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if delta_of(mid, wide_first) > delta else (lo, mid)
+        best = max(best, hi)
+    return best
+
+
+@dataclass
+class NormaliserAuditResult(AuditResult):
+    """:class:`~opacus_rc.audit.AuditResult` plus the two normalisers and the exact
+    epsilon of the released pair (independent of the accountant)."""
+
+    normaliser_in: float = float("nan")
+    normaliser_out: float = float("nan")
+    eps_exact: float = float("nan")
+    output_dim: int = 0
+    grad_sample_mode: str = "ghost"
+
+
+def run_normaliser_audit(
+    config: NormaliserAuditConfig, progress: Optional[Callable[[int], None]] = None
+) -> NormaliserAuditResult:
+    """Audit one normaliser variant: ``config.steps`` real steps on each neighbour."""
+    start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = config.dataset_size
+        with_ex = _build(config, n, config.seed)  # D' = D + one example ("canary in")
+        without = _build(config, n - 1, config.seed + 10)  # D
+        scores_in, eps_in = _scores(with_ex, config.steps, config.delta, progress)
+        scores_out, eps_out = _scores(without, config.steps, config.delta, progress)
+    finally:
+        torch.set_num_threads(threads)
+    eps_accounted = max(eps_in, eps_out)
+    half = config.steps // 2
+    test = threshold_audit(
+        scores_in[:half], scores_out[:half], scores_in[half:], scores_out[half:],
+        delta=config.delta, alpha=config.alpha,
+    )
+    return NormaliserAuditResult(
+        estimator=config.estimator,
+        sketch_size=config.sketch_size,
+        sigma=float(config.sigma),
+        variant=config.variant,
+        eps_lower=test.eps_lower,
+        eps_accounted=eps_accounted,
+        delta=config.delta,
+        alpha=config.alpha,
+        trials=2 * config.steps,
+        test=test,
+        seconds=time.perf_counter() - start,
+        normaliser_in=with_ex.normaliser,
+        normaliser_out=without.normaliser,
+        eps_exact=normaliser_exact_epsilon(
+            config.output_dim, with_ex.normaliser, without.normaliser, config.delta
+        ),
+        output_dim=config.output_dim,
+        grad_sample_mode=config.grad_sample_mode,
+    )
