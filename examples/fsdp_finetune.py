@@ -19,6 +19,7 @@ every rank's ``rc_prv`` accountant is charged once per step (rank 0 prints epsil
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import warnings
 
@@ -90,6 +91,8 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--epsilon", type=float, default=8.0)
+    parser.add_argument("--noise-multiplier", type=float, default=None,
+                        help="use this sigma instead of calibrating it for --epsilon")
     parser.add_argument("--sketch-size", type=int, default=32)
     parser.add_argument("--estimator", choices=["hutchinson", "hutchpp"], default="hutchinson")
     parser.add_argument("--lr", type=float, default=1e-2)
@@ -109,14 +112,18 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=args.batch_size)
     steps_per_epoch = len(loader)
     engine = PrivacyEngine(accountant="rc_prv")
-    _, optimizer, criterion, loader = engine.make_private_with_epsilon(
+    if args.noise_multiplier is None:  # calibrate sigma for the target epsilon
+        make_private = functools.partial(
+            engine.make_private_with_epsilon, target_epsilon=args.epsilon, target_delta=1e-5,
+            epochs=max(1, -(-args.steps // steps_per_epoch)),
+        )
+    else:
+        make_private = functools.partial(engine.make_private, noise_multiplier=args.noise_multiplier)
+    _, optimizer, criterion, loader = make_private(
         module=model,
         optimizer=torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr),
         criterion=nn.CrossEntropyLoss(),
         data_loader=loader,  # Poisson sampling, each rank draws from its part of the data
-        target_epsilon=args.epsilon,
-        target_delta=1e-5,
-        epochs=max(1, -(-args.steps // steps_per_epoch)),
         max_grad_norm=1.0,
         grad_sample_mode="ghost_fsdp",
         clipping="randomized",
@@ -129,7 +136,9 @@ def main() -> None:
         print(f"{world} ranks ({dist.get_backend()}, {device.type}); {len(data)} sequences of "
               f"{args.seq_len} tokens; {trainable:,} trainable parameters (LoRA, head) sharded "
               f"over the ranks; "
-              f"sigma={optimizer.noise_multiplier:.3f} for epsilon {args.epsilon}", flush=True)
+              f"sigma={optimizer.noise_multiplier:.3f}"
+              + ("" if args.noise_multiplier is not None else f" (calibrated for epsilon {args.epsilon})"),
+              flush=True)
     step = 0
     while step < args.steps:
         for (batch,) in loader:

@@ -14,12 +14,16 @@ batches:
 * epsilon is the same on both ranks;
 * shared sketches agree across ranks (also without a seed), per-example ones do not;
 * book-keeping (grad_sample_mode="hooks") and "ghost" on an FSDP2 model: a ValueError
-  naming ghost_fsdp.
+  naming ghost_fsdp; so are tied weights;
+* examples/fsdp_finetune.py runs under torchrun (tiny configuration).
 """
 
 import os
+import subprocess
+import sys
 import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,3 +255,18 @@ def test_tied_weights_refused(ranks):
 def test_ghost_fsdp_needs_an_fsdp_model():
     with pytest.raises(ValueError, match="FSDP2Wrapper"):
         private(make_model(), T_SKETCHED, clipping="randomized", mode="ghost_fsdp")
+
+
+def test_example_runs_with_torchrun():
+    """examples/fsdp_finetune.py under torchrun (2 gloo processes), tiny configuration."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(root / "examples" / "fsdp_finetune.py"), "--steps", "2", "--examples", "64",
+        "--batch-size", "16", "--seq-len", "40", "--d-model", "64", "--layers", "1",
+        "--sketch-size", "8", "--noise-multiplier", "1.0",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("epsilon = ") == 1  # rank 0 only
+    assert "after 2 steps" in proc.stdout
