@@ -177,7 +177,9 @@ def test_hook_reads_sketch_config():
     acc = RCPRVAccountant()
     acc.get_optimizer_hook_fn(0.005)(Opt())
     sigma, q, n, sketch = acc.history[0]
-    assert (sigma, q, n) == (1.0, 0.01, 1)
+    # two accumulated micro-batches: a multiplicity, not a doubled sample rate
+    assert (sigma, q, n) == (1.0, 0.005, 1)
+    assert sketch["micro_batches"] == 2
     assert sketch["estimator"] == "hutchpp" and sketch["accounting_sketch_count"] == 16
 
 

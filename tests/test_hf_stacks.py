@@ -242,6 +242,10 @@ def test_gradient_accumulation_equals_one_large_batch():
         engines.append(engine)
     for k in updates[0]:
         torch.testing.assert_close(updates[1][k], updates[0][k], rtol=1e-4, atol=1e-7)
-    assert engines[0].accountant.history == engines[1].accountant.history
+    # same update; the accountant records the two independently sampled micro-batches
+    # as a multiplicity at the loader's rate, never as one draw at 2q
+    (_, q_one, _, one), (_, q_two, _, two) = engines[0].accountant.history[0], engines[1].accountant.history[0]
+    assert (q_one, one["micro_batches"]) == (1.0, 1)
+    assert (q_two, two["micro_batches"]) == (0.5, 2)
     (sigma, rate, steps, _), = engines[1].accountant.history
     assert (rate, steps) == (1.0, 1)

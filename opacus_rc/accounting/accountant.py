@@ -1,9 +1,14 @@
 """``rc_prv``: an Opacus accountant for DP-SGD with randomized clipping.
 
-History entries are ``(noise_multiplier, sample_rate, steps, sketch)`` with ``sketch`` None
-for deterministic clipping or a plain dict (``estimator``, ``sketch_size``, ``sketching``,
-``accounting_sketch_count``). Opacus's ``get_noise_multiplier`` writes 3-tuples
-``(sigma, q, steps)``; ``get_epsilon`` reads those with its sketch keyword arguments.
+History entries are ``(noise_multiplier, sample_rate, steps, record)``. ``record`` is None
+for a deterministic single-batch step or a plain dict: ``estimator``, ``sketch_size``,
+``sketching``, ``accounting_sketch_count`` for randomized clipping (absent: deterministic)
+and ``micro_batches`` (m, default 1), the number of independently sampled micro-batches
+summed into the step (gradient accumulation). ``sample_rate`` is always the rate of one
+micro-batch: a step with ``m > 1`` is accounted as the mixture over ``J ~ Bin(m, q)``
+appearances (:mod:`opacus_rc.accounting.multiplicity`), never as one draw at ``q * m``.
+Opacus's ``get_noise_multiplier`` writes 3-tuples ``(sigma, q, steps)``; ``get_epsilon``
+reads those with its sketch keyword arguments.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from opacus.accountants.accountant import IAccountant
 
 from ..config import ESTIMATORS, SKETCHINGS, SketchConfig
+from .multiplicity import AccumulatedStepPRV, multiplicity_weights
 from .prv import (
     DEFAULT_BIN_RATIO,
     DETERMINISTIC,
@@ -30,6 +36,8 @@ MECHANISM = "rc_prv"
 #: Fraction of delta spent on the Z mass beyond the cut-off (treated as infinite loss).
 TAIL_DELTA_FRACTION = 1e-3
 MAX_SIGMA = 1e6
+#: Coarsest-allowed Z bins for accumulated steps (each bin is a mixture over J: costlier).
+MULTIPLICITY_BIN_RATIO = 0.05
 
 Sketch = Optional[Dict[str, Any]]
 
@@ -40,11 +48,14 @@ def sketch_record(
     estimator: Optional[str] = None,
     sketch_size: Optional[int] = None,
     sketching: str = "shared",
+    micro_batches: int = 1,
 ) -> Sketch:
-    """Plain-dict record of the sketch of a step (None: deterministic clipping)."""
+    """Plain-dict record of a step: its sketch (none: deterministic clipping) and its
+    number of accumulated micro-batches. None for a deterministic single-batch step."""
+    micro_batches = _check_micro_batches(micro_batches)
     if sketch_config is None:
         if estimator is None and sketch_size is None:
-            return None
+            return None if micro_batches == 1 else {"micro_batches": micro_batches}
         sketch_config = SketchConfig(
             estimator=estimator or "hutchinson",
             sketch_size=32 if sketch_size is None else sketch_size,
@@ -59,7 +70,14 @@ def sketch_record(
         "sketch_size": int(sketch_config.sketch_size),
         "sketching": sketch_config.sketching,
         "accounting_sketch_count": int(sketch_config.accounting_sketch_count),
+        "micro_batches": micro_batches,
     }
+
+
+def _check_micro_batches(micro_batches: Any) -> int:
+    if isinstance(micro_batches, bool) or int(micro_batches) != micro_batches or micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches!r}; accepted values: an integer >= 1")
+    return int(micro_batches)
 
 
 def _normalise_sketch(sketch: Any) -> Sketch:
@@ -68,6 +86,9 @@ def _normalise_sketch(sketch: Any) -> Sketch:
     if isinstance(sketch, SketchConfig):
         return sketch_record(sketch)
     if isinstance(sketch, dict):
+        micro_batches = _check_micro_batches(sketch.get("micro_batches", 1))
+        if "sketch_size" not in sketch and "accounting_sketch_count" not in sketch:
+            return sketch_record(micro_batches=micro_batches)  # deterministic clipping
         est = sketch.get("estimator", "hutchinson")
         kind = sketch.get("sketching", "shared")
         if est not in ESTIMATORS or kind not in SKETCHINGS:
@@ -83,21 +104,43 @@ def _normalise_sketch(sketch: Any) -> Sketch:
             "sketch_size": int(sketch.get("sketch_size", count)),
             "sketching": kind,
             "accounting_sketch_count": count,
+            "micro_batches": micro_batches,
         }
     raise ValueError(f"sketch={sketch!r} must be None, a dict or a SketchConfig")
 
 
-def _mixture(sketch: Sketch, tail_mass: float, bin_ratio: float) -> SensitivityMixture:
-    """Z bins of a step: the envelope with the accounted sketch count; hidden Z only for
-    independent per-example sketches (never for a shared sketch)."""
-    if sketch is None:
-        return DETERMINISTIC
-    return envelope_mixture(
-        int(sketch["accounting_sketch_count"]),
-        float(tail_mass),
-        hidden=sketch["sketching"] == "per_example",
-        bin_ratio=bin_ratio,
-    )
+def _micro_batches(sketch: Sketch) -> int:
+    return 1 if sketch is None else int(sketch.get("micro_batches", 1))
+
+
+def _exposure(q: float, sketch: Sketch) -> float:
+    """Probability that the differing example takes part in the step."""
+    return multiplicity_weights(_micro_batches(sketch), q)[0] if _micro_batches(sketch) > 1 else q
+
+
+def _step_prv(sigma: float, q: float, sketch: Sketch, tail_mass: float, bin_ratio: float):
+    """The PRV of one recorded step.
+
+    One micro-batch: Z bins of the envelope with the accounted sketch count; hidden Z only
+    for independent per-example sketches (never for a shared sketch). ``m > 1``
+    micro-batches: revealed bins of the largest of the ``m`` slots' Z (union bound; also
+    for per-example sketches, whose hidden-Z analysis does not cover several copies of
+    one example), each a mixture over ``J ~ Bin(m, q)`` copies.
+    """
+    m = _micro_batches(sketch)
+    if sketch is None or "accounting_sketch_count" not in sketch:
+        mixture = DETERMINISTIC
+    else:
+        mixture = envelope_mixture(
+            int(sketch["accounting_sketch_count"]),
+            float(tail_mass),
+            hidden=m == 1 and sketch["sketching"] == "per_example",
+            bin_ratio=bin_ratio if m == 1 else max(bin_ratio, MULTIPLICITY_BIN_RATIO),
+            draws=m,
+        )
+    if m == 1:
+        return StepPRV(sigma, q, mixture)
+    return AccumulatedStepPRV(sigma, q, m, mixture)
 
 
 def _sketch_key(sketch: Sketch) -> Tuple:
@@ -126,9 +169,11 @@ class RCPRVAccountant(IAccountant):
         noise_multiplier: float,
         sample_rate: float,
         sketch_config: Optional[SketchConfig] = None,
+        micro_batches: int = 1,
     ) -> None:
-        """Record one step; consecutive identical steps are merged."""
-        sketch = sketch_record(sketch_config) if sketch_config is not None else None
+        """Record one step (``micro_batches`` independently sampled micro-batches at rate
+        ``sample_rate`` each); consecutive identical steps are merged."""
+        sketch = sketch_record(sketch_config, micro_batches=micro_batches)
         if self.history:
             last = self._entry(self.history[-1])
             if (last[0], last[1], _sketch_key(last[3])) == (
@@ -141,13 +186,17 @@ class RCPRVAccountant(IAccountant):
         self.history.append((noise_multiplier, sample_rate, 1, sketch))
 
     def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
-        """Hook for the DP optimizer: like Opacus's, plus ``optim.sketch_config``."""
+        """Hook for the DP optimizer: like Opacus's, plus ``optim.sketch_config``, and the
+        micro-batches accumulated into the step as a multiplicity (Opacus charges
+        ``sample_rate * accumulated_iterations``, which under-charges independently
+        sampled micro-batches)."""
 
         def hook_fn(optim: Any) -> None:
             self.step(
                 noise_multiplier=optim.noise_multiplier,
-                sample_rate=sample_rate * optim.accumulated_iterations,
+                sample_rate=sample_rate,
                 sketch_config=getattr(optim, "sketch_config", None),
+                micro_batches=optim.accumulated_iterations,
             )
 
         return hook_fn
@@ -183,12 +232,12 @@ class RCPRVAccountant(IAccountant):
         if key in self._cache:
             return self._cache[key]
         # the Z mass beyond the cut-off costs at most TAIL_DELTA_FRACTION * delta overall
-        exposure = sum(q * n for (_, q, _), n in groups)
+        exposure = sum(_exposure(q, dict(skey) if skey else None) * n for (_, q, skey), n in groups)
         tail = min(0.5, TAIL_DELTA_FRACTION * delta / max(exposure, 1e-300))
         steps, counts = [], []
         for (sigma, q, skey), n in groups:
             sketch = dict(skey) if skey else None
-            steps.append(StepPRV(sigma, q, _mixture(sketch, tail, self.bin_ratio)))
+            steps.append(_step_prv(sigma, q, sketch, tail, self.bin_ratio))
             counts.append(n)
         eps = compose_epsilon(steps, counts, delta, eps_error=eps_error, delta_error=delta_error)
         if len(self._cache) > 64:

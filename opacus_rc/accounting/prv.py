@@ -121,6 +121,7 @@ def envelope_mixture(
     hidden: bool = False,
     bin_ratio: float = DEFAULT_BIN_RATIO,
     min_bins: int = 16,
+    draws: int = 1,
 ) -> SensitivityMixture:
     """Bins of the envelope ``Z* = max(1, sqrt(k / chi2_k))``, every bin rounded up.
 
@@ -129,22 +130,28 @@ def envelope_mixture(
     Bin ``(z_{i-1}, z_i]`` gets value ``z_i`` and mass ``sf(z_{i-1}) - sf(z_i)``; the atom
     ``P(Z* = 1) = 1 - sf(1)`` stays at 1. Rounding up makes the bins stochastically
     larger than ``Z*``, hence a dominating mechanism (docs/accounting.md).
+
+    ``draws = m > 1`` bins the largest of ``m`` envelope draws, whatever their dependence,
+    through the union bound ``P(max_i Z_i > z) <= min(1, m P(Z* > z))`` (the sketch slots
+    of an example in ``m`` accumulated micro-batches).
     """
+    if isinstance(draws, bool) or int(draws) != draws or draws < 1:
+        raise ValueError(f"draws={draws!r} must be a positive integer")
     if isinstance(sketch_count, bool) or int(sketch_count) != sketch_count or sketch_count <= 0:
         raise ValueError(f"sketch_size={sketch_count!r} must be a positive integer")
     if not 0.0 < tail_mass < 1.0:
         raise ValueError(f"tail_mass={tail_mass} must lie in (0, 1)")
     if not 0.0 < bin_ratio <= 1.0:
         raise ValueError(f"bin_ratio={bin_ratio} must lie in (0, 1]")
-    k = int(sketch_count)
-    z_max = _quantile_z(k, tail_mass)
+    k, draws = int(sketch_count), int(draws)
+    z_max = _quantile_z(k, tail_mass / draws)
     if not math.isfinite(z_max):
         z_max = math.exp(200.0)
     log_max = math.log(z_max)
     step = min(math.log1p(bin_ratio), log_max / min_bins) if log_max > 0 else 1.0
     n_bins = max(1, int(math.ceil(log_max / step - 1e-9)))
     edges = np.exp(np.linspace(0.0, log_max, n_bins + 1))
-    sf_e = envelope_sf(edges, k)
+    sf_e = np.minimum(1.0, draws * envelope_sf(edges, k))
     p = np.concatenate([[1.0 - sf_e[0]], np.maximum(sf_e[:-1] - sf_e[1:], 0.0)])
     p_inf = float(sf_e[-1])
     p *= (1.0 - p_inf) / p.sum()  # absorb float rounding of the sf differences
@@ -685,6 +692,9 @@ def _cell_masses(step: StepPRV, direction: str, edges: np.ndarray) -> Tuple[np.n
     interval in ``u = log((e^Y - (1-q))/q)`` (remove) or in ``u(-Y)`` (add), affine in
     ``x`` per bin (revealed) or through the root ``x(u)`` of the hidden mixture.
     """
+    custom = getattr(step, "cell_masses", None)
+    if custom is not None:  # composite steps (e.g. accumulated micro-batches)
+        return custom(direction, edges)
     remove = direction == "remove"
     u = step._u(edges if remove else -edges[::-1])  # increasing
     if step.hidden:
@@ -712,14 +722,22 @@ def _cell_masses(step: StepPRV, direction: str, edges: np.ndarray) -> Tuple[np.n
         masses, low, high = masses[::-1].copy(), high, low
     if atom > 0 and step.q < 1.0:
         loc = step.log1mq if remove else -step.log1mq
-        i = int(np.searchsorted(edges, loc, side="left")) - 1  # edges[i] < loc <= edges[i+1]
-        if i < 0:
-            low += atom
-        elif i >= masses.size:
-            high += atom
-        else:
-            masses[i] += atom
+        low, high = place_atom(masses, low, high, edges, loc, atom)
     return masses, low, high
+
+
+def place_atom(
+    masses: np.ndarray, low: float, high: float, edges: np.ndarray, loc: float, atom: float
+) -> Tuple[float, float]:
+    """Add ``atom`` at loss ``loc`` to the cell ``(edges[i], edges[i+1]]`` holding it (in
+    place), or to the mass below / above the edges; returns the new ``(low, high)``."""
+    i = int(np.searchsorted(edges, loc, side="left")) - 1  # edges[i] < loc <= edges[i+1]
+    if i < 0:
+        return low + atom, high
+    if i >= masses.size:
+        return low, high + atom
+    masses[i] += atom
+    return low, high
 
 
 def _discretise(step: StepPRV, direction: str, dom: _Domain) -> Tuple[np.ndarray, float, float]:
