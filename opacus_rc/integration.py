@@ -252,6 +252,7 @@ def _with_denoising(entry_point):
 def _make_private(original, self: PrivacyEngine, *, clipping: str = "flat", **kwargs):
     if clipping != RANDOMIZED:
         _check_no_sketch_options(clipping, kwargs)
+        _require_torchcsprng(self, clipping)
         return original(self, clipping=clipping, **kwargs)
     check_randomized_setup(self, kwargs.get("grad_sample_mode", "hooks"))
     config = sketch_config_from_kwargs(kwargs)
@@ -294,6 +295,8 @@ def _prepare_optimizer(original, self: PrivacyEngine, **kwargs):
 
 def _prepare_data_loader(original, self: PrivacyEngine, data_loader, **kwargs):
     request = _active_request.get()
+    if request is not None and self.secure_mode:  # CSPRNG Poisson sampler, no torchcsprng
+        return _secure_data_loader(original, self, data_loader, request, **kwargs)
     if (
         request is None
         or request.sampling is None
@@ -316,6 +319,82 @@ def _prepare_data_loader(original, self: PrivacyEngine, data_loader, **kwargs):
         generator=self.secure_rng if self.secure_rng is not None else data_loader.generator,
         prefetch_factor=data_loader.prefetch_factor,
         persistent_workers=data_loader.persistent_workers,
+        distributed=kwargs.get("distributed", False),
+        batch_first=kwargs.get("batch_first", True),
+        rand_on_empty=kwargs.get("rand_on_empty", False),
+    )
+
+
+# --- secure mode without torchcsprng (clipping="randomized" only) ---------------------
+
+
+def _torchcsprng_available() -> bool:
+    try:
+        import torchcsprng  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _init(original, self: PrivacyEngine, *args, **kwargs):
+    """``PrivacyEngine(secure_mode=True, accountant="rc_prv")`` without torchcsprng: the
+    engine is built without Opacus's torchcsprng generator (``secure_rng = None``); the
+    randomized path draws its Poisson masks, sketches and noise from
+    :mod:`opacus_rc.csprng`. Other clipping modes then raise Opacus's ImportError at
+    ``make_private``; every other configuration goes to Opacus unchanged."""
+    if (
+        args
+        or not kwargs.get("secure_mode", False)
+        or kwargs.get("accountant", "prv") not in RC_ACCOUNTANTS
+        or _torchcsprng_available()
+    ):
+        return original(self, *args, **kwargs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Secure RNG turned off")
+        original(self, **{**kwargs, "secure_mode": False})
+    self.secure_mode = True
+    self.secure_rng = None
+    self._opacus_rc_csprng_only = True
+    logger.info("secure_mode without torchcsprng: clipping='randomized' uses opacus_rc.csprng")
+
+
+def _require_torchcsprng(self: PrivacyEngine, clipping: str) -> None:
+    """Opacus's secure-mode ImportError, deferred to a non-randomized make_private."""
+    if getattr(self, "_opacus_rc_csprng_only", False):
+        raise ImportError(
+            "To use secure RNG, you must install the torchcsprng package! Check out the "
+            "instructions here: https://github.com/pytorch/csprng#installation "
+            f"(clipping={clipping!r} uses Opacus's torchcsprng generator; without it, "
+            "secure_mode serves clipping='randomized' only, from opacus_rc.csprng)"
+        )
+
+
+def _secure_data_loader(original, self: PrivacyEngine, data_loader, request, **kwargs):
+    """The randomized path's loader in secure mode: Poisson sampling with a
+    :class:`~opacus_rc.csprng.SecurePoissonSampler` (masks from the CSPRNG) at the run's
+    public sample rate."""
+    from .csprng import SecureDPDataLoader
+
+    if not kwargs.get("poisson_sampling", True):
+        if self.secure_rng is None:
+            raise ValueError(
+                "poisson_sampling=False is invalid with secure_mode=True without "
+                "torchcsprng: there is no secure generator to shuffle with; accepted "
+                "values: poisson_sampling=True (the sampling rc_prv accounts for)"
+            )
+        return original(self, data_loader, **kwargs)
+    if self.dataset is None:  # Opacus's one-dataset-per-engine check
+        self.dataset = data_loader.dataset
+    elif self.dataset != data_loader.dataset:
+        warnings.warn(
+            f"PrivacyEngine detected new dataset object. Was: {self.dataset}, got: "
+            f"{data_loader.dataset}. Privacy accounting works per dataset, please "
+            f"initialize new PrivacyEngine if you're using different dataset."
+        )
+    rate = request.sampling.sample_rate if request.sampling is not None else None
+    return SecureDPDataLoader.from_data_loader(
+        data_loader,
+        sample_rate=rate,
         distributed=kwargs.get("distributed", False),
         batch_first=kwargs.get("batch_first", True),
         rand_on_empty=kwargs.get("rand_on_empty", False),
@@ -451,6 +530,7 @@ def _register_accountant() -> None:
 
 
 _PATCHES = (
+    (PrivacyEngine, "__init__", _init),
     (PrivacyEngine, "make_private", _make_private),
     (PrivacyEngine, "make_private_with_epsilon", _make_private_with_epsilon),
     (PrivacyEngine, "_prepare_model", _prepare_model),

@@ -103,14 +103,14 @@ class RandomizedClippingMixin:
             p.grad = p.summed_grad.add_(noise).view_as(p)
 
     def _noise(self, std: float, reference: torch.Tensor) -> torch.Tensor:
-        """N(0, std^2) like ``reference``. Secure mode: from ``os.urandom`` (no PRNG),
-        as the sum of 4 normals halved, Opacus's guard against floating-point attacks."""
+        """N(0, std^2) like ``reference``. Secure mode: from :mod:`opacus_rc.csprng` (AES-CTR
+        keystream, no PRNG), as the sum of 4 normals halved in float64, Opacus's guard
+        against floating-point attacks."""
         if not self.secure_mode:
             return _generate_noise(std=std, reference=reference, generator=self.generator)
-        if std == 0:
-            return torch.zeros_like(reference)
-        four = secure_standard_normal((4, *reference.shape), dtype=torch.float64).sum(dim=0)
-        return four.mul_(std / 2).to(device=reference.device, dtype=reference.dtype)
+        from .csprng import secure_noise
+
+        return secure_noise(std, reference)
 
     def _check_finite_gradients(self) -> None:
         for p in self.params:

@@ -34,17 +34,12 @@ def _process_rank() -> int:
 
 
 def secure_standard_normal(shape, device="cpu", dtype=torch.float32) -> torch.Tensor:
-    """i.i.d. N(0, 1) entries from ``os.urandom`` (the kernel's CSPRNG): 53-bit uniforms,
-    Box-Muller in float64. Nothing comes from a pseudo-random generator."""
-    n = math.prod(shape)
-    pairs = (n + 1) // 2
-    bits = torch.frombuffer(bytearray(os.urandom(16 * pairs)), dtype=torch.int64)
-    # 53 random bits -> (0, 1]: (b + 1) / 2^53, so log() never sees 0
-    u = ((bits >> 11) & ((1 << 53) - 1)).to(torch.float64).add_(1.0).mul_(2.0**-53)
-    u1, u2 = u[:pairs], u[pairs:]
-    radius = torch.sqrt(-2.0 * torch.log(u1))
-    z = torch.cat([radius * torch.cos(2 * math.pi * u2), radius * torch.sin(2 * math.pi * u2)])
-    return z[:n].reshape(shape).to(device=device, dtype=dtype)
+    """i.i.d. N(0, 1) entries from :mod:`opacus_rc.csprng` (AES-256-CTR keystream keyed
+    from ``os.urandom``; 53-bit uniforms, Box-Muller in float64). Nothing comes from a
+    pseudo-random generator."""
+    from .csprng import secure_standard_normal as _csprng_normal
+
+    return _csprng_normal(shape, device=device, dtype=dtype)
 
 
 class Sketcher:
