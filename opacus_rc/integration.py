@@ -62,6 +62,7 @@ from .fsdp import (
     GradSampleModuleRandomizedClippingFSDP,
     check_fsdp_mode,
 )
+from .one_pass import pop_bookkeeping, with_criterion
 from .optimizer import (
     DistributedRandomizedClippingBookkeepingOptimizer,
     DistributedRandomizedClippingOptimizer,
@@ -250,6 +251,7 @@ def _with_denoising(entry_point):
 
 @_with_denoising
 def _make_private(original, self: PrivacyEngine, *, clipping: str = "flat", **kwargs):
+    one_pass = pop_bookkeeping(clipping, kwargs)  # a ghost script run by book-keeping
     if clipping != RANDOMIZED:
         _check_no_sketch_options(clipping, kwargs)
         _require_torchcsprng(self, clipping)
@@ -277,7 +279,7 @@ def _make_private(original, self: PrivacyEngine, *, clipping: str = "flat", **kw
         "randomized clipping: public normaliser %d, sample rate %.6g", sampling.batch_size,
         sampling.sample_rate,
     )
-    return out
+    return with_criterion(out, kwargs) if one_pass else out
 
 
 def _prepare_optimizer(original, self: PrivacyEngine, **kwargs):

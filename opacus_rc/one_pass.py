@@ -1,0 +1,77 @@
+"""One backward pass for ghost-mode scripts: ``make_private(..., grad_sample_mode="ghost",
+clipping="randomized", bookkeeping=True)``.
+
+An existing ghost-clipping script unpacks four values (the criterion among them) and calls
+``criterion(logits, targets, shape=...)`` then ``loss.backward(); optimizer.step()``. With
+``bookkeeping=True`` the same loop runs by book-keeping (one backward pass, the clipped
+gradient assembled in ``optimizer.step()``; :class:`~opacus_rc.grad_sample.BookkeepingMixin`):
+``make_private`` builds the ``grad_sample_mode="hooks"`` book-keeping module and optimizer and
+returns, in the criterion's place, a :class:`DPLossBookkeeping`. It computes the per-sample
+(per-sequence, with ``shape=``) losses exactly as the ghost criterion does and returns their
+mean (or sum) as an ordinary tensor, whose ``backward()`` is the single pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import torch
+from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+from torch import nn
+
+OPTION = "bookkeeping"
+
+
+def pop_bookkeeping(clipping: str, kwargs: Dict[str, Any]) -> bool:
+    """Validate and remove ``bookkeeping=`` from make_private's keyword arguments; True when
+    a ghost-mode call is to run by book-keeping (``grad_sample_mode`` is then switched to
+    ``"hooks"`` in ``kwargs``).
+
+    Raises:
+        ValueError: naming the parameter and its accepted values.
+    """
+    value = kwargs.pop(OPTION, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"bookkeeping={value!r} is invalid; accepted values: True, False")
+    if not value:
+        return False
+    if clipping != "randomized":
+        raise ValueError(
+            f"bookkeeping=True only applies with clipping='randomized'; got clipping={clipping!r}"
+        )
+    mode = kwargs.get("grad_sample_mode", "hooks")
+    if mode == "hooks":
+        return False  # already one backward pass (3-tuple, plain loss)
+    if mode != "ghost":
+        raise ValueError(
+            f"bookkeeping=True runs a grad_sample_mode='ghost' script in one backward pass; got "
+            f"grad_sample_mode={mode!r}; accepted values with bookkeeping=True: 'ghost', 'hooks' "
+            "(under FSDP2 book-keeping does not fit: use grad_sample_mode='ghost_fsdp' without it)"
+        )
+    kwargs["grad_sample_mode"] = "hooks"
+    return True
+
+
+class DPLossBookkeeping(DPLossFastGradientClipping):
+    """The criterion returned by ``make_private(..., grad_sample_mode="ghost",
+    bookkeeping=True)``: the ghost criterion's call signature
+    (``criterion(logits, targets, shape=...)``, ``-100`` labels ignored per sequence) and
+    per-sample losses, reduced (mean or sum over the batch) to an ordinary tensor whose
+    ``backward()`` is the one pass book-keeping needs."""
+
+    def __call__(self, *args: Any, shape=None, **kwargs: Any) -> torch.Tensor:
+        per_sample = super().__call__(*args, shape=shape, **kwargs).loss_per_sample
+        if self.loss_reduction == "mean":
+            return per_sample.mean(dim=0)
+        return per_sample.sum(dim=0)
+
+
+def with_criterion(out: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+    """Opacus's book-keeping 3-tuple ``(module, optimizer, data_loader)`` as the ghost
+    4-tuple ``(module, optimizer, criterion, data_loader)``."""
+    module, optimizer, data_loader = out
+    criterion = kwargs.get("criterion")
+    if criterion is None:
+        criterion = nn.CrossEntropyLoss()  # Opacus's make_private default
+    loss = DPLossBookkeeping(module, optimizer, criterion, kwargs.get("loss_reduction", "mean"))
+    return module, optimizer, loss, data_loader
