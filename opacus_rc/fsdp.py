@@ -56,7 +56,7 @@ from torch import nn
 from .grad_sample import SketchingMixin
 from .loss import DPLossRandomizedClipping, DPTensorRandomizedClipping
 from .optimizer import RandomizedClippingMixin
-from .sketch import entropy_seed, secure_standard_normal
+from .sketch import entropy_seed
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +164,10 @@ class FSDPSketchingMixin(SketchingMixin):
                 "grad_sample_mode='ghost' (one process or DPDDP), which supports tied weights"
             )
         super()._setup()
+        # The sharded parameters (what the optimizer holds): FSDP2 swaps unsharded ones
+        # into the modules during forward and backward, so the optimizer's step count kept
+        # on its parameters (the sketcher's step clock, if any) is read from these.
+        self._sharded_trainable = [p for p in self._module.parameters() if p.requires_grad]
         # FSDP2 renames every sharded layer's class (FSDPLinear): defer the weight
         # gradients of those linear layers too (the parent matches nn.Linear exactly).
         patched = set(map(id, self._patched))
@@ -177,11 +181,24 @@ class FSDPSketchingMixin(SketchingMixin):
     def _get_module_type(self, module: nn.Module) -> Type[nn.Module]:
         return layer_type(module)
 
+    def _optimizer_steps(self) -> Optional[int]:
+        """Steps taken by the randomized-clipping optimizer, read from the sharded
+        parameters it holds (None if it keeps no count on them)."""
+        steps = [p._rc_steps_taken for p in getattr(self, "_sharded_trainable", ()) if hasattr(p, "_rc_steps_taken")]
+        return max(steps) if steps else None
+
+    def _begin_forward(self, module: nn.Module) -> None:
+        """The parent's start-of-pass bookkeeping, where it has one."""
+        start = getattr(self, "_start_pass", None)
+        if start is not None:
+            start(module)
+
     def capture_activations_hook(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
     ) -> None:
         """Opacus's FSDP capture (module-level counter). A layer applied twice in one
         forward pass (its parameters used twice) is refused with a clear message."""
+        self._begin_forward(module)
         if (
             requires_grad(module) and module.training and torch.is_grad_enabled()
             and self.hooks_enabled and getattr(module, "_forward_counter", 0) > 0
@@ -203,6 +220,7 @@ class FSDPSketchingMixin(SketchingMixin):
         loss_reduction: str,
         batch_first: bool,
     ) -> None:
+        self._awaiting_forward = True  # the next forward starts a new pass
         # The randomized norm samplers apply the "mean" factor to the norms (see
         # SketchingMixin.rearrange_grad_samples), keyed by the layer's real class.
         self._unscaled_backprops = layer_type(module) in self.NORM_SAMPLERS
@@ -243,9 +261,6 @@ class FSDPSketchingMixin(SketchingMixin):
                 "(every rank refuses the step)"
             )
         return norms
-
-    def sketch_state_dict(self) -> Dict[str, Any]:
-        return self.sketcher.state_dict()
 
 
 class GradSampleModuleRandomizedClippingFSDP(
