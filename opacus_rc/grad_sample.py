@@ -60,9 +60,36 @@ class _SketcherOwner:
     ) -> None:
         super().__init__(m, **self._opacus_options, **kwargs)
         self.sketch_config = sketch_config
-        self.sketcher = Sketcher(sketch_config, seed=sketch_seed, secure_mode=secure_mode)
+        self._sketcher = Sketcher(sketch_config, seed=sketch_seed, secure_mode=secure_mode)
+        self._sketcher.bind_step_clock(self._optimizer_steps)
+        self._awaiting_forward = True
         self._patched: List[nn.Module] = []
         self._setup()  # defined by each mixin
+
+    @property
+    def sketcher(self) -> Sketcher:
+        """The run's sketch source (its freshness follows this module's step clock)."""
+        return self._sketcher
+
+    @sketcher.setter
+    def sketcher(self, sketcher: Sketcher) -> None:
+        sketcher.bind_step_clock(self._optimizer_steps)
+        self._sketcher = sketcher
+
+    def _optimizer_steps(self) -> Optional[int]:
+        """Steps taken by the randomized-clipping optimizer over these parameters (it
+        counts them on the parameters), or None if no such optimizer holds them."""
+        steps = [
+            p._rc_steps_taken for p in self._module.parameters()
+            if p.requires_grad and hasattr(p, "_rc_steps_taken")
+        ]
+        return max(steps) if steps else None
+
+    def _start_pass(self, module: nn.Module) -> None:
+        """The first hooked layer of a training forward pass starts a sketch pass."""
+        if self._awaiting_forward and self.hooks_enabled and module.training and torch.is_grad_enabled():
+            self.sketcher.begin_pass()
+            self._awaiting_forward = False
 
     def _defer_weight_grads(self, layers: List[nn.Module], wanted=None) -> None:
         """Linear layers whose backward computes parameter gradients only if ``wanted()``."""
@@ -128,6 +155,7 @@ class SketchingMixin(_SketcherOwner):
     ) -> None:
         """Opacus's activation capture, without ghost mode's refusal of tied parameters:
         a parameter used several times is handled by :meth:`_capture_tied_backprops`."""
+        self._start_pass(module)
         GradSampleHooks.capture_activations_hook(self, module, forward_input, _forward_output)
 
     def capture_backprops_hook(
@@ -138,6 +166,7 @@ class SketchingMixin(_SketcherOwner):
         loss_reduction: str,
         batch_first: bool,
     ) -> None:
+        self._awaiting_forward = True
         if self.hooks_enabled and self._is_tied_use(module):
             self._capture_tied_backprops(module, forward_output, loss_reduction, batch_first)
             return
@@ -202,13 +231,6 @@ class SketchingMixin(_SketcherOwner):
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len
 
-    def sketch_state_dict(self) -> Dict[str, Any]:
-        """State of the sketch generator(s), for checkpoints."""
-        return self.sketcher.state_dict()
-
-    def load_sketch_state_dict(self, state: Dict[str, Any]) -> None:
-        self.sketcher.load_state_dict(state)
-
 
 class GradSampleHooksRandomizedClipping(
     SketchingMixin, GradSampleHooksFastGradientClipping
@@ -247,7 +269,6 @@ class BookkeepingMixin(_SketcherOwner):
     """
 
     def _setup(self) -> None:
-        self._awaiting_forward = True
         layers = [
             m for m in self._module.modules()
             if _bookkept(m) and any(p.requires_grad for p in m.parameters(recurse=False))
@@ -264,9 +285,7 @@ class BookkeepingMixin(_SketcherOwner):
         self._defer_weight_grads(_trainable_linears(self._module))
 
     def capture_activations_hook(self, module, forward_input, _forward_output) -> None:
-        if self._awaiting_forward and self.hooks_enabled:
-            self.sketcher.begin_pass()  # per-example sketches belong to one pass
-            self._awaiting_forward = False
+        self._start_pass(module)
         super().capture_activations_hook(module, forward_input, _forward_output)
 
     def capture_backprops_hook(

@@ -1,6 +1,6 @@
 """The one place that extends Opacus's :class:`~opacus.PrivacyEngine`.
 
-Opacus has no plugin registry for clipping modes, so :func:`install` wraps four
+Opacus has no plugin registry for clipping modes, so :func:`install` wraps
 ``PrivacyEngine`` entry points (idempotently, keeping the originals for every other
 mode):
 
@@ -17,6 +17,9 @@ mode):
   rate of :func:`public_sampling` (``expected_batch_size=``, ``sample_rate=`` keywords, else
   the loader's ``batch_size`` and ``1 / len(loader)``) instead of Opacus's
   ``int(len(dataset) / len(loader))``, which depends on the private dataset's size.
+
+``save_checkpoint`` / ``load_checkpoint`` keep generator states out of checkpoints unless
+``include_rng_state=True`` (:mod:`opacus_rc.checkpoint`).
 
 ``make_private(..., denoise="spectral", denoise_kappa=..., denoise_svd=...)`` (any clipping
 mode) attaches :func:`opacus_rc.denoise.attach_spectral_denoiser` to the optimizer for the
@@ -46,6 +49,7 @@ from opacus.grad_sample import AbstractGradSampleModule
 from torch import nn
 from torch.utils.data.distributed import DistributedSampler
 
+from . import checkpoint
 from .config import SketchConfig
 from .loss import DPLossRandomizedClipping
 from .grad_sample import (
@@ -272,7 +276,6 @@ def _make_private(original, self: PrivacyEngine, *, clipping: str = "flat", **kw
         out = original(self, clipping=RANDOMIZED, sketch_config=config, **kwargs)
     finally:
         _active_request.reset(token)
-    out[1].attach_sketcher(out[0].sketcher)  # a real step starts new sketches
     # Opacus charged 1 / len(its DPDataLoader); charge the public rate instead.
     out[1].attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sampling.sample_rate))
     logger.info(
@@ -540,6 +543,8 @@ _PATCHES = (
     (PrivacyEngine, "_prepare_optimizer", _prepare_optimizer),
     (PrivacyEngine, "_prepare_data_loader", _prepare_data_loader),
     (_pe, "get_optimizer_class", _get_optimizer_class),
+    (PrivacyEngine, "save_checkpoint", checkpoint.save_checkpoint),
+    (PrivacyEngine, "load_checkpoint", checkpoint.load_checkpoint),
 )
 
 

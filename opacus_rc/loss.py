@@ -5,7 +5,7 @@ Opacus's ghost-clipping loss zeroes the gradients between its two passes, which 
 what earlier micro-batches accumulated (Opacus issue #683). Here the accumulated clipped
 gradient is set aside before the first pass and added back after the second, the
 optimizer counts the passes (its ``accumulated_iterations``, used for averaging and by
-the accountant) and the sketcher learns when a pass begins.
+the accountant as the step's micro-batch multiplicity).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
             None if p.grad is None or optimizer.backward_passes == 0 else p.grad.detach().clone()
             for p in optimizer.params
         ]
-        self.module.sketcher.begin_pass()
         try:
             super().backward()
         except BaseException:

@@ -8,6 +8,7 @@ the ``rc_prv`` accountant reads in its step hook.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -26,9 +27,10 @@ from opacus.optimizers.optimizer import (
 from torch.optim import Optimizer
 
 from .config import SketchConfig
-from .sketch import Sketcher, secure_standard_normal
 
-_STATE_KEY = "opacus_rc"
+
+_LEGACY_STATE_KEY = "opacus_rc"  # generator states stored by versions up to 0.1.0
+logger = logging.getLogger(__name__)
 
 
 class RandomizedClippingMixin:
@@ -48,33 +50,36 @@ class RandomizedClippingMixin:
     ) -> None:
         super().__init__(optimizer, **kwargs)
         self.sketch_config = sketch_config
-        self.sketcher: Optional[Sketcher] = None
         self.backward_passes = 0  # micro-batches accumulated since the last step() call
-
-    def attach_sketcher(self, sketcher: Sketcher) -> None:
-        """Link the grad-sample module's sketcher: every real step starts new sketches."""
-        self.sketcher = sketcher
+        # The step clock the grad-sample module's sketcher reads (new sketches every
+        # logical step however the objects were built); it lives on the parameters, the
+        # only objects the module and the optimizer always share.
+        for p in self.params:
+            p._rc_steps_taken = getattr(p, "_rc_steps_taken", 0)
 
     @property
     def accumulated_iterations(self) -> int:
         """Micro-batches (backward passes) accumulated into this step (at least 1).
 
-        Averaging divides by ``expected_batch_size * accumulated_iterations`` and the
-        accountant charges ``sample_rate * accumulated_iterations``, as Opacus's
-        DPOptimizer does for accumulated per-sample gradients. Virtual steps through
-        BatchMemoryManager call ``step()`` after every physical batch and so count 1.
+        Averaging divides by ``expected_batch_size * accumulated_iterations``; the
+        ``rc_prv`` accountant records it as the step's micro-batch multiplicity ``m``
+        (an example is in ``Bin(m, q)`` of them). Virtual steps through
+        BatchMemoryManager (one Poisson draw split into physical batches) call ``step()``
+        after every physical batch and so count 1.
         """
         return max(1, self.backward_passes)
 
     def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
         """Opacus's pre-step (accumulate, noise, average, accountant hook), refusing
-        non-finite clipped gradients before any noise is drawn, and starting new sketches
-        after a real step."""
+        non-finite clipped gradients before any noise is drawn, and advancing the step
+        clock after a real step (BatchMemoryManager's skipped steps do not: the physical
+        batches of one logical step share its sketches)."""
         self._check_finite_gradients()
         taken = super().pre_step(closure)
         self.backward_passes = 0
-        if taken and self.sketcher is not None:
-            self.sketcher.new_step()
+        if taken:
+            for p in self.params:
+                p._rc_steps_taken += 1
         return taken
 
     def accumulate(self) -> None:
@@ -121,26 +126,14 @@ class RandomizedClippingMixin:
                     "optimizer.zero_grad() and check the loss and inputs of this batch"
                 )
 
-    def state_dict(self) -> Dict[str, Any]:
-        """The wrapped optimizer's state plus the sketch generator's and (if any) the
-        noise generator's state, so a resumed run draws the same sketches and noise."""
-        state = dict(super().state_dict())
-        extra: Dict[str, Any] = {}
-        if self.sketcher is not None:
-            extra["sketcher"] = self.sketcher.state_dict()
-        if isinstance(self.generator, torch.Generator):
-            extra["noise_generator"] = self.generator.get_state()
-        state[_STATE_KEY] = extra
-        return state
-
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """The wrapped optimizer's state. Generator states are never part of it (see
+        ``PrivacyEngine.save_checkpoint(..., include_rng_state=True)``); a legacy entry
+        holding them is dropped."""
         state_dict = dict(state_dict)
-        extra = state_dict.pop(_STATE_KEY, {})
+        if state_dict.pop(_LEGACY_STATE_KEY, None) is not None:
+            logger.warning("ignored the sketch/noise generator states of a legacy optimizer state_dict")
         super().load_state_dict(state_dict)
-        if "sketcher" in extra and self.sketcher is not None:
-            self.sketcher.load_state_dict(extra["sketcher"])
-        if "noise_generator" in extra and isinstance(self.generator, torch.Generator):
-            self.generator.set_state(extra["noise_generator"])
 
     @property
     def estimator(self) -> str:
@@ -188,20 +181,21 @@ class BookkeepingClippingMixin:
         only their length outside :meth:`clip_and_accumulate`)."""
         return [self._per_sample_sq_norms(p) for p in self.params]
 
-    @property
-    def accumulated_iterations(self) -> int:
-        counts = []
+    def _passes_recorded(self) -> int:
+        """Backward passes recorded since the last ``step()`` call: one record (book-kept
+        layers) or one per-sample gradient (the others) per pass."""
+        counts = [1]
         for p in self.params:
             records = self._records(p)
             if records:
                 counts.append(len(records))
             elif isinstance(getattr(p, "grad_sample", None), list):
                 counts.append(len(p.grad_sample))
-            else:
-                counts.append(1)
-        return max(counts, default=1)
+        return max(counts)
 
     def clip_and_accumulate(self) -> None:
+        # counted before the records are consumed: averaging and the accountant read it
+        self.backward_passes = max(self.backward_passes, self._passes_recorded())
         sq = torch.stack([self._per_sample_sq_norms(p).float() for p in self.params]).sum(dim=0)
         if not bool(sq.isfinite().all()):
             raise FloatingPointError(

@@ -1,20 +1,28 @@
 """The sketch source: independent Gaussian sketches, never derived from data.
 
 A :class:`Sketcher` owns the random generators that draw every sketch of a run. Each
-step draws fresh, independent sketches (one per layer; the micro-batches and tied uses of
-a step share them); the generators are seeded from a user seed (reproducible runs) or
-from the operating system's entropy, and in ``secure_mode`` every sketch is drawn from
-``os.urandom`` (a cryptographic source) instead.
-The state round-trips through :meth:`state_dict` / :meth:`load_state_dict` so a resumed
-run draws the same sketches as an uninterrupted one.
+logical step draws fresh, independent sketches (one per layer; the micro-batches and tied
+uses of a step share a shared sketch; per-example sketches belong to one pass). Freshness
+does not depend on how the objects were built: the sketcher reads a *step clock* (the
+number of optimizer steps taken, kept on the parameters by the randomized-clipping
+optimizers) and, when no such optimizer is attached, starts new sketches every pass.
+
+Seeding: every stream is derived from one seed (the user's ``sketch_seed`` or 128 bits of
+OS entropy) through :class:`numpy.random.SeedSequence` with a domain tag, the device and,
+for per-example sketches, the rank in the spawn key, so the sketch stream never equals a
+noise stream seeded with the same integer and ranks draw independent per-example
+sketches. In ``secure_mode`` every sketch comes from :mod:`opacus_rc.csprng` instead.
+Generator states and seeds are secrets: they are kept out of every ``state_dict`` unless
+asked for explicitly (:meth:`Sketcher.state_dict`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
+import numpy as np
 import torch
 
 from .config import SketchConfig
@@ -24,6 +32,17 @@ from .estimators import hutchinson_sq_norms, hutchpp_sq_norms, sketch_rows
 def entropy_seed() -> int:
     """A 63-bit seed from the operating system's cryptographic source."""
     return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+#: Spawn-key tag of the sketch streams ("sketch" in ASCII): no other stream uses it.
+SKETCH_STREAM = 0x736B65746368
+
+
+def stream_seed(root: np.random.SeedSequence, *key: int) -> int:
+    """A 63-bit generator seed for the stream ``key`` of ``root`` (SeedSequence hashing:
+    distinct keys give independent seeds, unrelated to the root's integer)."""
+    child = np.random.SeedSequence(root.entropy, spawn_key=(*root.spawn_key, *key))
+    return int(child.generate_state(1, np.uint64)[0]) >> 1
 
 
 def _process_rank() -> int:
@@ -68,9 +87,18 @@ class Sketcher:
             raise ValueError(f"sketch_seed={seed!r} is invalid; accepted values: an int or None")
         self.config = config
         self.secure_mode = secure_mode
-        self.seed = entropy_seed() if seed is None else seed
+        # seed None: 128 bits from the OS; the integer is never used as a generator seed
+        self._root = np.random.SeedSequence(seed)
         self._generators: Dict[str, torch.Generator] = {}
         self._step_sketches: Dict[Any, torch.Tensor] = {}
+        self._clock: Callable[[], Optional[int]] = lambda: None
+        self._passes = 0
+        self._cache_token: Any = None
+
+    @property
+    def seed(self) -> Any:
+        """The root entropy of the sketch streams (a secret; for reproducible copies)."""
+        return self._root.entropy
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The generator for ``device`` (one per device, seeded from the run's seed).
@@ -83,27 +111,34 @@ class Sketcher:
         key = str(torch.device(device))
         gen = self._generators.get(key)
         if gen is None:
-            seed = self.seed + len(self._generators)
-            if self.config.sketching == "per_example":
-                # CPU generators keep the low 32 bits of a seed: an odd multiplier maps
-                # distinct ranks to distinct low words.
-                seed += _process_rank() * 0x9E3779B1
+            rank = _process_rank() + 1 if self.config.sketching == "per_example" else 0
             gen = torch.Generator(device=device)
-            gen.manual_seed(seed % 2**63)
+            gen.manual_seed(stream_seed(self._root, SKETCH_STREAM, len(self._generators), rank))
             self._generators[key] = gen
         return gen
 
-    def new_step(self) -> None:
-        """Forget the step's sketches: called by the optimizer after every real step, so
-        no sketch is ever reused across steps."""
-        self._step_sketches.clear()
+    def bind_step_clock(self, clock: Callable[[], Optional[int]]) -> None:
+        """``clock()`` returns the number of optimizer steps taken (None: no
+        randomized-clipping optimizer attached, every pass then gets new sketches)."""
+        self._clock = clock
 
     def begin_pass(self) -> None:
-        """Start of a first backward pass. Shared sketches live for the whole step (all
-        micro-batches of a logical batch share them, as one batch would); per-example
-        sketches belong to the examples of one pass and are dropped here."""
+        """Start of a pass (a forward with hooks on). Shared sketches live for the whole
+        logical step (all micro-batches of a logical batch share them, as one batch
+        would); per-example sketches belong to the examples of one pass and are dropped
+        here (reused across passes, they would tie different examples' sketches)."""
+        self._passes += 1
         if self.config.sketching == "per_example":
             self._step_sketches.clear()
+
+    def _refresh(self) -> None:
+        """Drop the cached sketches when a new logical step (or, without a step clock, a
+        new pass) has begun since they were drawn."""
+        steps = self._clock()
+        token = ("pass", self._passes) if steps is None else ("step", steps)
+        if token != self._cache_token:
+            self._step_sketches.clear()
+            self._cache_token = token
 
     def gaussian(
         self,
@@ -122,6 +157,7 @@ class Sketcher:
         """
         if key is None:
             return self._draw(batch, rows, cols, device)
+        self._refresh()
         cache_key = (key, rows, cols)
         sketch = self._step_sketches.get(cache_key)
         if sketch is None or (sketch.dim() == 3 and sketch.shape[0] != batch):
@@ -154,13 +190,15 @@ class Sketcher:
         return hutchpp_sq_norms(activations, backprops, head, tail)
 
     def state_dict(self) -> Dict[str, Any]:
+        """Root entropy and generator states, for a bit-exact resume only: whoever holds
+        them can regenerate every sketch (keep such a file as secret as the data)."""
         return {
-            "seed": self.seed,
+            "seed": self._root.entropy,
             "generators": {key: g.get_state() for key, g in self._generators.items()},
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.seed = state["seed"]
+        self._root = np.random.SeedSequence(state["seed"])
         self._generators = {}
         for key, gen_state in state["generators"].items():
             gen = torch.Generator(device=key)

@@ -79,13 +79,10 @@ def install_sketcher(module: Any, optimizer: Any, sketcher: Sketcher) -> None:
     """Make a randomized-clipping grad-sample module (and its optimizer) use ``sketcher``.
 
     The module's norm samplers read ``module.sketcher`` at every call (see
-    :class:`opacus_rc.grad_sample.SketchingMixin`), so replacing it, and the optimizer's
-    link (fresh sketches each step), is enough.
+    :class:`opacus_rc.grad_sample.SketchingMixin`), so replacing it is enough.
     """
     if not hasattr(module, "sketcher") or not hasattr(module, "NORM_SAMPLERS"):
         raise ValueError(
             f"module={type(module).__name__} is not a randomized-clipping grad-sample module"
         )
-    module.sketcher = sketcher
-    if hasattr(optimizer, "attach_sketcher"):
-        optimizer.attach_sketcher(sketcher)
+    module.sketcher = sketcher  # binds the module's step clock: fresh sketches each step
