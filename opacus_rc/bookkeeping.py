@@ -28,8 +28,10 @@ from torch import nn
 class Record:
     """What one backward pass left for one parameter of a book-kept layer.
 
-    ``clipped(c)`` returns ``sum_i c_i grad_i`` for the pass's examples; ``sq_norms`` are
-    the per-sample squared norms (estimated or exact), shape (B,).
+    ``clipped(c, keep=None)`` returns ``sum_i c_i grad_i`` for the pass's examples (only
+    those with ``keep[i]``: a dropped example's rows are zeroed first, so its non-finite
+    values cannot reach the sum); ``sq_norms`` are the per-sample squared norms
+    (estimated or exact), shape (B,).
     """
 
     sq_norms: torch.Tensor
@@ -40,28 +42,43 @@ class Record:
         return int(self.sq_norms.shape[0])
 
 
+def keep_rows(t: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """``t`` with the rows (first dimension) of dropped examples set to 0."""
+    if keep is None:
+        return t
+    return torch.where(keep.reshape(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """(B, ..., n) -> (B, T, n) with T the product of the middle dimensions."""
     return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
 
 
-def clipped_linear_weight(a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+def clipped_linear_weight(
+    a: torch.Tensor, g: torch.Tensor, c: torch.Tensor, keep: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """``sum_i c_i G_i^T A_i`` for a (p x d) weight: ``(c * G)^T A`` flattened over (B, T)."""
-    a, g = _flat(a), _flat(g)
+    a, g = _flat(keep_rows(a, keep)), _flat(keep_rows(g, keep))
     cg = g * c.to(g.dtype)[:, None, None]
     return cg.reshape(-1, cg.shape[-1]).t().mm(a.reshape(-1, a.shape[-1]).to(g.dtype))
 
 
-def clipped_bias(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+def clipped_bias(g: torch.Tensor, c: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``sum_i c_i sum_t G_i[t]``."""
-    g = _flat(g)
+    g = _flat(keep_rows(g, keep))
     return torch.einsum("b,btp->p", c.to(g.dtype), g)
 
 
 def clipped_embedding(
-    ids: torch.Tensor, g: torch.Tensor, c: torch.Tensor, layer: nn.Embedding
+    ids: torch.Tensor,
+    g: torch.Tensor,
+    c: torch.Tensor,
+    keep: Optional[torch.Tensor] = None,
+    *,
+    layer: nn.Embedding,
 ) -> torch.Tensor:
     """``sum_i c_i onehot(ids_i)^T G_i`` as a dense (V x d) gradient (padding row zero)."""
+    g = keep_rows(g, keep)
     ids = ids.reshape(ids.shape[0], -1)
     g = g.reshape(ids.shape[0], ids.shape[1], -1)
     rows = (g * c.to(g.dtype)[:, None, None]).reshape(-1, g.shape[-1])

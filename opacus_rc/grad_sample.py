@@ -144,9 +144,10 @@ class SketchingMixin(_SketcherOwner):
                 )
         norms = super().get_norm_sample()
         if not bool(norms.isfinite().all()):
+            # no index, no value: which example failed is itself private
             raise FloatingPointError(
-                f"non-finite per-sample gradient norm for examples "
-                f"{torch.nonzero(~norms.isfinite()).flatten().tolist()}: refusing to clip"
+                "non-finite per-sample gradient norm in this batch: refusing to clip (the "
+                "step is not taken; end the run, see nonfinite= in make_private)"
             )
         return norms
 

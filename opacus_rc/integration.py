@@ -79,6 +79,7 @@ logger = logging.getLogger(__name__)
 RANDOMIZED = "randomized"
 RC_ACCOUNTANTS = ("rc_prv",)
 RC_GRAD_SAMPLE_MODES = ("ghost", "hooks", FSDP_MODE)
+NONFINITE_MODES = ("raise", "skip")
 SKETCH_OPTIONS = ("estimator", "sketch_size", "sketching", "exact_when_cheaper")
 DENOISERS = ("spectral",)
 #: make_private keywords fixing the public normaliser and sample rate (randomized only)
@@ -118,8 +119,28 @@ def sketch_config_from_kwargs(kwargs: Dict[str, Any]) -> SketchConfig:
     return SketchConfig(**{k: kwargs[k] for k in SKETCH_OPTIONS if k in kwargs})
 
 
+def pop_nonfinite(kwargs: Dict[str, Any]) -> str:
+    """Validate and remove ``nonfinite=`` ("raise", the default, or "skip"). "skip" needs
+    book-keeping (``grad_sample_mode="hooks"`` after ``bookkeeping=`` was resolved): only
+    there is each example's contribution assembled on its own, so a non-finite one can be
+    dropped before the sum; the two-pass backward sums them inside autograd."""
+    mode = kwargs.pop("nonfinite", "raise")
+    if mode not in NONFINITE_MODES:
+        raise ValueError(
+            f"nonfinite={mode!r} is not supported; accepted values: "
+            f"{', '.join(repr(m) for m in NONFINITE_MODES)}"
+        )
+    if mode == "skip" and kwargs.get("grad_sample_mode", "hooks") != "hooks":
+        raise ValueError(
+            "nonfinite='skip' needs book-keeping: use grad_sample_mode='hooks' (or "
+            "bookkeeping=True with 'ghost'); the two-pass backward cannot drop one example's "
+            f"non-finite gradient from its sum (got grad_sample_mode={kwargs.get('grad_sample_mode')!r})"
+        )
+    return mode
+
+
 def _check_no_sketch_options(clipping: str, kwargs: Dict[str, Any]) -> None:
-    given = [k for k in (*SKETCH_OPTIONS, "sketch_seed", *SAMPLING_OPTIONS) if k in kwargs]
+    given = [k for k in (*SKETCH_OPTIONS, "sketch_seed", "nonfinite", *SAMPLING_OPTIONS) if k in kwargs]
     if given:
         raise ValueError(
             f"{', '.join(given)} only apply with clipping='randomized'; got clipping={clipping!r}"
@@ -264,6 +285,7 @@ def _make_private(original, self: PrivacyEngine, *, clipping: str = "flat", **kw
     config = sketch_config_from_kwargs(kwargs)
     for key in SKETCH_OPTIONS:
         kwargs.pop(key, None)
+    nonfinite = pop_nonfinite(kwargs)
     # From the loader as the user built it: Opacus's DPDataLoader has no batch_size.
     sampling = public_sampling(
         kwargs.get("data_loader"), kwargs.pop("expected_batch_size", None), kwargs.pop("sample_rate", None)
@@ -276,6 +298,7 @@ def _make_private(original, self: PrivacyEngine, *, clipping: str = "flat", **kw
         out = original(self, clipping=RANDOMIZED, sketch_config=config, **kwargs)
     finally:
         _active_request.reset(token)
+    out[1].nonfinite = nonfinite
     # Opacus charged 1 / len(its DPDataLoader); charge the public rate instead.
     out[1].attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sampling.sample_rate))
     logger.info(

@@ -26,6 +26,7 @@ from opacus.optimizers.optimizer import (
 )
 from torch.optim import Optimizer
 
+from .bookkeeping import keep_rows
 from .config import SketchConfig
 
 
@@ -50,6 +51,10 @@ class RandomizedClippingMixin:
     ) -> None:
         super().__init__(optimizer, **kwargs)
         self.sketch_config = sketch_config
+        #: "raise" (default) or "skip" (book-keeping only): see ``make_private(nonfinite=)``
+        self.nonfinite = "raise"
+        #: examples dropped for a non-finite norm under nonfinite="skip" (local: never saved)
+        self.skipped_examples = 0
         self.backward_passes = 0  # micro-batches accumulated since the last step() call
         # The step clock the grad-sample module's sketcher reads (new sketches every
         # logical step however the objects were built); it lives on the parameters, the
@@ -118,6 +123,8 @@ class RandomizedClippingMixin:
         return secure_noise(std, reference)
 
     def _check_finite_gradients(self) -> None:
+        if self.nonfinite == "skip":  # book-keeping: p.grad is not used; norms decide
+            return
         for p in self.params:
             if p.grad is not None and not torch.isfinite(p.grad).all():
                 raise FloatingPointError(
@@ -197,26 +204,46 @@ class BookkeepingClippingMixin:
         # counted before the records are consumed: averaging and the accountant read it
         self.backward_passes = max(self.backward_passes, self._passes_recorded())
         sq = torch.stack([self._per_sample_sq_norms(p).float() for p in self.params]).sum(dim=0)
-        if not bool(sq.isfinite().all()):
-            raise FloatingPointError(
-                "non-finite per-sample gradient norm: the step is refused before noise is "
-                "added; parameters and the privacy accountant are unchanged"
-            )
+        keep = self._finite_examples(sq)
+        if keep is not None:
+            sq = torch.where(keep, sq, torch.zeros_like(sq))
         clip = (self.max_grad_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+        if keep is not None:
+            clip = clip * keep
         for p in self.params:
             records = self._records(p)
             if records:
                 grad, start = None, 0
                 for r in records:
-                    part = r.clipped(clip[start : start + r.batch_size]).to(p.dtype).view_as(p)
+                    rows = slice(start, start + r.batch_size)
+                    kept = None if keep is None else keep[rows]
+                    part = r.clipped(clip[rows], kept).to(p.dtype).view_as(p)
                     grad = part if grad is None else grad + part
                     start += r.batch_size
                 p._bk_records = None
             else:
-                gs = self._get_flat_grad_sample(p).to(p.dtype)
+                gs = keep_rows(self._get_flat_grad_sample(p).to(p.dtype), keep)
                 grad = torch.einsum("i,i...", clip.to(gs), gs)
                 _mark_as_processed(p.grad_sample)
             p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
+
+    def _finite_examples(self, sq: torch.Tensor) -> Optional[torch.Tensor]:
+        """None when every per-example squared norm is finite. Otherwise ``nonfinite=
+        "raise"`` refuses the step (no index, no value in the message) and ``"skip"``
+        returns the mask of examples to keep: the others contribute nothing (a
+        per-example transform before the sum, so the step is still the accounted
+        mechanism); their count goes to :attr:`skipped_examples` only."""
+        finite = sq.isfinite()
+        if bool(finite.all()):
+            return None
+        if self.nonfinite != "skip":
+            raise FloatingPointError(
+                "non-finite per-sample gradient norm in this batch: the step is refused "
+                "before noise is added; parameters and the privacy accountant are unchanged. "
+                "A caught refusal must end the run (see nonfinite= in make_private)"
+            )
+        self.skipped_examples += int((~finite).sum())
+        return finite
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         super().zero_grad(set_to_none)
