@@ -11,7 +11,7 @@ import pytest
 
 from opacus_rc.bench.layers import LayerCase, linear_fit, loglog_slope, measure_layer
 
-CONFIGS = {"nonprivate", "hooks", "ghost", "randomized", "randomized_bk"}
+CONFIGS = {"nonprivate", "hooks", "ghost", "randomized", "randomized_bk", "randomized_bk_ghost"}
 
 
 def test_entry_point_writes_valid_json(tmp_path):

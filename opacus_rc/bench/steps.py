@@ -1,6 +1,6 @@
 """Per-step cost of DP training of a small causal decoder, side by side in one process.
 
-Five configurations train copies of the same model (a :class:`~opacus_rc.models.TinyDecoder`
+Six configurations train copies of the same model (a :class:`~opacus_rc.models.TinyDecoder`
 or a Llama-style :class:`~opacus_rc.models.llama.LlamaLM`) on the same batch (SGD,
 next-token loss):
 
@@ -10,7 +10,10 @@ next-token loss):
   per-sequence loss through Opacus's ``DPLossFastGradientClipping``);
 * ``randomized``: the same with ``clipping="randomized"`` (Hutchinson, k = 32);
 * ``randomized_bk``: randomized clipping by book-keeping (``grad_sample_mode="hooks"``,
-  one backward pass, plain loss; Hutchinson, k = 32).
+  one backward pass, plain loss; Hutchinson, k = 32);
+* ``randomized_bk_ghost``: a ghost script switched to book-keeping with
+  ``bookkeeping=True`` (``grad_sample_mode="ghost"``, the returned per-sequence criterion,
+  one backward pass).
 
 Step time is the median over interleaved repetitions (config order rotated every
 repetition, so load changes on a shared machine hit every configuration alike); the
@@ -43,7 +46,7 @@ from .layers import median
 
 logger = logging.getLogger(__name__)
 
-CONFIGS = ("nonprivate", "hooks", "ghost", "randomized", "randomized_bk")
+CONFIGS = ("nonprivate", "hooks", "ghost", "randomized", "randomized_bk", "randomized_bk_ghost")
 BASELINE = "nonprivate"
 
 
@@ -267,6 +270,8 @@ def make_trainer(
         if randomized
         else {}
     )
+    if config == "randomized_bk_ghost":
+        extra["bookkeeping"] = True  # a ghost script (4-tuple, criterion) in one pass
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         out = engine.make_private(
