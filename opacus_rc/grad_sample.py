@@ -285,6 +285,12 @@ class BookkeepingMixin(_SketcherOwner):
             )
         self._defer_weight_grads(_trainable_linears(self._module))
 
+    def forbid_grad_accumulation(self) -> None:
+        """Opacus forbids accumulation with Poisson sampling because its accountants
+        cannot charge it; ``rc_prv`` accounts the micro-batches exactly (a multiplicity,
+        :mod:`opacus_rc.accounting.multiplicity`), so it stays allowed."""
+        self.allow_grad_accumulation()
+
     def capture_activations_hook(self, module, forward_input, _forward_output) -> None:
         self._start_pass(module)
         super().capture_activations_hook(module, forward_input, _forward_output)
