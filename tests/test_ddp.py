@@ -52,7 +52,7 @@ def private_step(model, x, y, noise, distributed, mode):
     crit = out[2] if mode == "ghost" else nn.CrossEntropyLoss()  # book-keeping: a plain loss
     crit(module(x), y).backward()
     opt.step()
-    return type(opt).__name__
+    return type(opt).__name__, engine.accountant.history
 
 
 def worker(rank, init_file, noise, mode, out_dir):
@@ -61,8 +61,11 @@ def worker(rank, init_file, noise, mode, out_dir):
     model = SequenceClassifier()
     x, y = token_task(n=WORLD * PER_RANK, t=T).tensors
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    name = private_step(model, x[shard], y[shard], noise, distributed=True, mode=mode)
-    torch.save({"params": model.state_dict(), "optimizer": name}, os.path.join(out_dir, f"rank{rank}.pt"))
+    name, history = private_step(model, x[shard], y[shard], noise, distributed=True, mode=mode)
+    torch.save(
+        {"params": model.state_dict(), "optimizer": name, "history": history},
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
     dist.destroy_process_group()
 
 
@@ -97,6 +100,11 @@ def test_ddp_equals_single_process_on_the_union(initial, mode):
     ranks = run_ddp(noise=0.0, mode=mode)
     single = single_process(noise=0.0, mode=mode)
     assert ranks[0]["optimizer"] == MODES[mode]
+    # each rank charges one step at the loader's rate, one micro-batch, its sketch
+    for r in ranks:
+        (sigma, q, steps, record), = r["history"]
+        assert (sigma, q, steps, record["micro_batches"]) == (0.0, 1.0, 1, 1)
+        assert (record["sketch_size"], record["sketching"]) == (8, "shared")
     for name in single:
         torch.testing.assert_close(ranks[0]["params"][name], ranks[1]["params"][name])
         torch.testing.assert_close(ranks[0]["params"][name], single[name], rtol=1e-4, atol=1e-6)
