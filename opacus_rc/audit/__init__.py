@@ -7,7 +7,9 @@ error rates into a Clopper-Pearson lower bound on epsilon, to be compared with t
 ``rc_prv`` accountant's epsilon for the same step. Broken variants (an estimator biased
 low, a data-dependent sketch) show that the audit can fail. The normaliser audit
 (:mod:`opacus_rc.audit.normaliser`) checks that the averaged update does not reveal the
-dataset's size. See ``docs/audit.md``.
+dataset's size. The side-path audit (:mod:`opacus_rc.audit.paths`) checks gradient
+accumulation (a canary in several micro-batches of one step) and hand-built objects.
+See ``docs/audit.md``.
 """
 
 from .experiment import AuditConfig, AuditResult, InnerProductLoss, accounted_epsilon, run_audit
@@ -18,6 +20,7 @@ from .normaliser import (
     normaliser_exact_epsilon,
     run_normaliser_audit,
 )
+from .paths import PATH_VARIANTS, PathAuditConfig, PathAuditResult, run_path_audit
 from .stats import ThresholdAudit, clopper_pearson_upper, epsilon_from_rates, threshold_audit
 from .variants import (
     VARIANTS,
@@ -34,6 +37,9 @@ __all__ = [
     "NORMALISER_VARIANTS",
     "NormaliserAuditConfig",
     "NormaliserAuditResult",
+    "PATH_VARIANTS",
+    "PathAuditConfig",
+    "PathAuditResult",
     "ThresholdAudit",
     "VARIANTS",
     "BiasedLowSketcher",
@@ -46,5 +52,6 @@ __all__ = [
     "normaliser_exact_epsilon",
     "run_audit",
     "run_normaliser_audit",
+    "run_path_audit",
     "threshold_audit",
 ]

@@ -4,7 +4,9 @@ as the last line, a JSON list with one object per configuration (keys ``estimato
 
 The sketch variants (honest, biased_low, data_dependent_sketch) run for every estimator
 and sketch size; the normaliser variants (:mod:`opacus_rc.audit.normaliser`) run once,
-with the first estimator and sketch size, for the two-pass path."""
+with the first estimator and sketch size, for the two-pass path. The side-path variants
+(:mod:`opacus_rc.audit.paths`: ``accumulation_canary``, ``hand_built``) run once each,
+with the first estimator and their own sketch size and sigma (``PATH_DEFAULTS``)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import List, Optional, Sequence
 from ..config import ESTIMATORS, SKETCHINGS
 from .experiment import AuditConfig, AuditResult, run_audit
 from .normaliser import NORMALISER_VARIANTS, NormaliserAuditConfig, run_normaliser_audit
+from .paths import PATH_DEFAULTS, PATH_VARIANTS, PathAuditConfig, run_path_audit
 from .reference import exact_epsilon
 from .variants import VARIANTS
 
@@ -38,9 +41,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--estimators", nargs="+", default=list(ESTIMATORS), choices=ESTIMATORS)
     parser.add_argument("--sketch-sizes", nargs="+", type=int, default=sorted(DEFAULT_SIGMA))
     parser.add_argument(
-        "--variants", nargs="+", default=[*VARIANTS, *NORMALISER_VARIANTS],
-        choices=[*VARIANTS, *NORMALISER_VARIANTS],
+        "--variants", nargs="+", default=[*VARIANTS, *NORMALISER_VARIANTS, *PATH_VARIANTS],
+        choices=[*VARIANTS, *NORMALISER_VARIANTS, *PATH_VARIANTS],
     )
+    parser.add_argument("--micro-batches", type=int, default=None, help="accumulation_canary: micro-batches per step (default %d)" % PATH_DEFAULTS["accumulation_canary"]["micro_batches"])
+    parser.add_argument("--sample-rate", type=float, default=None, help="accumulation_canary: Poisson rate of each micro-batch (default %g)" % PATH_DEFAULTS["accumulation_canary"]["sample_rate"])
+    parser.add_argument("--episode-steps", type=int, default=None, help="hand_built: optimizer steps per trial (default %d)" % PATH_DEFAULTS["hand_built"]["episode_steps"])
     parser.add_argument("--sigma", type=float, default=None, help="noise multiplier for every k (default: per k, %s)" % DEFAULT_SIGMA)
     parser.add_argument("--sketching", default="shared", choices=SKETCHINGS)
     parser.add_argument("--delta", type=float, default=1e-2)
@@ -95,6 +101,37 @@ def normaliser_configs(args: argparse.Namespace) -> List[NormaliserAuditConfig]:
     ]
 
 
+def path_configs(args: argparse.Namespace) -> List[PathAuditConfig]:
+    """One side-path audit per requested variant: the first estimator, the variant's
+    sketch size and sigma (``PATH_DEFAULTS``; ``--sigma`` overrides), ``steps`` logical
+    steps (accumulation) or episodes (hand-built)."""
+    steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
+    out = []
+    for variant in args.variants:
+        if variant not in PATH_VARIANTS:
+            continue
+        options = dict(PATH_DEFAULTS[variant])
+        if args.sigma is not None:
+            options["sigma"] = args.sigma
+        for name in ("micro_batches", "sample_rate", "episode_steps"):
+            if getattr(args, name) is not None:
+                options[name] = getattr(args, name)
+        out.append(
+            PathAuditConfig(
+                variant=variant,
+                estimator=args.estimators[0],
+                sketching=args.sketching,
+                steps=steps,
+                replicas=args.replicas,
+                delta=args.delta,
+                alpha=args.alpha,
+                seed=args.seed,
+                **options,
+            )
+        )
+    return out
+
+
 def table(results: Sequence[AuditResult], exact: Sequence[float]) -> str:
     head = (
         f"{'estimator':<11}{'k':>4}{'sigma':>7}  {'variant':<25}{'trials':>8}"
@@ -121,8 +158,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tqdm = None
     todo = configs(args)
     todo_normaliser = normaliser_configs(args)
+    todo_paths = path_configs(args)
     start = time.perf_counter()
-    total = sum(c.steps for c in todo) + sum(2 * c.steps for c in todo_normaliser)
+    total = (
+        sum(c.steps for c in todo) + sum(2 * c.steps for c in todo_normaliser)
+        + sum(c.steps for c in todo_paths)
+    )
     bar = tqdm(total=total, unit="step", file=sys.stderr) if tqdm else None
     results = []
     for config in todo:
@@ -138,6 +179,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             bar.set_description(config.variant)
         results.append(run_normaliser_audit(config, progress=bar.update if bar is not None else None))
         exact.append(results[-1].eps_exact)
+    for config in todo_paths:
+        if bar is not None:
+            bar.set_description(config.variant)
+        results.append(run_path_audit(config, progress=bar.update if bar is not None else None))
+        exact.append(results[-1].eps_exact)
     if bar is not None:
         bar.close()
     print(table(results, exact))
@@ -150,6 +196,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"normaliser: n={c.dataset_size} vs {c.dataset_size - 1}, batch_size={c.batch_size}, "
             f"p={c.output_dim}, {c.steps} steps per neighbour"
         )
+    for r in results:
+        if r.variant == "accumulation_canary":
+            notes.append(
+                f"accumulation_canary: m={r.micro_batches} micro-batches at q={r.sample_rate}; "
+                f"the old q x m charge "
+                f"(one draw at rate {min(1.0, r.sample_rate * r.micro_batches):g}) would report "
+                f"{r.eps_old_charge:.3f}"
+                + (" (below eps_lower: under-charged)" if r.eps_lower > r.eps_old_charge else "")
+            )
+        elif r.variant == "hand_built":
+            notes.append(
+                f"hand_built: {r.episode_steps} steps per trial, eps_exact of the sum test "
+                f"(Monte Carlo), eps_accounted after {r.episode_steps} steps"
+            )
     print(", ".join(notes) + f", {time.perf_counter() - start:.0f} s")
     print(json.dumps([{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.contract().items()} for r in results]))
     return 0

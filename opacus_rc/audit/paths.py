@@ -1,0 +1,393 @@
+"""Audits of two privacy side paths (issue 13, item 8): gradient accumulation and
+hand-built objects.
+
+Both reuse the one-step audit's model, data and canaries (:mod:`opacus_rc.audit.experiment`:
+one ``nn.Linear`` sketched on its output side, R canaries on distinct output coordinates,
+score ``W.grad[r, d-1] / (sigma C)``) and its held-out Clopper-Pearson threshold test.
+
+``accumulation_canary``
+    One logical step sums ``m`` micro-batches (``m`` times forward, criterion,
+    ``loss.backward()``, then one ``optimizer.step()``), built by ``make_private(...,
+    clipping="randomized", grad_sample_mode="ghost", sample_rate=q)``. Each step puts a
+    random half of the canaries "in the data set"; each of those lands in each micro-batch
+    independently with probability q (Poisson sampling of every micro-batch), so in
+    ``J ~ Bin(m, q)`` of them; the others in none. With the canary the score is
+    ``N(J Z / sigma, 1)`` (the micro-batches of a step share its sketch, so every copy has
+    the same Z), without it ``N(0, 1)``. ``eps_accounted`` comes from the engine's own
+    ``rc_prv`` history after the first step, which must read ``(sigma, q, 1, record)``
+    with ``record["micro_batches"] == m``. ``eps_old_charge`` is what the pre-fix
+    convention charged for the same step: one draw at rate ``min(1, q m)``.
+
+``hand_built``
+    The step is built by hand, as for secure mode without ``make_private``:
+    :class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping`,
+    :class:`~opacus_rc.optimizer.RandomizedClippingOptimizer`,
+    :class:`~opacus_rc.loss.DPLossRandomizedClipping` and an
+    :class:`~opacus_rc.accounting.accountant.RCPRVAccountant` attached by
+    ``optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=1.0))``.
+    One trial is an *episode* of S steps on the same batch (q = 1): a random half of the
+    canaries is present in all S steps, the others in none; the score is the sum of the S
+    released entries over ``sigma C sqrt(S)`` (``N(0, 1)`` without the canary,
+    ``N(sum_s Z_s / (sigma sqrt(S)), 1)`` with it, Z_s drawn from the step's own sketch).
+    ``eps_accounted`` is the accountant's epsilon after the first episode (its history
+    must hold S steps ``(sigma, 1, steps, record)``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import ESTIMATORS, SKETCHINGS
+from .experiment import AuditConfig, AuditResult, InnerProductLoss, _data, accounted_epsilon
+from .reference import accumulation_exact_epsilon, composed_sum_epsilon
+from .stats import threshold_audit
+
+PATH_VARIANTS = ("accumulation_canary", "hand_built")
+
+#: Per variant: sketch size, sigma and the path's own size. Accumulation: Hutchinson
+#: k = 32, sigma = 1 (the one-step audit's k = 32 row) and q m = 1, where the old q x m
+#: charge (2.62) is far below the exact epsilon (5.58) and the new charge is 7.88.
+#: Hand-built: k = 4 (heavy-tailed Z, where sketch draws matter most), 4 steps per trial,
+#: sigma = 4 (the sum over 4 steps has the signal-to-noise ratio of one step at sigma = 2).
+PATH_DEFAULTS = {
+    "accumulation_canary": {"sketch_size": 32, "sigma": 1.0, "micro_batches": 4, "sample_rate": 0.25},
+    "hand_built": {"sketch_size": 4, "sigma": 4.0, "episode_steps": 4},
+}
+
+
+@dataclass(frozen=True)
+class PathAuditConfig:
+    """One side-path audit.
+
+    Args:
+        variant: ``"accumulation_canary"`` or ``"hand_built"``.
+        estimator, sketch_size, sketching: the sketch.
+        sigma: noise multiplier.
+        steps: logical steps (accumulation) or episodes of ``episode_steps`` steps
+            (hand-built); the first half chooses the threshold, the second gives the bound.
+        replicas: canaries per step (trials per step or episode).
+        micro_batches: m, micro-batches summed into each step (accumulation).
+        sample_rate: q, each micro-batch's Poisson rate (accumulation).
+        episode_steps: S, optimizer steps per trial (hand-built).
+        secure_mode: hand-built objects in secure mode (sketches and noise from
+            :mod:`opacus_rc.csprng`: not reproducible, seeds unused).
+        delta, alpha, seed, canary_norm, background, max_grad_norm: as in
+            :class:`~opacus_rc.audit.AuditConfig`.
+    """
+
+    variant: str = "accumulation_canary"
+    estimator: str = "hutchinson"
+    sketch_size: int = 32
+    sigma: float = 1.0
+    sketching: str = "shared"
+    steps: int = 200
+    replicas: int = 256
+    micro_batches: int = 4
+    sample_rate: float = 0.25
+    episode_steps: int = 4
+    secure_mode: bool = False
+    delta: float = 1e-2
+    alpha: float = 0.05
+    seed: int = 0
+    canary_norm: float = 100.0
+    background: int = 4
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, value, accepted in (
+            ("variant", self.variant, PATH_VARIANTS),
+            ("estimator", self.estimator, ESTIMATORS),
+            ("sketching", self.sketching, SKETCHINGS),
+        ):
+            if value not in accepted:
+                raise ValueError(
+                    f"{name}={value!r} is not supported; accepted values: "
+                    f"{', '.join(repr(a) for a in accepted)}"
+                )
+        for name, minimum in (("micro_batches", 2), ("episode_steps", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name}={value!r} is invalid; accepted values: an int >= {minimum}")
+        if not (isinstance(self.sample_rate, (int, float)) and 0.0 < self.sample_rate <= 1.0):
+            raise ValueError(
+                f"sample_rate={self.sample_rate!r} is invalid; accepted values: a float in (0, 1]"
+            )
+        _ = self.base  # the shared fields are checked by AuditConfig
+
+    @property
+    def base(self) -> AuditConfig:
+        """The one-step audit's configuration with the same shared fields (shapes, data)."""
+        return AuditConfig(
+            estimator=self.estimator,
+            sketch_size=self.sketch_size,
+            sigma=self.sigma,
+            sketching=self.sketching,
+            steps=self.steps,
+            replicas=self.replicas,
+            delta=self.delta,
+            alpha=self.alpha,
+            seed=self.seed,
+            canary_norm=self.canary_norm,
+            background=self.background,
+            max_grad_norm=self.max_grad_norm,
+        )
+
+
+@dataclass
+class PathAuditResult(AuditResult):
+    """:class:`~opacus_rc.audit.AuditResult` plus the side path's own numbers.
+
+    ``eps_exact``: the exact epsilon of the audited pair (accumulation: the mixture over J
+    and Z; hand-built: of the sum statistic, a Monte Carlo quadrature). ``eps_old_charge``:
+    accumulation only, the pre-fix charge (one draw at ``min(1, q m)``)."""
+
+    eps_exact: float = float("nan")
+    eps_old_charge: float = float("nan")
+    micro_batches: int = 1
+    sample_rate: float = 1.0
+    episode_steps: int = 1
+    history: tuple = ()
+
+
+def _released(model, criterion, optimizer, weight, batches) -> torch.Tensor:
+    """One logical step over the micro-batches ``batches``; the released gradient."""
+    for x, y in batches:
+        criterion(model(x), y).backward()
+    optimizer.step()
+    released = weight.grad.detach().clone()
+    optimizer.zero_grad()
+    return released
+
+
+def build_accumulation(config: PathAuditConfig):
+    """``make_private(..., clipping="randomized", sample_rate=q)`` on the audit's model
+    (the engine's accountant records each step's micro-batches)."""
+    from opacus import PrivacyEngine
+
+    import opacus_rc  # noqa: F401
+
+    base = config.base
+    d, p, _ = base.shapes
+    layer = nn.Linear(d, p, bias=False)
+    background, canaries = _data(base, torch.Generator().manual_seed(config.seed))
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(*background), batch_size=config.background
+    )
+    engine = PrivacyEngine(accountant="rc_prv")
+    model, optimizer, criterion, _ = engine.make_private(
+        module=layer,
+        optimizer=torch.optim.SGD(layer.parameters(), lr=0.0),
+        criterion=InnerProductLoss(reduction="sum"),
+        data_loader=loader,
+        noise_multiplier=config.sigma,
+        max_grad_norm=config.max_grad_norm,
+        poisson_sampling=False,
+        sample_rate=config.sample_rate,
+        loss_reduction="sum",
+        noise_generator=torch.Generator().manual_seed(config.seed + 1),
+        grad_sample_mode="ghost",
+        clipping="randomized",
+        estimator=config.estimator,
+        sketch_size=config.sketch_size,
+        sketching=config.sketching,
+        exact_when_cheaper=False,
+        sketch_seed=config.seed + 2,
+    )
+    return engine.accountant, model, optimizer, criterion, layer.weight, background, canaries
+
+
+def build_hand_built(config: PathAuditConfig, noise_multiplier: Optional[float] = None):
+    """The grad-sample module, optimizer, criterion and accountant built by hand
+    (``noise_multiplier`` overrides ``config.sigma``, e.g. 0 to compare sketches)."""
+    import opacus_rc  # noqa: F401
+    from ..accounting.accountant import RCPRVAccountant
+    from ..config import SketchConfig
+    from ..grad_sample import GradSampleModuleRandomizedClipping
+    from ..loss import DPLossRandomizedClipping
+    from ..optimizer import RandomizedClippingOptimizer
+
+    base = config.base
+    d, p, _ = base.shapes
+    layer = nn.Linear(d, p, bias=False)
+    background, canaries = _data(base, torch.Generator().manual_seed(config.seed))
+    sketch_config = SketchConfig(
+        estimator=config.estimator,
+        sketch_size=config.sketch_size,
+        sketching=config.sketching,
+        exact_when_cheaper=False,
+    )
+    secure = config.secure_mode
+    model = GradSampleModuleRandomizedClipping(
+        layer,
+        batch_first=True,
+        loss_reduction="sum",
+        max_grad_norm=config.max_grad_norm,
+        sketch_config=sketch_config,
+        sketch_seed=None if secure else config.seed + 2,
+        secure_mode=secure,
+    )
+    optimizer = RandomizedClippingOptimizer(
+        torch.optim.SGD(layer.parameters(), lr=0.0),
+        noise_multiplier=config.sigma if noise_multiplier is None else noise_multiplier,
+        max_grad_norm=config.max_grad_norm,
+        expected_batch_size=config.background + config.replicas // 2,
+        loss_reduction="sum",
+        generator=None if secure else torch.Generator().manual_seed(config.seed + 1),
+        secure_mode=secure,
+        sketch_config=sketch_config,
+    )
+    accountant = RCPRVAccountant()
+    optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=1.0))
+    criterion = DPLossRandomizedClipping(model, optimizer, InnerProductLoss(reduction="sum"), "sum")
+    return accountant, model, optimizer, criterion, layer.weight, background, canaries
+
+
+def _batch(background, canaries, idx: np.ndarray):
+    t = torch.from_numpy(idx)
+    return (
+        torch.cat([background[0], canaries[0][t]]),
+        torch.cat([background[1], canaries[1][t]]),
+    )
+
+
+def _check_history(history, config: PathAuditConfig) -> None:
+    """The accountant recorded what the audited path ran (else: RuntimeError)."""
+    if config.variant == "accumulation_canary":
+        ok = (
+            len(history) == 1
+            and history[0][1] == config.sample_rate
+            and history[0][2] == 1
+            and isinstance(history[0][3], dict)
+            and history[0][3].get("micro_batches") == config.micro_batches
+        )
+        expected = f"one step at q={config.sample_rate} with micro_batches={config.micro_batches}"
+    else:
+        # consecutive equal steps are merged into one entry with a step count
+        ok = sum(e[2] for e in history) == config.episode_steps and all(
+            e[0] == config.sigma and e[1] == 1.0 and isinstance(e[3], dict)
+            and e[3].get("sketch_size") == config.sketch_size
+            and e[3].get("micro_batches", 1) == 1
+            for e in history
+        )
+        expected = f"{config.episode_steps} steps at q=1 with sketch_size={config.sketch_size}"
+    if not ok:
+        raise RuntimeError(f"expected {expected} in the rc_prv history, got {history}")
+
+
+def old_charge_epsilon(config: PathAuditConfig, record: dict) -> float:
+    """What the pre-fix convention reported for one accumulated step: a single Poisson
+    draw at rate ``min(1, q m)`` with the same sketch."""
+    from ..accounting.accountant import RCPRVAccountant
+
+    accountant = RCPRVAccountant()
+    single = {k: v for k, v in record.items() if k != "micro_batches"}
+    accountant.history = [
+        (config.sigma, min(1.0, config.sample_rate * config.micro_batches), 1, single)
+    ]
+    return accounted_epsilon(accountant, config.delta)
+
+
+def run_path_audit(
+    config: PathAuditConfig, progress: Optional[Callable[[int], None]] = None
+) -> PathAuditResult:
+    """Audit one side path (see the module docstring)."""
+    start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(config, progress, start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(config: PathAuditConfig, progress, start: float) -> PathAuditResult:
+    accumulation = config.variant == "accumulation_canary"
+    build = build_accumulation if accumulation else build_hand_built
+    accountant, model, optimizer, criterion, weight, background, canaries = build(config)
+    d, _, _ = config.base.shapes
+    r = config.replicas
+    rng = np.random.default_rng(config.seed + 3)
+    scale = 1.0 / (config.sigma * config.max_grad_norm)
+    scores = np.empty((config.steps, r))
+    included = np.empty((config.steps, r), dtype=bool)
+    copies = np.zeros((config.steps, r))
+    eps_accounted, history = math.nan, ()
+    for step in range(config.steps):
+        include = rng.permutation(r) < r // 2
+        if accumulation:
+            # every "in" canary joins each micro-batch independently with probability q
+            member = include[None, :] & (rng.random((config.micro_batches, r)) < config.sample_rate)
+            copies[step] = member.sum(axis=0)
+            released = _released(
+                model, criterion, optimizer, weight,
+                [_batch(background, canaries, np.flatnonzero(row)) for row in member],
+            )
+            total = released[:r, d - 1].double().numpy()
+        else:
+            copies[step] = include * config.episode_steps
+            batch = _batch(background, canaries, np.flatnonzero(include))
+            total = np.zeros(r)
+            for _ in range(config.episode_steps):
+                released = _released(model, criterion, optimizer, weight, [batch])
+                total += released[:r, d - 1].double().numpy()
+            total /= math.sqrt(config.episode_steps)
+        scores[step] = total * scale
+        included[step] = include
+        if step == 0:
+            _check_history(accountant.history, config)
+            history = tuple(accountant.history)
+            eps_accounted = accounted_epsilon(accountant, config.delta)
+        if progress is not None:
+            progress(1)
+    half = config.steps // 2
+    sel, ev = slice(0, half), slice(half, None)
+    test = threshold_audit(
+        scores[sel][included[sel]],
+        scores[sel][~included[sel]],
+        scores[ev][included[ev]],
+        scores[ev][~included[ev]],
+        delta=config.delta,
+        alpha=config.alpha,
+    )
+    if accumulation:
+        eps_exact = accumulation_exact_epsilon(
+            config.estimator, config.sketch_size, config.sigma, config.micro_batches,
+            config.sample_rate, config.delta, config.canary_norm,
+        )
+        eps_old = old_charge_epsilon(config, history[0][3])
+    else:
+        eps_exact = composed_sum_epsilon(
+            config.estimator, config.sketch_size, config.sigma, config.episode_steps,
+            config.delta, config.canary_norm,
+        )
+        eps_old = math.nan
+    return PathAuditResult(
+        estimator=config.estimator,
+        sketch_size=config.sketch_size,
+        sigma=float(config.sigma),
+        variant=config.variant,
+        eps_lower=test.eps_lower,
+        eps_accounted=eps_accounted,
+        sketching=config.sketching,
+        delta=config.delta,
+        alpha=config.alpha,
+        trials=int(scores.size),
+        test=test,
+        # mean contribution of an "in" canary per copy, in units of C
+        mean_score_in=float(scores[included].sum() * config.sigma / max(copies[included].sum(), 1))
+        * (1.0 if accumulation else math.sqrt(config.episode_steps)),
+        seconds=time.perf_counter() - start,
+        eps_exact=eps_exact,
+        eps_old_charge=eps_old,
+        micro_batches=config.micro_batches if accumulation else 1,
+        sample_rate=config.sample_rate if accumulation else 1.0,
+        episode_steps=1 if accumulation else config.episode_steps,
+        history=history,
+    )
