@@ -30,6 +30,10 @@ import torch
 
 SIDES = ("auto", "output", "input")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+#: Half-precision inputs are promoted to float32 this many elements at a time (a chunk of
+#: sequence positions), not whole: at the LM head of a long sequence the whole (T x vocab)
+#: output gradient in float32 would be as large as ghost clipping's T x T matrices.
+PROMOTION_CHUNK_ELEMENTS = 1 << 24
 
 
 def as_sequences(
@@ -74,11 +78,48 @@ def _orient(
     return g, a
 
 
+def _wide(*tensors: torch.Tensor) -> torch.dtype:
+    """The accumulation dtype: the inputs' promoted dtype, float32 for half precision."""
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def _sum_over_positions(left: torch.Tensor, right: torch.Tensor, fn) -> torch.Tensor:
+    """``fn(left, right)`` for a product that sums over the sequence positions (dim 1) of
+    both (B, T, .) inputs, in float32 or wider: inputs already that wide go in whole;
+    half-precision ones are promoted and summed chunk by chunk of positions
+    (:data:`PROMOTION_CHUNK_ELEMENTS`), never copied whole."""
+    dtype = _wide(left, right)
+    if left.dtype == dtype and right.dtype == dtype:
+        return fn(left, right)
+    batch, t = left.shape[0], left.shape[1]
+    step = max(1, PROMOTION_CHUNK_ELEMENTS // max(1, batch * (left.shape[2] + right.shape[2])))
+    total = fn(left[:, :0].to(dtype), right[:, :0].to(dtype))  # zeros of the right shape
+    for start in range(0, t, step):
+        total = total.add_(fn(left[:, start : start + step].to(dtype), right[:, start : start + step].to(dtype)))
+    return total
+
+
 def sketched_product(
     left: torch.Tensor, right: torch.Tensor, sketch: torch.Tensor
 ) -> torch.Tensor:
-    """``left_i^T (right_i P_i)`` for every example: (B, rows_left, k)."""
-    return torch.matmul(left.transpose(1, 2), torch.matmul(right, sketch.to(right.dtype)))
+    """``left_i^T (right_i P_i)`` for every example: (B, rows_left, k), in float32 or wider
+    (half-precision inputs promoted a chunk of positions at a time)."""
+    p = sketch.to(_wide(left, right))
+    return _sum_over_positions(left, right, lambda l, r: torch.matmul(l.transpose(1, 2), torch.matmul(r, p)))
+
+
+def _unpromoted_sequences(
+    activations: torch.Tensor, backprops: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(B, ..., d), (B, ..., p) as (B, T, d), (B, T, p) views in their own dtypes."""
+    batch, t = activations.shape[0], math.prod(activations.shape[1:-1])
+    return (
+        activations.reshape(batch, t, activations.shape[-1]),
+        backprops.reshape(batch, t, backprops.shape[-1]),
+    )
 
 
 def _per_sample_sq_norm(x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +147,7 @@ def hutchinson_sq_norms(
     Returns:
         (B,) float tensor of estimated squared norms.
     """
-    a, g = as_sequences(activations, backprops)
+    a, g = _unpromoted_sequences(activations, backprops)
     left, right = _orient(a, g, side)
     return _per_sample_sq_norm(sketched_product(left, right, sketch))
 
@@ -130,10 +171,12 @@ def hutchpp_sq_norms(
         tail_sketch: (rows, k) or (B, rows, k) with N(0, 1/k) entries.
         side: ``"auto"``, ``"output"`` or ``"input"``.
     """
-    a, g = as_sequences(activations, backprops)
+    a, g = _unpromoted_sequences(activations, backprops)
     left, right = _orient(a, g, side)
     q, _ = torch.linalg.qr(sketched_product(left, right, head_sketch))  # (B, rows_left, r)
-    head = _per_sample_sq_norm(torch.matmul(torch.matmul(left, q).transpose(1, 2), right))
+    head = _per_sample_sq_norm(
+        _sum_over_positions(left, right, lambda l, r: torch.matmul(torch.matmul(l, q).transpose(1, 2), r))
+    )
     mp = sketched_product(left, right, tail_sketch)  # M_i P: (B, rows_left, k)
     residual = mp - torch.matmul(q, torch.matmul(q.transpose(1, 2), mp))
     return head + _per_sample_sq_norm(residual)
