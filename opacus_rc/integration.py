@@ -43,13 +43,13 @@ from typing import Any, Dict, List, Optional
 import opacus.privacy_engine as _pe
 from opacus import PrivacyEngine
 from opacus.accountants import register_accountant
-from opacus.accountants.utils import get_noise_multiplier
 from opacus.data_loader import DPDataLoader
 from opacus.grad_sample import AbstractGradSampleModule
 from torch import nn
 from torch.utils.data.distributed import DistributedSampler
 
 from . import checkpoint
+from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
 from .config import SketchConfig
 from .loss import DPLossRandomizedClipping
 from .grad_sample import (
@@ -515,15 +515,12 @@ def _make_private_with_epsilon(
             "already spent. Returned noise_multiplier assumes zero starting point, "
             "so your overall privacy budget will be higher."
         )
-    noise_multiplier = get_noise_multiplier(
+    noise_multiplier = get_noise_multiplier_rc(
         target_epsilon=target_epsilon,
         target_delta=target_delta,
         sample_rate=sampling.sample_rate,
         epochs=epochs,
-        accountant=self.accountant.mechanism(),
-        estimator=config.estimator,
-        sketch_size=config.sketch_size,
-        sketching=config.sketching,
+        sketch_config=config,
     )
     logger.info("rc_prv calibrated noise_multiplier=%.4f for %s", noise_multiplier, config)
     return self.make_private(
@@ -549,11 +546,6 @@ def _wrap(owner: Any, name: str, replacement) -> None:
 
 
 def _register_accountant() -> None:
-    try:
-        from .accounting.accountant import RCPRVAccountant
-    except ImportError:  # pragma: no cover - accountant module not built yet
-        logger.warning("rc_prv accountant unavailable; clipping='randomized' cannot be accounted")
-        return
     register_accountant("rc_prv", RCPRVAccountant, force=True)
 
 

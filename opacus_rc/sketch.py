@@ -18,7 +18,6 @@ asked for explicitly (:meth:`Sketcher.state_dict`).
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Callable, Dict, Optional
 

@@ -221,22 +221,25 @@ def test_envelope_sf_properties_and_monte_carlo(k):
     assert np.all(np.abs(freq - sf) <= Z_TWO_SIDED * se + 1e-12)
 
 
-def test_envelope_z_bins_dominate_and_sum_to_one():
-    k = 16
-    bins = env.envelope_z_bins(k, z_max=3.0, n_bins=50)
-    assert bins.values[0] == 1.0 and bins.values[-1] == 3.0
-    assert bins.probs[0] == pytest.approx(stats.chi2.sf(k, k), rel=1e-12)
-    assert np.all(bins.probs >= 0)
-    assert bins.probs.sum() + bins.tail_mass == pytest.approx(1.0, abs=1e-14)
-    assert bins.tail_mass >= env.envelope_sf(np.array([3.0]), k)[0]
-    # rounded up: P(binned > z) >= P(Z* > z) for every z
-    z = np.linspace(0.9, 3.5, 300)
-    binned_sf = np.array([bins.probs[bins.values > zz].sum() for zz in z]) + bins.tail_mass
-    assert np.all(binned_sf >= env.envelope_sf(z, k) - 1e-14)
-    with pytest.raises(ValueError, match="z_max"):
-        env.envelope_z_bins(k, z_max=1.0, n_bins=10)
-    with pytest.raises(ValueError, match="n_bins"):
-        env.envelope_z_bins(k, z_max=2.0, n_bins=0)
+@pytest.mark.parametrize("k, draws, bin_ratio", [(16, 1, 0.01), (32, 1, 0.04), (32, 3, 0.05)])
+def test_production_bins_dominate_and_sum_to_one(k, draws, bin_ratio):
+    """The accountant's bins (envelope_mixture, the one binning function): every bin is
+    rounded up, so P(binned > z) >= P(Z_max > z) for every z, with P(Z_max > z) =
+    min(1, draws * P(Z* > z)) (the union bound for accumulated micro-batches); the top
+    mass p_inf is at most the tail budget; probabilities sum to 1."""
+    from opacus_rc.accounting.prv import envelope_mixture
+
+    tail = 1e-9
+    mix = envelope_mixture(k, tail, bin_ratio=bin_ratio, draws=draws)
+    z_bins, p_bins = np.array(mix.z), np.array(mix.p)
+    assert z_bins[0] >= 1.0 and np.all(np.diff(z_bins) > 0) and np.all(p_bins >= 0)
+    assert p_bins.sum() + mix.p_inf == pytest.approx(1.0, abs=1e-12)
+    assert mix.p_inf <= tail * (1 + 1e-9)
+    assert np.all(z_bins[1:] / z_bins[:-1] <= 1 + bin_ratio + 1e-12)
+    z = np.concatenate([np.linspace(0.9, z_bins[-1] * 1.2, 2000), z_bins, z_bins * (1 - 1e-9)])
+    binned_sf = np.array([p_bins[z_bins > zz].sum() for zz in z]) + mix.p_inf
+    true_sf = np.minimum(1.0, draws * env.envelope_sf(z, k))
+    assert np.all(binned_sf >= true_sf - 1e-12)
 
 
 def _envelope_quantiles(k: int) -> tuple:

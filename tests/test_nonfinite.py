@@ -3,7 +3,6 @@ drops a non-finite example's whole contribution before the sum (book-keeping onl
 
 from __future__ import annotations
 
-import copy
 import io
 import re
 
@@ -12,7 +11,6 @@ import torch
 from opacus import PrivacyEngine
 from torch import nn
 
-from .conftest import token_task
 
 
 def mlp(seed: int = 0) -> nn.Module:

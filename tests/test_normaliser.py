@@ -145,12 +145,12 @@ def test_make_private_with_epsilon_calibrates_at_the_public_rate(monkeypatch):
 
     calls = []
     monkeypatch.setattr(
-        integration, "get_noise_multiplier", lambda **kw: calls.append(kw) or 1.25
+        integration, "get_noise_multiplier_rc", lambda **kw: calls.append(kw) or 1.25
     )
     engine, model, out = _private(
         _loader(401), method="epsilon", grad_sample_mode="hooks", sample_rate=0.02
     )
-    assert [c["sample_rate"] for c in calls] == [0.02] and calls[0]["accountant"] == "rc_prv"
+    assert [c["sample_rate"] for c in calls] == [0.02] and calls[0]["sketch_config"].sketch_size == 32
     assert out[1].noise_multiplier == 1.25
     assert out[1].expected_batch_size == BATCH and out[-1].sample_rate == 0.02
     _step(model, out)

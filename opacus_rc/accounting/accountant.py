@@ -24,7 +24,6 @@ from .multiplicity import AccumulatedStepPRV, multiplicity_weights
 from .prv import (
     DEFAULT_BIN_RATIO,
     DETERMINISTIC,
-    SensitivityMixture,
     StepPRV,
     compose_epsilon,
     envelope_mixture,

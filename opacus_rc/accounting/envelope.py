@@ -42,8 +42,6 @@ __all__ = [
     "envelope_lower_tail",
     "envelope_sf",
     "envelope_cdf",
-    "ZBins",
-    "envelope_z_bins",
 ]
 
 #: Sketch counts for which ``verify_envelope`` found no violation of the single-chi-square
@@ -137,32 +135,3 @@ def envelope_cdf(z: np.ndarray, k: int) -> np.ndarray:
     else:
         out[big] = 1.0 - envelope_lower_tail(xb, k)
     return out
-
-
-@dataclass(frozen=True)
-class ZBins:
-    """Discretised envelope: ``P(Z* = values[i]) = probs[i]`` after rounding each bin up,
-    plus ``tail_mass = P(Z* > z_max)`` (to be charged to delta)."""
-
-    values: np.ndarray
-    probs: np.ndarray
-    tail_mass: float
-
-
-def envelope_z_bins(k: int, z_max: float, n_bins: int) -> ZBins:
-    """Round ``Z*`` up onto ``1 = z_0 < z_1 < ... < z_n = z_max`` (equal spacing).
-
-    ``probs[0] = P(Z* = 1)``, ``probs[i] = P(z_{i-1} < Z* <= z_i)``; each mass sits at the
-    bin's upper edge, so the binned variable stochastically dominates ``Z*``. The tail is
-    ``max(P(Z* > z_max), 1 - sum(probs))`` so rounding never lowers it.
-    """
-    k = _check_k(k)
-    if not np.isfinite(z_max) or z_max <= 1.0:
-        raise ValueError(f"z_max={z_max!r} is invalid; accepted values: a finite number > 1")
-    if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 1:
-        raise ValueError(f"n_bins={n_bins!r} is invalid; accepted values: a positive integer")
-    edges = np.linspace(1.0, z_max, int(n_bins) + 1)
-    sf = envelope_sf(edges, k)
-    probs = np.concatenate([[envelope_cdf(np.array([1.0]), k)[0]], np.maximum(sf[:-1] - sf[1:], 0.0)])
-    tail = float(max(sf[-1], 1.0 - probs.sum()))
-    return ZBins(values=edges, probs=probs, tail_mass=tail)

@@ -26,7 +26,9 @@ from typing import List, Tuple
 import numpy as np
 from scipy.stats import binom
 
-from .prv import SensitivityMixture, StepPRV, _cell_masses, _lse, place_atom
+from .prv.discretise import _cell_masses, place_atom
+from .prv.mixtures import SensitivityMixture
+from .prv.prvs import StepPRV, _lse
 
 
 def multiplicity_weights(micro_batches: int, sample_rate: float) -> Tuple[float, np.ndarray]:

@@ -27,12 +27,12 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from . import report
-from .layers import LayerCase, layer_cases, measure_layer, memory_fits, time_layers
+from .layers import layer_cases, measure_layer, memory_fits, time_layers
 from .steps import CONFIGS, StepShape, measure_steps, ratios
 
 logger = logging.getLogger("opacus_rc.bench")

@@ -1,0 +1,161 @@
+"""Cell masses of Gaussian mixtures: the single-step discretisation kernel."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+from scipy.special import ndtr
+
+_LOG2PI_HALF = 0.5 * math.log(2.0 * math.pi)
+
+#: Series terms of ``Phi(c + h/2) - Phi(c - h/2) = phi(c) h sum_k He_2k(c) h^2k / ((2k+1)! 4^k)``
+_SERIES_TERMS = 4
+#: A cell uses the series when ``h (|c| + 3) <= _SERIES_MAX`` for every component; the
+#: first omitted term is then below ``0.15^8 / (9! 4^4) < 3e-15`` relative (``|He_8(c)| <=
+#: (|c| + 3)^8``), otherwise both ends are evaluated with ``ndtr``.
+_SERIES_MAX = 0.15
+#: Rows per block: large enough for an efficient (multi-threaded) BLAS product.
+_ROWS_PER_CHUNK = 8192
+#: ``phi(c) < exp(-800)`` beyond this: such components are skipped in a chunk.
+_C_NEGLIGIBLE = 40.0
+
+
+def _herme_even_coefficients(alpha: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    """Power-series coefficients in ``t`` of ``He_2k(alpha t + beta)``, ``k < _SERIES_TERMS``.
+
+    Returns an array ``(m, K, 2K - 1)`` indexed ``[component, k, power of t]``.
+    """
+    from numpy.polynomial import hermite_e as H
+
+    n_k = _SERIES_TERMS
+    out = np.zeros((alpha.size, n_k, 2 * n_k - 1))
+    for k in range(n_k):
+        pc = H.herme2poly([0.0] * (2 * k) + [1.0])  # He_2k in powers of c
+        for j, (a, b) in enumerate(zip(alpha, beta)):
+            # sum_p pc[p] (a t + b)^p, expanded binomially
+            for p, coef in enumerate(pc):
+                if coef == 0.0:
+                    continue
+                for r in range(p + 1):
+                    out[j, k, r] += coef * math.comb(p, r) * a**r * b ** (p - r)
+    return out
+
+
+def _exact_gauss_diff(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``Phi(hi) - Phi(lo)`` from the tail that keeps relative precision."""
+    upper = lo > 0
+    return np.where(upper, ndtr(-lo) - ndtr(-hi), ndtr(hi) - ndtr(lo))
+
+
+def _series_coefficients(alpha: np.ndarray, beta: np.ndarray, log_w: np.ndarray):
+    """Per-component coefficients of the monomials ``w^2k t^r`` of the midpoint series."""
+    K = _SERIES_TERMS
+    H = _herme_even_coefficients(alpha, beta)  # (m, K, 2K-1)
+    fact = np.array([alpha ** (2 * k) / (math.factorial(2 * k + 1) * 4.0**k) for k in range(K)]).T
+    k_idx = np.concatenate([np.full(2 * k + 1, k) for k in range(K)])  # nonzero powers only
+    r_idx = np.concatenate([np.arange(2 * k + 1) for k in range(K)])
+    return (H * fact[:, :, None])[:, k_idx, r_idx], k_idx, r_idx
+
+
+def mixture_cell_masses(
+    t_lo: np.ndarray,
+    t_hi: np.ndarray,
+    alpha: np.ndarray,
+    beta: np.ndarray,
+    log_w: np.ndarray,
+    twin_log_w: Optional[np.ndarray] = None,
+) -> np.ndarray:
+    """``sum_j w_j (Phi(alpha_j t_hi + beta_j) - Phi(alpha_j t_lo + beta_j))`` per cell.
+
+    ``alpha > 0``, ``t_lo <= t_hi`` (``-inf`` allowed), ``w_j = exp(log_w[j])``. With
+    ``c = alpha t_mid + beta``, ``h = alpha (t_hi - t_lo)`` the difference is
+    ``phi(c) h sum_k He_2k(c) h^2k / ((2k+1)! 4^k)`` (Taylor expansion of ``phi`` about the
+    midpoint, odd terms cancel); ``phi(c_ij) = exp(t_i^2 P_j + t_i Q_j + R_j)``, so the sum
+    over ``j`` of each monomial ``t^r h^2k`` is a matrix product: about one ``exp`` per (cell,
+    component), relative accuracy ~1e-14 per cell (no cancellation between CDF values).
+    ``twin_log_w`` adds the components ``beta_j - 1/alpha_j`` (weights ``exp(twin_log_w)``),
+    whose density is that of ``j`` times ``exp(t) exp(beta/alpha - 1/(2 alpha^2))``: they
+    reuse the same exponentials. Cells too wide for the series are evaluated with ``ndtr``.
+    """
+    alpha = np.asarray(alpha, dtype=float)
+    beta = np.asarray(beta, dtype=float)
+    log_w = np.asarray(log_w, dtype=float)
+    n = t_lo.size
+    out = np.zeros(n)
+    if n == 0 or alpha.size == 0:
+        return out
+    all_alpha, all_beta, all_w = alpha, beta, log_w
+    if twin_log_w is not None:
+        all_alpha = np.concatenate([alpha, alpha])
+        all_beta = np.concatenate([beta, beta - 1.0 / alpha])
+        all_w = np.concatenate([log_w, np.asarray(twin_log_w, dtype=float)])
+    with np.errstate(invalid="ignore"):
+        mid = 0.5 * (t_lo + t_hi)
+        width = t_hi - t_lo
+    a_max = float(all_alpha.max())
+    c_bound = np.minimum(np.abs(mid) * a_max + float(np.abs(all_beta).max()), 40.0) + 3.0
+    with np.errstate(invalid="ignore"):
+        series_ok = np.isfinite(mid) & np.isfinite(width)
+        series_ok &= width * a_max * c_bound <= _SERIES_MAX
+    # ---- cells too wide for the series: exact differences
+    bad = np.nonzero(~series_ok & (t_hi > -np.inf))[0]  # cells below -inf: no mass
+    # (chunked: a capped domain can have millions of wide cells times hundreds of bins)
+    step = max(1, 2_000_000 // max(all_alpha.size, 1))
+    for s0 in range(0, bad.size, step):
+        rows = bad[s0 : s0 + step]
+        with np.errstate(invalid="ignore"):
+            lo = t_lo[rows, None] * all_alpha[None, :] + all_beta[None, :]
+            hi = t_hi[rows, None] * all_alpha[None, :] + all_beta[None, :]
+        lo = np.where(np.isnan(lo), -np.inf, lo)
+        hi = np.where(np.isnan(hi), -np.inf, hi)
+        out[rows] = _exact_gauss_diff(lo, hi) @ np.exp(all_w)
+    good = np.nonzero(series_ok)[0]
+    if not good.size:
+        return out
+    # ---- series cells
+    P = -0.5 * alpha**2
+    Q = -alpha * beta
+    R = -0.5 * beta**2 + log_w + np.log(alpha) - _LOG2PI_HALF  # h = alpha * width
+    coef, k_idx, r_idx = _series_coefficients(alpha, beta, log_w)
+    if twin_log_w is not None:
+        shift = np.asarray(twin_log_w, dtype=float) - log_w + beta / alpha - 0.5 / alpha**2
+        c_twin, _, _ = _series_coefficients(alpha, beta - 1.0 / alpha, log_w)
+        coef = np.concatenate([coef, c_twin * np.exp(shift)[:, None]], axis=1)
+    n_mono = k_idx.size
+    # twins: balance the exponent with exp(t/2) so that neither family underflows while the
+    # other matters (both are then exp(+-t/2) times the shared exponential)
+    q_row = Q + (0.5 if twin_log_w is not None else 0.0)
+    twin_beta = beta - 1.0 / alpha if twin_log_w is not None else beta
+    buf = np.empty((min(_ROWS_PER_CHUNK, good.size), alpha.size))
+    for start in range(0, good.size, _ROWS_PER_CHUNK):
+        rows = good[start : start + _ROWS_PER_CHUNK]
+        t = mid[rows]  # increasing
+        w = width[rows]
+        # components whose |c| exceeds _C_NEGLIGIBLE on the whole chunk (and whose twin's
+        # does too) contribute below exp(-800): skipped (any such mass is sent to
+        # infinity by the caller's balance)
+        lo_c, hi_c = alpha * t[0] + beta, alpha * t[-1] + beta
+        lo_t, hi_t = alpha * t[0] + twin_beta, alpha * t[-1] + twin_beta
+        cols = np.nonzero(
+            ((hi_c >= -_C_NEGLIGIBLE) & (lo_c <= _C_NEGLIGIBLE))
+            | ((hi_t >= -_C_NEGLIGIBLE) & (lo_t <= _C_NEGLIGIBLE))
+        )[0]
+        if cols.size == 0:
+            continue
+        x = buf[: rows.size, : cols.size]
+        np.multiply(t[:, None], P[None, cols], out=x)
+        x += q_row[cols]
+        x *= t[:, None]
+        x += R[cols]
+        np.exp(x, out=x)
+        s = x @ coef[cols]
+        mono = w[:, None] ** (2 * k_idx) * t[:, None] ** r_idx
+        if twin_log_w is None:
+            val = np.einsum("ij,ij->i", s, mono)
+        else:
+            val = np.exp(-0.5 * t) * np.einsum("ij,ij->i", s[:, :n_mono], mono)
+            val += np.exp(0.5 * t) * np.einsum("ij,ij->i", s[:, n_mono:], mono)
+        out[rows] = w * val
+    return np.maximum(out, 0.0)
