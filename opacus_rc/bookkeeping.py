@@ -104,12 +104,16 @@ class _LinearDeferredWeightGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
-        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        # Under autocast the forward ran in lower precision than the saved tensors: the
+        # products run in the output gradient's dtype (autograd casts each gradient back
+        # to its input's dtype).
+        dtype = grad_out.dtype
+        grad_x = grad_out.matmul(weight.to(dtype)) if ctx.needs_input_grad[0] else None
         grad_w = grad_b = None
         if ctx.wanted():
             g = grad_out.reshape(-1, grad_out.shape[-1])
             if ctx.needs_input_grad[1]:
-                grad_w = g.t().mm(x.reshape(-1, x.shape[-1]))
+                grad_w = g.t().mm(x.reshape(-1, x.shape[-1]).to(dtype))
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = g.sum(dim=0)
         return grad_x, grad_w, grad_b, None

@@ -1,0 +1,202 @@
+"""One-shot GPU benchmark: a Llama-3.2-1B-shaped decoder at long T, every DP mode side by side.
+
+    bash scripts/gpu_bench.sh                          # one large GPU, at most ~10 minutes
+    bash scripts/gpu_bench.sh --device cpu --tiny      # the same code paths in seconds (CI)
+
+Model: Hugging Face ``LlamaForCausalLM`` from a config shaped like Llama-3.2-1B (d = 2048,
+16 layers, 32 query / 8 key-value heads, SwiGLU 8192, vocabulary 128,256; untied head so
+that every mode can run it), random weights, bf16 autocast, batch 1, T in {4096, 16384,
+65536}. Modes: ``nonprivate``, ``opacus_hooks`` (per-sample gradients), ``opacus_ghost``,
+``randomized`` (two passes) and ``randomized_bk`` (book-keeping), k = 32. Each (mode, T) gets
+a fresh model, one warm-up step and ``--steps`` timed steps; the JSON records the median step
+time and ``torch.cuda.max_memory_allocated``, an out-of-memory error as ``"oom"`` (the run
+goes on), and, for the randomized modes on CUDA, the number of host synchronisations inside
+a step reported by ``torch.cuda.set_sync_debug_mode("warn")``. Configurations that would
+start after ``--time-budget-s`` are recorded as skipped.
+
+Without CUDA (and without ``--device cpu``) it says so in one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import sys
+import time
+import warnings
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+MODES = ("nonprivate", "opacus_hooks", "opacus_ghost", "randomized", "randomized_bk")
+FULL = dict(vocab=128256, d=2048, layers=16, heads=32, kv_heads=8, ffn=8192, seq_lens=(4096, 16384, 65536))
+TINY = dict(vocab=512, d=64, layers=2, heads=4, kv_heads=2, ffn=128, seq_lens=(64, 128))
+
+
+def build_model(cfg: Dict[str, Any], max_len: int, device: torch.device) -> nn.Module:
+    """``LlamaForCausalLM`` with random weights (float32 master weights; bf16 autocast)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=cfg["vocab"], hidden_size=cfg["d"], intermediate_size=cfg["ffn"],
+        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["kv_heads"], max_position_embeddings=max_len,
+        tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device)
+
+
+class Runner:
+    """One mode on one model: ``step(tokens)`` runs forward, backward(s) and the optimizer."""
+
+    def __init__(self, mode: str, model: nn.Module, batch: torch.Tensor, device: torch.device) -> None:
+        self.mode, self.model, self.device = mode, model, device
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        self.criterion = None
+        if mode == "nonprivate":
+            self.module, self.optimizer = model, optimizer
+            return
+        from opacus import PrivacyEngine
+
+        import opacus_rc  # noqa: F401  registers clipping="randomized" and accountant="rc_prv"
+
+        randomized = mode.startswith("randomized")
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(batch.cpu()), batch_size=len(batch))
+        extra = {"clipping": "randomized", "sketch_size": 32} if randomized else {}
+        mode_name = {"opacus_hooks": "hooks", "opacus_ghost": "ghost", "randomized": "ghost", "randomized_bk": "hooks"}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = PrivacyEngine(accountant="rc_prv" if randomized else "prv").make_private(
+                module=model, optimizer=optimizer, criterion=nn.CrossEntropyLoss(), data_loader=loader,
+                noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False,
+                grad_sample_mode=mode_name[mode], wrap_model=False, **extra,
+            )
+        self.module, self.optimizer = model, out[1]
+        if len(out) == 4:
+            self.criterion = out[2]
+
+    def step(self, tokens: torch.Tensor) -> None:
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        positions = torch.arange(inputs.shape[1], device=self.device).repeat(inputs.shape[0], 1)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            logits = self.model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+        flat = logits.reshape(-1, logits.shape[-1])  # bf16: no float32 copy of T x vocab
+        if self.criterion is not None:  # ghost modes: per-sequence loss, two passes
+            loss = self.criterion(flat, targets.reshape(-1), shape=logits.shape[:2])
+        else:
+            loss = F.cross_entropy(flat, targets.reshape(-1))
+        del logits, flat
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def run_one(mode: str, cfg: Dict[str, Any], seq_len: int, steps: int, device: torch.device) -> Dict[str, Any]:
+    """Median step time, peak allocated memory and host syncs of one (mode, T)."""
+    record: Dict[str, Any] = {"mode": mode, "seq_len": seq_len}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    runner = None
+    try:
+        gen = torch.Generator().manual_seed(seq_len)
+        tokens = torch.randint(0, cfg["vocab"], (1, seq_len + 1), generator=gen).to(device)
+        runner = Runner(mode, build_model(cfg, seq_len + 1, device), tokens, device)
+        runner.step(tokens)  # warm-up
+        _sync(device)
+        times: List[float] = []
+        syncs: Optional[int] = None
+        for _ in range(steps):
+            start = time.perf_counter()
+            if device.type == "cuda" and mode.startswith("randomized"):
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        runner.step(tokens)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                syncs = max(syncs or 0, sum("synchroniz" in str(w.message).lower() for w in caught))
+            else:
+                runner.step(tokens)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        record.update(status="ok", median_step_s=statistics.median(times), step_times_s=times)
+        if syncs is not None:
+            record["host_syncs_per_step"] = syncs
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
+        if not _is_oom(error):
+            raise
+        record.update(status="oom", error=str(error).splitlines()[0][:200])
+    finally:
+        del runner
+        gc.collect()
+        if device.type == "cuda":
+            record["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+            torch.cuda.empty_cache()
+    return record
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny model and T (CI, CPU)")
+    parser.add_argument("--seq-lens", default=None, help="comma-separated T (default: by size)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per (mode, T), after one warm-up")
+    parser.add_argument("--time-budget-s", type=float, default=540.0, help="start no configuration after this")
+    parser.add_argument("--out", default="gpu_bench.json")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*[Ff]ull backward hook.*")
+    warnings.filterwarnings("ignore", message="Secure RNG turned off")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_bench: no CUDA device available (use --device cpu --tiny for the CPU form)")
+        return 2
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad or args.steps < 1:
+        parser.error(f"--modes accepts {','.join(MODES)}; --steps must be positive")
+    cfg = dict(TINY if args.tiny else FULL)
+    seq_lens = [int(t) for t in args.seq_lens.split(",")] if args.seq_lens else list(cfg.pop("seq_lens"))
+    cfg.pop("seq_lens", None)
+    device = torch.device(args.device)
+    started = time.perf_counter()
+    results: List[Dict[str, Any]] = []
+    for seq_len in seq_lens:
+        for mode in modes:
+            if time.perf_counter() - started > args.time_budget_s:
+                results.append({"mode": mode, "seq_len": seq_len, "status": "skipped (time budget)"})
+                continue
+            record = run_one(mode, cfg, seq_len, args.steps, device)
+            results.append(record)
+            print(json.dumps({k: v for k, v in record.items() if k != "step_times_s"}), flush=True)
+    summary = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "model": cfg, "batch": 1, "autocast": "bfloat16",
+        "steps": args.steps, "wall_s": time.perf_counter() - started, "results": results,
+    }
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"gpu_bench: {len(results)} configurations in {summary['wall_s']:.0f} s -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One-shot GPU benchmark (opacus_rc/bench/gpu.py): a Llama-3.2-1B-shaped decoder at
+# T in {4096, 16384, 65536}, batch 1, bf16 autocast: non-private, Opacus hooks, Opacus ghost,
+# randomized two-pass and randomized book-keeping; JSON with the median step time and
+# torch.cuda.max_memory_allocated per mode (out-of-memory recorded as such).
+#   bash scripts/gpu_bench.sh [--out gpu_bench.json]      # one large GPU, about 10 minutes
+#   bash scripts/gpu_bench.sh --device cpu --tiny         # CI: the same code paths on CPU
+# Without CUDA (and without --device cpu) it says so in one line and exits with status 2.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-.venv/bin/python}"
+[ -x "$PYTHON" ] || PYTHON=python3
+exec "$PYTHON" -m opacus_rc.bench.gpu "$@"

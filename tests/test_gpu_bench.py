@@ -1,0 +1,61 @@
+"""scripts/gpu_bench.sh: its CPU form runs every mode (CI), and without CUDA the GPU form
+says so in one line and exits non-zero."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_bench.sh"
+
+
+def test_tiny_cpu_form_runs_every_mode(tmp_path):
+    out = tmp_path / "gpu_bench.json"
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--device", "cpu", "--tiny", "--steps", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    results = record["results"]
+    assert {r["mode"] for r in results} == {
+        "nonprivate", "opacus_hooks", "opacus_ghost", "randomized", "randomized_bk"
+    }
+    assert {r["seq_len"] for r in results} == {64, 128}
+    assert all(r["status"] == "ok" and r["median_step_s"] > 0 for r in results)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_without_cuda_one_line_and_non_zero_exit(tmp_path):
+    proc = subprocess.run(["bash", str(SCRIPT), "--out", str(tmp_path / "x.json")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode != 0
+    assert len(proc.stdout.strip().splitlines()) == 1 and "CUDA" in proc.stdout
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_deferred_linear_under_bf16_autocast_matches_nn_linear():
+    """The linear layers whose weight gradient randomized clipping defers run under bf16
+    autocast (the GPU benchmark's setting) and give nn.Linear's gradients."""
+    from torch import nn
+
+    from opacus_rc.bookkeeping import linear_forward_deferring_weight_grad
+
+    torch.manual_seed(0)
+    layer, reference = nn.Linear(8, 4), nn.Linear(8, 4)
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = linear_forward_deferring_weight_grad(layer, x, wanted=lambda: True)
+        y_ref = reference(x_ref)
+    y.float().pow(2).sum().backward()
+    y_ref.float().pow(2).sum().backward()
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    for got, want in ((layer.weight.grad, reference.weight.grad), (layer.bias.grad, reference.bias.grad),
+                      (x.grad, x_ref.grad)):
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want)
