@@ -8,8 +8,7 @@ read it in its step hook; the grad-sample module uses it to draw sketches.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Dict
+from dataclasses import dataclass
 
 ESTIMATORS = ("hutchinson", "hutchpp")
 SKETCHINGS = ("shared", "per_example")
@@ -57,11 +56,3 @@ class SketchConfig:
                 f"{', '.join(repr(s) for s in SKETCHINGS)}"
             )
 
-    @property
-    def accounting_sketch_count(self) -> int:
-        """Number of random sketch vectors the privacy analysis may rely on (the
-        Hutchinson part; for Hutch++ the residual's sketch)."""
-        return self.sketch_size
-
-    def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)

@@ -52,6 +52,21 @@ def test_deterministic_matches_opacus_prv():
         assert ours == pytest.approx(ref, abs=0.02)
 
 
+@pytest.mark.parametrize("sigma, q, steps", [(0.9, 0.01, 200), (2.0, 0.001, 1000)])
+def test_deterministic_within_prv_accountant_bounds(sigma, q, steps):
+    """A second independent PRV implementation (Microsoft's prv_accountant, one direction,
+    its own domain from RDP): its (lower, upper) epsilon bounds bracket ours up to the
+    extra conservatism here (both directions, mass off the domain counted in delta)."""
+    from prv_accountant import PRVAccountant
+    from prv_accountant.privacy_random_variables import PoissonSubsampledGaussianMechanism
+
+    prv = PoissonSubsampledGaussianMechanism(noise_multiplier=sigma, sampling_probability=q)
+    ref = PRVAccountant(prvs=[prv], max_self_compositions=[steps], eps_error=0.01, delta_error=DELTA / 1000)
+    lower, _, upper = ref.compute_epsilon(delta=DELTA, num_self_compositions=[steps])
+    ours = rc_eps(None, sigma=sigma, q=q, steps=steps)
+    assert lower <= ours <= upper + 0.01
+
+
 def test_rc_above_prv_and_decreasing_to_it_in_k():
     ref = opacus_prv(SIGMA, Q, T)
     eps = [rc_eps(k, bin_ratio=0.04) for k in (16, 64, 1024, 10_000)]
@@ -180,7 +195,7 @@ def test_hook_reads_sketch_config():
     # two accumulated micro-batches: a multiplicity, not a doubled sample rate
     assert (sigma, q, n) == (1.0, 0.005, 1)
     assert sketch["micro_batches"] == 2
-    assert sketch["estimator"] == "hutchpp" and sketch["accounting_sketch_count"] == 16
+    assert sketch["estimator"] == "hutchpp" and sketch["sketch_size"] == 16
 
 
 def test_calibration_reproduces_target():

@@ -2,7 +2,8 @@
 
 History entries are ``(noise_multiplier, sample_rate, steps, record)``. ``record`` is None
 for a deterministic single-batch step or a plain dict: ``estimator``, ``sketch_size``,
-``sketching``, ``accounting_sketch_count`` for randomized clipping (absent: deterministic)
+``sketching`` for randomized clipping (absent: deterministic; ``sketch_size`` is k, for
+Hutch++ the residual's count, the only random part the analysis relies on)
 and ``micro_batches`` (m, default 1), the number of independently sampled micro-batches
 summed into the step (gradient accumulation). ``sample_rate`` is always the rate of one
 micro-batch: a step with ``m > 1`` is accounted as the mixture over ``J ~ Bin(m, q)``
@@ -68,7 +69,6 @@ def sketch_record(
         "estimator": sketch_config.estimator,
         "sketch_size": int(sketch_config.sketch_size),
         "sketching": sketch_config.sketching,
-        "accounting_sketch_count": int(sketch_config.accounting_sketch_count),
         "micro_batches": micro_batches,
     }
 
@@ -86,6 +86,7 @@ def _normalise_sketch(sketch: Any) -> Sketch:
         return sketch_record(sketch)
     if isinstance(sketch, dict):
         micro_batches = _check_micro_batches(sketch.get("micro_batches", 1))
+        # "accounting_sketch_count": the name of k in records of versions up to 0.1.0
         if "sketch_size" not in sketch and "accounting_sketch_count" not in sketch:
             return sketch_record(micro_batches=micro_batches)  # deterministic clipping
         est = sketch.get("estimator", "hutchinson")
@@ -95,14 +96,13 @@ def _normalise_sketch(sketch: Any) -> Sketch:
                 f"sketch record {sketch!r}: estimator must be one of {ESTIMATORS}, "
                 f"sketching one of {SKETCHINGS}"
             )
-        count = int(sketch.get("accounting_sketch_count", sketch.get("sketch_size")))
+        count = int(sketch.get("sketch_size", sketch.get("accounting_sketch_count")))
         if count <= 0:
             raise ValueError(f"sketch record {sketch!r}: sketch_size must be positive")
         return {
             "estimator": est,
-            "sketch_size": int(sketch.get("sketch_size", count)),
+            "sketch_size": count,
             "sketching": kind,
-            "accounting_sketch_count": count,
             "micro_batches": micro_batches,
         }
     raise ValueError(f"sketch={sketch!r} must be None, a dict or a SketchConfig")
@@ -127,11 +127,11 @@ def _step_prv(sigma: float, q: float, sketch: Sketch, tail_mass: float, bin_rati
     one example), each a mixture over ``J ~ Bin(m, q)`` copies.
     """
     m = _micro_batches(sketch)
-    if sketch is None or "accounting_sketch_count" not in sketch:
+    if sketch is None or "sketch_size" not in sketch:
         mixture = DETERMINISTIC
     else:
         mixture = envelope_mixture(
-            int(sketch["accounting_sketch_count"]),
+            int(sketch["sketch_size"]),
             float(tail_mass),
             hidden=m == 1 and sketch["sketching"] == "per_example",
             bin_ratio=bin_ratio if m == 1 else max(bin_ratio, MULTIPLICITY_BIN_RATIO),

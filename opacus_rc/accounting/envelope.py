@@ -22,13 +22,13 @@ For a ``k`` outside :data:`VERIFIED_K` the bound is the smaller of two rigorous 
 ``k/d`` i.i.d. ``chi2_d / d``, so ``W = sum_j sum_i (w_j d/k) chi2_d^{(j,i)} / d`` is itself a
 convex combination of ``chi2_d / d`` variables and ``sup_w P(W < x) <= P(chi2_d/d < x)`` for
 the largest verified divisor ``d`` of ``k`` (``d = 1`` always qualifies).
-For Hutch++ pass the residual's sketch count (``SketchConfig.accounting_sketch_count``).
+For Hutch++ pass the residual's sketch count (``SketchConfig.sketch_size``: the head is
+assumed known to the adversary).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 from scipy import stats

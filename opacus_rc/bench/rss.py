@@ -39,16 +39,6 @@ def reset_peak_rss() -> None:
         f.write("5")
 
 
-def rss_supported() -> bool:
-    """Whether this system exposes VmRSS/VmHWM and lets a process reset VmHWM."""
-    try:
-        reset_peak_rss()
-        _status_kib("VmHWM")
-        return True
-    except (OSError, RuntimeError):
-        return False
-
-
 def measure_rss_growth(config: str, shape: StepShape, steps: int = 2) -> Dict[str, int]:
     """Peak-RSS growth (bytes) over ``steps`` training steps of ``config`` in this process."""
     tokens = make_tokens(shape)

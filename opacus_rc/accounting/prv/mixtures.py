@@ -34,10 +34,6 @@ class SensitivityMixture:
         if abs(total - 1.0) > 1e-9 or min(self.p) < 0 or self.p_inf < 0:
             raise ValueError(f"bin probabilities must be >= 0 and sum to 1 (got {total})")
 
-    @property
-    def is_deterministic(self) -> bool:
-        return len(self.z) == 1 and self.z[0] == 1.0 and self.p_inf == 0.0
-
 
 DETERMINISTIC = SensitivityMixture(z=(1.0,), p=(1.0,))
 
@@ -65,7 +61,7 @@ DEFAULT_BIN_RATIO = 0.01
 
 @lru_cache(maxsize=256)
 def envelope_mixture(
-    sketch_count: int,
+    sketch_size: int,
     tail_mass: float,
     hidden: bool = False,
     bin_ratio: float = DEFAULT_BIN_RATIO,
@@ -86,13 +82,13 @@ def envelope_mixture(
     """
     if isinstance(draws, bool) or int(draws) != draws or draws < 1:
         raise ValueError(f"draws={draws!r} must be a positive integer")
-    if isinstance(sketch_count, bool) or int(sketch_count) != sketch_count or sketch_count <= 0:
-        raise ValueError(f"sketch_size={sketch_count!r} must be a positive integer")
+    if isinstance(sketch_size, bool) or int(sketch_size) != sketch_size or sketch_size <= 0:
+        raise ValueError(f"sketch_size={sketch_size!r}; accepted values: a positive integer")
     if not 0.0 < tail_mass < 1.0:
         raise ValueError(f"tail_mass={tail_mass} must lie in (0, 1)")
     if not 0.0 < bin_ratio <= 1.0:
         raise ValueError(f"bin_ratio={bin_ratio} must lie in (0, 1]")
-    k, draws = int(sketch_count), int(draws)
+    k, draws = int(sketch_size), int(draws)
     z_max = _quantile_z(k, tail_mass / draws)
     if not math.isfinite(z_max):
         z_max = math.exp(200.0)

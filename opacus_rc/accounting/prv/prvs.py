@@ -99,10 +99,6 @@ class StepPRV:
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(a > 0, np.log(np.where(a > 0, a, 1.0)) - math.log(self.q), -np.inf)
 
-    def _x_revealed(self, u: np.ndarray) -> np.ndarray:
-        """Per-bin inverse of the loss: ``x_j = (u + mu_j^2/2) / mu_j``, shape (n, m)."""
-        return (u[:, None] + 0.5 * self.mu[None, :] ** 2) / self.mu[None, :]
-
     def _g(self, x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """``g(x) = log sum_j p_j exp(mu_j x - mu_j^2/2)`` and ``g'(x)``."""
         a = x[:, None] * self.mu[None, :] + (self._logp - 0.5 * self.mu**2)[None, :]
