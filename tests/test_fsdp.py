@@ -106,6 +106,27 @@ def fsdp_step(rank, t, micro_batches=1, with_lora=False, **kwargs):
     return engine, module, opt, full_params(model)
 
 
+def secure_fsdp_step(rank):
+    """secure_mode: each rank draws only its shard's noise, from the CSPRNG."""
+    from opacus.utils.fsdp_utils import FSDP2Wrapper
+
+    model = FSDP2Wrapper(make_model())
+    engine = PrivacyEngine(accountant="rc_prv", secure_mode=True)
+    module, opt, crit, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=torch.utils.data.DataLoader(
+            token_task(n=WORLD * PER_RANK, t=T_EXACT), batch_size=WORLD * PER_RANK
+        ),
+        noise_multiplier=SIGMA, max_grad_norm=C, grad_sample_mode="ghost_fsdp",
+        clipping="randomized", sketch_size=K,
+    )
+    x, y = batch(T_EXACT, rank)
+    crit(module(x), y).backward()
+    opt.step()
+    return full_params(model)
+
+
 def worker(rank, init_file, out_dir):
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -134,6 +155,7 @@ def worker(rank, init_file, out_dir):
         rank, T_EXACT, clipping="randomized", mode="ghost_fsdp", noise=SIGMA
     )
     out["epsilon"] = engine.get_epsilon(delta=1e-5)
+    out["rc_noisy_secure"] = secure_fsdp_step(rank)
     out["history"] = list(engine.accountant.history)
     # sketches: shared ones agree across ranks (also seeded from entropy), per-example not
     from opacus.utils.fsdp_utils import FSDP2Wrapper
@@ -228,6 +250,10 @@ def test_noise_std_matches_opacus_ghost_fsdp(ranks):
     assert diff_rc.std().item() == pytest.approx(diff_opacus.std().item(), rel=0.15)
     assert diff_rc.std().item() == pytest.approx(expected, rel=0.15)
     assert_same(ranks[0]["rc_noisy"], ranks[1]["rc_noisy"])
+    secure = torch.cat([(ranks[0]["rc_noisy_secure"][n] - clean[n]).flatten() for n in clean])
+    assert secure.std().item() == pytest.approx(expected, rel=0.15)
+    fc1 = ranks[0]["rc_noisy_secure"]["fc1.weight"] - clean["fc1.weight"]
+    assert not torch.isclose(fc1[:12], fc1[12:]).any()  # shards drew independently
     fc1 = ranks[0]["rc_noisy"]["fc1.weight"] - clean["fc1.weight"]  # rows 0-11 rank 0, 12-23 rank 1
     assert not torch.isclose(fc1[:12], fc1[12:]).any()
 
