@@ -139,6 +139,10 @@ def worker(rank, init_file, out_dir):
         _, _, _, out[f"rc_{estimator}"] = fsdp_step(
             rank, T_SKETCHED, clipping="randomized", mode="ghost_fsdp", estimator=estimator
         )
+    _, _, _, out["rc_per_example"] = fsdp_step(
+        rank, T_SKETCHED, clipping="randomized", mode="ghost_fsdp", sketching="per_example",
+        estimator="hutchpp",
+    )
     _, _, _, out["rc_hooks_form"] = fsdp_step(
         rank, T_SKETCHED, clipping="randomized", mode="ghost_fsdp", wrap_model=False
     )
@@ -231,6 +235,15 @@ def test_lora_and_hooks_form_equal_single_process(ranks):
     """LoRA-only (frozen base layers sharded too) and the wrap_model=False form."""
     assert_same(ranks[0]["rc_lora"], single_process(T_SKETCHED, with_lora=True), rtol=1e-4, atol=1e-6)
     assert_same(ranks[0]["rc_hooks_form"], ranks[0]["rc_hutchinson"], rtol=1e-5, atol=1e-7)
+
+
+def test_per_example_sketches_train(ranks):
+    """Per-example Hutch++ sketches (independent across ranks) under FSDP2: a finite,
+    non-zero update."""
+    initial = dict(make_model().named_parameters())
+    update = {n: ranks[0]["rc_per_example"][n] - initial[n].detach() for n in initial}
+    assert all(torch.isfinite(u).all() for u in update.values())
+    assert any(u.abs().max() > 0 for u in update.values())
 
 
 def test_micro_batches_equal_one_batch(ranks):
