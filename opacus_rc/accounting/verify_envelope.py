@@ -354,7 +354,7 @@ def render_markdown(main: List[KResult], extra: List[KResult], command: str, ela
     lines = [
         "# Verification of the randomized-clipping envelope",
         "",
-        "Claim (DESIGN.md section 3): for `W = sum_j w_j X_j / k`, `X_j ~ chi2_k` i.i.d. and any",
+        "Claim ([maths.md](maths.md#3-the-envelope-z), section 3): for `W = sum_j w_j X_j / k`, `X_j ~ chi2_k` i.i.d. and any",
         "convex combination `w`, `sup_w P(W < x) = P(chi2_k / k < x)` for `x` in `(0, 1]`.",
         "The accountant's envelope `Z* = max(1, sqrt(k / chi2_k))` relies on it",
         "(`opacus_rc/accounting/envelope.py`).",
