@@ -60,7 +60,7 @@ def build_model(seq_len: int, d_model: int, layers: int) -> nn.Module:
         num_hidden_layers=layers, num_attention_heads=max(1, d_model // 64),
         num_key_value_heads=max(1, d_model // 64), max_position_embeddings=seq_len,
         attn_implementation="sdpa",
-        tie_word_embeddings=False,  # ghost_fsdp refuses tied weights (FSDP2 shards layers apart)
+        tie_word_embeddings=False,  # FSDP2Wrapper cannot shard a tied head (group it by hand)
     )
     model = LlamaForCausalLM(config)  # random init: no pretrained decoder is available offline
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "up_proj"])

@@ -26,9 +26,13 @@ layer with a norm or grad sampler, then on the root) trains with
   logical batch, as in one process; without ``sketch_seed`` rank 0's entropy seed is
   broadcast), per-example sketches are independent across ranks (the
   :class:`~opacus_rc.sketch.Sketcher` folds the rank into their generator).
-* **Tied weights** are refused: FSDP2Wrapper cannot shard them (FSDP2 wants a shared
-  parameter in one group), and grouped by hand Opacus's per-module FSDP norms would
-  count the shared parameter twice (``||a||^2 + ||b||^2`` instead of ``||a + b||^2``).
+* **Tied weights** (e.g. an embedding shared with the LM head): FSDP2Wrapper cannot shard
+  them (FSDP2 wants a shared parameter in one group: ``fully_shard([emb, head])`` by hand).
+  Opacus's per-module FSDP norms would count the shared parameter twice
+  (``||a||^2 + ||b||^2`` instead of ``||a + b||^2``); here every use adds its sketched
+  per-sample gradient (same sketch) to a running sum and the norm is taken of the sum, as in
+  one process. Uses are tracked by parameter name under the sharded parameter's identity,
+  since FSDP2 swaps the parameter objects between and even within passes.
 * **Consensus**: a check that refuses a step (non-finite loss, norm or clipped
   gradient) is agreed on by all ranks (one scalar all-reduce), so no rank is left
   waiting in a collective while the others raise.
@@ -40,7 +44,7 @@ with a ``ValueError`` (see :func:`check_fsdp_mode` and docs/benchmarks.md).
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -56,6 +60,7 @@ from torch import nn
 from .grad_sample import SketchingMixin
 from .loss import DPLossRandomizedClipping, DPTensorRandomizedClipping
 from .optimizer import RandomizedClippingMixin
+from .norm_samplers import TIED_PROJECTIONS
 from .sketch import entropy_seed
 
 logger = logging.getLogger(__name__)
@@ -150,19 +155,35 @@ class FSDPSketchingMixin(SketchingMixin):
         )
 
     def _setup(self) -> None:
-        owners: Dict[int, int] = {}
+        owners: Dict[int, List[nn.Module]] = {}
         for m in self._module.modules():
             for p in m.parameters(recurse=False):
                 if p.requires_grad:
-                    owners[id(p)] = owners.get(id(p), 0) + 1
-        if any(count > 1 for count in owners.values()):
-            # Opacus's FSDP hooks keep norms per module: a parameter shared by two
-            # modules would count as two parameters (||a||^2 + ||b||^2, not ||a + b||^2).
+                    owners.setdefault(id(p), []).append(m)
+        # Modules sharing a trainable parameter (tied weights, grouped by hand with
+        # fully_shard([a, b]): FSDP2Wrapper cannot shard them) are handled per parameter:
+        # Opacus's per-module FSDP norms would count the shared parameter twice
+        # (||a||^2 + ||b||^2 instead of ||a + b||^2).
+        tied = [m for ms in owners.values() if len(ms) > 1 for m in ms]
+        unsupported = sorted({layer_type(m).__name__ for m in tied if layer_type(m) not in TIED_PROJECTIONS})
+        if unsupported:
             raise ValueError(
-                "tied (shared) trainable parameters are not supported with "
-                "grad_sample_mode='ghost_fsdp'; untie them, freeze them, or use "
-                "grad_sample_mode='ghost' (one process or DPDDP), which supports tied weights"
+                f"parameter tying through {', '.join(unsupported)} is not supported with "
+                f"grad_sample_mode='ghost_fsdp'; supported layers: "
+                f"{', '.join(c.__name__ for c in TIED_PROJECTIONS)}"
             )
+        self._tied_modules = {id(m) for m in tied}
+        # FSDP2 swaps parameter objects (sharded outside a group's forward and backward,
+        # unsharded inside, and a grouped module's forward hook may already see the
+        # sharded one): a tied parameter is tracked by its name in each module, under the
+        # identity of its sharded object, which is stable.
+        self._tied_names: Dict[int, List[Tuple[str, int]]] = {
+            id(m): [(n, id(p)) for n, p in m.named_parameters(recurse=False) if p.requires_grad]
+            for m in tied
+        }
+        self._tied_uses: Dict[int, int] = {}  # uses still to come in this backward pass
+        self._tied_sums: Dict[int, torch.Tensor] = {}  # sketched per-sample gradients so far
+        self._tied_norms: Dict[int, torch.Tensor] = {}  # this pass's per-sample norms
         super()._setup()
         # The sharded parameters (what the optimizer holds): FSDP2 swaps unsharded ones
         # into the modules during forward and backward, so the optimizer's step count kept
@@ -199,6 +220,9 @@ class FSDPSketchingMixin(SketchingMixin):
         """Opacus's FSDP capture (module-level counter). A layer applied twice in one
         forward pass (its parameters used twice) is refused with a clear message."""
         self._begin_forward(module)
+        if id(module) in self._tied_modules:
+            self._capture_tied_activations(module, forward_input)
+            return
         if (
             requires_grad(module) and module.training and torch.is_grad_enabled()
             and self.hooks_enabled and getattr(module, "_forward_counter", 0) > 0
@@ -221,6 +245,10 @@ class FSDPSketchingMixin(SketchingMixin):
         batch_first: bool,
     ) -> None:
         self._awaiting_forward = True  # the next forward starts a new pass
+        if id(module) in self._tied_modules:
+            if self.hooks_enabled:
+                self._capture_tied_backprops_fsdp(module, forward_output, loss_reduction, batch_first)
+            return
         # The randomized norm samplers apply the "mean" factor to the norms (see
         # SketchingMixin.rearrange_grad_samples), keyed by the layer's real class.
         self._unscaled_backprops = layer_type(module) in self.NORM_SAMPLERS
@@ -231,6 +259,38 @@ class FSDPSketchingMixin(SketchingMixin):
         finally:
             self._unscaled_backprops = False
 
+    def _capture_tied_activations(self, module: nn.Module, forward_input: List[torch.Tensor]) -> None:
+        """Activation capture with per-parameter use counters for a tied module."""
+        if not (requires_grad(module) and module.training and torch.is_grad_enabled() and self.hooks_enabled):
+            return
+        if not hasattr(module, "activations"):
+            module.activations = []
+        module.activations.append([t.detach() for t in forward_input])
+        for _, key in self._tied_names[id(module)]:
+            self._tied_uses[key] = self._tied_uses.get(key, 0) + 1
+
+    def _capture_tied_backprops_fsdp(
+        self, module: nn.Module, forward_output: Any, loss_reduction: str, batch_first: bool
+    ) -> None:
+        """Each use adds its sketched per-sample gradient (the same sketch for all uses of a
+        parameter) to the parameter's running sum; at its last use the norm of the sum is
+        the parameter's per-sample norm (as in one process, :class:`SketchingMixin`)."""
+        activations, backprops = self.rearrange_grad_samples(
+            module=module, backprops=forward_output[0].detach(),
+            loss_reduction=loss_reduction, batch_first=batch_first,
+        )
+        keys = {id(getattr(module, name)): key for name, key in self._tied_names[id(module)]}
+        projection = TIED_PROJECTIONS[layer_type(module)]
+        for param, contribution in projection(module, activations, backprops, self.sketcher).items():
+            key = keys[id(param)]
+            total = self._tied_sums.get(key)
+            self._tied_sums[key] = contribution if total is None else total + contribution
+            self._tied_uses[key] -= 1
+            if self._tied_uses[key] == 0:
+                self._tied_norms[key] = self._tied_sums.pop(key).reshape(contribution.shape[0], -1).norm(2, dim=1)
+        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
+            del module.max_batch_len
+
     def get_norm_sample(self) -> torch.Tensor:
         """Per-example norms of this rank's examples over all trainable layers; refused on
         every rank if any rank has a non-finite norm or a layer that missed the batch
@@ -238,8 +298,18 @@ class FSDPSketchingMixin(SketchingMixin):
         per_param = [
             (module, norm.reshape(norm.shape[0], -1).norm(2, dim=1) if norm.dim() > 1 else norm)
             for module in self.iterate_submodules(self._module)
+            if id(module) not in self._tied_modules
             for norm in getattr(module, "norm_sample", [])
         ]
+        pending = [key for key, uses in self._tied_uses.items() if uses != 0] + list(self._tied_sums)
+        per_param += [(self._module, n) for n in self._tied_norms.values()]
+        self._tied_uses, self._tied_sums, self._tied_norms = {}, {}, {}
+        if pending:  # never clip with part of a tied parameter's norm
+            raise ValueError(
+                "a tied parameter's forward uses and backward hooks do not match (a forward "
+                "pass without its backward pass?): refusing to clip; run forward and backward "
+                "in pairs while the privacy hooks are on"
+            )
         batch = max((int(n.shape[0]) for _, n in per_param), default=0)
         for module, n in per_param:
             if n.shape[0] != batch:

@@ -14,7 +14,8 @@ batches:
 * epsilon is the same on both ranks;
 * shared sketches agree across ranks (also without a seed), per-example ones do not;
 * book-keeping (grad_sample_mode="hooks") and "ghost" on an FSDP2 model: a ValueError
-  naming ghost_fsdp; so are tied weights;
+  naming ghost_fsdp;
+* tied embedding / head (grouped by hand) equals one process;
 * examples/fsdp_finetune.py runs under torchrun (tiny configuration).
 """
 
@@ -106,6 +107,43 @@ def fsdp_step(rank, t, micro_batches=1, with_lora=False, **kwargs):
     return engine, module, opt, full_params(model)
 
 
+class TiedLM(nn.Module):
+    """Embedding -> Linear -> LayerNorm -> Linear -> head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        base = make_model()
+        self.emb, self.fc1, self.norm = base.emb, base.fc1, base.norm
+        self.fc2 = nn.Linear(24, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.fc2(self.norm(torch.tanh(self.fc1(self.emb(x)))))).mean(dim=1)
+
+
+def make_tied() -> nn.Module:
+    torch.manual_seed(0)
+    return TiedLM()
+
+
+def tied_fsdp_step(rank):
+    """Tied embedding / head grouped by hand (FSDP2Wrapper cannot shard a shared
+    parameter across groups), the other layers sharded one by one."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_tied()
+    for layer in (model.fc1, model.norm, model.fc2):
+        fully_shard(layer)
+    fully_shard([model.emb, model.head])
+    fully_shard(model)
+    _, (module, opt, crit, _) = private(model, T_SKETCHED, clipping="randomized", mode="ghost_fsdp")
+    x, y = batch(T_SKETCHED, rank)
+    crit(module(x), y).backward()
+    opt.step()
+    return full_params(model)
+
+
 def secure_fsdp_step(rank):
     """secure_mode: each rank draws only its shard's noise, from the CSPRNG."""
     from opacus.utils.fsdp_utils import FSDP2Wrapper
@@ -170,18 +208,7 @@ def worker(rank, init_file, out_dir):
             sketching=sketching, sketch_seed=seed,
         )
         out[f"sketch_{sketching}"] = module.sketcher.gaussian(2, 16, K, torch.device("cpu"))
-    # tied embedding / head, grouped by hand (FSDP2Wrapper itself cannot shard them)
-    from torch.distributed.fsdp import fully_shard
-
-    tied = make_model()
-    tied.head = nn.Linear(16, 32, bias=False)
-    tied.head.weight = tied.emb.weight
-    fully_shard([tied.emb, tied.head])
-    try:
-        private(fully_shard(tied), T_SKETCHED, clipping="randomized", mode="ghost_fsdp")
-        out["error_tied"] = None
-    except ValueError as e:
-        out["error_tied"] = str(e)
+    out["rc_tied"] = tied_fsdp_step(rank)
     for mode in ("hooks", "ghost"):
         try:
             private(FSDP2Wrapper(make_model()), T_SKETCHED, clipping="randomized", mode=mode)
@@ -286,9 +313,18 @@ def test_other_modes_refused_on_fsdp_models(ranks, mode):
     assert "grad_sample_mode='ghost_fsdp'" in ranks[0][f"error_{mode}"]
 
 
-def test_tied_weights_refused(ranks):
-    """Opacus's per-module FSDP norms would count a shared parameter twice."""
-    assert "tied" in ranks[0]["error_tied"]
+def test_tied_weights_equal_single_process(ranks):
+    """A tied embedding / head: its per-sample norm is the norm of the summed sketched
+    gradients of both uses (not two parameters), as in one process."""
+    model = make_tied()
+    _, (module, opt, crit, _) = private(model, T_SKETCHED, clipping="randomized", mode="ghost")
+    x, y = batch(T_SKETCHED)
+    crit(module(x), y).backward()
+    opt.step()
+    single = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert_same(ranks[0]["rc_tied"], single, rtol=1e-4, atol=1e-6)
+    initial = dict(make_tied().named_parameters())
+    assert not torch.equal(single["emb.weight"], initial["emb.weight"].detach())
 
 
 def test_ghost_fsdp_needs_an_fsdp_model():
