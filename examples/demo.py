@@ -3,7 +3,7 @@
 An ordinary Opacus ghost-clipping loop; the only change is
 ``clipping="randomized"`` (and the ``rc_prv`` accountant). Prints the loss, epsilon and
 the memory of the per-sample norm computation against Opacus ghost clipping on the same
-model and batch (bytes counted operator by operator, see opacus_rc.profiling).
+model and batch (bytes counted operator by operator, see examples/profiling.py).
 
     python examples/demo.py            # T = 1024, batch 16, 60 steps: ~40 s on 2 idle CPU cores
     python examples/demo.py --steps 10 --seq-len 2048
@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import pathlib
+import sys
 import time
 import warnings
 
@@ -22,8 +24,10 @@ from opacus import PrivacyEngine
 from torch import nn
 
 import opacus_rc  # noqa: F401  registers clipping="randomized" and accountant="rc_prv"
-from opacus_rc.models import TinyDecoder, markov_text
-from opacus_rc.profiling import NormSamplerMemory
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # repository root: the examples package
+from examples.models import TinyDecoder, markov_text  # noqa: E402
+from examples.profiling import NormSamplerMemory  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
 

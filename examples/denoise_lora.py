@@ -22,6 +22,7 @@ import argparse
 import json
 import logging
 import os
+import pathlib
 import statistics
 import sys
 import time
@@ -32,15 +33,16 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from opacus_rc.datasets import load_texts
-from opacus_rc.models import minilm
-from opacus_rc.models.minilm import accuracy, cache_frozen
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # repository root: the examples package
+from examples.models import minilm  # noqa: E402
+from examples.models.minilm import accuracy, cache_frozen  # noqa: E402
+from examples.text_data import load_texts  # noqa: E402
 
 logger = logging.getLogger("denoise_lora")
 
 
 # ------------------------------------------------------------------------------------------
-# data and model: opacus_rc.datasets (offline data packages) and opacus_rc.models.minilm
+# data and model: examples/text_data.py (offline data packages) and examples/models/minilm.py
 # ------------------------------------------------------------------------------------------
 def build_tail(encoder, lora_layers: int, rank: int, seed: int) -> nn.Module:
     """LoRA (r=``rank``, query/value) on the top ``lora_layers`` layers + zero head."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import pathlib
+import sys
 import warnings
 
 import torch
@@ -22,7 +24,9 @@ from opacus import PrivacyEngine
 from torch import nn
 
 import opacus_rc  # noqa: F401  registers clipping="randomized" and accountant="rc_prv"
-from opacus_rc.datasets import load_convention_speeches
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # repository root: the examples package
+from examples.text_data import load_convention_speeches  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
 VOCAB = 256  # bytes

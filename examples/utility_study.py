@@ -13,7 +13,7 @@ number of steps it takes by its own accountant (``prv`` for exact, ``rc_prv`` fo
 and the epsilon the engine reports after training is recorded. ``exact_when_cheaper`` is off by
 default so that the sketch is used even when T <= k (otherwise SMS at 32 tokens would be exact).
 
-Data (opacus_rc.datasets, offline packages, scripts/install_data.sh): SMS spam, Rotten Tomatoes,
+Data (examples/text_data.py, offline packages, scripts/install_data.sh): SMS spam, Rotten Tomatoes,
 and the 2012 convention speeches cut into 512-token windows (split by speech; the privacy unit is
 a window).
 
@@ -40,8 +40,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from opacus_rc.datasets import TASKS, load_texts, majority_accuracy, train_test_split
-from opacus_rc.models import minilm
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # repository root: the examples package
+from examples.models import minilm  # noqa: E402
+from examples.text_data import TASKS, load_texts, majority_accuracy, train_test_split  # noqa: E402
 
 logger = logging.getLogger("utility_study")
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU benchmark (opacus_rc/bench/gpu.py): a Llama-3.2-1B-shaped decoder at
+# One-shot GPU benchmark (benchmarks/gpu.py): a Llama-3.2-1B-shaped decoder at
 # T in {4096, 16384, 65536}, batch 1, bf16 autocast: non-private, Opacus hooks, Opacus ghost,
 # randomized two-pass and randomized book-keeping; JSON with the median step time and
 # torch.cuda.max_memory_allocated per mode (out-of-memory recorded as such).
@@ -10,4 +10,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
 [ -x "$PYTHON" ] || PYTHON=python3
-exec "$PYTHON" -m opacus_rc.bench.gpu "$@"
+exec "$PYTHON" -m benchmarks.gpu "$@"

@@ -1,29 +1,31 @@
-"""Smoke test of ``python -m opacus_rc.bench`` at a tiny size, plus the closed-form checks
+"""Smoke test of ``python -m benchmarks`` at a tiny size, plus the closed-form checks
 of its per-layer counts (performance itself is measured, never asserted)."""
 
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from opacus_rc.bench.layers import LayerCase, linear_fit, loglog_slope, measure_layer
+from benchmarks.layers import LayerCase, linear_fit, loglog_slope, measure_layer
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # python -m benchmarks runs from the repository root
 CONFIGS = {"nonprivate", "hooks", "ghost", "randomized", "randomized_bk", "randomized_bk_ghost"}
 
 
 def test_entry_point_writes_valid_json(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [
-        sys.executable, "-m", "opacus_rc.bench",
+        sys.executable, "-m", "benchmarks",
         "--layer-shapes", "64x128", "--layer-seq-lens", "64,128,256",
         "--layer-time-shapes", "", "--layer-time-seq-lens", "",
         "--step-shapes", "48:32:2,llama:48:64:2", "--reps", "1", "--threads", "1",
         "--no-rss", "--no-progress", "--json", str(out),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads(out.read_text())
     assert "Per step" in proc.stdout and "Targets" in proc.stdout
@@ -79,8 +81,8 @@ def test_fits():
 
 
 def test_bad_arguments_are_refused():
-    from opacus_rc.bench.__main__ import parse_args
-    from opacus_rc.bench.steps import StepShape
+    from benchmarks.__main__ import parse_args
+    from benchmarks.steps import StepShape
 
     with pytest.raises(ValueError, match="T:d:batch"):
         StepShape.parse("2048x512")

@@ -7,7 +7,7 @@ import torch
 from opacus import PrivacyEngine
 from torch import nn
 
-from opacus_rc.models import TinyDecoder, markov_text
+from examples.models import TinyDecoder, markov_text
 
 from .conftest import token_task
 
@@ -68,7 +68,7 @@ def test_bookkeeping_lm_equals_two_pass(arch):
     torch.manual_seed(0)
     if arch == "llama":
         pytest.importorskip("transformers")
-        from opacus_rc.models.llama import LlamaLM
+        from examples.models.llama import LlamaLM
 
         model = LlamaLM(vocab=64, d_model=32, n_layers=1, n_heads=2, max_len=64)
     else:

@@ -327,8 +327,8 @@ def test_torchcsprng_is_not_installed_here():
 
 
 def test_benchmark_entry_point_runs():
-    """Smoke test of ``python -m opacus_rc.bench.secure_noise`` (times are not asserted)."""
-    from opacus_rc.bench.secure_noise import main, measure
+    """Smoke test of ``python -m benchmarks.secure_noise`` (times are not asserted)."""
+    from benchmarks.secure_noise import main, measure
 
     threads = torch.get_num_threads()
     try:

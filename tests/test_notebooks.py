@@ -93,16 +93,16 @@ if __name__ == "__main__":
 # ------------------------------------------------------------------------------------------
 # the library helpers the notebooks and examples/utility_study.py stand on
 # ------------------------------------------------------------------------------------------
-def test_datasets_contract():
-    from opacus_rc import datasets
+def test_text_data_contract():
+    from examples import text_data
 
     with pytest.raises(ValueError, match="task="):
-        datasets.load_texts("imdb")
-    tr, te = datasets.train_test_split(10, 0.8, seed=0)
+        text_data.load_texts("imdb")
+    tr, te = text_data.train_test_split(10, 0.8, seed=0)
     assert sorted(tr + te) == list(range(10)) and len(tr) == 8
-    assert datasets.majority_accuracy([0, 1, 1, 1]) == 0.75
+    assert text_data.majority_accuracy([0, 1, 1, 1]) == 0.75
     if not missing_data_packages():
-        texts, labels = datasets.load_texts("speeches")
+        texts, labels = text_data.load_texts("speeches")
         assert (len(texts), sum(labels)) == (189, 66)  # 123 Democrat, 66 Republican speeches (docs/data.md)
 
 
@@ -111,7 +111,7 @@ def test_minilm_windows_cover_the_document():
         pytest.fail("data packages missing; run scripts/install_data.sh")
     from transformers import AutoTokenizer
 
-    from opacus_rc.models import minilm
+    from examples.models import minilm
 
     tok = AutoTokenizer.from_pretrained(minilm.model_path())
     long_text = " ".join(f"word{i}" for i in range(400))

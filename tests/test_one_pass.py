@@ -9,7 +9,7 @@ import torch
 from opacus import PrivacyEngine
 from torch import nn
 
-from opacus_rc.models import TinyDecoder, markov_text
+from examples.models import TinyDecoder, markov_text
 from opacus_rc.one_pass import DPLossBookkeeping
 
 from .conftest import token_task

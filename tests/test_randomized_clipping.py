@@ -10,9 +10,9 @@ from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch import nn
 
 import opacus_rc
+from examples.profiling import peak_allocated_bytes
 from opacus_rc.config import SketchConfig
 from opacus_rc.norm_samplers import linear_norm_sample
-from opacus_rc.profiling import peak_allocated_bytes
 from opacus_rc.sketch import Sketcher
 
 from .conftest import token_task

@@ -1,11 +1,11 @@
 """Half-precision sketch arithmetic promoted chunk by chunk (not whole), and the Llama-3-8B
-per-GPU memory model of docs/scaling.md (python -m opacus_rc.bench.scaling)."""
+per-GPU memory model of docs/scaling.md (python -m benchmarks.scaling)."""
 
 import pytest
 import torch
 
 import opacus_rc.estimators as E
-from opacus_rc.bench import scaling
+from benchmarks import scaling
 
 
 @pytest.mark.parametrize("estimator", ["hutchinson", "hutchpp"])

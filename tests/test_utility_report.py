@@ -59,7 +59,7 @@ def test_recipe_tail_per_dataset_and_override():
 def test_lora_tail_trains_only_factors_and_head_and_starts_as_the_pretrained_layer():
     import torch
 
-    from opacus_rc.models import minilm
+    from examples.models import minilm
 
     _, encoder = minilm.load_encoder()
     full = minilm.build_tail(encoder, 1, mode="full", seed=0).eval()

@@ -1,7 +1,7 @@
 """Peak-RSS growth of training steps, one configuration per fresh process.
 
-``python -m opacus_rc.bench.rss CONFIG T:d:b [--steps N] [--threads N]`` builds the
-model, batch and optimizer of :mod:`opacus_rc.bench.steps`, records the resident set
+``python -m benchmarks.rss CONFIG T:d:b [--steps N] [--threads N]`` builds the
+model, batch and optimizer of :mod:`benchmarks.steps`, records the resident set
 size (``VmRSS``), resets the kernel's peak-RSS mark (``/proc/self/clear_refs``), runs
 ``N`` steps and prints one JSON line ``{"baseline_rss", "peak_rss", "growth"}`` (bytes).
 Growth = peak RSS during the steps - RSS before them: what training adds on top of the
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import pathlib
 import subprocess
 import sys
 from typing import Dict, Optional
@@ -57,12 +58,13 @@ def rss_growth_subprocess(
 ) -> Optional[int]:
     """Run :func:`measure_rss_growth` in a fresh interpreter; None if it failed."""
     cmd = [
-        sys.executable, "-m", "opacus_rc.bench.rss", config,
+        sys.executable, "-m", "benchmarks.rss", config,
         shape.spec,
         "--steps", str(steps), "--threads", str(threads),
         "--layers", str(shape.n_layers), "--vocab", str(shape.vocab),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    root = pathlib.Path(__file__).resolve().parents[1]  # the repository root: benchmarks/ and examples/ import from it
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=root)
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-3:]
         raise RuntimeError(f"RSS worker for {config} {shape.label} failed: {' | '.join(tail)}")

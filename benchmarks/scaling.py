@@ -1,12 +1,12 @@
 """Per-GPU memory of DP fine-tuning at Llama-3-8B shapes under FSDP2: ghost vs randomized.
 
-    python -m opacus_rc.bench.scaling                       # the tables of docs/scaling.md
-    python -m opacus_rc.bench.scaling --gpus 8 --seq-lens 8192,32768,131072 --json scaling.json
+    python -m benchmarks.scaling                       # the tables of docs/scaling.md
+    python -m benchmarks.scaling --gpus 8 --seq-lens 8192,32768,131072 --json scaling.json
 
 Two parts per GPU (FSDP2 over ``--gpus`` GPUs, one sequence of T tokens per GPU, bf16):
 
 * **norm computation**: the peak extra bytes of one linear layer's per-sample norm
-  computation, *counted* by :class:`~opacus_rc.profiling.PeakAllocationCounter` on the
+  computation, *counted* by :class:`~examples.profiling.PeakAllocationCounter` on the
   meta device with bf16 activations (T x d) and output gradients (T x p) of every Llama-3-8B
   linear shape, for Opacus ghost clipping (``compute_linear_norm_sample``) and for
   randomized clipping (``linear_norm_sample``, k = 32, the sketch always on). Norms are
@@ -33,10 +33,10 @@ import torch
 from opacus.grad_sample.linear import compute_linear_norm_sample
 from torch import nn
 
-from ..config import SketchConfig
-from ..norm_samplers import linear_norm_sample
-from ..profiling import PeakAllocationCounter
-from ..sketch import Sketcher
+from examples.profiling import PeakAllocationCounter
+from opacus_rc.config import SketchConfig
+from opacus_rc.norm_samplers import linear_norm_sample
+from opacus_rc.sketch import Sketcher
 
 logger = logging.getLogger(__name__)
 

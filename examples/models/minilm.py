@@ -17,7 +17,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..datasets import package_dir
+from ..text_data import package_dir
 
 logger = logging.getLogger(__name__)
 

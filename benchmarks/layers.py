@@ -13,7 +13,7 @@ to get the per-sample weight-gradient norms ``||A_i^T G_i||_F``:
 
 FLOPs come from :class:`torch.utils.flop_counter.FlopCounterMode` (matrix products only:
 elementwise work is not counted) and peak extra memory from
-:class:`opacus_rc.profiling.PeakAllocationCounter` (live bytes allocated by the
+:class:`examples.profiling.PeakAllocationCounter` (live bytes allocated by the
 computation, inputs excluded). Both run on the meta device by default, so shapes that
 would not fit in RAM (d = 2048, p = 8192, T = 16384) cost nothing to measure.
 """
@@ -30,10 +30,10 @@ from opacus.grad_sample.linear import compute_linear_grad_sample, compute_linear
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..config import SketchConfig
-from ..norm_samplers import linear_norm_sample
-from ..profiling import PeakAllocationCounter
-from ..sketch import Sketcher
+from examples.profiling import PeakAllocationCounter
+from opacus_rc.config import SketchConfig
+from opacus_rc.norm_samplers import linear_norm_sample
+from opacus_rc.sketch import Sketcher
 
 METHODS = ("ghost", "fgc", "hutchinson", "hutchpp")
 NormFn = Callable[[], Dict[nn.Parameter, torch.Tensor]]

@@ -1,10 +1,10 @@
 """Benchmarks (not tests).
 
-* ``python -m opacus_rc.bench``: per-layer FLOPs and peak memory of the per-sample norm
+* ``python -m benchmarks``: per-layer FLOPs and peak memory of the per-sample norm
   computation (Opacus ghost, FGC, Hutchinson, Hutch++) and per-step time and memory of
   a small decoder (non-private, Opacus hooks, Opacus ghost, randomized clipping), see
-  :mod:`opacus_rc.bench.__main__` and ``docs/benchmarks.md``;
-* ``python -m opacus_rc.bench.accounting``: the rc_prv accountant against ``prv``.
+  :mod:`benchmarks.__main__` and ``docs/benchmarks.md``;
+* ``python -m benchmarks.accounting``: the rc_prv accountant against ``prv``.
 
 Nothing here is imported by the library.
 """

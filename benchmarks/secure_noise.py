@@ -1,4 +1,4 @@
-"""``python -m opacus_rc.bench.secure_noise``: cost of secure-mode noise.
+"""``python -m benchmarks.secure_noise``: cost of secure-mode noise.
 
 Times, on one thread and the same float32 reference of ``--params`` entries (default 10M):
 

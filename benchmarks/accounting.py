@@ -1,6 +1,6 @@
 """Benchmark of the rc_prv accountant against Opacus's ``prv`` on the same input.
 
-``python -m opacus_rc.bench.accounting`` prints the time of get_epsilon for 10,000 steps
+``python -m benchmarks.accounting`` prints the time of get_epsilon for 10,000 steps
 and of a full calibration (eps=2, delta=1e-5, q=0.01, 300 steps), deterministic and
 randomized clipping (k=32, shared and per-example sketches), and the ratios to ``prv``.
 """
@@ -14,8 +14,8 @@ from typing import Callable, Tuple
 from opacus.accountants import PRVAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
-from ..accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
-from ..config import SketchConfig
+from opacus_rc.accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
+from opacus_rc.config import SketchConfig
 
 
 def _timed(fn: Callable[[], float]) -> Tuple[float, float]:

@@ -1,6 +1,6 @@
 """A Llama-style causal LM (Hugging Face ``LlamaForCausalLM``) built from a small config
 with random weights (nothing downloaded), behind the same ``forward(tokens) -> logits``
-interface as :class:`~opacus_rc.models.TinyDecoder`.
+interface as :class:`~examples.models.TinyDecoder`.
 
 RMSNorm, rotary positions, SwiGLU MLP (``intermediate = 8d/3`` rounded up to 64), no
 biases, untied LM head, ``scaled_dot_product_attention``: the layer mix of real Llama

@@ -1,5 +1,5 @@
 """Small models built from configs (random init) for demos, benchmarks and tests, and the
-pretrained MiniLM encoder helpers (:mod:`opacus_rc.models.minilm`, loaded lazily: importing
+pretrained MiniLM encoder helpers (:mod:`examples.models.minilm`, loaded lazily: importing
 this package never imports transformers)."""
 
 import importlib

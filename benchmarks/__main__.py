@@ -1,4 +1,4 @@
-"""``python -m opacus_rc.bench``: cost of randomized clipping against Opacus.
+"""``python -m benchmarks``: cost of randomized clipping against Opacus.
 
 Per layer (meta device: exact FLOPs and bytes at any size): FLOPs and peak extra memory
 of the per-sample norm computation of one linear layer for Opacus ghost clipping, FGC,
@@ -10,8 +10,8 @@ trained non-privately, with Opacus hooks, Opacus ghost clipping and randomized c
 (two-pass and book-keeping), side by side in one process (interleaved repetitions,
 medians), reported as multiples of non-private training.
 
-    python -m opacus_rc.bench                       # quick default (< 3 min on 2 loaded cores)
-    python -m opacus_rc.bench --full --json bench.json --plot docs/benchmarks.png
+    python -m benchmarks                            # quick default (< 3 min on 2 loaded cores)
+    python -m benchmarks --full --json bench.json --plot docs/benchmarks.png
 
 Performance figures are measurements, not assertions: wall times on a shared machine
 are noisy; FLOP counts and peak live bytes are the stable figures.
@@ -35,7 +35,7 @@ from . import report
 from .layers import layer_cases, measure_layer, memory_fits, time_layers
 from .steps import CONFIGS, StepShape, measure_steps, ratios
 
-logger = logging.getLogger("opacus_rc.bench")
+logger = logging.getLogger("benchmarks")
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def _layer_shapes(text: str, name: str) -> List[Tuple[int, int]]:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m opacus_rc.bench", description=__doc__,
+        prog="python -m benchmarks", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--full", action="store_true", help="full size (tens of minutes on 2 cores)")
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> dict:
     bar = Progress(total, not args.no_progress)
     record: dict = {
         "meta": {
-            "command": "python -m opacus_rc.bench " + " ".join(sys.argv[1:]),
+            "command": "python -m benchmarks " + " ".join(sys.argv[1:]),
             "preset": "full" if args.full else "quick",
             "torch": torch.__version__, "threads": args.threads, "python": platform.python_version(),
             "machine": platform.machine(), "sketch_size": args.sketch_size, "reps": args.reps,

@@ -1,7 +1,7 @@
 """Per-step cost of DP training of a small causal decoder, side by side in one process.
 
-Six configurations train copies of the same model (a :class:`~opacus_rc.models.TinyDecoder`
-or a Llama-style :class:`~opacus_rc.models.llama.LlamaLM`) on the same batch (SGD,
+Six configurations train copies of the same model (a :class:`~examples.models.TinyDecoder`
+or a Llama-style :class:`~examples.models.llama.LlamaLM`) on the same batch (SGD,
 next-token loss):
 
 * ``nonprivate``: plain training, mean cross-entropy, one backward pass;
@@ -20,9 +20,9 @@ repetition, so load changes on a shared machine hit every configuration alike); 
 phases of each step (forward, first backward, norm computation, clipping coefficients,
 second backward, optimizer) are timed within the same steps. Peak memory is the peak of
 live bytes allocated during one whole step (forward, backward(s), optimizer step; counted
-operator by operator with :class:`~opacus_rc.profiling.PeakAllocationCounter`, which does
+operator by operator with :class:`~examples.profiling.PeakAllocationCounter`, which does
 not depend on the allocator), and optionally peak-RSS growth measured in a fresh
-subprocess per configuration (:mod:`opacus_rc.bench.rss`).
+subprocess per configuration (:mod:`benchmarks.rss`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models import TinyDecoder, markov_text
-from ..profiling import PeakAllocationCounter
+from examples.models import TinyDecoder, markov_text
+from examples.profiling import PeakAllocationCounter
 from .layers import median
 
 logger = logging.getLogger(__name__)
@@ -56,8 +56,8 @@ ARCHS = ("decoder", "llama")
 @dataclass(frozen=True)
 class StepShape:
     """A model and batch shape: sequence length T, width d, batch size; ``arch`` is
-    ``"decoder"`` (:class:`~opacus_rc.models.TinyDecoder`: LayerNorm, GELU MLP, biases) or
-    ``"llama"`` (:class:`~opacus_rc.models.llama.LlamaLM`: RMSNorm, rotary, SwiGLU)."""
+    ``"decoder"`` (:class:`~examples.models.TinyDecoder`: LayerNorm, GELU MLP, biases) or
+    ``"llama"`` (:class:`~examples.models.llama.LlamaLM`: RMSNorm, rotary, SwiGLU)."""
 
     seq_len: int
     d_model: int
@@ -108,7 +108,7 @@ def build_model(shape: StepShape, seed: int = 0) -> nn.Module:
     size = dict(vocab=shape.vocab, d_model=shape.d_model, n_layers=shape.n_layers,
                 n_heads=shape.n_heads, max_len=shape.seq_len)
     if shape.arch == "llama":
-        from ..models.llama import LlamaLM
+        from examples.models.llama import LlamaLM
 
         return LlamaLM(**size)
     return TinyDecoder(**size)
