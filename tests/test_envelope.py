@@ -17,8 +17,8 @@ import torch
 from scipy import stats
 
 from opacus_rc.accounting import envelope as env
-from opacus_rc.accounting import verify_envelope as ve
-from opacus_rc.accounting.weighted_chi2 import (
+from tools import verify_envelope as ve
+from tools.weighted_chi2 import (
     contour_logcdf,
     imhof_cdf,
     sketch_weights,

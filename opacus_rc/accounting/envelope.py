@@ -9,7 +9,7 @@ Over-estimation (``Z < 1``) is credited nothing, so the envelope variable is
 
 The single-chi-square lower tail ``P(chi2_k / k < x)`` is the supremum for ``x <= 1``:
 an adversarial search with an exact CDF (saddle-point contour inversion, Imhof and Monte
-Carlo as second opinions; ``python -m opacus_rc.accounting.verify_envelope``, results in
+Carlo as second opinions; ``python -m tools.verify_envelope``, results in
 ``docs/envelope_verification.md``) found no weight vector exceeding it beyond rounding
 (~1e-15 relative, attained next to the single-component vertex where both sides are the
 same distribution) for every ``k`` in :data:`VERIFIED_K`. No safety margin is added: the

@@ -3,14 +3,14 @@
 ``W = sum_j w_j X_j / k`` with ``X_j ~ chi2_k`` i.i.d. and ``w`` a convex combination.
 For every ``k`` and a fine grid of ``x`` in ``(0, 1]`` the exact CDF ``P_w(W < x)``
 (saddle-point contour inversion, relative error ~1e-13, see
-:mod:`opacus_rc.accounting.weighted_chi2`) is compared with the single-chi-square
+:mod:`tools.weighted_chi2`) is compared with the single-chi-square
 reference over many adversarial weight vectors: two- and three-component grids,
 vectors next to the single-component vertex ``(1-e, e)`` / ``(1-e1-e2, e1, e2)``, equal
 weights, random Dirichlet draws and structured spectra (geometric, power law, spiked).
 Imhof's inversion (on a random subset of pairs) and Monte Carlo (for the closest
 approach per ``k``) are second opinions; the rigorous Chernoff bound's gap is reported.
 
-Run: ``python -m opacus_rc.accounting.verify_envelope [--quick] [--out docs/envelope_verification.md]``
+Run: ``python -m tools.verify_envelope [--quick] [--out docs/envelope_verification.md]``
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 from scipy import special, stats
 
-from .envelope import chernoff_lower_tail
+from opacus_rc.accounting.envelope import chernoff_lower_tail
+
 from .weighted_chi2 import contour_logcdf, imhof_cdf, sketch_weights
 
 logger = logging.getLogger(__name__)
@@ -554,7 +555,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.k is not None:
         res = run_search(args.k, large=True, seed=args.seed, imhof_pairs=20, mc_draws=100_000,
                          progress=True)
-        cmd = "python -m opacus_rc.accounting.verify_envelope --k " + ",".join(map(str, args.k)) + (
+        cmd = "python -m tools.verify_envelope --k " + ",".join(map(str, args.k)) + (
             f" --seed {args.seed}" if args.seed else "") + (f" --out {args.out}" if args.out else "")
         md = render_large_markdown(res, cmd, (time.time() - t0, time.process_time() - c0),
                                    x_grid(large=True).size)
@@ -576,7 +577,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.quick and not args.no_extra:
         extra_res = run_search(K_EXTRA, extra=True, seed=args.seed, progress=True)
     elapsed = (time.time() - t0, time.process_time() - c0)
-    cmd = "python -m opacus_rc.accounting.verify_envelope" + " ".join(
+    cmd = "python -m tools.verify_envelope" + " ".join(
         [""] + (["--quick"] if args.quick else []) + (["--no-extra"] if args.no_extra else [])
         + ([f"--seed {args.seed}"] if args.seed else []) + ([f"--out {args.out}"] if args.out else []))
     md = render_markdown(main_res, extra_res, cmd, elapsed, args.quick, x_grid(args.quick).size)

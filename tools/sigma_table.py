@@ -9,7 +9,7 @@ sketches with ``k`` in {8, 16, 32, 64}, shared sketch (Z revealed) and per-examp
 Every sigma meets its target: its epsilon (``eps_error`` 0.01, both directions, Z bins
 rounded up) lies in ``[target - 0.01, target]``.
 
-Run: ``python -m opacus_rc.accounting.sigma_table [--quick] [--sketching shared|per_example|both]
+Run: ``python -m tools.sigma_table [--quick] [--sketching shared|per_example|both]
 [--json results.json] [--out docs/sigma_table.md]``. With ``--json`` finished calibrations
 are stored after each one and reused, so the two halves can be run separately.
 """
@@ -24,9 +24,9 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..config import SketchConfig
-from .accountant import get_noise_multiplier_rc
-from .prv import DEFAULT_BIN_RATIO
+from opacus_rc.accounting.accountant import get_noise_multiplier_rc
+from opacus_rc.accounting.prv import DEFAULT_BIN_RATIO
+from opacus_rc.config import SketchConfig
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ PAPER_EPOCHS: Tuple[int, ...] = (1, 2, 3, 5, 10)
 
 
 def _eps_det(sigma: float, q: float, steps: int) -> float:
-    from .accountant import RCPRVAccountant
+    from opacus_rc.accounting.accountant import RCPRVAccountant
 
     acc = RCPRVAccountant()
     acc.history = [(sigma, q, steps)]
@@ -220,7 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for e, q, n in rows:
         if _key(e, q, n, None, "shared") in results:
             results[_key(e, q, n, None, "per_example")] = results[_key(e, q, n, None, "shared")]
-    cmd = "python -m opacus_rc.accounting.sigma_table" + (" --quick" if args.quick else "") + (
+    cmd = "python -m tools.sigma_table" + (" --quick" if args.quick else "") + (
         " --render-only" if args.render_only else "") + (
         f" --sketching {args.sketching}" if args.sketching != "both" else "") + (
         f" --json {args.json}" if args.json else "") + (f" --out {args.out}" if args.out else "")

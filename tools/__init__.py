@@ -1,0 +1,7 @@
+"""Research scripts outside the runtime package, run from the repository root.
+
+* ``python -m tools.verify_envelope``: the single-chi-square envelope against the exact
+  weighted-chi-square CDFs (:mod:`tools.weighted_chi2`), writes docs/envelope_verification.md;
+* ``python -m tools.sigma_table``: noise multipliers of randomized vs deterministic clipping,
+  writes docs/sigma_table.md.
+"""
