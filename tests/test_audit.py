@@ -22,16 +22,8 @@ import torch
 from scipy.stats import binom, norm
 
 from opacus_rc import SketchConfig, Sketcher
-from opacus_rc.audit import (
-    AuditConfig,
-    BiasedLowSketcher,
-    DataDependentSketcher,
-    broken_sketcher,
-    clopper_pearson_upper,
-    install_sketcher,
-    run_audit,
-    threshold_audit,
-)
+from opacus_rc.audit import AuditConfig, clopper_pearson_upper, run_audit, threshold_audit
+from opacus_rc.audit._broken import BiasedLowSketcher, DataDependentSketcher, broken_sketcher, install_sketcher
 from opacus_rc.audit.__main__ import DEFAULT_SIGMA, main
 from opacus_rc.audit.experiment import build_experiment
 from opacus_rc.audit.reference import exact_epsilon
@@ -116,6 +108,13 @@ def test_broken_sketchers_do_what_they_claim(estimator):
     a1, g1 = _rank1(2, t, d, p, d - 1, 3)
     assert torch.all(Sketcher(config, seed=5).estimate(a1, g1) > 0)
     assert torch.all(DataDependentSketcher(config, seed=5).estimate(a1, g1) == 0)
+
+
+def test_broken_sketchers_are_not_public():
+    import opacus_rc.audit as audit
+
+    hidden = {"BiasedLowSketcher", "DataDependentSketcher", "broken_sketcher", "install_sketcher"}
+    assert not hidden & set(audit.__all__) and not hidden & set(vars(audit))
 
 
 def test_install_sketcher_replaces_every_reference():

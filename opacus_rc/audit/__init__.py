@@ -5,13 +5,14 @@ canary whose rank-1 gradient maximises the estimator's error), tests the release
 gradient with a threshold on its projection onto the canary's gradient, and turns the
 error rates into a Clopper-Pearson lower bound on epsilon, to be compared with the
 ``rc_prv`` accountant's epsilon for the same step. Broken variants (an estimator biased
-low, a data-dependent sketch) show that the audit can fail. The normaliser audit
-(:mod:`opacus_rc.audit.normaliser`) checks that the averaged update does not reveal the
+low, a data-dependent sketch; private to the audit, in ``opacus_rc.audit._broken``) show
+that the audit can fail. The normaliser audit (:mod:`opacus_rc.audit.normaliser`) checks that the averaged update does not reveal the
 dataset's size. The side-path audit (:mod:`opacus_rc.audit.paths`) checks gradient
 accumulation (a canary in several micro-batches of one step) and hand-built objects.
 See ``docs/audit.md``.
 """
 
+from ._broken import VARIANTS
 from .experiment import AuditConfig, AuditResult, InnerProductLoss, accounted_epsilon, run_audit
 from .normaliser import (
     NORMALISER_VARIANTS,
@@ -22,13 +23,6 @@ from .normaliser import (
 )
 from .paths import PATH_VARIANTS, PathAuditConfig, PathAuditResult, run_path_audit
 from .stats import ThresholdAudit, clopper_pearson_upper, epsilon_from_rates, threshold_audit
-from .variants import (
-    VARIANTS,
-    BiasedLowSketcher,
-    DataDependentSketcher,
-    broken_sketcher,
-    install_sketcher,
-)
 
 __all__ = [
     "AuditConfig",
@@ -42,13 +36,9 @@ __all__ = [
     "PathAuditResult",
     "ThresholdAudit",
     "VARIANTS",
-    "BiasedLowSketcher",
-    "DataDependentSketcher",
     "accounted_epsilon",
-    "broken_sketcher",
     "clopper_pearson_upper",
     "epsilon_from_rates",
-    "install_sketcher",
     "normaliser_exact_epsilon",
     "run_audit",
     "run_normaliser_audit",

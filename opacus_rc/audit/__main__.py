@@ -19,11 +19,11 @@ import warnings
 from typing import List, Optional, Sequence
 
 from ..config import ESTIMATORS, SKETCHINGS
+from ._broken import VARIANTS
 from .experiment import AuditConfig, AuditResult, run_audit
 from .normaliser import NORMALISER_VARIANTS, NormaliserAuditConfig, run_normaliser_audit
 from .paths import PATH_DEFAULTS, PATH_VARIANTS, PathAuditConfig, run_path_audit
 from .reference import exact_epsilon
-from .variants import VARIANTS
 
 #: Noise multiplier per sketch size: rc_prv's one-step epsilon at delta = 1e-2 is
 #: 2.21 (k = 4) and 2.62 (k = 32), where a factor-2 underestimate of the norm

@@ -40,8 +40,8 @@ import torch
 from torch import nn
 
 from ..config import ESTIMATORS, SKETCHINGS
+from ._broken import VARIANTS, broken_sketcher, install_sketcher
 from .stats import ThresholdAudit, threshold_audit
-from .variants import VARIANTS, broken_sketcher, install_sketcher
 
 logger = logging.getLogger(__name__)
 
