@@ -57,6 +57,10 @@ def _quantile_z(k: int, level: float) -> float:
 #: Default relative width of the Z bins (z_i / z_{i-1} - 1). The rounding-up excess in
 #: epsilon is about linear in it (k=32, eps~3.5: +0.05 per 0.01 of ratio).
 DEFAULT_BIN_RATIO = 0.01
+#: Bins whose survival mass is below ``COARSE_TAIL * tail_mass`` are merged ``COARSE_STRIDE``
+#: at a time (rounded up to the merged bin's right edge).
+COARSE_TAIL = 1e3
+COARSE_STRIDE = 4
 
 
 @lru_cache(maxsize=256)
@@ -97,6 +101,13 @@ def envelope_mixture(
     n_bins = max(1, int(math.ceil(log_max / step - 1e-9)))
     edges = np.exp(np.linspace(0.0, log_max, n_bins + 1))
     sf_e = np.minimum(1.0, draws * envelope_sf(edges, k))
+    # far tail (P(Z > z) below COARSE_TAIL x the cut-off mass): every COARSE_STRIDE-th edge
+    # only; its bins round up further (still dominating) and cost fewer mixture components
+    far = np.nonzero(sf_e < COARSE_TAIL * tail_mass)[0]
+    if far.size > COARSE_STRIDE:
+        kept = np.concatenate([np.arange(far[0]), far[::COARSE_STRIDE], [edges.size - 1]])
+        kept = np.unique(kept)
+        edges, sf_e = edges[kept], sf_e[kept]
     p = np.concatenate([[1.0 - sf_e[0]], np.maximum(sf_e[:-1] - sf_e[1:], 0.0)])
     p_inf = float(sf_e[-1])
     p *= (1.0 - p_inf) / p.sum()  # absorb float rounding of the sf differences
