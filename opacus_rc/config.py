@@ -25,14 +25,16 @@ class SketchConfig:
             sketch; the head basis has ``sketch_size`` further columns, so Hutch++ costs
             about 3x the matrix products of Hutchinson (the standard m/3 split with
             m = 3k). Only the tail is random in the accountant's sense.
-        sketching: ``"shared"`` (one sketch per layer and step for the whole batch,
-            memory k*p) or ``"per_example"`` (an independent sketch per example,
-            memory B*k*p, allows the tighter hidden-Z accounting).
+        sketching: ``"per_example"`` (default: an independent sketch per example,
+            memory B*k*p per layer, below the layer's own activations B*T*p whenever it is
+            sketched at all (T > k); allows the tighter hidden-Z accounting) or
+            ``"shared"`` (one sketch per layer and step for the whole batch, memory k*p;
+            Z revealed).
     """
 
     estimator: str = "hutchinson"
     sketch_size: int = 32
-    sketching: str = "shared"
+    sketching: str = "per_example"
     exact_when_cheaper: bool = True
 
     def __post_init__(self) -> None:

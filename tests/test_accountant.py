@@ -138,7 +138,7 @@ def test_against_dp_accounting_same_bins():
 def test_hidden_never_used_for_shared_sketch():
     acc = RCPRVAccountant()
     acc.bin_ratio = 0.04
-    acc.step(noise_multiplier=SIGMA, sample_rate=Q, sketch_config=SketchConfig(sketch_size=32))
+    acc.step(noise_multiplier=SIGMA, sample_rate=Q, sketch_config=SketchConfig(sketch_size=32, sketching="shared"))
     acc.history[-1] = (*acc.history[-1][:2], T, acc.history[-1][3])
     shared = acc.get_epsilon(DELTA)
     per_ex = rc_eps(32, sketching="per_example", bin_ratio=0.04)
@@ -199,7 +199,7 @@ def test_hook_reads_sketch_config():
 
 
 def test_calibration_reproduces_target():
-    cfg = SketchConfig(sketch_size=64)
+    cfg = SketchConfig(sketch_size=64, sketching="shared")
     sigma = get_noise_multiplier_rc(3.0, DELTA, 0.02, steps=100, sketch_config=cfg,
                                     epsilon_tolerance=0.05)
     acc = RCPRVAccountant()

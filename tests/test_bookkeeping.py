@@ -27,7 +27,7 @@ def run(model, mode, x, y, *, steps=1, lm=False, micro=1, **options):
         poisson_sampling=False,
         grad_sample_mode=mode,
         clipping="randomized",
-        **{"sketch_size": 4, "sketch_seed": 3, **options},
+        **{"sketch_size": 4, "sketch_seed": 3, "sketching": "shared", **options},
     )
     module, opt = out[0], out[1]
     crit = out[2] if len(out) == 4 else nn.CrossEntropyLoss()

@@ -45,6 +45,7 @@ def private_step(model, x, y, noise, distributed, mode):
         grad_sample_mode=mode,
         clipping="randomized",
         sketch_size=8,
+        sketching="shared",  # one sketch for the logical batch: equal to one process
         sketch_seed=7,
         noise_generator=torch.Generator().manual_seed(11),
     )

@@ -71,7 +71,7 @@ def make_private(model, *, n=2 * BATCH, batch_size=BATCH, noise=0.5, opt_cls=Non
         poisson_sampling=False,
         grad_sample_mode="ghost",
         clipping="randomized",
-        **{"sketch_size": 16, "sketch_seed": 0, **options},
+        **{"sketch_size": 16, "sketch_seed": 0, "sketching": "shared", **options},
     )
     return engine, out
 

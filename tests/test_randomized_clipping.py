@@ -119,7 +119,7 @@ def test_returns_ghost_four_tuple_and_carries_sketch_config(model_factory):
     module, opt, crit, _ = out
     assert isinstance(module, opacus_rc.GradSampleModuleRandomizedClipping)
     assert isinstance(opt, opacus_rc.RandomizedClippingOptimizer)
-    assert (opt.estimator, opt.sketch_size, opt.sketching) == ("hutchpp", 16, "shared")
+    assert (opt.estimator, opt.sketch_size, opt.sketching) == ("hutchpp", 16, "per_example")  # the default
     assert module.sketch_config == opt.sketch_config
 
 
