@@ -33,7 +33,7 @@ import torch
 
 from . import report
 from .layers import layer_cases, measure_layer, memory_fits, time_layers
-from .steps import CONFIGS, StepShape, measure_steps, ratios
+from .steps import ACCEPTED_CONFIGS, CONFIGS, StepShape, measure_steps, ratios
 
 logger = logging.getLogger("benchmarks")
 
@@ -125,9 +125,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.reps <= 0:
         p.error(f"--reps={args.reps} is invalid: must be positive")
     configs = [c for c in args.configs.split(",") if c]
-    bad = [c for c in configs if c not in CONFIGS]
+    bad = [c for c in configs if c not in ACCEPTED_CONFIGS]
     if bad or "nonprivate" not in configs:
-        p.error(f"--configs={args.configs!r} is invalid; accepted: {','.join(CONFIGS)} (nonprivate required)")
+        p.error(f"--configs={args.configs!r} is invalid; accepted: {','.join(ACCEPTED_CONFIGS)} (nonprivate required)")
     args.configs = configs
     try:
         args.layer_shapes = _layer_shapes(args.layer_shapes, "--layer-shapes")

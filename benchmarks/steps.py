@@ -47,6 +47,10 @@ from .layers import median
 logger = logging.getLogger(__name__)
 
 CONFIGS = ("nonprivate", "hooks", "ghost", "randomized", "randomized_bk", "randomized_bk_ghost")
+#: Also accepted by ``--configs``: the randomized ones with one sketch shared by the batch
+#: (``sketching="shared"``; the others use the default, per-example sketches).
+SHARED_CONFIGS = ("randomized_shared", "randomized_bk_shared")
+ACCEPTED_CONFIGS = CONFIGS + SHARED_CONFIGS
 BASELINE = "nonprivate"
 
 
@@ -250,27 +254,30 @@ def make_trainer(
     estimator: str = "hutchinson",
 ) -> Trainer:
     """A :class:`Trainer` for ``config`` (one of :data:`CONFIGS`) owning ``model``."""
-    if config not in CONFIGS:
-        raise ValueError(f"config={config!r} is not supported; accepted values: {CONFIGS}")
+    if config not in ACCEPTED_CONFIGS:
+        raise ValueError(f"config={config!r} is not supported; accepted values: {ACCEPTED_CONFIGS}")
+    sketching = "shared" if config in SHARED_CONFIGS else "per_example"
+    base = config.removesuffix("_shared")
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    if config == "nonprivate":
+    if base == "nonprivate":
         return Trainer(config, model, optimizer, _plain_loss(model))
     from opacus import PrivacyEngine
 
     import opacus_rc  # noqa: F401  registers clipping="randomized" and accountant="rc_prv"
 
-    randomized = config.startswith("randomized")
-    one_pass = config in ("hooks", "randomized_bk")
+    randomized = base.startswith("randomized")
+    one_pass = base in ("hooks", "randomized_bk")
     engine = PrivacyEngine(accountant="rc_prv" if randomized else "prv")
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(tokens), batch_size=tokens.shape[0]
     )
     extra: Dict[str, Any] = (
-        {"clipping": "randomized", "sketch_size": sketch_size, "estimator": estimator, "sketch_seed": 0}
+        {"clipping": "randomized", "sketch_size": sketch_size, "estimator": estimator, "sketch_seed": 0,
+         "sketching": sketching}
         if randomized
         else {}
     )
-    if config == "randomized_bk_ghost":
+    if base == "randomized_bk_ghost":
         extra["bookkeeping"] = True  # a ghost script (4-tuple, criterion) in one pass
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
