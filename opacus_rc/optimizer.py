@@ -125,13 +125,14 @@ class RandomizedClippingMixin:
     def _check_finite_gradients(self) -> None:
         if self.nonfinite == "skip":  # book-keeping: p.grad is not used; norms decide
             return
-        for p in self.params:
-            if p.grad is not None and not torch.isfinite(p.grad).all():
-                raise FloatingPointError(
-                    "non-finite clipped gradient: the step is refused before noise is added; "
-                    "parameters and the privacy accountant are unchanged. Call "
-                    "optimizer.zero_grad() and check the loss and inputs of this batch"
-                )
+        finite = [torch.isfinite(p.grad).all() for p in self.params if p.grad is not None]
+        if finite and not bool(torch.stack([f.to(finite[0].device) for f in finite]).all()):
+            # (one host synchronisation for all parameters)
+            raise FloatingPointError(
+                "non-finite clipped gradient: the step is refused before noise is added; "
+                "parameters and the privacy accountant are unchanged. Call "
+                "optimizer.zero_grad() and check the loss and inputs of this batch"
+            )
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """The wrapped optimizer's state. Generator states are never part of it (see
