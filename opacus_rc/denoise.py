@@ -18,13 +18,12 @@ DDP all-reduced) ``p.grad`` just before the wrapped optimizer's update.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,11 +43,6 @@ SVD_METHODS = ("auto", "full", "lowrank")
 LOWRANK_MIN_DIM: int = 512
 
 _DENOISER_ATTR = "_opacus_rc_spectral_denoiser"
-
-#: CPU stacks with numel * min(n, m) below this run single-threaded: a thread barrier in a
-#: sub-millisecond SVD can cost a scheduler slice (measured: 0.8 ms -> 1.25 s median for LoRA
-#: shapes on an oversubscribed 2-core machine), and such small SVDs gain nothing from threads.
-SINGLE_THREAD_WORK: int = 1 << 24
 
 
 # --------------------------------------------------------------------------------------------
@@ -107,7 +101,9 @@ def optimal_shrinker(s: torch.Tensor, noise_std: float, n: int, m: int) -> torch
 
 
 # --------------------------------------------------------------------------------------------
-# SVD back-ends
+# SVD back-ends. The thread count is the caller's (process-global state is left alone): on an
+# oversubscribed CPU, multi-threaded LAPACK can stall a sub-millisecond SVD on a thread barrier
+# for a scheduler slice, so such processes set torch.set_num_threads(1) once (docs/denoising.md).
 # --------------------------------------------------------------------------------------------
 def _svd_full(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Thin SVD of a stack (B, n, m): U (B, n, k), S (B, k), V (B, m, k), k = min(n, m)."""
@@ -137,21 +133,6 @@ def _svd(x: torch.Tensor, edge: float, svd: str) -> Tuple[torch.Tensor, torch.Te
     return _svd_lowrank_adaptive(x, edge) if use_lowrank else _svd_full(x)
 
 
-@contextlib.contextmanager
-def _single_thread_if_small(x: torch.Tensor) -> Iterator[None]:
-    """Run the block with one intra-op thread when ``x`` is a small CPU problem."""
-    threads = torch.get_num_threads()
-    small = x.device.type == "cpu" and x.numel() * min(x.shape[-2:]) < SINGLE_THREAD_WORK
-    if not small or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 # --------------------------------------------------------------------------------------------
 # the denoiser
 # --------------------------------------------------------------------------------------------
@@ -170,8 +151,7 @@ def _denoise_stack(
         return grads.clone(), untouched
     work = grads if grads.dtype in (torch.float32, torch.float64) else grads.float()
     edge = noise_edge(noise_std, n, m)
-    with _single_thread_if_small(work):
-        u, s, v = _svd(work, edge, svd)
+    u, s, v = _svd(work, edge, svd)
     eta = optimal_shrinker(s, noise_std, n, m)
     gate = (s[..., 0] > kappa * edge) & (eta[..., 0] > 0)
     if not bool(gate.any()):

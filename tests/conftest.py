@@ -10,6 +10,17 @@ warnings.filterwarnings("ignore", message="Secure RNG turned off")
 warnings.filterwarnings("ignore", message=".*full_backward_hook.*")
 
 
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """One intra-op thread for a test module of tiny-tensor loops (the audits, small SVDs), where
+    threads only contend on a loaded machine. The library leaves the thread count alone; like an
+    entry point, the test process sets it (``pytestmark = pytest.mark.usefixtures(...)``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class SequenceClassifier(nn.Module):
     """Embedding -> Linear -> LayerNorm -> Linear, mean-pooled over the sequence."""
 

@@ -1,7 +1,7 @@
-"""Independent privacy computations the accountant is tested against.
+"""Independent privacy computations the accountant and the audit are tested against.
 
-Nothing here imports the accountant's PRV code: the references are built from
-dp_accounting's PLDs and from plain quadrature with scipy.
+Nothing here imports the accountant's PRV code or the audit's references: the references are
+built from dp_accounting's PLDs, plain quadrature with scipy and closed forms.
 """
 
 from __future__ import annotations
@@ -11,6 +11,19 @@ from typing import Sequence
 
 import numpy as np
 from scipy import integrate, optimize, stats
+
+
+def gaussian_delta(eps: float, mu: float) -> float:
+    """Closed-form delta(eps) of the Gaussian mechanism N(0, 1) vs N(mu, 1) (sensitivity/sigma =
+    mu; Balle & Wang 2018, Thm. 8): Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)."""
+    return stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2)
+
+
+def gaussian_epsilon(mu: float, delta: float) -> float:
+    """Exact epsilon at ``delta`` of the Gaussian mechanism with sensitivity/sigma = ``mu``."""
+    if gaussian_delta(0.0, mu) <= delta:
+        return 0.0
+    return optimize.brentq(lambda e: gaussian_delta(e, mu) - delta, 0.0, 50.0, xtol=1e-12)
 
 
 def binomial_copies(micro_batches: int, q: float):

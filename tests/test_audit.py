@@ -19,30 +19,20 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy.stats import binom, norm
+from scipy.stats import binom
 
 from opacus_rc import SketchConfig, Sketcher
 from opacus_rc.audit import AuditConfig, clopper_pearson_upper, run_audit, threshold_audit
-from opacus_rc.audit._broken import BiasedLowSketcher, DataDependentSketcher, broken_sketcher, install_sketcher
 from opacus_rc.audit.__main__ import DEFAULT_SIGMA, main
+from opacus_rc.audit._broken import BiasedLowSketcher, DataDependentSketcher, broken_sketcher, install_sketcher
 from opacus_rc.audit.experiment import build_experiment
 from opacus_rc.audit.reference import exact_epsilon
 
+from .oracles import gaussian_epsilon
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 DELTA = 1e-2
-
-
-def gaussian_delta(eps: float, mu: float) -> float:
-    """Analytic delta(eps) of the Gaussian mechanism with sensitivity/sigma = mu
-    (Balle & Wang 2018, Thm. 8)."""
-    return norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2)
-
-
-def gaussian_epsilon(mu: float, delta: float) -> float:
-    lo, hi = 0.0, 50.0
-    for _ in range(100):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if gaussian_delta(mid, mu) > delta else (lo, mid)
-    return hi
 
 
 # ---- statistics ----------------------------------------------------------------------

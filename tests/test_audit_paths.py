@@ -31,7 +31,10 @@ from opacus_rc.audit.__main__ import main
 from opacus_rc.audit.paths import build_hand_built
 from opacus_rc.audit.reference import accumulation_exact_epsilon, composed_sum_epsilon
 
-from .test_audit import DELTA, gaussian_epsilon
+from .oracles import gaussian_epsilon
+from .test_audit import DELTA
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def test_references_match_gaussian_formula():

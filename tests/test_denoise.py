@@ -32,6 +32,9 @@ from opacus_rc.denoise import (
     spectral_denoise_batched,
 )
 
+# small SVDs: threads only contend (the library leaves the thread count to its caller)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 N, M, TAU = 200, 400, 1.0
 CRIT = (N * M) ** 0.25  # detection threshold tau (n m)^{1/4}
 

@@ -28,6 +28,8 @@ from torch.utils.data.distributed import DistributedSampler
 from opacus_rc.audit import NormaliserAuditConfig, normaliser_exact_epsilon, run_normaliser_audit
 from opacus_rc.integration import loader_batch_size, public_sampling
 
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 BATCH = 20
 MODES = [
     dict(grad_sample_mode="ghost"),

@@ -216,4 +216,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    import torch
+
+    # this process only: the audited steps are tiny tensors, where intra-op threads only contend
+    torch.set_num_threads(1)
     sys.exit(main())

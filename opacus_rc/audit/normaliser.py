@@ -264,16 +264,11 @@ def run_normaliser_audit(
 ) -> NormaliserAuditResult:
     """Audit one normaliser variant: ``config.steps`` real steps on each neighbour."""
     start = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        n = config.dataset_size
-        with_ex = _build(config, n, config.seed)  # D' = D + one example ("canary in")
-        without = _build(config, n - 1, config.seed + 10)  # D
-        scores_in, eps_in = _scores(with_ex, config.steps, config.delta, progress)
-        scores_out, eps_out = _scores(without, config.steps, config.delta, progress)
-    finally:
-        torch.set_num_threads(threads)
+    n = config.dataset_size
+    with_ex = _build(config, n, config.seed)  # D' = D + one example ("canary in")
+    without = _build(config, n - 1, config.seed + 10)  # D
+    scores_in, eps_in = _scores(with_ex, config.steps, config.delta, progress)
+    scores_out, eps_out = _scores(without, config.steps, config.delta, progress)
     eps_accounted = max(eps_in, eps_out)
     half = config.steps // 2
     test = threshold_audit(

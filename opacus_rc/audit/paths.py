@@ -298,13 +298,7 @@ def run_path_audit(
     config: PathAuditConfig, progress: Optional[Callable[[int], None]] = None
 ) -> PathAuditResult:
     """Audit one side path (see the module docstring)."""
-    start = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _run(config, progress, start)
-    finally:
-        torch.set_num_threads(threads)
+    return _run(config, progress, time.perf_counter())
 
 
 def _run(config: PathAuditConfig, progress, start: float) -> PathAuditResult:

@@ -1,0 +1,30 @@
+"""The installed package is the runtime only: benchmarks/, examples/ and tools/ stay outside it,
+and library code leaves the process-wide thread count to its caller."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_package_holds_the_runtime_only():
+    from setuptools import find_packages
+
+    packages = find_packages(str(ROOT), include=["opacus_rc*"])  # pyproject.toml's packages.find
+    assert "opacus_rc" in packages
+    assert all(p == "opacus_rc" or p.startswith("opacus_rc.") for p in packages), packages
+    for gone in ("bench", "models", "datasets.py", "profiling.py"):
+        assert not (ROOT / "opacus_rc" / gone).exists(), gone
+    assert 'include = ["opacus_rc*"]' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_no_thread_count_changes_in_library_code():
+    """Only an entry point's ``if __name__ == "__main__"`` block may call set_num_threads."""
+    for path in (ROOT / "opacus_rc").rglob("*.py"):
+        text = path.read_text()
+        calls = [m.start() for m in re.finditer(r"torch\.set_num_threads\(", text)]
+        main = text.find('if __name__ == "__main__":')
+        lib_calls = [c for c in calls if main < 0 or c < main]
+        # a comment naming the call is fine; code is not
+        code = [c for c in lib_calls if not text[text.rfind("\n", 0, c) + 1:c].lstrip().startswith("#")]
+        assert not code, f"{path.relative_to(ROOT)} changes the thread count in library code"
