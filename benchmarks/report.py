@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 MiB = 2**20
 
@@ -36,13 +36,20 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def _by_shape(
+    records: Sequence[dict], value: Callable[[dict], Any]
+) -> List[Tuple[Tuple[int, int, int, int], Dict[str, Any]]]:
+    """``((d, p, batch, seq_len), {method: value(record)})`` per layer shape and T, sorted."""
+    by_key: Dict[Tuple[int, int, int, int], Dict[str, Any]] = {}
+    for r in records:
+        by_key.setdefault((r["d"], r["p"], r["batch"], r["seq_len"]), {})[r["method"]] = value(r)
+    return sorted(by_key.items())
+
+
 def layer_table(layers: Sequence[dict]) -> str:
     """FLOPs (GFLOP) and peak extra memory (MiB) per shape and T, with ratios to ghost."""
-    by_key: Dict[Tuple[int, int, int, int], Dict[str, dict]] = {}
-    for r in layers:
-        by_key.setdefault((r["d"], r["p"], r["batch"], r["seq_len"]), {})[r["method"]] = r
     rows = []
-    for (d, p, b, t), m in sorted(by_key.items()):
+    for (d, p, b, t), m in _by_shape(layers, lambda r: r):
         ghost = m.get("ghost")
         row = [f"{d}x{p}", str(b), str(t)]
         for name in ("ghost", "fgc", "hutchinson", "hutchpp"):
@@ -60,11 +67,8 @@ def layer_table(layers: Sequence[dict]) -> str:
 
 
 def layer_time_table(layer_times: Sequence[dict]) -> str:
-    by_key: Dict[Tuple[int, int, int, int], Dict[str, float]] = {}
-    for r in layer_times:
-        by_key.setdefault((r["d"], r["p"], r["batch"], r["seq_len"]), {})[r["method"]] = r["time_s"]
     rows = []
-    for (d, p, b, t), m in sorted(by_key.items()):
+    for (d, p, b, t), m in _by_shape(layer_times, lambda r: r["time_s"]):
         ghost = m.get("ghost")
         cells = [f"{d}x{p}", str(b), str(t)]
         for name in ("ghost", "fgc", "hutchinson", "hutchpp"):
