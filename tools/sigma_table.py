@@ -78,8 +78,8 @@ def render(results: Dict[Key, Dict[str, float]], rows: Sequence[Tuple[float, flo
         "",
     ]
     titles = {"shared": "Shared sketch (Z revealed to the adversary; the paper's setting)",
-              "per_example": "Per-example sketches (Z hidden)"}
-    for sk in SKETCHINGS:
+              "per_example": "Per-example sketches (Z hidden; the default)"}
+    for sk in ("per_example", "shared"):  # the default first
         if not any(_key(e, q, n, k, sk) in results for e, q, n in rows for k in ks):
             continue
         lines += [f"## {titles[sk]}", "",
