@@ -60,7 +60,8 @@ def private(model, t, *, clipping, mode, noise=0.0, accountant="rc_prv", micro_b
     loader = torch.utils.data.DataLoader(
         token_task(n=WORLD * PER_RANK, t=t), batch_size=WORLD * PER_RANK // micro_batches
     )
-    extra = {"sketch_size": K, "sketch_seed": 7, **options} if clipping == "randomized" else {}
+    # shared sketches unless a test asks otherwise: ranks and one process draw the same sketch
+    extra = {"sketch_size": K, "sketch_seed": 7, "sketching": "shared", **options} if clipping == "randomized" else {}
     out = engine.make_private(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
