@@ -41,6 +41,7 @@ from torch import nn
 
 from ..config import ESTIMATORS, SKETCHINGS
 from ._broken import VARIANTS, broken_sketcher, install_sketcher
+from .checks import check_choices, check_ints, check_positive, check_unit_interval
 from .stats import ThresholdAudit, threshold_audit
 
 logger = logging.getLogger(__name__)
@@ -103,29 +104,14 @@ class AuditConfig:
     max_grad_norm: float = 1.0
 
     def __post_init__(self) -> None:
-        for name, value, accepted in (
+        check_choices(
             ("estimator", self.estimator, ESTIMATORS),
             ("variant", self.variant, VARIANTS),
             ("sketching", self.sketching, SKETCHINGS),
-        ):
-            if value not in accepted:
-                raise ValueError(
-                    f"{name}={value!r} is not supported; accepted values: "
-                    f"{', '.join(repr(a) for a in accepted)}"
-                )
-        for name in ("sketch_size", "steps", "replicas", "background"):
-            value = getattr(self, name)
-            minimum = 2 if name in ("steps", "replicas") else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name}={value!r} is invalid; accepted values: an int >= {minimum}")
-        for name in ("sigma", "canary_norm", "max_grad_norm"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name}={value!r} is invalid; accepted values: a float > 0")
-        if not 0.0 < self.delta < 1.0:
-            raise ValueError(f"delta={self.delta!r} is invalid; accepted values: a float in (0, 1)")
-        if not 0.0 < self.alpha < 1.0:
-            raise ValueError(f"alpha={self.alpha!r} is invalid; accepted values: a float in (0, 1)")
+        )
+        check_ints(self, (("sketch_size", 1), ("steps", 2), ("replicas", 2), ("background", 1)))
+        check_positive(self, ("sigma", "canary_norm", "max_grad_norm"))
+        check_unit_interval(self, ("delta", "alpha"))
 
     @property
     def shapes(self) -> Tuple[int, int, int]:

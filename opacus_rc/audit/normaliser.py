@@ -45,6 +45,7 @@ from scipy.stats import chi2
 from torch import nn
 
 from ..config import ESTIMATORS
+from .checks import check_choices, check_ints, check_positive, check_unit_interval
 from .experiment import AuditResult, InnerProductLoss, accounted_epsilon
 from .stats import threshold_audit
 
@@ -90,35 +91,22 @@ class NormaliserAuditConfig:
     max_grad_norm: float = 1.0
 
     def __post_init__(self) -> None:
-        for name, value, accepted in (
+        check_choices(
             ("variant", self.variant, NORMALISER_VARIANTS),
             ("grad_sample_mode", self.grad_sample_mode, GRAD_SAMPLE_MODES),
             ("estimator", self.estimator, ESTIMATORS),
-        ):
-            if value not in accepted:
-                raise ValueError(
-                    f"{name}={value!r} is not supported; accepted values: "
-                    f"{', '.join(repr(a) for a in accepted)}"
-                )
-        for name, minimum in (
-            ("dataset_size", 3), ("batch_size", 1), ("output_dim", 1), ("steps", 4), ("sketch_size", 1)
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name}={value!r} is invalid; accepted values: an int >= {minimum}")
+        )
+        check_ints(
+            self,
+            (("dataset_size", 3), ("batch_size", 1), ("output_dim", 1), ("steps", 4), ("sketch_size", 1)),
+        )
         if self.batch_size >= self.dataset_size:
             raise ValueError(
                 f"batch_size={self.batch_size!r} is invalid; accepted values: an int < "
                 f"dataset_size={self.dataset_size} (several batches per epoch)"
             )
-        for name in ("sigma", "max_grad_norm"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name}={value!r} is invalid; accepted values: a float > 0")
-        for name in ("delta", "alpha"):
-            value = getattr(self, name)
-            if not 0.0 < value < 1.0:
-                raise ValueError(f"{name}={value!r} is invalid; accepted values: a float in (0, 1)")
+        check_positive(self, ("sigma", "max_grad_norm"))
+        check_unit_interval(self, ("delta", "alpha"))
 
 
 def dataset_size_normaliser(dataset_size: int, batch_size: int) -> int:

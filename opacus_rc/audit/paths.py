@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ..config import ESTIMATORS, SKETCHINGS
+from .checks import check_choices, check_ints
 from .experiment import AuditConfig, AuditResult, InnerProductLoss, _data, accounted_epsilon
 from .reference import accumulation_exact_epsilon, composed_sum_epsilon
 from .stats import threshold_audit
@@ -101,20 +102,12 @@ class PathAuditConfig:
     max_grad_norm: float = 1.0
 
     def __post_init__(self) -> None:
-        for name, value, accepted in (
+        check_choices(
             ("variant", self.variant, PATH_VARIANTS),
             ("estimator", self.estimator, ESTIMATORS),
             ("sketching", self.sketching, SKETCHINGS),
-        ):
-            if value not in accepted:
-                raise ValueError(
-                    f"{name}={value!r} is not supported; accepted values: "
-                    f"{', '.join(repr(a) for a in accepted)}"
-                )
-        for name, minimum in (("micro_batches", 2), ("episode_steps", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name}={value!r} is invalid; accepted values: an int >= {minimum}")
+        )
+        check_ints(self, (("micro_batches", 2), ("episode_steps", 1)))
         if not (isinstance(self.sample_rate, (int, float)) and 0.0 < self.sample_rate <= 1.0):
             raise ValueError(
                 f"sample_rate={self.sample_rate!r} is invalid; accepted values: a float in (0, 1]"

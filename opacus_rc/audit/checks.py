@@ -1,0 +1,41 @@
+"""Validation of the audits' configurations: one error message per kind of field, naming
+the field and its accepted values."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence, Tuple
+
+
+def check_choices(*fields: Tuple[str, Any, Sequence[Any]]) -> None:
+    """``(name, value, accepted)`` triples: ``value`` must be one of ``accepted``."""
+    for name, value, accepted in fields:
+        if value not in accepted:
+            raise ValueError(
+                f"{name}={value!r} is not supported; accepted values: "
+                f"{', '.join(repr(a) for a in accepted)}"
+            )
+
+
+def check_ints(config: Any, fields: Iterable[Tuple[str, int]]) -> None:
+    """``(name, minimum)`` pairs: ``config.name`` must be an int >= minimum."""
+    for name, minimum in fields:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name}={value!r} is invalid; accepted values: an int >= {minimum}")
+
+
+def check_positive(config: Any, names: Iterable[str]) -> None:
+    """``config.name`` must be a finite float > 0."""
+    for name in names:
+        value = getattr(config, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}={value!r} is invalid; accepted values: a float > 0")
+
+
+def check_unit_interval(config: Any, names: Iterable[str]) -> None:
+    """``config.name`` must lie in (0, 1)."""
+    for name in names:
+        value = getattr(config, name)
+        if not 0.0 < value < 1.0:
+            raise ValueError(f"{name}={value!r} is invalid; accepted values: a float in (0, 1)")
