@@ -40,7 +40,7 @@ import math
 import numbers
 import os
 import threading
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -435,6 +435,18 @@ class SecurePoissonSampler(UniformWithReplacementSampler):
         )
 
 
+
+def loader_settings(data_loader: Any) -> Dict[str, Any]:
+    """The worker and batching settings of ``data_loader`` that a Poisson loader replacing
+    it keeps (as Opacus's ``DPDataLoader.from_data_loader`` does)."""
+    return {
+        name: getattr(data_loader, name)
+        for name in (
+            "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn",
+            "multiprocessing_context", "prefetch_factor", "persistent_workers",
+        )
+    }
+
 class SecureDPDataLoader(DPDataLoader):
     """Opacus's :class:`~opacus.data_loader.DPDataLoader` (Poisson sampling, collate
     function wrapped for empty batches) with a :class:`SecurePoissonSampler` as its batch
@@ -511,15 +523,7 @@ class SecureDPDataLoader(DPDataLoader):
         return cls(
             dataset=data_loader.dataset,
             sample_rate=1 / len(data_loader) if sample_rate is None else float(sample_rate),
-            num_workers=data_loader.num_workers,
-            collate_fn=data_loader.collate_fn,
-            pin_memory=data_loader.pin_memory,
-            drop_last=data_loader.drop_last,
-            timeout=data_loader.timeout,
-            worker_init_fn=data_loader.worker_init_fn,
-            multiprocessing_context=data_loader.multiprocessing_context,
-            prefetch_factor=data_loader.prefetch_factor,
-            persistent_workers=data_loader.persistent_workers,
+            **loader_settings(data_loader),
             distributed=distributed,
             generator=generator,
             batch_first=batch_first,

@@ -49,6 +49,7 @@ from torch import nn
 from torch.utils.data.distributed import DistributedSampler
 
 from . import checkpoint
+from .csprng import loader_settings
 from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
 from .config import SketchConfig
 from .loss import DPLossRandomizedClipping
@@ -337,16 +338,8 @@ def _prepare_data_loader(original, self: PrivacyEngine, data_loader, **kwargs):
     return DPDataLoader(
         dataset=data_loader.dataset,
         sample_rate=request.sampling.sample_rate,
-        num_workers=data_loader.num_workers,
-        collate_fn=data_loader.collate_fn,
-        pin_memory=data_loader.pin_memory,
-        drop_last=data_loader.drop_last,
-        timeout=data_loader.timeout,
-        worker_init_fn=data_loader.worker_init_fn,
-        multiprocessing_context=data_loader.multiprocessing_context,
+        **loader_settings(data_loader),
         generator=self.secure_rng if self.secure_rng is not None else data_loader.generator,
-        prefetch_factor=data_loader.prefetch_factor,
-        persistent_workers=data_loader.persistent_workers,
         distributed=kwargs.get("distributed", False),
         batch_first=kwargs.get("batch_first", True),
         rand_on_empty=kwargs.get("rand_on_empty", False),
