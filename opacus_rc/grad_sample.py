@@ -60,6 +60,7 @@ class _SketcherOwner:
     ) -> None:
         super().__init__(m, **self._opacus_options, **kwargs)
         self.sketch_config = sketch_config
+        self._clocked: List[nn.Parameter] = []  # parameters carrying the step clock
         self._sketcher = Sketcher(sketch_config, seed=sketch_seed, secure_mode=secure_mode)
         self._sketcher.bind_step_clock(self._optimizer_steps)
         self._awaiting_forward = True
@@ -78,12 +79,13 @@ class _SketcherOwner:
 
     def _optimizer_steps(self) -> Optional[int]:
         """Steps taken by the randomized-clipping optimizer over these parameters (it
-        counts them on the parameters), or None if no such optimizer holds them."""
-        steps = [
-            p._rc_steps_taken for p in self._module.parameters()
-            if p.requires_grad and hasattr(p, "_rc_steps_taken")
-        ]
-        return max(steps) if steps else None
+        counts them on the parameters), or None if no such optimizer holds them. Read at
+        every sketch lookup: the parameters carrying the count are found once."""
+        if not self._clocked:
+            self._clocked = [p for p in self._module.parameters() if hasattr(p, "_rc_steps_taken")]
+            if not self._clocked:
+                return None
+        return max(p._rc_steps_taken for p in self._clocked)
 
     def _start_pass(self, module: nn.Module) -> None:
         """The first hooked layer of a training forward pass starts a sketch pass."""
