@@ -205,3 +205,34 @@ def bias_grads(backprops: torch.Tensor) -> torch.Tensor:
 def bias_sq_norms(backprops: torch.Tensor) -> torch.Tensor:
     """Exact squared norm of the per-sample bias gradient ``sum_t G_i[t]``."""
     return bias_grads(backprops).pow(2).sum(dim=1)
+
+
+def embedding_sq_norms(
+    ids: torch.Tensor, backprops: torch.Tensor, padding_idx: "int | None" = None
+) -> torch.Tensor:
+    """Exact ``||onehot(ids_i)^T G_i||_F^2 = sum_v ||sum_{t: ids_i[t] = v} G_i[t]||^2``
+    for an embedding layer, without leaving the device.
+
+    Each example's ids are sorted; runs of equal ids get consecutive slots and the
+    output gradients are summed per slot (``scatter_add``), so the shapes never depend
+    on the data (no ``unique``: no host synchronisation). The padding row receives no
+    gradient and is left out. Memory O(B T d) in float32 or wider.
+
+    Args:
+        ids: (B, ...) token ids.
+        backprops: (B, ..., d) output gradients.
+        padding_idx: the layer's padding index, or None.
+    """
+    ids = ids.reshape(ids.shape[0], math.prod(ids.shape[1:]))
+    g = backprops.reshape(*ids.shape, backprops.shape[-1])
+    if g.dtype in _LOW_PRECISION:
+        g = g.float()
+    if padding_idx is not None:
+        g = g.masked_fill((ids == padding_idx)[..., None], 0)
+    sorted_ids, order = ids.sort(dim=1, stable=True)
+    starts = torch.ones_like(sorted_ids, dtype=torch.bool)
+    starts[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    run_of_sorted = starts.cumsum(dim=1) - 1  # slot of each sorted position
+    slot = torch.empty_like(run_of_sorted).scatter_(1, order, run_of_sorted)
+    sums = torch.zeros_like(g).scatter_add_(1, slot[..., None].expand_as(g), g)
+    return sums.pow(2).sum(dim=(1, 2))

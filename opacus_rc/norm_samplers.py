@@ -10,7 +10,7 @@ Opacus's exact per-sample gradient machinery (grad samplers or functorch).
 * ``nn.Linear``: weight estimated by the sketch (exactly, by the ghost formula, when the
   sequence is no longer than the sketch, T <= k, and ``exact_when_cheaper`` is on: then
   exact is cheaper in FLOPs and memory); bias exact.
-* ``nn.Embedding``: exact (Opacus's sparse-aware norm sampler, cheap).
+* ``nn.Embedding``: exact (sort and segment sums on the device, cheap).
 """
 
 from __future__ import annotations
@@ -20,10 +20,16 @@ import math
 from typing import Callable, Dict, List, Sequence, Type, Union
 
 import torch
-from opacus.grad_sample.embedding_norm_sample import compute_embedding_norm_sample
 from torch import nn
 
-from .estimators import as_sequences, bias_grads, bias_sq_norms, ghost_sq_norms, sketched_product
+from .estimators import (
+    as_sequences,
+    bias_grads,
+    bias_sq_norms,
+    embedding_sq_norms,
+    ghost_sq_norms,
+    sketched_product,
+)
 from .sketch import Sketcher
 
 NormSampler = Callable[
@@ -94,12 +100,12 @@ def embedding_norm_sample(
     backprops: torch.Tensor,
     sketcher: Sketcher,
 ) -> Dict[nn.Parameter, torch.Tensor]:
-    """Exact norms for ``nn.Embedding`` (Opacus's ghost norm sampler; token ids made
-    contiguous first, since Opacus views them, which fails on sliced inputs)."""
-    if activations[0].shape[0] == 0:  # empty Poisson batch
-        return {layer.weight: backprops.new_zeros(0)} if layer.weight.requires_grad else {}
-    ids = [activations[0].contiguous(), *activations[1:]]
-    return compute_embedding_norm_sample(layer, ids, backprops)
+    """Exact norms for ``nn.Embedding`` (:func:`~opacus_rc.estimators.embedding_sq_norms`:
+    the same norms as Opacus's ghost norm sampler, without its data-dependent ``unique``,
+    and without the padding row, which never receives gradient)."""
+    if not layer.weight.requires_grad:
+        return {}
+    return {layer.weight: embedding_sq_norms(activations[0], backprops, layer.padding_idx).sqrt()}
 
 
 # --- Parameters used more than once in a forward pass (tied weights) -----------------

@@ -12,6 +12,7 @@ from opacus.grad_sample.linear import compute_linear_grad_sample
 from torch import nn
 
 from opacus_rc.estimators import (
+    embedding_sq_norms,
     ghost_sq_norms,
     hutchinson_sq_norms,
     hutchpp_sq_norms,
@@ -154,3 +155,49 @@ def test_sketch_larger_than_layer_is_exact_for_hutchpp():
     rows = sketch_rows(4, 6, "auto")
     est = hutchpp_sq_norms(a, g, draw(rows, 64, gen), draw(rows, 64, gen))
     torch.testing.assert_close(est, exact_sq_norms(a, g))
+
+
+def per_sample_embedding_sq_norms(layer: nn.Embedding, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Independent reference: one autograd backward per example through the layer."""
+    out = []
+    for i in range(ids.shape[0]):
+        layer.zero_grad()
+        (layer(ids[i : i + 1]) * g[i : i + 1]).sum().backward()
+        out.append(layer.weight.grad.pow(2).sum())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0])
+@pytest.mark.parametrize("shape", [(5, 17), (3, 4, 6), (2, 1)])
+def test_embedding_norms_match_per_sample_gradients(padding_idx, shape):
+    """Sort-and-segment norms equal autograd's per-example gradients (repeated ids and
+    the padding row included; vocabulary 6, so most ids repeat)."""
+    gen = torch.Generator().manual_seed(5)
+    layer = nn.Embedding(6, 4, padding_idx=padding_idx).double()
+    ids = torch.randint(0, 6, shape, generator=gen)
+    g = torch.randn(*shape, 4, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(
+        embedding_sq_norms(ids, g, padding_idx), per_sample_embedding_sq_norms(layer, ids, g)
+    )
+
+
+def test_embedding_norms_equal_opacus_ghost_norm_sampler():
+    from opacus.grad_sample.embedding_norm_sample import compute_embedding_norm_sample
+
+    gen = torch.Generator().manual_seed(6)
+    layer = nn.Embedding(50, 8)
+    ids = torch.randint(0, 50, (4, 64), generator=gen)
+    g = torch.randn(4, 64, 8, generator=gen)
+    want = compute_embedding_norm_sample(layer, [ids], g)[layer.weight].pow(2)
+    torch.testing.assert_close(embedding_sq_norms(ids, g), want, rtol=1e-5, atol=1e-6)
+    assert embedding_sq_norms(ids[:0], g[:0]).shape == (0,)
+
+
+def test_embedding_norms_need_no_host_synchronisation():
+    from benchmarks.host_sync import HostSyncCounter
+
+    ids = torch.randint(0, 50, (4, 64))
+    g = torch.randn(4, 64, 8, dtype=torch.bfloat16)
+    with HostSyncCounter() as syncs:
+        out = embedding_sq_norms(ids, g, padding_idx=3)
+    assert syncs.where == [] and out.dtype == torch.float32
