@@ -10,8 +10,12 @@ that every mode can run it), random weights, bf16 autocast, batch 1, T in {4096,
 ``randomized`` (two passes) and ``randomized_bk`` (book-keeping), k = 32. Each (mode, T) gets
 a fresh model, one warm-up step and ``--steps`` timed steps; the JSON records the median step
 time and ``torch.cuda.max_memory_allocated``, an out-of-memory error as ``"oom"`` (the run
-goes on), and, for the randomized modes on CUDA, the number of host synchronisations inside
-a step reported by ``torch.cuda.set_sync_debug_mode("warn")``. Configurations that would
+goes on), and, from one more untimed step, the operations that make the host wait
+(``syncing_ops_per_step``, by site: :mod:`benchmarks.host_sync`, any device) and on CUDA
+the synchronisations ``torch.cuda.set_sync_debug_mode("warn")`` reports
+(``host_syncs_per_step``). The optimizer is fused SGD, which skips a refused step on the
+device (no host synchronisation for the non-finite check). Hugging Face's mask code
+reads one value per forward pass (``find_packed_sequence_indices``), in every mode. Configurations that would
 start after ``--time-budget-s`` are recorded as skipped.
 
 Without CUDA (and without ``--device cpu``) it says so in one line and exits with status 2.
@@ -32,6 +36,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .host_sync import HostSyncCounter
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +65,7 @@ class Runner:
 
     def __init__(self, mode: str, model: nn.Module, batch: torch.Tensor, device: torch.device) -> None:
         self.mode, self.model, self.device = mode, model, device
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, fused=True)  # device-side skip: no host sync
         self.criterion = None
         if mode == "nonprivate":
             self.module, self.optimizer = model, optimizer
@@ -108,6 +114,27 @@ def _is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
+def count_syncs(runner: Runner, tokens: torch.Tensor, device: torch.device) -> Dict[str, Any]:
+    """One more, untimed step: the syncing operations the dispatcher sees, by site (any
+    device; :mod:`benchmarks.host_sync`) and, on CUDA, the synchronisations
+    ``torch.cuda.set_sync_debug_mode("warn")`` reports."""
+    cuda = device.type == "cuda"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with HostSyncCounter() as ops:
+                runner.step(tokens)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    out: Dict[str, Any] = {"syncing_ops_per_step": ops.by_site()}
+    if cuda:
+        out["host_syncs_per_step"] = sum("synchroniz" in str(w.message).lower() for w in caught)
+    return out
+
+
 def run_one(mode: str, cfg: Dict[str, Any], seq_len: int, steps: int, device: torch.device) -> Dict[str, Any]:
     """Median step time, peak allocated memory and host syncs of one (mode, T)."""
     record: Dict[str, Any] = {"mode": mode, "seq_len": seq_len}
@@ -122,25 +149,13 @@ def run_one(mode: str, cfg: Dict[str, Any], seq_len: int, steps: int, device: to
         runner.step(tokens)  # warm-up
         _sync(device)
         times: List[float] = []
-        syncs: Optional[int] = None
         for _ in range(steps):
             start = time.perf_counter()
-            if device.type == "cuda" and mode.startswith("randomized"):
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    torch.cuda.set_sync_debug_mode("warn")
-                    try:
-                        runner.step(tokens)
-                    finally:
-                        torch.cuda.set_sync_debug_mode("default")
-                syncs = max(syncs or 0, sum("synchroniz" in str(w.message).lower() for w in caught))
-            else:
-                runner.step(tokens)
+            runner.step(tokens)
             _sync(device)
             times.append(time.perf_counter() - start)
         record.update(status="ok", median_step_s=statistics.median(times), step_times_s=times)
-        if syncs is not None:
-            record["host_syncs_per_step"] = syncs
+        record.update(count_syncs(runner, tokens, device))
     except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
         if not _is_oom(error):
             raise

@@ -58,7 +58,6 @@ from opacus.utils.module_utils import requires_grad
 from torch import nn
 
 from .grad_sample import SketchingMixin
-from .loss import DPLossRandomizedClipping, DPTensorRandomizedClipping
 from .optimizer import RandomizedClippingMixin
 from .norm_samplers import TIED_PROJECTIONS
 from .sketch import entropy_seed
@@ -114,23 +113,6 @@ def check_fsdp_mode(module: Any, grad_sample_mode: str) -> None:
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def all_ranks_agree(ok: bool, device: Optional[torch.device] = None) -> bool:
-    """True iff ``ok`` holds on every rank (one scalar all-reduce; no-op in one process).
-
-    Gloo reduces CPU tensors only, NCCL device tensors only: the flag lives where the
-    backend wants it.
-    """
-    if _world() == 1:
-        return ok
-    backend = dist.get_backend()
-    where = device if backend == "nccl" and device is not None else torch.device("cpu")
-    if backend == "nccl" and where.type == "cpu":
-        where = torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=where)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def shared_sketch_seed(seed: Optional[int], secure_mode: bool) -> Optional[int]:
@@ -324,12 +306,7 @@ class FSDPSketchingMixin(SketchingMixin):
             norms = torch.stack([n.to(device) for _, n in per_param]).norm(2, dim=0)
         else:
             norms = torch.zeros(0)
-        self.per_sample_gradient_norms = norms
-        if not all_ranks_agree(bool(norms.isfinite().all()), norms.device):
-            raise FloatingPointError(
-                "non-finite per-sample gradient norm on at least one rank: refusing to clip "
-                "(every rank refuses the step)"
-            )
+        self.per_sample_gradient_norms = norms  # checked for finiteness by the optimizer's step
         return norms
 
 
@@ -352,6 +329,11 @@ class FSDPRandomizedClippingOptimizer(RandomizedClippingMixin, FSDPOptimizerFast
     clipping: each rank noises the shard it owns (std ``sigma C / world_size`` for a
     mean loss), so every parameter element is noised once; the step and the accountant
     hook run on every rank with the same history."""
+
+    _refusals_across_ranks = True
+
+    def _clipped_sums(self) -> List[Optional[torch.Tensor]]:
+        return [self.grad_state[p]["summed_grad"] for p in self.params]
 
     def accumulate(self) -> None:
         """Move the clipped (sharded) gradient into ``grad_state`` without a copy."""
@@ -383,33 +365,3 @@ class FSDPRandomizedClippingOptimizer(RandomizedClippingMixin, FSDPOptimizerFast
                 # across shards even when every rank seeds the generator identically.
                 noise = _generate_noise(std=std, reference=summed, generator=self.generator)
                 p.grad = (summed + noise).view_as(p)
-
-    def _check_finite_gradients(self) -> None:
-        ok = True
-        for p in self.params:
-            if p.grad is not None:
-                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                ok = ok and bool(torch.isfinite(local).all())
-        device = next((p.device for p in self.params), None)
-        if not all_ranks_agree(ok, device):
-            raise FloatingPointError(
-                "non-finite clipped gradient on at least one rank: the step is refused on "
-                "every rank before noise is added; parameters and the privacy accountant are "
-                "unchanged. Call optimizer.zero_grad() and check the loss and inputs of this batch"
-            )
-
-
-class DPLossRandomizedClippingFSDP(DPLossRandomizedClipping):
-    """The randomized-clipping criterion under FSDP2: a non-finite per-sample loss on any
-    rank refuses the backward pass on every rank (otherwise the other ranks would wait
-    forever in FSDP2's collectives)."""
-
-    def __call__(self, *args, shape=None, **kwargs) -> DPTensorRandomizedClipping:
-        loss = super().__call__(*args, shape=shape, **kwargs)
-        per_sample = loss.loss_per_sample
-        if not all_ranks_agree(bool(per_sample.isfinite().all()), per_sample.device):
-            raise FloatingPointError(
-                "non-finite per-sample loss on at least one rank: backward refused on every "
-                "rank, nothing was accumulated; check this batch's inputs and the model's outputs"
-            )
-        return loss

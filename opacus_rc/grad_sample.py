@@ -134,7 +134,8 @@ class SketchingMixin(_SketcherOwner):
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-example norms over all trainable parameters (L2 of the per-parameter
-        norms), with a clear error when a layer did not see the batch dimension."""
+        norms), with a clear error when a layer did not see the batch dimension (their
+        finiteness is checked by the optimizer's step: :mod:`opacus_rc.finite`)."""
         batch = max((int(p._norm_sample.shape[0]) for p in self.trainable_parameters), default=0)
         for name, p in trainable_parameters(self._module):
             if p._norm_sample.shape[0] != batch:
@@ -144,14 +145,7 @@ class SketchingMixin(_SketcherOwner):
                     "(e.g. position ids of shape (1, T)); pass it with a batch dimension "
                     "(e.g. position_ids of shape (B, T))"
                 )
-        norms = super().get_norm_sample()
-        if not bool(norms.isfinite().all()):
-            # no index, no value: which example failed is itself private
-            raise FloatingPointError(
-                "non-finite per-sample gradient norm in this batch: refusing to clip (the "
-                "step is not taken; end the run, see nonfinite= in make_private)"
-            )
-        return norms
+        return super().get_norm_sample()
 
     def capture_activations_hook(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor

@@ -61,7 +61,6 @@ from .grad_sample import (
 )
 from .fsdp import (
     FSDP_MODE,
-    DPLossRandomizedClippingFSDP,
     FSDPRandomizedClippingOptimizer,
     GradSampleHooksRandomizedClippingFSDP,
     GradSampleModuleRandomizedClippingFSDP,
@@ -457,8 +456,6 @@ def _prepare_criterion(original, self: PrivacyEngine, *, module, optimizer, crit
             self, module=module, optimizer=optimizer, criterion=criterion,
             loss_reduction=loss_reduction, **kwargs,
         )
-    if isinstance(optimizer, FSDPRandomizedClippingOptimizer):
-        return DPLossRandomizedClippingFSDP(module, optimizer, criterion, loss_reduction)
     return DPLossRandomizedClipping(module, optimizer, criterion, loss_reduction)
 
 

@@ -32,11 +32,9 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
     accumulates across micro-batches."""
 
     def backward(self) -> None:
-        if not bool(self.loss_per_sample.isfinite().all()):
-            raise FloatingPointError(
-                "non-finite per-sample loss: backward refused, nothing was accumulated; "
-                "check this batch's inputs and the model's outputs"
-            )
+        """Opacus's two passes; the per-sample losses and norms join the step's
+        non-finite check, decided in ``optimizer.step()`` without a host
+        synchronisation here (see :mod:`opacus_rc.finite`)."""
         optimizer = self.optimizer
         # Clipped sums of earlier micro-batches of this step (Opacus zeroes p.grad
         # between the two passes); nothing to keep on a step's first pass.
@@ -55,6 +53,10 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
             if e is not None:
                 p.grad = e if p.grad is None else p.grad.add_(e)
         optimizer.backward_passes += 1
+        note = getattr(optimizer, "note_finite", None)
+        if note is not None:
+            note("per-sample loss", self.loss_per_sample)
+            note("per-sample gradient norm", getattr(self.module, "per_sample_gradient_norms", None))
 
 
 def _keep_type(name: str):

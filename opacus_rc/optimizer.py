@@ -9,7 +9,7 @@ the ``rc_prv`` accountant reads in its step hook.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from .bookkeeping import keep_rows
 from .config import SketchConfig
+from .finite import NonFiniteGuard, failed_kinds
 
 
 _LEGACY_STATE_KEY = "opacus_rc"  # generator states stored by versions up to 0.1.0
@@ -53,8 +54,8 @@ class RandomizedClippingMixin:
         self.sketch_config = sketch_config
         #: "raise" (default) or "skip" (book-keeping only): see ``make_private(nonfinite=)``
         self.nonfinite = "raise"
-        #: examples dropped for a non-finite norm under nonfinite="skip" (local: never saved)
-        self.skipped_examples = 0
+        self._skipped = None  # device count of examples dropped under nonfinite="skip"
+        self._nonfinite_guard = NonFiniteGuard()
         self.backward_passes = 0  # micro-batches accumulated since the last step() call
         # The step clock the grad-sample module's sketcher reads (new sketches every
         # logical step however the objects were built); it lives on the parameters, the
@@ -74,18 +75,80 @@ class RandomizedClippingMixin:
         """
         return max(1, self.backward_passes)
 
+    #: Distributed optimizers agree on refusals across ranks (every rank refuses together).
+    _refusals_across_ranks = False
+
+    @property
+    def skipped_examples(self) -> int:
+        """Examples dropped for a non-finite norm under ``nonfinite="skip"`` (local to this
+        process: never saved). Reading it waits for the device."""
+        return 0 if self._skipped is None else int(self._skipped)
+
+    def note_finite(self, kind: str, *tensors: Optional[torch.Tensor]) -> None:
+        """Check that every entry of ``tensors`` is finite before this step's update (on
+        the device, decided once per step; see :mod:`opacus_rc.finite`). ``kind``: one of
+        ``"per-sample loss"``, ``"per-sample gradient norm"``, ``"clipped gradient"``."""
+        self._nonfinite_guard.note(kind, tensors)
+
     def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
-        """Opacus's pre-step (accumulate, noise, average, accountant hook), refusing
-        non-finite clipped gradients before any noise is drawn, and advancing the step
-        clock after a real step (BatchMemoryManager's skipped steps do not: the physical
-        batches of one logical step share its sketches)."""
-        self._check_finite_gradients()
+        """Opacus's pre-step (accumulate, noise, average, accountant hook) with the
+        step's non-finite refusal decided before noise is drawn (see
+        :meth:`_check_skip_next_step`), and the step clock advanced after a real step
+        (BatchMemoryManager's skipped steps do not: the physical batches of one logical
+        step share its sketches). A refusal decided on the device for an earlier step is
+        raised first."""
+        refused = self._nonfinite_guard.arrived_refusal()
+        if refused is not None:
+            raise FloatingPointError(
+                f"an earlier step met a non-finite {refused}: it was refused on the device "
+                "(parameters and optimizer state were not updated by it; the privacy "
+                "accountant counted it). A refusal must end the run (see nonfinite= in "
+                "make_private)"
+            )
         taken = super().pre_step(closure)
         self.backward_passes = 0
         if taken:
             for p in self.params:
                 p._rc_steps_taken += 1
         return taken
+
+    def _check_skip_next_step(self, pop_next: bool = True) -> bool:
+        """Opacus's skip signal (BatchMemoryManager). On a real step, called by
+        ``pre_step`` after clipping and before noise: the step's non-finite flags are
+        decided here (:meth:`_decide_finite`)."""
+        skip = super()._check_skip_next_step(pop_next)
+        if pop_next and not skip:
+            self._decide_finite()
+        return skip
+
+    def _clipped_sums(self) -> List[Optional[torch.Tensor]]:
+        """The clipped gradient sums the noise will be added to."""
+        return [p.summed_grad for p in self.params]
+
+    def _decide_finite(self) -> None:
+        """Refuse the step if a checked value was not finite. When the wrapped optimizer
+        can skip an update on the device (``found_inf``: PyTorch's fused optimizers) the
+        decision stays there; otherwise it costs the step's one host synchronisation."""
+        guard = self._nonfinite_guard
+        guard.note("clipped gradient", self._clipped_sums())
+        device = next((p.device for p in self.params), torch.device("cpu"))
+        ok, flags = guard.take(device, distributed=self._refusals_across_ranks)
+        if getattr(self.original_optimizer, "_step_supports_amp_scaling", False):
+            self.original_optimizer.found_inf = (~ok).float()
+            guard.defer(ok, flags)
+            return
+        if not bool(ok):  # the step's one host synchronisation
+            raise FloatingPointError(
+                f"non-finite {failed_kinds(flags)} in this batch: the step is refused "
+                "before noise is added; parameters and the privacy accountant are "
+                "unchanged. A refusal must end the run (see nonfinite= in make_private)"
+            )
+
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[torch.Tensor]:
+        try:
+            return super().step(closure)
+        finally:  # a device-side refusal flag is for this step only
+            self.original_optimizer.__dict__.pop("found_inf", None)
 
     def accumulate(self) -> None:
         """Move the clipped gradient into ``p.summed_grad`` without copying it (Opacus
@@ -122,18 +185,6 @@ class RandomizedClippingMixin:
 
         return secure_noise(std, reference)
 
-    def _check_finite_gradients(self) -> None:
-        if self.nonfinite == "skip":  # book-keeping: p.grad is not used; norms decide
-            return
-        finite = [torch.isfinite(p.grad).all() for p in self.params if p.grad is not None]
-        if finite and not bool(torch.stack([f.to(finite[0].device) for f in finite]).all()):
-            # (one host synchronisation for all parameters)
-            raise FloatingPointError(
-                "non-finite clipped gradient: the step is refused before noise is added; "
-                "parameters and the privacy accountant are unchanged. Call "
-                "optimizer.zero_grad() and check the loss and inputs of this batch"
-            )
-
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """The wrapped optimizer's state. Generator states are never part of it (see
         ``PrivacyEngine.save_checkpoint(..., include_rng_state=True)``); a legacy entry
@@ -164,6 +215,8 @@ class DistributedRandomizedClippingOptimizer(
     RandomizedClippingMixin, DistributedDPOptimizerFastGradientClipping
 ):
     """Distributed (DDP) form: noise is added on rank 0 only, gradients are all-reduced."""
+
+    _refusals_across_ranks = True
 
 
 class BookkeepingClippingMixin:
@@ -229,21 +282,17 @@ class BookkeepingClippingMixin:
             p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
 
     def _finite_examples(self, sq: torch.Tensor) -> Optional[torch.Tensor]:
-        """None when every per-example squared norm is finite. Otherwise ``nonfinite=
-        "raise"`` refuses the step (no index, no value in the message) and ``"skip"``
-        returns the mask of examples to keep: the others contribute nothing (a
-        per-example transform before the sum, so the step is still the accounted
-        mechanism); their count goes to :attr:`skipped_examples` only."""
-        finite = sq.isfinite()
-        if bool(finite.all()):
-            return None
+        """Under ``nonfinite="raise"``: None, and the norms join the step's non-finite
+        check (no index, no value in a refusal). Under ``"skip"``: the mask of examples
+        to keep; the others contribute nothing (a per-example transform before the sum,
+        so the step is still the accounted mechanism) and are counted in
+        :attr:`skipped_examples` only. No host synchronisation either way."""
         if self.nonfinite != "skip":
-            raise FloatingPointError(
-                "non-finite per-sample gradient norm in this batch: the step is refused "
-                "before noise is added; parameters and the privacy accountant are unchanged. "
-                "A caught refusal must end the run (see nonfinite= in make_private)"
-            )
-        self.skipped_examples += int((~finite).sum())
+            self.note_finite("per-sample gradient norm", sq)
+            return None
+        finite = sq.isfinite()
+        dropped = (~finite).sum()
+        self._skipped = dropped if self._skipped is None else self._skipped + dropped
         return finite
 
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -264,3 +313,5 @@ class DistributedRandomizedClippingBookkeepingOptimizer(
 ):
     """Distributed (DDP) book-keeping: each rank clips its own examples, rank 0 alone adds
     the noise, and the clipped sums are all-reduced (Opacus's ``DistributedDPOptimizer``)."""
+
+    _refusals_across_ranks = True

@@ -147,3 +147,47 @@ def test_ddp_per_example_sketches_are_independent_across_ranks():
     torch.testing.assert_close(shared[0], shared[1])
     assert per_example[0].shape == (2, 16, 8)
     assert not torch.isclose(per_example[0], per_example[1]).any()
+
+
+class Poisonable(nn.Module):
+    """Scales the output of examples whose first token is 0 by inf (non-finite loss
+    and gradients for them only)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * torch.where(x[:, 0] == 0, float("inf"), 1.0)[:, None]
+
+
+def refusal_worker(rank, init_file, mode, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    model = Poisonable(SequenceClassifier())
+    x, y = token_task(n=WORLD * PER_RANK, t=T).tensors
+    x = x[rank * PER_RANK:(rank + 1) * PER_RANK].clone()
+    x[:, 0] = torch.where(x[:, 0] == 0, 1, x[:, 0])
+    if rank == 1:
+        x[2, 0] = 0  # one poisoned example, on rank 1 only
+    error = None
+    try:
+        private_step(model, x, y[rank * PER_RANK:(rank + 1) * PER_RANK], 1.0, distributed=True, mode=mode)
+    except FloatingPointError as e:
+        error = str(e)
+    torch.save({"error": error, "params": model.state_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ddp_refusal_is_agreed_by_every_rank(mode):
+    """A non-finite example on rank 1 only: both ranks refuse the same step (no rank
+    waits forever in the gradient all-reduce); parameters stay as they were."""
+    ranks = spawn(refusal_worker, mode)
+    assert "non-finite per-sample" in ranks[1]["error"]
+    assert "non-finite value on another rank" in ranks[0]["error"]
+    torch.manual_seed(0)
+    initial = Poisonable(SequenceClassifier()).state_dict()
+    for r in ranks:
+        for name, value in initial.items():
+            torch.testing.assert_close(r["params"][name], value)

@@ -16,10 +16,13 @@ batches:
 * book-keeping (grad_sample_mode="hooks") and "ghost" on an FSDP2 model: a ValueError
   naming ghost_fsdp;
 * tied embedding / head (grouped by hand) equals one process;
+* a non-finite example on one rank: every rank refuses the same step (also decided on the
+  device with a fused optimizer) and no rank hangs;
 * examples/fsdp_finetune.py runs under torchrun (tiny configuration).
 """
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -166,6 +169,51 @@ def secure_fsdp_step(rank):
     return full_params(model)
 
 
+class Poisonable(nn.Module):
+    """Scales the output of examples whose first token is 0 by inf."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * torch.where(x[:, 0] == 0, float("inf"), 1.0)[:, None]
+
+
+def refused_fsdp_steps(rank, fused: bool):
+    """A poisoned example on rank 1 only, then (fused Adam: the device-side refusal is reported
+    at the next step) a clean step. The error each rank saw and the parameters."""
+    from opacus.utils.fsdp_utils import FSDP2Wrapper
+
+    model = FSDP2Wrapper(Poisonable(make_model()))
+    engine = PrivacyEngine(accountant="rc_prv")
+    module, opt, crit, _ = engine.make_private(
+        module=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.1, fused=fused),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=torch.utils.data.DataLoader(
+            token_task(n=WORLD * PER_RANK, t=T_SKETCHED), batch_size=WORLD * PER_RANK
+        ),
+        noise_multiplier=1.0, max_grad_norm=C, grad_sample_mode="ghost_fsdp",
+        clipping="randomized", sketch_size=K, poisson_sampling=False,
+    )
+    x, y = batch(T_SKETCHED, rank)
+    x = x.clone()
+    x[:, 0] = torch.where(x[:, 0] == 0, 1, x[:, 0])
+    clean = x.clone()
+    if rank == 1:
+        x[2, 0] = 0
+    error = None
+    try:
+        crit(module(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        crit(module(clean), y).backward()
+        opt.step()
+    except FloatingPointError as e:
+        error = str(e)
+    return {"error": error, "params": full_params(model)}
+
+
 def worker(rank, init_file, out_dir):
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -210,6 +258,8 @@ def worker(rank, init_file, out_dir):
         )
         out[f"sketch_{sketching}"] = module.sketcher.gaussian(2, 16, K, torch.device("cpu"))
     out["rc_tied"] = tied_fsdp_step(rank)
+    out["refused"] = refused_fsdp_steps(rank, fused=False)
+    out["refused_fused"] = refused_fsdp_steps(rank, fused=True)
     for mode in ("hooks", "ghost"):
         try:
             private(FSDP2Wrapper(make_model()), T_SKETCHED, clipping="randomized", mode=mode)
@@ -346,3 +396,15 @@ def test_example_runs_with_torchrun():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("epsilon = ") == 1  # rank 0 only
     assert "after 2 steps" in proc.stdout
+
+
+@pytest.mark.parametrize("which", ["refused", "refused_fused"])
+def test_refusal_is_agreed_by_every_rank(ranks, which):
+    """Rank 1 alone sees a non-finite example: both ranks refuse (rank 0 sees it in its
+    shard of the reduce-scattered clipped gradient, or is told it was on another rank)
+    and the parameters are the initial ones on both."""
+    assert "non-finite per-sample" in ranks[1][which]["error"]
+    assert re.search("non-finite (clipped gradient|value on another rank)", ranks[0][which]["error"])
+    initial = {f"inner.{n}": p for n, p in make_model().state_dict().items()}
+    for r in ranks:
+        assert_same(r[which]["params"], initial)

@@ -26,6 +26,11 @@ def test_tiny_cpu_form_runs_every_mode(tmp_path):
     }
     assert {r["seq_len"] for r in results} == {64, 128}
     assert all(r["status"] == "ok" and r["median_step_s"] > 0 for r in results)
+    # randomized clipping adds no operation that makes the host wait: its modes see
+    # exactly the syncing operations of non-private training (the model's own)
+    for t in (64, 128):
+        by_mode = {r["mode"]: r["syncing_ops_per_step"] for r in results if r["seq_len"] == t}
+        assert by_mode["randomized"] == by_mode["randomized_bk"] == by_mode["nonprivate"], by_mode
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")

@@ -3,6 +3,7 @@ drops a non-finite example's whole contribution before the sum (book-keeping onl
 
 from __future__ import annotations
 
+import copy
 import io
 import re
 
@@ -97,3 +98,145 @@ def test_skip_is_refused_where_the_sum_cannot_drop_one_example():
         make(mlp(), mode="ghost", nonfinite="skip")
     with pytest.raises(ValueError, match="nonfinite='ignore'.*accepted values: 'raise', 'skip'"):
         make(mlp(), nonfinite="ignore")
+
+
+# --- Where and when a refusal is decided (opacus_rc.finite) ---------------------------
+#
+# Every check folds into a device-side flag decided once per step, before noise: with an
+# optimizer that can skip on the device (fused SGD/Adam/AdamW read ``found_inf``) a step
+# has no host synchronisation of ours at all; otherwise exactly one.
+
+
+def token_model(seed: int = 0) -> nn.Module:
+    from .conftest import SequenceClassifier
+
+    torch.manual_seed(seed)
+    return SequenceClassifier()  # embedding + linear layers (T = 40 > k = 8: sketched)
+
+
+def make_with(model, optimizer, *, mode, noise=0.0, accumulate=False):
+    from .conftest import token_task
+
+    engine = PrivacyEngine(accountant="rc_prv")
+    out = engine.make_private(
+        module=model, optimizer=optimizer,
+        data_loader=torch.utils.data.DataLoader(token_task(n=32, t=40), batch_size=8),
+        criterion=nn.CrossEntropyLoss(), noise_multiplier=noise, max_grad_norm=0.5,
+        grad_sample_mode=mode, clipping="randomized", sketch_size=8, sketch_seed=3,
+        poisson_sampling=False,
+    )
+    module, opt = out[0], out[1]
+    crit = out[2] if mode == "ghost" else nn.CrossEntropyLoss()
+    return engine, module, opt, crit
+
+
+def token_batch(poison: bool = False):
+    from .conftest import token_task
+
+    x, y = token_task(n=8, t=40, seed=4).tensors
+    return x, y, poison
+
+
+class Poisonable(nn.Module):
+    """Scales the output of the examples whose first token is 0 by inf (a data-dependent
+    fault): their loss and gradients are non-finite."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        scale = torch.where(x[:, 0] == 0, float("inf"), 1.0)[:, None]
+        return self.inner(x) * scale
+
+
+def backward(module, crit, x, y):
+    crit(module(x), y).backward()
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_host_synchronisations_per_step(mode, fused):
+    """Counted with benchmarks.host_sync (Python reads of tensor values and
+    data-dependent shapes, what blocks the host on CUDA), over forward, backward(s) and
+    step: none with a fused optimizer, exactly the one refusal decision otherwise."""
+    from benchmarks.host_sync import HostSyncCounter
+
+    model = token_model()
+    opt_in = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
+    engine, module, opt, crit = make_with(model, opt_in, mode=mode, noise=1.0)
+    x, y, _ = token_batch()
+    for _ in range(2):  # the second step is measured (nothing lazy left)
+        with HostSyncCounter() as syncs:
+            backward(module, crit, x, y)
+            opt.step()
+        opt.zero_grad()
+    sites = [w.rsplit(" ", 1)[-1] for w in syncs.where]
+    assert sites == ([] if fused else ["_decide_finite"]), syncs.where
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_fused_optimizer_refuses_on_the_device_and_reports_at_the_next_step(mode):
+    """A poisoned batch with fused Adam: the step is skipped on the device (parameters
+    and Adam's state untouched), counted by the accountant (conservative), and the
+    refusal is raised at the next step() before that step's update."""
+    model = Poisonable(token_model())
+    adam = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    engine, module, opt, crit = make_with(model, adam, mode=mode, noise=1.0)
+    x, y, _ = token_batch()
+    before = copy.deepcopy(model.state_dict())
+    bad = x.clone()
+    bad[5, 0] = 0
+    backward(module, crit, bad, y)
+    opt.step()  # no raise: decided on the device
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k])
+    state = adam.state[next(model.parameters())]
+    assert float(state["step"]) == 0 and not state["exp_avg"].any()
+    assert "found_inf" not in vars(adam)
+    assert len(engine.accountant.history) == 1  # the refused step is charged
+    opt.zero_grad()
+    backward(module, crit, x, y)
+    with pytest.raises(FloatingPointError, match="earlier step met a non-finite per-sample") as err:
+        opt.step()
+    assert not re.search(r"\d", str(err.value)), str(err.value)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k])
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_fused_and_unfused_optimizers_take_the_same_clean_steps(mode):
+    """The device-side decision (found_inf = 0) leaves clean updates as they are."""
+    results = []
+    for fused in (False, True):
+        model = token_model()
+        adam = torch.optim.Adam(model.parameters(), lr=0.05, fused=fused, foreach=False if not fused else None)
+        engine, module, opt, crit = make_with(model, adam, mode=mode)
+        x, y, _ = token_batch()
+        for _ in range(3):
+            backward(module, crit, x, y)
+            opt.step()
+            opt.zero_grad()
+        results.append(model.state_dict())
+    for k in results[0]:
+        torch.testing.assert_close(results[1][k], results[0][k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_a_poisoned_micro_batch_refuses_the_whole_step(mode):
+    """Two micro-batches, the second poisoned: nothing is raised in backward (no sync
+    there); step() refuses the step, the accountant and parameters are unchanged."""
+    model = Poisonable(token_model())
+    engine, module, opt, crit = make_with(model, torch.optim.SGD(model.parameters(), lr=0.1), mode=mode)
+    x, y, _ = token_batch()
+    before = copy.deepcopy(model.state_dict())
+    bad = x[4:].clone()
+    bad[1, 0] = 0
+    backward(module, crit, x[:4], y[:4])
+    backward(module, crit, bad, y[4:])
+    with pytest.raises(FloatingPointError, match="non-finite per-sample"):
+        opt.step()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k])
+    assert engine.accountant.history == []

@@ -1,0 +1,121 @@
+"""Refusing a step that met a non-finite value, without stalling the device.
+
+A non-finite per-sample loss, per-sample norm or clipped gradient would put NaN/inf into
+the released update, which reveals that the batch held such an example: the step must
+be refused before the update. Checking each value with ``bool(t.isfinite().all())``
+would make the host wait for the device at every check. Instead every check folds into
+a device-side flag (:class:`NonFiniteGuard`), and the decision is taken once per step,
+after the gradients are clipped and before the noisy update is applied:
+
+* the wrapped optimizer can skip an update on the device (PyTorch's fused SGD, Adam and
+  AdamW read ``found_inf``, as under ``torch.amp.GradScaler``): no host synchronisation
+  at all. A refused step leaves parameters and optimizer state untouched on the device,
+  the accountant counts it (conservative), and the refusal is raised at the next
+  ``step()`` call, as soon as the flag has reached the host;
+* otherwise: one synchronisation per step, and a refused step raises at once, with
+  parameters and accountant unchanged (what ``GradScaler`` does for such optimizers).
+
+In a distributed run the flag is agreed (MIN all-reduce) so every rank refuses together.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+#: What the flags watch, in the order a refusal names them.
+KINDS = ("per-sample loss", "per-sample gradient norm", "clipped gradient")
+
+
+def all_finite(tensors: Iterable[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+    """A 0-d bool tensor on the first tensor's device: every entry of every tensor is
+    finite (None when there is nothing to check). No host synchronisation."""
+    flags = [torch.isfinite(_local(t)).all() for t in tensors if t is not None and t.numel() > 0]
+    if not flags:
+        return None
+    return torch.stack([f.to(flags[0].device) for f in flags]).all()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def agree_across_ranks(flag: torch.Tensor) -> torch.Tensor:
+    """``flag`` AND-ed over the ranks of the default process group (MIN all-reduce; a
+    no-op in one process). NCCL reduces on the device without a host synchronisation;
+    gloo needs a CPU tensor."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    where = flag.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    value = flag.to(device=where, dtype=torch.int32).reshape(1)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return value.to(flag.device).reshape(()).bool()
+
+
+def _read_host(flag: torch.Tensor) -> bool:
+    """Value of a CPU (host) tensor: a plain memory read, no device synchronisation."""
+    return bool(flag.numpy())
+
+
+class NonFiniteGuard:
+    """Device-side flags of one step, one per kind in :data:`KINDS`, and the refusals
+    decided on the device whose report has not reached the host yet."""
+
+    def __init__(self) -> None:
+        self._flags: Dict[str, torch.Tensor] = {}
+        self._pending: List[Tuple[torch.Tensor, Optional[torch.cuda.Event], Dict[str, torch.Tensor]]] = []
+
+    def note(self, kind: str, tensors: Iterable[Optional[torch.Tensor]]) -> None:
+        """Fold "every entry of ``tensors`` is finite" into the step's ``kind`` flag."""
+        if kind not in KINDS:
+            raise ValueError(f"kind={kind!r} is not supported; accepted values: {', '.join(map(repr, KINDS))}")
+        ok = all_finite(tensors)
+        if ok is None:
+            return
+        previous = self._flags.get(kind)
+        self._flags[kind] = ok if previous is None else previous & ok.to(previous.device)
+
+    def take(self, device: torch.device, distributed: bool) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """The step's combined flag (True: all finite; agreed across ranks when
+        ``distributed``) and the per-kind flags; the guard starts the next step empty."""
+        flags, self._flags = self._flags, {}
+        ok = torch.ones((), dtype=torch.bool, device=device)
+        for flag in flags.values():
+            ok = ok & flag.to(device)
+        return (agree_across_ranks(ok) if distributed else ok), flags
+
+    def defer(self, ok: torch.Tensor, flags: Dict[str, torch.Tensor]) -> None:
+        """Keep ``ok`` for a later report: copied to host memory without waiting (CUDA:
+        pinned buffer, non-blocking copy and an event marking its arrival)."""
+        if ok.device.type == "cuda":
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(ok, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending.append((host, event, flags))
+        else:
+            self._pending.append((ok.detach().cpu(), None, flags))
+
+    def arrived_refusal(self) -> Optional[str]:
+        """The failing kinds of the oldest deferred refusal whose flag has reached the
+        host (a description), or None. Never waits for the device."""
+        while self._pending:
+            host, event, flags = self._pending[0]
+            if event is not None and not event.query():
+                return None
+            self._pending.pop(0)
+            if not _read_host(host):
+                self._pending.clear()
+                return failed_kinds(flags)
+        return None
+
+
+def failed_kinds(flags: Dict[str, torch.Tensor]) -> str:
+    """The kinds whose flag is False ("on another rank" when none failed here). Reads
+    device flags: only for a refusal already decided."""
+    failed = [kind for kind in KINDS if kind in flags and not bool(flags[kind])]
+    return " and ".join(failed) if failed else "value on another rank"
