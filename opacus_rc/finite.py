@@ -100,13 +100,15 @@ class NonFiniteGuard:
         else:
             self._pending.append((ok.detach().cpu(), None, flags))
 
-    def arrived_refusal(self) -> Optional[str]:
+    def arrived_refusal(self, wait: bool = False) -> Optional[str]:
         """The failing kinds of the oldest deferred refusal whose flag has reached the
-        host (a description), or None. Never waits for the device."""
+        host (a description), or None. Waits for the device only if ``wait``."""
         while self._pending:
             host, event, flags = self._pending[0]
             if event is not None and not event.query():
-                return None
+                if not wait:
+                    return None
+                event.synchronize()
             self._pending.pop(0)
             if not _read_host(host):
                 self._pending.clear()

@@ -97,7 +97,22 @@ class RandomizedClippingMixin:
         (BatchMemoryManager's skipped steps do not: the physical batches of one logical
         step share its sketches). A refusal decided on the device for an earlier step is
         raised first."""
-        refused = self._nonfinite_guard.arrived_refusal()
+        self._raise_deferred_refusal(wait=False)
+        taken = super().pre_step(closure)
+        self.backward_passes = 0
+        if taken:
+            for p in self.params:
+                p._rc_steps_taken += 1
+        return taken
+
+    def check_refused_steps(self) -> None:
+        """Raise ``FloatingPointError`` if a step was refused on the device and not yet
+        reported (fused optimizers report at the next ``step()``; call this after the
+        last one). Waits for the device."""
+        self._raise_deferred_refusal(wait=True)
+
+    def _raise_deferred_refusal(self, wait: bool) -> None:
+        refused = self._nonfinite_guard.arrived_refusal(wait=wait)
         if refused is not None:
             raise FloatingPointError(
                 f"an earlier step met a non-finite {refused}: it was refused on the device "
@@ -105,12 +120,6 @@ class RandomizedClippingMixin:
                 "accountant counted it). A refusal must end the run (see nonfinite= in "
                 "make_private)"
             )
-        taken = super().pre_step(closure)
-        self.backward_passes = 0
-        if taken:
-            for p in self.params:
-                p._rc_steps_taken += 1
-        return taken
 
     def _check_skip_next_step(self, pop_next: bool = True) -> bool:
         """Opacus's skip signal (BatchMemoryManager). On a real step, called by

@@ -205,6 +205,25 @@ def test_fused_optimizer_refuses_on_the_device_and_reports_at_the_next_step(mode
         torch.testing.assert_close(v, before[k])
 
 
+def test_a_refusal_on_the_last_step_is_reported_on_request():
+    """After the last step, check_refused_steps() reports a device-side refusal (once);
+    a clean run reports nothing."""
+    for poison in (False, True):
+        model = Poisonable(token_model())
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+        engine, module, opt, crit = make_with(model, sgd, mode="ghost")
+        x, y, _ = token_batch()
+        x = x.clone()
+        if poison:
+            x[5, 0] = 0
+        backward(module, crit, x, y)
+        opt.step()
+        if poison:
+            with pytest.raises(FloatingPointError, match="earlier step met a non-finite per-sample"):
+                opt.check_refused_steps()
+        opt.check_refused_steps()  # nothing (left) to report
+
+
 @pytest.mark.parametrize("mode", ["ghost", "hooks"])
 def test_fused_and_unfused_optimizers_take_the_same_clean_steps(mode):
     """The device-side decision (found_inf = 0) leaves clean updates as they are."""
