@@ -121,7 +121,9 @@ def main() -> None:
         make_private = functools.partial(engine.make_private, noise_multiplier=args.noise_multiplier)
     _, optimizer, criterion, loader = make_private(
         module=model,
-        optimizer=torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr),
+        # fused: a step refused for a non-finite value is skipped on the device (no host
+        # synchronisation in a step; see docs/robustness.md)
+        optimizer=torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr, fused=True),
         criterion=nn.CrossEntropyLoss(),
         data_loader=loader,  # Poisson sampling, each rank draws from its part of the data
         max_grad_norm=1.0,
@@ -161,6 +163,7 @@ def main() -> None:
                 print(f"step {step:4d}  loss (rank 0 batch of {len(batch)}) {loss.item():.3f}", flush=True)
             if step == args.steps:
                 break
+    optimizer.check_refused_steps()  # a refusal of the last step, decided on the device
     epsilon = engine.get_epsilon(1e-5)
     if rank == 0:
         print(f"final loss {loss.item():.3f} (uniform: ln 256 = 5.545, grammar: ln 4 = 1.386); "
