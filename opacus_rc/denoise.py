@@ -318,11 +318,17 @@ class SpectralDenoiser:
             return None
         return _noise_std_before_scaling(self.optimizer) / (self._divisor * _world_size_divisor(self.optimizer))
 
-    def _pre_step_hook(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+    def _pre_step_hook(self, opt: Any, _args: Any, _kwargs: Any) -> None:
         tau = self.noise_std()
         self._divisor = None
         if tau is None:
             logger.debug("spectral denoiser: no noised step recorded before this update; skipped")
+            return
+        found_inf = getattr(opt, "found_inf", None)
+        if found_inf is not None and bool(found_inf):
+            # a step refused on the device (non-finite values; opacus_rc.finite): the
+            # fused update skips it, and an SVD of NaNs would raise
+            logger.debug("spectral denoiser: step refused for a non-finite value; skipped")
             return
         start = time.perf_counter()
         seen, done = denoise_gradients_(self.params, tau, self.kappa, self.svd)

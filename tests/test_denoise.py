@@ -585,3 +585,31 @@ def test_make_private_randomized_clipping_with_denoise():
     opt.step()
     assert den.stats.steps == 1
     assert den.stats.last_noise_std == pytest.approx(0.8 * 1.0 / opt.expected_batch_size, rel=1e-12)
+
+
+def test_step_refused_on_the_device_is_not_denoised():
+    """Randomized clipping with a fused optimizer refuses a non-finite step on the device
+    (found_inf): the denoiser leaves that step alone (an SVD of NaNs would raise), the
+    parameters stay, and the refusal is raised at the next step as usual."""
+    from opacus import PrivacyEngine
+
+    import opacus_rc  # noqa: F401
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, fused=True)
+    loader = torch.utils.data.DataLoader(_data(), batch_size=BATCH)
+    _, opt, _ = PrivacyEngine(accountant="rc_prv").make_private(
+        module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.3, max_grad_norm=1.0,
+        poisson_sampling=False, grad_sample_mode="hooks", clipping="randomized",
+    )
+    den = attach_spectral_denoiser(opt, _weights(model), kappa=1.0)
+    w0 = [p.detach().clone() for p in opt.params]
+    x, y = next(iter(loader))
+    x = x.clone()
+    x[3] = float("inf")
+    _backward(model, nn.CrossEntropyLoss(), x, y)
+    opt.step()
+    assert den.stats.steps == 0
+    assert all(torch.equal(a, p) for a, p in zip(w0, opt.params))
+    with pytest.raises(FloatingPointError, match="earlier step"):
+        opt.check_refused_steps()
