@@ -16,6 +16,7 @@ batches:
 * book-keeping (grad_sample_mode="hooks") and "ghost" on an FSDP2 model: a ValueError
   naming ghost_fsdp;
 * tied embedding / head (grouped by hand) equals one process;
+* a step (fused Adam) has no operation that makes the host wait;
 * a non-finite example on one rank: every rank refuses the same step (also decided on the
   device with a fused optimizer) and no rank hangs;
 * examples/fsdp_finetune.py runs under torchrun (tiny configuration).
@@ -214,6 +215,33 @@ def refused_fsdp_steps(rank, fused: bool):
     return {"error": error, "params": full_params(model)}
 
 
+def counted_fsdp_step(rank):
+    """A second step (the first is measured by nothing: lazy set-up) of randomized
+    clipping under FSDP2 with fused Adam, under benchmarks.host_sync's counter."""
+    from opacus.utils.fsdp_utils import FSDP2Wrapper
+
+    from benchmarks.host_sync import HostSyncCounter
+
+    model = FSDP2Wrapper(make_model())
+    engine = PrivacyEngine(accountant="rc_prv")
+    module, opt, crit, _ = engine.make_private(
+        module=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.1, fused=True),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=torch.utils.data.DataLoader(
+            token_task(n=WORLD * PER_RANK, t=T_SKETCHED), batch_size=WORLD * PER_RANK
+        ),
+        noise_multiplier=1.0, max_grad_norm=C, grad_sample_mode="ghost_fsdp",
+        clipping="randomized", sketch_size=K, poisson_sampling=False,
+    )
+    x, y = batch(T_SKETCHED, rank)
+    for _ in range(2):
+        with HostSyncCounter() as syncs:
+            crit(module(x), y).backward()
+            opt.step()
+        opt.zero_grad()
+    return syncs.where
+
+
 def worker(rank, init_file, out_dir):
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -258,6 +286,7 @@ def worker(rank, init_file, out_dir):
         )
         out[f"sketch_{sketching}"] = module.sketcher.gaussian(2, 16, K, torch.device("cpu"))
     out["rc_tied"] = tied_fsdp_step(rank)
+    out["syncs"] = counted_fsdp_step(rank)
     out["refused"] = refused_fsdp_steps(rank, fused=False)
     out["refused_fused"] = refused_fsdp_steps(rank, fused=True)
     for mode in ("hooks", "ghost"):
@@ -408,3 +437,10 @@ def test_refusal_is_agreed_by_every_rank(ranks, which):
     initial = {f"inner.{n}": p for n, p in make_model().state_dict().items()}
     for r in ranks:
         assert_same(r[which]["params"], initial)
+
+
+def test_no_host_synchronisation_in_a_step(ranks):
+    """Forward, two backward passes and the step under FSDP2, with fused Adam: no Python
+    read of a tensor value and no data-dependent shape (benchmarks/host_sync.py) on
+    either rank; the collectives run on the device."""
+    assert [r["syncs"] for r in ranks] == [[], []]
