@@ -64,3 +64,25 @@ def test_deferred_linear_under_bf16_autocast_matches_nn_linear():
                       (x.grad, x_ref.grad)):
         assert got.dtype == want.dtype == torch.float32
         torch.testing.assert_close(got, want)
+
+
+def test_host_sync_counter_sees_value_reads_and_data_dependent_shapes():
+    """The counter behind the sync tests: each operation that makes a CUDA host wait is
+    counted once, device-side arithmetic is not (so an empty count means something)."""
+    from benchmarks.host_sync import HostSyncCounter
+
+    t = torch.tensor([0.5, -1.0, 2.0])
+    waits = [
+        lambda: t.sum().item(), lambda: bool((t > 0).all()), lambda: t.nonzero(),
+        lambda: torch.unique(t), lambda: t[t > 0], lambda: t.masked_select(t > 0),
+    ]
+    for fn in waits:
+        with HostSyncCounter() as syncs:
+            fn()
+        assert syncs.count == 1, (fn, syncs.where)
+        assert "test_gpu_bench.py" in syncs.where[0]
+    with HostSyncCounter() as syncs:
+        (t * 2).clamp(min=0).isfinite().all()
+        t.sort()
+        torch.where(t > 0, t, 0.0).cumsum(0)
+    assert syncs.where == []
