@@ -57,7 +57,7 @@ def batch(t: int, rank=None):
     return x[shard], y[shard]
 
 
-def private(model, t, *, clipping, mode, noise=0.0, accountant="rc_prv", micro_batches=1, **options):
+def private(model, t, *, clipping, mode, noise=0.0, accountant="rc_prv", micro_batches=1, optimizer=None, **options):
     """make_private on a loader whose batch spans the whole dataset (WORLD * PER_RANK),
     or a 1 / micro_batches part of it (the expected size of one micro-batch)."""
     engine = PrivacyEngine(accountant=accountant)
@@ -68,7 +68,7 @@ def private(model, t, *, clipping, mode, noise=0.0, accountant="rc_prv", micro_b
     extra = {"sketch_size": K, "sketch_seed": 7, "sketching": "shared", **options} if clipping == "randomized" else {}
     out = engine.make_private(
         module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        optimizer=optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=1.0),
         criterion=nn.CrossEntropyLoss(),
         data_loader=loader,
         noise_multiplier=noise,
@@ -181,22 +181,23 @@ class Poisonable(nn.Module):
         return self.inner(x) * torch.where(x[:, 0] == 0, float("inf"), 1.0)[:, None]
 
 
+def private_adam(model: nn.Module, fused: bool):
+    """Randomized clipping (noise 1, per-example sketches: the default) on an FSDP2 model
+    with Adam."""
+    _, (module, opt, crit, _) = private(
+        model, T_SKETCHED, clipping="randomized", mode="ghost_fsdp", noise=1.0, sketching="per_example",
+        optimizer=torch.optim.Adam(model.parameters(), lr=0.1, fused=fused),
+    )
+    return module, opt, crit
+
+
 def refused_fsdp_steps(rank, fused: bool):
     """A poisoned example on rank 1 only, then (fused Adam: the device-side refusal is reported
     at the next step) a clean step. The error each rank saw and the parameters."""
     from opacus.utils.fsdp_utils import FSDP2Wrapper
 
     model = FSDP2Wrapper(Poisonable(make_model()))
-    engine = PrivacyEngine(accountant="rc_prv")
-    module, opt, crit, _ = engine.make_private(
-        module=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.1, fused=fused),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=torch.utils.data.DataLoader(
-            token_task(n=WORLD * PER_RANK, t=T_SKETCHED), batch_size=WORLD * PER_RANK
-        ),
-        noise_multiplier=1.0, max_grad_norm=C, grad_sample_mode="ghost_fsdp",
-        clipping="randomized", sketch_size=K, poisson_sampling=False,
-    )
+    module, opt, crit = private_adam(model, fused=fused)
     x, y = batch(T_SKETCHED, rank)
     x = x.clone()
     x[:, 0] = torch.where(x[:, 0] == 0, 1, x[:, 0])
@@ -223,16 +224,7 @@ def counted_fsdp_step(rank):
     from benchmarks.host_sync import HostSyncCounter
 
     model = FSDP2Wrapper(make_model())
-    engine = PrivacyEngine(accountant="rc_prv")
-    module, opt, crit, _ = engine.make_private(
-        module=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.1, fused=True),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=torch.utils.data.DataLoader(
-            token_task(n=WORLD * PER_RANK, t=T_SKETCHED), batch_size=WORLD * PER_RANK
-        ),
-        noise_multiplier=1.0, max_grad_norm=C, grad_sample_mode="ghost_fsdp",
-        clipping="randomized", sketch_size=K, poisson_sampling=False,
-    )
+    module, opt, crit = private_adam(model, fused=True)
     x, y = batch(T_SKETCHED, rank)
     for _ in range(2):
         with HostSyncCounter() as syncs:
