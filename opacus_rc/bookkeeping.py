@@ -49,7 +49,7 @@ def keep_rows(t: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.where(keep.reshape(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def as_sequence(t: torch.Tensor) -> torch.Tensor:
     """(B, ..., n) -> (B, T, n) with T the product of the middle dimensions."""
     return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
 
@@ -58,14 +58,14 @@ def clipped_linear_weight(
     a: torch.Tensor, g: torch.Tensor, c: torch.Tensor, keep: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """``sum_i c_i G_i^T A_i`` for a (p x d) weight: ``(c * G)^T A`` flattened over (B, T)."""
-    a, g = _flat(keep_rows(a, keep)), _flat(keep_rows(g, keep))
+    a, g = as_sequence(keep_rows(a, keep)), as_sequence(keep_rows(g, keep))
     cg = g * c.to(g.dtype)[:, None, None]
     return cg.reshape(-1, cg.shape[-1]).t().mm(a.reshape(-1, a.shape[-1]).to(g.dtype))
 
 
 def clipped_bias(g: torch.Tensor, c: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``sum_i c_i sum_t G_i[t]``."""
-    g = _flat(keep_rows(g, keep))
+    g = as_sequence(keep_rows(g, keep))
     return torch.einsum("b,btp->p", c.to(g.dtype), g)
 
 

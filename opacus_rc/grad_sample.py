@@ -28,6 +28,7 @@ from torch import nn
 
 from .bookkeeping import (
     Record,
+    as_sequence,
     clipped_bias,
     clipped_embedding,
     clipped_linear_weight,
@@ -279,6 +280,7 @@ class BookkeepingMixin(_SketcherOwner):
                 "tied weights are not supported by book-keeping (grad_sample_mode='hooks') "
                 "with clipping='randomized'; use grad_sample_mode='ghost'"
             )
+        self._pending_uses: Dict[nn.Module, List[Any]] = {}  # this pass's uses, per layer
         self._defer_weight_grads(_trainable_linears(self._module))
 
     def forbid_grad_accumulation(self) -> None:
@@ -294,6 +296,11 @@ class BookkeepingMixin(_SketcherOwner):
     def capture_backprops_hook(
         self, module: nn.Module, _forward_input, forward_output, loss_reduction: str, batch_first: bool
     ) -> None:
+        """Keep this use's ``(A, G)``; at the layer's last use in the pass, one record of
+        the pass: the uses concatenated along the sequence (``sum_l G_l^T A_l = G^T A``
+        for ``G = [G_1; ...; G_L]``, ``A = [A_1; ...; A_L]``), so a layer applied L times
+        (an RNN cell, a shared block) has the per-example norm of its summed gradient and
+        counts as one micro-batch, not L."""
         self._awaiting_forward = True
         if not self.hooks_enabled or not _bookkept(module):
             return super().capture_backprops_hook(
@@ -305,14 +312,41 @@ class BookkeepingMixin(_SketcherOwner):
             loss_reduction=loss_reduction,
             batch_first=batch_first,
         )
-        norms = RANDOMIZED_NORM_SAMPLERS[type(module)](module, activations, backprops, self.sketcher)
-        for param, norm in norms.items():
-            records = getattr(param, "_bk_records", None) or []
-            records.append(Record(norm.pow(2), _clipped_sum(module, param, activations[0], backprops)))
-            param._bk_records = records
+        params = [p for _, p in trainable_parameters(module)]
+        uses = self._pending_uses.setdefault(module, [])
+        uses.append((activations[0], backprops))
+        for param in params:
             param._forward_counter -= 1
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len
+        if any(param._forward_counter > 0 for param in params):
+            return  # more uses of this layer in this pass are still to come
+        a, g = concatenate_uses(module, self._pending_uses.pop(module))
+        norms = RANDOMIZED_NORM_SAMPLERS[type(module)](module, [a], g, self.sketcher)
+        for param, norm in norms.items():
+            records = getattr(param, "_bk_records", None) or []
+            records.append(Record(norm.pow(2), _clipped_sum(module, param, a, g)))
+            param._bk_records = records
+
+
+def concatenate_uses(module: nn.Module, uses: List[Any]) -> Any:
+    """One ``(A, G)`` for the uses ``[(A_l, G_l)]`` of a layer in one pass, concatenated
+    along the (flattened) sequence dimension: ``(B, sum_l T_l, d)`` and ``(B, sum_l T_l,
+    p)`` (ids ``(B, sum_l T_l)`` for an embedding). A single use is returned as it is."""
+    if len(uses) == 1:
+        return uses[0]
+    batch = {int(a.shape[0]) for a, _ in uses}
+    if len(batch) != 1:
+        raise ValueError(
+            f"{type(module).__name__} was applied {len(uses)} times in one forward pass to "
+            f"inputs of different batch sizes {sorted(batch)}: per-example gradients need "
+            "every use to see the whole batch along dimension 0"
+        )
+    ids = isinstance(module, nn.Embedding)
+    a = torch.cat([x.reshape(x.shape[0], -1) if ids else as_sequence(x) for x, _ in uses], dim=1)
+    g = torch.cat([as_sequence(y) for _, y in uses], dim=1)
+    return a, g
+
 
 def _clipped_sum(module: nn.Module, param: nn.Parameter, a: torch.Tensor, g: torch.Tensor):
     if isinstance(module, nn.Embedding):

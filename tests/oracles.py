@@ -110,3 +110,21 @@ def envelope_bins_linear(k: int, micro_batches: int, z_max: float, n_bins: int):
     sf = np.minimum(1.0, micro_batches * stats.chi2.cdf(k / edges**2, df=k))
     p = np.concatenate([[1.0 - sf[0]], sf[:-1] - sf[1:]])
     return edges, p, float(sf[-1])
+
+
+def per_example_clipped_mean(model, loss_of, xs, ys, max_grad_norm: float, normaliser: float):
+    """Brute-force DP-SGD update without noise: for each example alone, plain autograd's
+    gradient of ``loss_of(model, x_i, y_i)``, clipped to ``max_grad_norm`` (flat L2 over all
+    trainable parameters), summed and divided by the public ``normaliser``. Returns
+    ``{name: update}``. No hook, sketch or per-sample machinery is involved."""
+    import torch
+
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    for x, y in zip(xs, ys):
+        grads = torch.autograd.grad(loss_of(model, x[None], y[None]), list(params.values()))
+        norm = torch.sqrt(sum(g.double().pow(2).sum() for g in grads))
+        scale = min(1.0, max_grad_norm / (float(norm) + 1e-6))
+        for (n, _), g in zip(params.items(), grads):
+            total[n] += scale * g
+    return {n: t / normaliser for n, t in total.items()}
