@@ -79,8 +79,8 @@ def clipped_embedding(
 ) -> torch.Tensor:
     """``sum_i c_i onehot(ids_i)^T G_i`` as a dense (V x d) gradient (padding row zero)."""
     g = keep_rows(g, keep)
-    ids = ids.reshape(ids.shape[0], -1)
-    g = g.reshape(ids.shape[0], ids.shape[1], -1)
+    ids = ids.reshape(ids.shape[0], math.prod(ids.shape[1:]))
+    g = g.reshape(*ids.shape, g.shape[-1])
     rows = (g * c.to(g.dtype)[:, None, None]).reshape(-1, g.shape[-1])
     out = torch.zeros(layer.num_embeddings, g.shape[-1], dtype=g.dtype, device=g.device)
     out.index_add_(0, ids.reshape(-1), rows)

@@ -269,7 +269,7 @@ class FSDPSketchingMixin(SketchingMixin):
             self._tied_sums[key] = contribution if total is None else total + contribution
             self._tied_uses[key] -= 1
             if self._tied_uses[key] == 0:
-                self._tied_norms[key] = self._tied_sums.pop(key).reshape(contribution.shape[0], -1).norm(2, dim=1)
+                self._tied_norms[key] = self._tied_sums.pop(key).flatten(start_dim=1).norm(2, dim=1)
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len
 
@@ -278,7 +278,7 @@ class FSDPSketchingMixin(SketchingMixin):
         every rank if any rank has a non-finite norm or a layer that missed the batch
         dimension."""
         per_param = [
-            (module, norm.reshape(norm.shape[0], -1).norm(2, dim=1) if norm.dim() > 1 else norm)
+            (module, norm.flatten(start_dim=1).norm(2, dim=1) if norm.dim() > 1 else norm)
             for module in self.iterate_submodules(self._module)
             if id(module) not in self._tied_modules
             for norm in getattr(module, "norm_sample", [])
@@ -306,6 +306,8 @@ class FSDPSketchingMixin(SketchingMixin):
             norms = torch.stack([n.to(device) for _, n in per_param]).norm(2, dim=0)
         else:
             norms = torch.zeros(0)
+        for module in self.iterate_submodules(self._module):  # not kept past their use
+            module.__dict__.pop("norm_sample", None)
         self.per_sample_gradient_norms = norms  # checked for finiteness by the optimizer's step
         return norms
 

@@ -14,6 +14,7 @@ sketch per layer and per step, seedable (``sketch_seed``), drawn from ``os.urand
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -146,7 +147,10 @@ class SketchingMixin(_SketcherOwner):
                     "(e.g. position ids of shape (1, T)); pass it with a batch dimension "
                     "(e.g. position_ids of shape (B, T))"
                 )
-        return super().get_norm_sample()
+        norms = super().get_norm_sample()
+        for p in self.trainable_parameters:  # per-example values: not kept past their use
+            p.__dict__.pop("_norm_sample", None)
+        return norms
 
     def capture_activations_hook(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
@@ -223,7 +227,7 @@ class SketchingMixin(_SketcherOwner):
             param._tied_sketch_sum = contribution if total is None else total + contribution
             param._forward_counter -= 1
             if param._forward_counter == 0:
-                flat = param._tied_sketch_sum.reshape(contribution.shape[0], -1)
+                flat = param._tied_sketch_sum.flatten(start_dim=1)
                 param._norm_sample = flat.norm(2, dim=1)
                 param._tied_sketch_sum = None
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
@@ -343,7 +347,7 @@ def concatenate_uses(module: nn.Module, uses: List[Any]) -> Any:
             "every use to see the whole batch along dimension 0"
         )
     ids = isinstance(module, nn.Embedding)
-    a = torch.cat([x.reshape(x.shape[0], -1) if ids else as_sequence(x) for x, _ in uses], dim=1)
+    a = torch.cat([x.reshape(x.shape[0], math.prod(x.shape[1:])) if ids else as_sequence(x) for x, _ in uses], dim=1)
     g = torch.cat([as_sequence(y) for _, y in uses], dim=1)
     return a, g
 

@@ -36,6 +36,7 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
         non-finite check, decided in ``optimizer.step()`` without a host
         synchronisation here (see :mod:`opacus_rc.finite`)."""
         optimizer = self.optimizer
+        optimizer._check_cleared()  # before Opacus's own zero_grad between the passes
         # Clipped sums of earlier micro-batches of this step (Opacus zeroes p.grad
         # between the two passes); nothing to keep on a step's first pass.
         earlier = [
@@ -57,6 +58,7 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
         if note is not None:
             note("per-sample loss", self.loss_per_sample)
             note("per-sample gradient norm", getattr(self.module, "per_sample_gradient_norms", None))
+            optimizer.forget_after_step(self.module)
 
 
 def _keep_type(name: str):

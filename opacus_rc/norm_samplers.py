@@ -157,7 +157,7 @@ linear_projection = register_tied_projection(nn.Linear)(
 def embedding_projection(layer, activations, backprops, sketcher):
     """Weight (V x d), grad ``onehot(ids)^T G``: ``P^T`` of it as (B, d, k) = ``G^T P[ids]``."""
     ids = activations[0].reshape(activations[0].shape[0], math.prod(activations[0].shape[1:]))
-    g = backprops.reshape(ids.shape[0], ids.shape[1], -1)
+    g = backprops.reshape(*ids.shape, backprops.shape[-1])
     if g.dtype in (torch.float16, torch.bfloat16):
         g = g.float()
     sketch = _row_sketch(layer.weight, ids.shape[0], sketcher, g.device).to(g.dtype)

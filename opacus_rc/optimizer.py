@@ -9,6 +9,8 @@ the ``rc_prv`` accountant reads in its step hook.
 from __future__ import annotations
 
 import logging
+import sys
+import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -19,6 +21,7 @@ from opacus.optimizers import (
     DPOptimizer,
     DPOptimizerFastGradientClipping,
 )
+from opacus.utils.batch_memory_manager import BatchSplittingSampler
 from opacus.optimizers.optimizer import (
     _check_processed_flag,
     _generate_noise,
@@ -56,7 +59,10 @@ class RandomizedClippingMixin:
         self.nonfinite = "raise"
         self._skipped = None  # device count of examples dropped under nonfinite="skip"
         self._nonfinite_guard = NonFiniteGuard()
-        self.backward_passes = 0  # micro-batches accumulated since the last step() call
+        self.backward_passes = 0  # backward passes accumulated since the last real step
+        self._draw_splits = 0  # of them, continuations of one Poisson draw (BatchMemoryManager)
+        self._awaiting_zero_grad = False  # a real step was taken and zero_grad() not called
+        self._holders: "weakref.WeakSet[Any]" = weakref.WeakSet()  # of per-example norms
         # The step clock the grad-sample module's sketcher reads (new sketches every
         # logical step however the objects were built); it lives on the parameters, the
         # only objects the module and the optimizer always share.
@@ -65,15 +71,29 @@ class RandomizedClippingMixin:
 
     @property
     def accumulated_iterations(self) -> int:
-        """Micro-batches (backward passes) accumulated into this step (at least 1).
+        """Independent Poisson micro-batches accumulated into this step (at least 1).
 
-        Averaging divides by ``expected_batch_size * accumulated_iterations``; the
-        ``rc_prv`` accountant records it as the step's micro-batch multiplicity ``m``
-        (an example is in ``Bin(m, q)`` of them). Virtual steps through
-        BatchMemoryManager (one Poisson draw split into physical batches) call ``step()``
-        after every physical batch and so count 1.
+        Every backward pass since the last real step counts, whatever API accumulated it
+        (several ``loss.backward()`` per ``step()``, or Opacus's virtual steps through
+        ``signal_skip_step``), except the physical batches that Opacus's
+        BatchMemoryManager cut from one Poisson draw: ``m = passes - splits``. Averaging
+        divides by ``expected_batch_size * m``; the ``rc_prv`` accountant records ``m``
+        as the step's micro-batch multiplicity (an example is in ``Bin(m, q)`` of them).
         """
-        return max(1, self.backward_passes)
+        return max(1, self.backward_passes - self._draw_splits)
+
+    def signal_skip_step(self, do_skip: bool = True, same_draw: bool = False) -> None:
+        """Opacus's virtual step: the next ``step()`` only clips and accumulates.
+
+        ``same_draw=True`` declares that the next physical batch continues the same
+        Poisson draw as this one (each example at most once in the logical batch), so the
+        two are charged as one micro-batch; Opacus's BatchMemoryManager is recognised as
+        such a splitter. Any other skipped step accumulates an independent micro-batch and
+        is charged as accumulation (:attr:`accumulated_iterations`).
+        """
+        if do_skip and (same_draw or isinstance(sys._getframe(1).f_locals.get("self"), BatchSplittingSampler)):
+            self._draw_splits += 1
+        super().signal_skip_step(do_skip)
 
     #: Distributed optimizers agree on refusals across ranks (every rank refuses together).
     _refusals_across_ranks = False
@@ -81,7 +101,9 @@ class RandomizedClippingMixin:
     @property
     def skipped_examples(self) -> int:
         """Examples dropped for a non-finite norm under ``nonfinite="skip"`` (local to this
-        process: never saved). Reading it waits for the device."""
+        process: never saved). A data-dependent count, **not private**: for debugging on
+        the training machine only; do not log or publish it. Reading it waits for the
+        device."""
         return 0 if self._skipped is None else int(self._skipped)
 
     def note_finite(self, kind: str, *tensors: Optional[torch.Tensor]) -> None:
@@ -98,12 +120,29 @@ class RandomizedClippingMixin:
         step share its sketches). A refusal decided on the device for an earlier step is
         raised first."""
         self._raise_deferred_refusal(wait=False)
+        self._check_cleared()
         taken = super().pre_step(closure)
-        self.backward_passes = 0
         if taken:
+            self.backward_passes = self._draw_splits = 0
+            self._awaiting_zero_grad = True
             for p in self.params:
                 p._rc_steps_taken += 1
         return taken
+
+    def _check_cleared(self) -> None:
+        """Opacus's refusal of a loop without ``optimizer.zero_grad()`` between steps
+        (its ``_processed`` flag does not survive book-keeping's assembled sums): the
+        next backward would add raw, unclipped gradients into the noised sum."""
+        if self._awaiting_zero_grad:
+            raise ValueError(
+                "Gradients haven't been cleared since the last optimizer step. In order to "
+                "obtain privacy guarantees you must call optimizer.zero_grad() on each step "
+                "(the DP optimizer's: model.zero_grad() does not clear what it accumulated)"
+            )
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        super().zero_grad(set_to_none)
+        self._awaiting_zero_grad = False
 
     def check_refused_steps(self) -> None:
         """Raise ``FloatingPointError`` if a step was refused on the device and not yet
@@ -158,6 +197,19 @@ class RandomizedClippingMixin:
             return super().step(closure)
         finally:  # a device-side refusal flag is for this step only
             self.original_optimizer.__dict__.pop("found_inf", None)
+            self._forget_per_example_values()
+
+    def forget_after_step(self, holder: Any) -> None:
+        """``holder.per_sample_gradient_norms`` (Opacus's debugging copy of the last
+        batch's norms) is cleared by the next ``step()``: per-example values do not
+        outlive the step that used them (nor reach ``torch.save``/``deepcopy``)."""
+        self._holders.add(holder)
+
+    def _forget_per_example_values(self) -> None:
+        for holder in self._holders:
+            holder.per_sample_gradient_norms = None
+        for p in self.params:
+            p.grad_sample = None  # consumed by clipping (book-keeping's exact layers)
 
     def accumulate(self) -> None:
         """Move the clipped gradient into ``p.summed_grad`` without copying it (Opacus
@@ -243,7 +295,7 @@ class BookkeepingClippingMixin:
         if records:
             return torch.cat([r.sq_norms for r in records])
         gs = self._get_flat_grad_sample(p)
-        return gs.reshape(len(gs), -1).pow(2).sum(dim=1)
+        return gs.flatten(start_dim=1).pow(2).sum(dim=1)
 
     @property
     def grad_samples(self):
@@ -265,7 +317,7 @@ class BookkeepingClippingMixin:
 
     def clip_and_accumulate(self) -> None:
         # counted before the records are consumed: averaging and the accountant read it
-        self.backward_passes = max(self.backward_passes, self._passes_recorded())
+        self.backward_passes += self._passes_recorded()
         sq = torch.stack([self._per_sample_sq_norms(p).float() for p in self.params]).sum(dim=0)
         keep = self._finite_examples(sq)
         if keep is not None:

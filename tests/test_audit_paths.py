@@ -171,3 +171,27 @@ def test_command_runs_the_path_variants(capsys):
         assert set(r) == {"estimator", "sketch_size", "sigma", "variant", "eps_lower", "eps_accounted"}
         assert r["eps_accounted"] > r["eps_lower"] >= 0.0
     assert "old q x m charge" in out[-2]
+
+
+def test_reused_layer_is_clipped_once_and_charged_once():
+    """A canary through a layer applied twice per forward pass (book-keeping): its summed
+    per-example gradient is clipped once, so one copy contributes E Z (units of C), not
+    2 E Z as with a clip factor per use, and the step is charged one micro-batch at q.
+    Tolerance: 5 standard errors of (Var Z + sigma^2) / copies, copies ~ trials/2 * q.
+    On the pre-fix code the same audit at --quick size reported eps_lower 3.02 above
+    eps_accounted 2.76 (VIOLATION); here eps_lower stays below the accountant."""
+    r = run_path_audit(PathAuditConfig(variant="reused_layer", steps=120, seed=11, sample_rate=0.25))
+    (sigma, q, steps, record), = r.history
+    assert (sigma, q, steps) == (1.0, 0.25, 1) and record.get("micro_batches", 1) == 1
+    assert r.eps_lower < r.eps_accounted and r.eps_exact < r.eps_accounted
+    k = 32
+    mean_z = math.sqrt(k / 2) * math.gamma((k - 1) / 2) / math.gamma(k / 2)
+    var_z = k / (k - 2) - mean_z**2
+    copies = r.trials / 2 * r.sample_rate
+    assert abs(r.mean_score_in - mean_z) < 5 * math.sqrt((var_z + r.sigma**2) / copies)
+
+
+def test_quick_audit_includes_the_reused_layer_variant():
+    from opacus_rc.audit.__main__ import parse_args
+
+    assert "reused_layer" in parse_args(["--quick"]).variants

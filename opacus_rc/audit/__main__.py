@@ -5,7 +5,8 @@ as the last line, a JSON list with one object per configuration (keys ``estimato
 The sketch variants (honest, biased_low, data_dependent_sketch) run for every estimator
 and sketch size; the normaliser variants (:mod:`opacus_rc.audit.normaliser`) run once,
 with the first estimator and sketch size, for the two-pass path. The side-path variants
-(:mod:`opacus_rc.audit.paths`: ``accumulation_canary``, ``hand_built``) run once each,
+(:mod:`opacus_rc.audit.paths`: ``accumulation_canary``, ``hand_built``, ``reused_layer``)
+run once each,
 with the first estimator and their own sketch size and sigma (``PATH_DEFAULTS``)."""
 
 from __future__ import annotations
@@ -204,6 +205,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"(one draw at rate {min(1.0, r.sample_rate * r.micro_batches):g}) would report "
                 f"{r.eps_old_charge:.3f}"
                 + (" (below eps_lower: under-charged)" if r.eps_lower > r.eps_old_charge else "")
+            )
+        elif r.variant == "reused_layer":
+            notes.append(
+                f"reused_layer: one layer applied {PATH_DEFAULTS['reused_layer']['uses']} times per "
+                f"forward pass (book-keeping), one Poisson draw at q={r.sample_rate}"
             )
         elif r.variant == "hand_built":
             notes.append(

@@ -1,5 +1,5 @@
-"""Audits of two privacy side paths (issue 13, item 8): gradient accumulation and
-hand-built objects.
+"""Audits of privacy side paths: gradient accumulation, hand-built objects and a layer
+reused within one forward pass.
 
 Both reuse the one-step audit's model, data and canaries (:mod:`opacus_rc.audit.experiment`:
 one ``nn.Linear`` sketched on its output side, R canaries on distinct output coordinates,
@@ -31,6 +31,16 @@ score ``W.grad[r, d-1] / (sigma C)``) and its held-out Clopper-Pearson threshold
     ``N(sum_s Z_s / (sigma sqrt(S)), 1)`` with it, Z_s drawn from the step's own sketch).
     ``eps_accounted`` is the accountant's epsilon after the first episode (its history
     must hold S steps ``(sigma, 1, steps, record)``).
+
+``reused_layer``
+    Book-keeping (``grad_sample_mode="hooks"``) on a model that applies the layer L times
+    in one forward pass (``sum_l layer(x)``, as an RNN cell or a weight-shared stack
+    would). One Poisson draw per step at rate q: an "in" canary joins it with probability
+    q. Its per-example gradient is the sum of its L uses' and is clipped once, so with the
+    canary the score is ``N(Z / sigma, 1)`` and the step is charged one micro-batch at q
+    (history ``(sigma, q, 1, record)``, ``micro_batches`` 1). One clip factor per use
+    would give ``L Z / sigma`` while charging L independent micro-batches: the audit
+    finds eps_lower above eps_accounted.
 """
 
 from __future__ import annotations
@@ -50,7 +60,7 @@ from .experiment import AuditConfig, AuditResult, InnerProductLoss, _data, accou
 from .reference import accumulation_exact_epsilon, composed_sum_epsilon
 from .stats import threshold_audit
 
-PATH_VARIANTS = ("accumulation_canary", "hand_built")
+PATH_VARIANTS = ("accumulation_canary", "hand_built", "reused_layer")
 
 #: Per variant: sketch size, sigma and the path's own size. Accumulation: Hutchinson
 #: k = 32, sigma = 1 (the one-step audit's k = 32 row) and q m = 1, where the old q x m
@@ -60,6 +70,7 @@ PATH_VARIANTS = ("accumulation_canary", "hand_built")
 PATH_DEFAULTS = {
     "accumulation_canary": {"sketch_size": 32, "sigma": 1.0, "micro_batches": 4, "sample_rate": 0.25},
     "hand_built": {"sketch_size": 4, "sigma": 4.0, "episode_steps": 4},
+    "reused_layer": {"sketch_size": 32, "sigma": 1.0, "uses": 2, "sample_rate": 0.25},
 }
 
 
@@ -75,7 +86,8 @@ class PathAuditConfig:
             (hand-built); the first half chooses the threshold, the second gives the bound.
         replicas: canaries per step (trials per step or episode).
         micro_batches: m, micro-batches summed into each step (accumulation).
-        sample_rate: q, each micro-batch's Poisson rate (accumulation).
+        sample_rate: q, each micro-batch's Poisson rate (accumulation, reused layer).
+        uses: L, applications of the layer per forward pass (reused layer).
         episode_steps: S, optimizer steps per trial (hand-built).
         secure_mode: hand-built objects in secure mode (sketches and noise from
             :mod:`opacus_rc.csprng`: not reproducible, seeds unused).
@@ -93,6 +105,7 @@ class PathAuditConfig:
     micro_batches: int = 4
     sample_rate: float = 0.25
     episode_steps: int = 4
+    uses: int = 2
     secure_mode: bool = False
     delta: float = 1e-2
     alpha: float = 0.05
@@ -107,7 +120,7 @@ class PathAuditConfig:
             ("estimator", self.estimator, ESTIMATORS),
             ("sketching", self.sketching, SKETCHINGS),
         )
-        check_ints(self, (("micro_batches", 2), ("episode_steps", 1)))
+        check_ints(self, (("micro_batches", 2), ("episode_steps", 1), ("uses", 2)))
         if not (isinstance(self.sample_rate, (int, float)) and 0.0 < self.sample_rate <= 1.0):
             raise ValueError(
                 f"sample_rate={self.sample_rate!r} is invalid; accepted values: a float in (0, 1]"
@@ -159,9 +172,27 @@ def _released(model, criterion, optimizer, weight, batches) -> torch.Tensor:
     return released
 
 
-def build_accumulation(config: PathAuditConfig):
+class _Reused(nn.Module):
+    """``sum_l layer(x)`` over L uses of one layer in a forward pass."""
+
+    def __init__(self, layer: nn.Module, uses: int) -> None:
+        super().__init__()
+        self.layer, self.uses = layer, uses
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(self.layer(x) for _ in range(self.uses))
+
+
+def build_reused(config: PathAuditConfig):
+    """Book-keeping ``make_private(..., grad_sample_mode="hooks", sample_rate=q)`` on the
+    audit's layer applied ``config.uses`` times per forward pass."""
+    return build_accumulation(config, uses=config.uses)
+
+
+def build_accumulation(config: PathAuditConfig, uses: int = 1):
     """``make_private(..., clipping="randomized", sample_rate=q)`` on the audit's model
-    (the engine's accountant records each step's micro-batches)."""
+    (the engine's accountant records each step's micro-batches); ``uses > 1``: the layer
+    applied that many times per pass, by book-keeping."""
     from opacus import PrivacyEngine
 
     import opacus_rc  # noqa: F401
@@ -169,13 +200,14 @@ def build_accumulation(config: PathAuditConfig):
     base = config.base
     d, p, _ = base.shapes
     layer = nn.Linear(d, p, bias=False)
+    module = layer if uses == 1 else _Reused(layer, uses)
     background, canaries = _data(base, torch.Generator().manual_seed(config.seed))
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(*background), batch_size=config.background
     )
     engine = PrivacyEngine(accountant="rc_prv")
-    model, optimizer, criterion, _ = engine.make_private(
-        module=layer,
+    out = engine.make_private(
+        module=module,
         optimizer=torch.optim.SGD(layer.parameters(), lr=0.0),
         criterion=InnerProductLoss(reduction="sum"),
         data_loader=loader,
@@ -185,7 +217,7 @@ def build_accumulation(config: PathAuditConfig):
         sample_rate=config.sample_rate,
         loss_reduction="sum",
         noise_generator=torch.Generator().manual_seed(config.seed + 1),
-        grad_sample_mode="ghost",
+        grad_sample_mode="ghost" if uses == 1 else "hooks",
         clipping="randomized",
         estimator=config.estimator,
         sketch_size=config.sketch_size,
@@ -193,6 +225,8 @@ def build_accumulation(config: PathAuditConfig):
         exact_when_cheaper=False,
         sketch_seed=config.seed + 2,
     )
+    model, optimizer = out[0], out[1]
+    criterion = out[2] if len(out) == 4 else InnerProductLoss(reduction="sum")
     return engine.accountant, model, optimizer, criterion, layer.weight, background, canaries
 
 
@@ -252,15 +286,17 @@ def _batch(background, canaries, idx: np.ndarray):
 
 def _check_history(history, config: PathAuditConfig) -> None:
     """The accountant recorded what the audited path ran (else: RuntimeError)."""
-    if config.variant == "accumulation_canary":
+    if config.variant in ("accumulation_canary", "reused_layer"):
+        micro = _micro_batches(config)
         ok = (
             len(history) == 1
             and history[0][1] == config.sample_rate
             and history[0][2] == 1
             and isinstance(history[0][3], dict)
-            and history[0][3].get("micro_batches") == config.micro_batches
+            # reused layer: whatever the step is charged as, the threshold test judges it
+            and (config.variant == "reused_layer" or history[0][3].get("micro_batches", 1) == micro)
         )
-        expected = f"one step at q={config.sample_rate} with micro_batches={config.micro_batches}"
+        expected = f"one step at q={config.sample_rate} with micro_batches={micro}"
     else:
         # consecutive equal steps are merged into one entry with a step count
         ok = sum(e[2] for e in history) == config.episode_steps and all(
@@ -272,6 +308,11 @@ def _check_history(history, config: PathAuditConfig) -> None:
         expected = f"{config.episode_steps} steps at q=1 with sketch_size={config.sketch_size}"
     if not ok:
         raise RuntimeError(f"expected {expected} in the rc_prv history, got {history}")
+
+
+def _micro_batches(config: PathAuditConfig) -> int:
+    """Independent Poisson micro-batches per step: m (accumulation), else 1."""
+    return config.micro_batches if config.variant == "accumulation_canary" else 1
 
 
 def old_charge_epsilon(config: PathAuditConfig, record: dict) -> float:
@@ -295,8 +336,11 @@ def run_path_audit(
 
 
 def _run(config: PathAuditConfig, progress, start: float) -> PathAuditResult:
-    accumulation = config.variant == "accumulation_canary"
-    build = build_accumulation if accumulation else build_hand_built
+    accumulation = config.variant in ("accumulation_canary", "reused_layer")
+    micro = _micro_batches(config)
+    build = {"accumulation_canary": build_accumulation, "reused_layer": build_reused}.get(
+        config.variant, build_hand_built
+    )
     accountant, model, optimizer, criterion, weight, background, canaries = build(config)
     d, _, _ = config.base.shapes
     r = config.replicas
@@ -310,7 +354,7 @@ def _run(config: PathAuditConfig, progress, start: float) -> PathAuditResult:
         include = rng.permutation(r) < r // 2
         if accumulation:
             # every "in" canary joins each micro-batch independently with probability q
-            member = include[None, :] & (rng.random((config.micro_batches, r)) < config.sample_rate)
+            member = include[None, :] & (rng.random((micro, r)) < config.sample_rate)
             copies[step] = member.sum(axis=0)
             released = _released(
                 model, criterion, optimizer, weight,
@@ -345,10 +389,10 @@ def _run(config: PathAuditConfig, progress, start: float) -> PathAuditResult:
     )
     if accumulation:
         eps_exact = accumulation_exact_epsilon(
-            config.estimator, config.sketch_size, config.sigma, config.micro_batches,
+            config.estimator, config.sketch_size, config.sigma, micro,
             config.sample_rate, config.delta, config.canary_norm,
         )
-        eps_old = old_charge_epsilon(config, history[0][3])
+        eps_old = old_charge_epsilon(config, history[0][3]) if micro > 1 else math.nan
     else:
         eps_exact = composed_sum_epsilon(
             config.estimator, config.sketch_size, config.sigma, config.episode_steps,
@@ -373,7 +417,7 @@ def _run(config: PathAuditConfig, progress, start: float) -> PathAuditResult:
         seconds=time.perf_counter() - start,
         eps_exact=eps_exact,
         eps_old_charge=eps_old,
-        micro_batches=config.micro_batches if accumulation else 1,
+        micro_batches=micro,
         sample_rate=config.sample_rate if accumulation else 1.0,
         episode_steps=1 if accumulation else config.episode_steps,
         history=history,
