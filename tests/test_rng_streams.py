@@ -98,8 +98,13 @@ def test_fresh_make_private_after_global_seed_draws_fresh_noise_and_batches(mode
 
 @pytest.mark.parametrize("mode", MODES)
 def test_noise_never_comes_from_the_global_generator(mode):
-    """Re-seeding torch between construction and the step changes nothing the plugin draws
-    from (with an explicit seed, the update is the same whatever the global state)."""
+    """Steps (Poisson batches, sketches, noise) leave torch's global generator untouched,
+    and re-seeding torch between construction and the step changes nothing the plugin
+    draws from (with an explicit seed, the update is the same whatever the global state)."""
+    run = _build(mode)
+    state = torch.random.get_rng_state()
+    _steps(run)
+    assert torch.equal(torch.random.get_rng_state(), state)
     updates = []
     for global_seed in (1, 2):
         run = _build(mode, seed=123)
