@@ -8,7 +8,10 @@ score ``W.grad[r, d-1] / (sigma C)``) and its held-out Clopper-Pearson threshold
 ``accumulation_canary``
     One logical step sums ``m`` micro-batches (``m`` times forward, criterion,
     ``loss.backward()``, then one ``optimizer.step()``), built by ``make_private(...,
-    clipping="randomized", grad_sample_mode="ghost", sample_rate=q)``. Each step puts a
+    clipping="randomized", grad_sample_mode="ghost", poisson_sampling=False)`` with the
+    engine's accountant hook re-attached at rate q (the audit draws the Poisson
+    micro-batches itself and never iterates the loader; ``make_private`` refuses a
+    ``sample_rate`` that is not the loader's own rate). Each step puts a
     random half of the canaries "in the data set"; each of those lands in each micro-batch
     independently with probability q (Poisson sampling of every micro-batch), so in
     ``J ~ Bin(m, q)`` of them; the others in none. With the canary the score is
@@ -160,8 +163,9 @@ def _released(model, criterion, optimizer, weight, batches) -> torch.Tensor:
 
 
 def build_accumulation(config: PathAuditConfig):
-    """``make_private(..., clipping="randomized", sample_rate=q)`` on the audit's model
-    (the engine's accountant records each step's micro-batches)."""
+    """``make_private(..., clipping="randomized", poisson_sampling=False)`` on the audit's
+    model, its accountant hook at the audit's own Poisson rate q (the engine's accountant
+    records each step's micro-batches)."""
     from opacus import PrivacyEngine
 
     import opacus_rc  # noqa: F401
@@ -182,7 +186,6 @@ def build_accumulation(config: PathAuditConfig):
         noise_multiplier=config.sigma,
         max_grad_norm=config.max_grad_norm,
         poisson_sampling=False,
-        sample_rate=config.sample_rate,
         loss_reduction="sum",
         noise_generator=torch.Generator().manual_seed(config.seed + 1),
         grad_sample_mode="ghost",
@@ -193,6 +196,8 @@ def build_accumulation(config: PathAuditConfig):
         exact_when_cheaper=False,
         sketch_seed=config.seed + 2,
     )
+    # the audit samples every micro-batch itself at q (Poisson); the loader is never used
+    optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=config.sample_rate))
     return engine.accountant, model, optimizer, criterion, layer.weight, background, canaries
 
 
