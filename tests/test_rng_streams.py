@@ -221,3 +221,50 @@ def test_checkpoint_with_rng_state_restores_plugin_noise_and_poisson_streams():
     again = _steps(resumed)
     assert all(torch.equal(a, b) for a, b in zip(uninterrupted[0], again[0]))
     assert uninterrupted[1] == again[1]
+
+
+def test_hand_built_optimizer_owns_its_noise_stream():
+    """Built by hand (no make_private): noise from the optimizer's own stream, fresh after
+    the same torch.manual_seed(0); ``noise_seed=`` reproduces it; a user generator is used
+    as given (Opacus)."""
+    from opacus_rc.optimizer import RandomizedClippingOptimizer
+
+    def noise(**options):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.zeros(64))
+        opt = RandomizedClippingOptimizer(
+            torch.optim.SGD([p], lr=1.0), noise_multiplier=1.0, max_grad_norm=1.0,
+            expected_batch_size=1, **options,
+        )
+        p.grad = torch.zeros(64)
+        opt.step()
+        return p.grad.clone()
+
+    assert not torch.equal(noise(), noise())
+    assert torch.equal(noise(noise_seed=4), noise(noise_seed=4))
+    assert not torch.equal(noise(noise_seed=4), noise(noise_seed=5))
+    mine = noise(generator=torch.Generator().manual_seed(4))
+    assert torch.equal(mine, noise(generator=torch.Generator().manual_seed(4)))
+    assert not torch.equal(mine, noise(noise_seed=4))  # the tagged stream is not seed 4's
+    with pytest.raises(ValueError, match="noise_seed"):
+        noise(noise_seed=4, secure_mode=True)
+
+
+def test_make_private_with_epsilon_passes_seed_on(monkeypatch):
+    import opacus_rc.integration as integration
+
+    monkeypatch.setattr(integration, "get_noise_multiplier_rc", lambda **kw: 1.0)
+
+    def run():
+        torch.manual_seed(0)
+        model = nn.Linear(D, 2, bias=False)
+        out = PrivacyEngine(accountant="rc_prv").make_private_with_epsilon(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=_loader(), criterion=nn.CrossEntropyLoss(), target_epsilon=3.0,
+            target_delta=1e-5, epochs=1, max_grad_norm=C, grad_sample_mode="ghost",
+            clipping="randomized", sketch_size=2, seed=11,
+        )
+        return _steps((None, model, out[0], out[1], out[2], out[-1]))
+
+    (u_a, b_a), (u_b, b_b) = run(), run()
+    assert all(torch.equal(a, b) for a, b in zip(u_a, u_b)) and b_a == b_b
