@@ -49,13 +49,13 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 import opacus.privacy_engine as _pe
+import torch
 from opacus import PrivacyEngine
 from opacus.accountants import register_accountant
 from opacus.data_loader import DPDataLoader
 from opacus.grad_sample import AbstractGradSampleModule
-import numpy as np
-import torch
 from torch import nn
 from torch.utils.data import IterableDataset
 from torch.utils.data.distributed import DistributedSampler
