@@ -365,5 +365,7 @@ class FSDPRandomizedClippingOptimizer(RandomizedClippingMixin, FSDPOptimizerFast
             else:
                 # Full-shape draw sliced to the shard (Opacus's scheme): independent
                 # across shards even when every rank seeds the generator identically.
-                noise = _generate_noise(std=std, reference=summed, generator=self.generator)
+                noise = _generate_noise(
+                    std=std, reference=summed, generator=self.noise_generator(summed.device)
+                )
                 p.grad = (summed + noise).view_as(p)

@@ -5,8 +5,8 @@ Opacus has no plugin registry for clipping modes, so :func:`install` wraps
 mode):
 
 * ``make_private(..., clipping="randomized", estimator=..., sketch_size=...,
-  sketching=..., sketch_seed=...)`` validates the options and the accountant, then runs
-  Opacus's own ``make_private`` with the randomized grad-sample module and optimizer;
+  sketching=..., sketch_seed=..., seed=...)`` validates the options and the accountant, then
+  runs Opacus's own ``make_private`` with the randomized grad-sample module and optimizer;
 * ``_prepare_model`` builds :class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping`
   (or its hooks form for ``wrap_model=False``) while such a call is in progress, and
   ``_prepare_criterion`` the accumulating :class:`~opacus_rc.loss.DPLossRandomizedClipping`
@@ -16,7 +16,16 @@ mode):
 * ``_prepare_optimizer`` / ``_prepare_data_loader`` use the public normaliser and sample
   rate of :func:`public_sampling` (``expected_batch_size=``, ``sample_rate=`` keywords, else
   the loader's ``batch_size`` and ``1 / len(loader)``) instead of Opacus's
-  ``int(len(dataset) / len(loader))``, which depends on the private dataset's size.
+  ``int(len(dataset) / len(loader))``, which depends on the private dataset's size; with
+  ``poisson_sampling=False`` the charged rate is the loader's own (:func:`loader_rate`).
+
+Randomness (:mod:`opacus_rc.sketch`'s :class:`~opacus_rc.sketch.DeviceStreams`): the noise
+and the Poisson masks of a randomized run never come from torch's global generator (a
+script that calls ``torch.manual_seed`` and resumes would replay them). The optimizer owns
+its noise stream and the Poisson loader gets its own generator, both seeded from
+``os.urandom`` unless the run is made reproducible: ``seed=`` (one integer; noise, Poisson
+and sketch streams derived with distinct domain tags), or Opacus's ``noise_generator=`` and
+the DataLoader's ``generator=``. A reproducible run replays its randomness on resume.
 
 ``save_checkpoint`` / ``load_checkpoint`` keep generator states out of checkpoints unless
 ``include_rng_state=True`` (:mod:`opacus_rc.checkpoint`).
@@ -40,18 +49,22 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 import opacus.privacy_engine as _pe
+import torch
 from opacus import PrivacyEngine
 from opacus.accountants import register_accountant
 from opacus.data_loader import DPDataLoader
 from opacus.grad_sample import AbstractGradSampleModule
 from torch import nn
+from torch.utils.data import IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from . import checkpoint
 from .csprng import loader_settings
 from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
 from .config import SketchConfig
+from .sketch import POISSON_STREAM, DeviceStreams, check_seed
 from .loss import DPLossRandomizedClipping
 from .grad_sample import (
     GradSampleHooksBookkeeping,
@@ -107,6 +120,7 @@ class _RandomizedRequest:
     config: SketchConfig
     sketch_seed: Optional[int]
     sampling: Optional[PublicSampling] = None
+    seed: Optional[int] = None  # make_private(seed=): noise and Poisson streams' root
 
 
 _active_request: contextvars.ContextVar[Optional[_RandomizedRequest]] = contextvars.ContextVar(
@@ -140,7 +154,10 @@ def pop_nonfinite(kwargs: Dict[str, Any]) -> str:
 
 
 def _check_no_sketch_options(clipping: str, kwargs: Dict[str, Any]) -> None:
-    given = [k for k in (*SKETCH_OPTIONS, "sketch_seed", "nonfinite", *SAMPLING_OPTIONS) if k in kwargs]
+    given = [
+        k for k in (*SKETCH_OPTIONS, "sketch_seed", "seed", "nonfinite", *SAMPLING_OPTIONS)
+        if k in kwargs
+    ]
     if given:
         raise ValueError(
             f"{', '.join(given)} only apply with clipping='randomized'; got clipping={clipping!r}"
@@ -178,16 +195,55 @@ def loader_batch_size(data_loader) -> Optional[int]:
     return int(size)
 
 
+def loader_rate(data_loader) -> float:
+    """The rate a fixed-size loader used as given is charged:
+    ``q = max(B / n, 1 / len(loader))`` (``B``: :func:`loader_batch_size`, ``n``: the
+    dataset's size), capped at 1; ``1 / len(loader)`` when ``B`` or ``n`` is unknown.
+
+    Both terms describe the loader (a batch of ``B`` out of ``n``; ``len(loader)``
+    batches per epoch); their maximum is the larger, so the charge never falls below
+    either (``1 / ceil(n / B) < B / n`` when ``B`` does not divide ``n``).
+    """
+    rate = 1.0 / len(data_loader)
+    size = loader_batch_size(data_loader)
+    try:
+        n = len(data_loader.dataset)
+    except TypeError:  # a dataset without __len__
+        n = 0
+    return min(1.0, max(rate, size / n)) if size and n else rate
+
+
+def _matching_loader_rate(data_loader, sample_rate: float) -> float:
+    """``sample_rate`` when it is the loader's own rate (relative tolerance 1e-9), else a
+    ValueError: without Poisson sampling the loader is used as given, and charging
+    another rate would misstate how it samples (e.g. 0.01 for batches of 25 out of 500)."""
+    rate = loader_rate(data_loader)
+    if not math.isclose(sample_rate, rate, rel_tol=1e-9, abs_tol=0.0):
+        raise ValueError(
+            f"sample_rate={sample_rate!r} does not match how this data_loader samples: with "
+            f"poisson_sampling=False the loader is used as given (fixed-size batches) and "
+            f"is charged its own rate max(batch_size / len(dataset), 1 / len(loader)) = "
+            f"{rate!r}; accepted values: sample_rate=None or {rate!r} with "
+            f"poisson_sampling=False, or poisson_sampling=True to sample at sample_rate"
+        )
+    return rate
+
+
 def public_sampling(
-    data_loader, expected_batch_size: Any = None, sample_rate: Any = None
+    data_loader,
+    expected_batch_size: Any = None,
+    sample_rate: Any = None,
+    poisson_sampling: bool = True,
 ) -> PublicSampling:
     """The public normaliser and sample rate of a randomized-clipping run.
 
     Normaliser: ``expected_batch_size`` when given, else the batch size of the loader as
     the user built it (:func:`loader_batch_size`): a hyper-parameter, never a function
-    of the dataset's size. Sample rate: ``sample_rate`` when given, else
-    ``1 / len(data_loader)`` (Opacus's choice; it assumes the number of batches per
-    epoch is public, see docs/accounting.md, "What the guarantee assumes").
+    of the dataset's size. Sample rate with Poisson sampling: ``sample_rate`` when
+    given, else ``1 / len(data_loader)`` (Opacus's choice; it assumes the number of
+    batches per epoch is public, see docs/accounting.md, "What the guarantee assumes").
+    With ``poisson_sampling=False``: the loader's own rate (:func:`loader_rate`); a
+    ``sample_rate`` other than it is refused.
 
     Raises:
         ValueError: naming the parameter and its accepted values.
@@ -224,8 +280,58 @@ def public_sampling(
                 f"sample_rate={sample_rate!r} is invalid; accepted values: a float in "
                 f"(0, 1] or None (1 / len(data_loader))"
             )
+        if not poisson_sampling:
+            sample_rate = _matching_loader_rate(data_loader, float(sample_rate))
         return PublicSampling(batch_size, float(sample_rate), explicit_sample_rate=True)
+    if not poisson_sampling:
+        return PublicSampling(batch_size, loader_rate(data_loader))
     return PublicSampling(batch_size, 1.0 / len(data_loader))
+
+
+def pop_seed(engine: PrivacyEngine, kwargs: Dict[str, Any]) -> Optional[int]:
+    """Validate and remove ``seed=`` (None, the default, or a non-negative int): one root
+    for a reproducible run's noise, Poisson and sketch streams (distinct domain tags, see
+    :mod:`opacus_rc.sketch`); it replays them on resume. Refused next to another seed of
+    the same stream and in secure mode (nothing there is seeded)."""
+    seed = check_seed("seed", kwargs.pop("seed", None))
+    if seed is None:
+        return None
+    if engine.secure_mode:
+        raise ValueError(
+            "seed= is invalid with secure_mode=True: secure noise, sketches and Poisson "
+            "masks come from os.urandom; accepted values: seed=None"
+        )
+    loader = kwargs.get("data_loader")
+    others = {
+        "noise_generator": kwargs.get("noise_generator") is not None,
+        "sketch_seed": kwargs.get("sketch_seed") is not None,
+        "data_loader's generator": kwargs.get("poisson_sampling", True)
+        and getattr(loader, "generator", None) is not None,
+    }
+    given = [name for name, present in others.items() if present]
+    if given:
+        raise ValueError(
+            f"seed={seed!r} and {', '.join(given)} both seed the same stream; accepted "
+            f"values: seed= alone (noise, Poisson masks and sketches from one integer), or "
+            f"Opacus's noise_generator= / the DataLoader's generator= and sketch_seed= "
+            f"without seed="
+        )
+    return seed
+
+
+def poisson_generator(data_loader, seed: Optional[int], distributed: bool) -> torch.Generator:
+    """The generator of the Poisson masks; never torch's global generator.
+
+    The loader's own ``generator`` (reproducible; Opacus's way) as it is in one process;
+    under DDP a child of it per rank (root its ``initial_seed()``), so that ranks seeded
+    alike still draw independent masks. Else the :data:`~opacus_rc.sketch.POISSON_STREAM`
+    of ``seed`` (``None``: 128 bits from ``os.urandom``), rank folded in.
+    """
+    user = getattr(data_loader, "generator", None)
+    if user is not None and not distributed:
+        return user
+    root = np.random.SeedSequence(user.initial_seed() if user is not None else seed)
+    return DeviceStreams(root, POISSON_STREAM, per_rank=True).generator("cpu")
 
 
 def denoised_weights(module: nn.Module) -> List[nn.Parameter]:
@@ -286,12 +392,16 @@ def _make_private(original, self: PrivacyEngine, *, clipping: str = "flat", **kw
     for key in SKETCH_OPTIONS:
         kwargs.pop(key, None)
     nonfinite = pop_nonfinite(kwargs)
+    seed = pop_seed(self, kwargs)
     # From the loader as the user built it: Opacus's DPDataLoader has no batch_size.
     sampling = public_sampling(
-        kwargs.get("data_loader"), kwargs.pop("expected_batch_size", None), kwargs.pop("sample_rate", None)
+        kwargs.get("data_loader"), kwargs.pop("expected_batch_size", None),
+        kwargs.pop("sample_rate", None), kwargs.get("poisson_sampling", True),
     )
+    sketch_seed = kwargs.pop("sketch_seed", None)
     request = _RandomizedRequest(
-        config=config, sketch_seed=kwargs.pop("sketch_seed", None), sampling=sampling
+        config=config, sketch_seed=seed if sketch_seed is None else sketch_seed,
+        sampling=sampling, seed=seed,
     )
     token = _active_request.set(request)
     try:
@@ -318,28 +428,36 @@ def _prepare_optimizer(original, self: PrivacyEngine, **kwargs):
 
             size = size / dist.get_world_size()  # per rank, as Opacus
         kwargs["expected_batch_size"] = size
+    if request is not None:
+        kwargs["noise_seed"] = request.seed  # the optimizer's own noise stream's root
     return original(self, **kwargs)
 
 
 def _prepare_data_loader(original, self: PrivacyEngine, data_loader, **kwargs):
+    """Randomized path: the Poisson loader at the public rate with its own generator
+    (:func:`poisson_generator`); secure mode's CSPRNG loader; with
+    ``poisson_sampling=False`` the loader as given (Opacus)."""
     request = _active_request.get()
-    if request is not None and self.secure_mode:  # CSPRNG Poisson sampler, no torchcsprng
-        return _secure_data_loader(original, self, data_loader, request, **kwargs)
-    if (
-        request is None
-        or request.sampling is None
-        or not request.sampling.explicit_sample_rate
-        or not kwargs.get("poisson_sampling", False)
-    ):
+    if request is None:
         return original(self, data_loader, **kwargs)
-    # Opacus's DPDataLoader.from_data_loader with the given rate instead of 1 / len(loader)
+    if self.secure_mode:  # CSPRNG Poisson sampler, no torchcsprng
+        return _secure_data_loader(original, self, data_loader, request, **kwargs)
+    if not kwargs.get("poisson_sampling", True):
+        return original(self, data_loader, **kwargs)
+    if isinstance(data_loader.dataset, IterableDataset):
+        raise ValueError("Uniform sampling is not supported for IterableDataset")
     original(self, data_loader, **{**kwargs, "poisson_sampling": False})  # dataset check
+    distributed = kwargs.get("distributed", False)
+    rate = request.sampling.sample_rate if request.sampling is not None else 1 / len(data_loader)
+    generator = poisson_generator(data_loader, request.seed, distributed)
+    setattr(self, checkpoint.POISSON_GENERATOR_ATTR, generator)  # include_rng_state
+    # Opacus's DPDataLoader.from_data_loader, at the public rate and with our generator
     return DPDataLoader(
         dataset=data_loader.dataset,
-        sample_rate=request.sampling.sample_rate,
+        sample_rate=rate,
         **loader_settings(data_loader),
-        generator=self.secure_rng if self.secure_rng is not None else data_loader.generator,
-        distributed=kwargs.get("distributed", False),
+        generator=generator,
+        distributed=distributed,
         batch_first=kwargs.get("batch_first", True),
         rand_on_empty=kwargs.get("rand_on_empty", False),
     )
@@ -497,7 +615,8 @@ def _make_private_with_epsilon(
     check_randomized_setup(self, kwargs.get("grad_sample_mode", "hooks"))
     config = sketch_config_from_kwargs(kwargs)
     sampling = public_sampling(
-        data_loader, kwargs.get("expected_batch_size"), kwargs.get("sample_rate")
+        data_loader, kwargs.get("expected_batch_size"), kwargs.get("sample_rate"),
+        kwargs.get("poisson_sampling", True),
     )
     if len(self.accountant) > 0:
         warnings.warn(

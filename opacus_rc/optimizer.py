@@ -13,6 +13,7 @@ import sys
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
+import numpy as np
 import torch
 
 from opacus.optimizers import (
@@ -32,6 +33,7 @@ from torch.optim import Optimizer
 from .bookkeeping import keep_rows
 from .config import SketchConfig
 from .finite import NonFiniteGuard, failed_kinds
+from .sketch import NOISE_STREAM, DeviceStreams, check_seed
 
 
 _LEGACY_STATE_KEY = "opacus_rc"  # generator states stored by versions up to 0.1.0
@@ -46,14 +48,31 @@ class RandomizedClippingMixin:
         optimizer: wrapped optimizer.
         sketch_config: how the per-sample norms were estimated (default: Hutchinson,
             k = 32, one sketch shared by the batch).
+        noise_seed: root of the plugin's noise stream (``None``: 128 bits from
+            ``os.urandom``); used when no ``generator`` is given. Never torch's global
+            generator: a script that re-seeds torch and resumes draws fresh noise.
         **kwargs: Opacus's optimizer arguments (noise_multiplier, max_grad_norm,
             expected_batch_size, loss_reduction, generator, secure_mode).
     """
 
     def __init__(
-        self, optimizer: Optimizer, *, sketch_config: SketchConfig = SketchConfig(), **kwargs
+        self,
+        optimizer: Optimizer,
+        *,
+        sketch_config: SketchConfig = SketchConfig(),
+        noise_seed: Optional[int] = None,
+        **kwargs,
     ) -> None:
         super().__init__(optimizer, **kwargs)
+        check_seed("noise_seed", noise_seed)
+        if noise_seed is not None and self.secure_mode:
+            raise ValueError(
+                "noise_seed must be None when secure_mode=True: secure noise comes from os.urandom"
+            )
+        #: the plugin's own noise stream (per device, rank folded in): see noise_generator()
+        self.noise_streams = DeviceStreams(
+            np.random.SeedSequence(noise_seed), NOISE_STREAM, per_rank=True
+        )
         self.sketch_config = sketch_config
         #: "raise" (default) or "skip" (book-keeping only): see ``make_private(nonfinite=)``
         self.nonfinite = "raise"
@@ -236,12 +255,21 @@ class RandomizedClippingMixin:
             _mark_as_processed(p.summed_grad)
             p.grad = p.summed_grad.add_(noise).view_as(p)
 
+    def noise_generator(self, device: Any) -> torch.Generator:
+        """The noise source on ``device``: the user's ``noise_generator`` (Opacus's
+        ``generator``; reproducible, replays on resume) when given, else the plugin's own
+        stream :attr:`noise_streams` (seeded from ``noise_seed`` or ``os.urandom``, never
+        from torch's global generator)."""
+        return self.generator if self.generator is not None else self.noise_streams.generator(device)
+
     def _noise(self, std: float, reference: torch.Tensor) -> torch.Tensor:
-        """N(0, std^2) like ``reference``. Secure mode: from :mod:`opacus_rc.csprng` (AES-CTR
-        keystream, no PRNG), as the sum of 4 normals halved in float64, Opacus's guard
-        against floating-point attacks."""
+        """N(0, std^2) like ``reference``, from :meth:`noise_generator`. Secure mode: from
+        :mod:`opacus_rc.csprng` (AES-CTR keystream, no PRNG), as the sum of 4 normals
+        halved in float64, Opacus's guard against floating-point attacks."""
         if not self.secure_mode:
-            return _generate_noise(std=std, reference=reference, generator=self.generator)
+            return _generate_noise(
+                std=std, reference=reference, generator=self.noise_generator(reference.device)
+            )
         from .csprng import secure_noise
 
         return secure_noise(std, reference)

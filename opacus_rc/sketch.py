@@ -7,11 +7,13 @@ does not depend on how the objects were built: the sketcher reads a *step clock*
 number of optimizer steps taken, kept on the parameters by the randomized-clipping
 optimizers) and, when no such optimizer is attached, starts new sketches every pass.
 
-Seeding: every stream is derived from one seed (the user's ``sketch_seed`` or 128 bits of
-OS entropy) through :class:`numpy.random.SeedSequence` with a domain tag, the device and,
-for per-example sketches, the rank in the spawn key, so the sketch stream never equals a
-noise stream seeded with the same integer and ranks draw independent per-example
-sketches. In ``secure_mode`` every sketch comes from :mod:`opacus_rc.csprng` instead.
+Seeding: every stream is derived from one seed (the user's ``sketch_seed`` or ``seed``, or
+128 bits of OS entropy) through :class:`numpy.random.SeedSequence` with a domain tag
+(:data:`SKETCH_STREAM`, :data:`NOISE_STREAM`, :data:`POISSON_STREAM`), the device and,
+where ranks must differ, the rank in the spawn key (:class:`DeviceStreams`), so the sketch,
+noise and Poisson streams never coincide, even for the same integer, and ranks draw
+independent per-example sketches, noise and Poisson masks. In ``secure_mode`` every sketch
+comes from :mod:`opacus_rc.csprng` instead.
 Generator states and seeds are secrets: they are kept out of every ``state_dict`` unless
 asked for explicitly (:meth:`Sketcher.state_dict`).
 """
@@ -35,6 +37,10 @@ def entropy_seed() -> int:
 
 #: Spawn-key tag of the sketch streams ("sketch" in ASCII): no other stream uses it.
 SKETCH_STREAM = 0x736B65746368
+#: Spawn-key tag of the optimizer's noise streams ("noise" in ASCII).
+NOISE_STREAM = 0x6E6F697365
+#: Spawn-key tag of the Poisson batch-mask streams ("poisson" in ASCII).
+POISSON_STREAM = 0x706F6973736F6E
 
 
 def stream_seed(root: np.random.SeedSequence, *key: int) -> int:
@@ -49,6 +55,61 @@ def _process_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class DeviceStreams:
+    """One stream's torch generators, one per device, all derived from ``root``.
+
+    The ``i``-th device's generator is seeded with ``stream_seed(root, tag, i, r)``,
+    ``r = rank + 1`` with ``per_rank`` (read when the generator is first made, after
+    ``torch.distributed`` is initialised) else ``0``: streams of distinct tags or ranks
+    are independent, whatever integer ``root`` came from.
+
+    Args:
+        root: the run's seed sequence (``SeedSequence(None)``: 128 bits of OS entropy).
+        tag: the stream's domain tag (:data:`SKETCH_STREAM`, :data:`NOISE_STREAM`,
+            :data:`POISSON_STREAM`).
+        per_rank: fold this process's rank in (independent draws on every rank).
+    """
+
+    def __init__(self, root: np.random.SeedSequence, tag: int, *, per_rank: bool = False) -> None:
+        self.root = root
+        self.tag = tag
+        self.per_rank = per_rank
+        self._generators: Dict[str, torch.Generator] = {}
+
+    def generator(self, device: Any = "cpu") -> torch.Generator:
+        """The generator for ``device`` (made on first use)."""
+        key = str(torch.device(device))
+        gen = self._generators.get(key)
+        if gen is None:
+            rank = _process_rank() + 1 if self.per_rank else 0
+            gen = torch.Generator(device=key)
+            gen.manual_seed(stream_seed(self.root, self.tag, len(self._generators), rank))
+            self._generators[key] = gen
+        return gen
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Root entropy and generator states (secrets: whoever holds them replays the stream)."""
+        return {
+            "seed": self.root.entropy,
+            "generators": {key: g.get_state() for key, g in self._generators.items()},
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.root = np.random.SeedSequence(state["seed"])
+        self._generators = {}
+        for key, gen_state in state["generators"].items():
+            gen = torch.Generator(device=key)
+            gen.set_state(gen_state)
+            self._generators[key] = gen
+
+
+def check_seed(name: str, seed: Any) -> Optional[int]:
+    """``seed`` if it is None or a non-negative int (a SeedSequence entropy), else a ValueError."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"{name}={seed!r} is invalid; accepted values: a non-negative int or None")
+    return seed
 
 
 def secure_standard_normal(shape, device="cpu", dtype=torch.float32) -> torch.Tensor:
@@ -87,8 +148,9 @@ class Sketcher:
         self.config = config
         self.secure_mode = secure_mode
         # seed None: 128 bits from the OS; the integer is never used as a generator seed
-        self._root = np.random.SeedSequence(seed)
-        self._generators: Dict[str, torch.Generator] = {}
+        self._streams = DeviceStreams(
+            np.random.SeedSequence(seed), SKETCH_STREAM, per_rank=config.sketching == "per_example"
+        )
         self._step_sketches: Dict[Any, torch.Tensor] = {}
         self._clock: Callable[[], Optional[int]] = lambda: None
         self._passes = 0
@@ -97,7 +159,7 @@ class Sketcher:
     @property
     def seed(self) -> Any:
         """The root entropy of the sketch streams (a secret; for reproducible copies)."""
-        return self._root.entropy
+        return self._streams.root.entropy
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The generator for ``device`` (one per device, seeded from the run's seed).
@@ -107,14 +169,7 @@ class Sketcher:
         with the rank folded in. Shared sketches stay identical on every rank (one sketch
         for the whole logical batch, as in one process).
         """
-        key = str(torch.device(device))
-        gen = self._generators.get(key)
-        if gen is None:
-            rank = _process_rank() + 1 if self.config.sketching == "per_example" else 0
-            gen = torch.Generator(device=device)
-            gen.manual_seed(stream_seed(self._root, SKETCH_STREAM, len(self._generators), rank))
-            self._generators[key] = gen
-        return gen
+        return self._streams.generator(device)
 
     def bind_step_clock(self, clock: Callable[[], Optional[int]]) -> None:
         """``clock()`` returns the number of optimizer steps taken (None: no
@@ -191,15 +246,7 @@ class Sketcher:
     def state_dict(self) -> Dict[str, Any]:
         """Root entropy and generator states, for a bit-exact resume only: whoever holds
         them can regenerate every sketch (keep such a file as secret as the data)."""
-        return {
-            "seed": self._root.entropy,
-            "generators": {key: g.get_state() for key, g in self._generators.items()},
-        }
+        return self._streams.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self._root = np.random.SeedSequence(state["seed"])
-        self._generators = {}
-        for key, gen_state in state["generators"].items():
-            gen = torch.Generator(device=key)
-            gen.set_state(gen_state)
-            self._generators[key] = gen
+        self._streams.load_state_dict(state)

@@ -191,3 +191,36 @@ def test_ddp_refusal_is_agreed_by_every_rank(mode):
     for r in ranks:
         for name, value in initial.items():
             torch.testing.assert_close(r["params"][name], value)
+
+
+def poisson_worker(rank, init_file, seeding, out_dir):
+    """make_private with Poisson sampling after torch.manual_seed(0) on every rank; saves
+    the local positions (in this rank's share) of the first three batches' examples."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    model = SequenceClassifier()
+    options = {"seed": 3} if seeding == "seed" else {}
+    loader_options = {"generator": torch.Generator().manual_seed(3)} if seeding == "loader" else {}
+    out = PrivacyEngine(accountant="rc_prv").make_private(
+        module=DPDDP(model), optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=torch.utils.data.DataLoader(token_task(n=64, t=T), batch_size=8, **loader_options),
+        noise_multiplier=1.0, max_grad_norm=C, grad_sample_mode="ghost", clipping="randomized",
+        sketch_size=8, **options,
+    )
+    sampler = out[-1].batch_sampler
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(sampler.shuffle_seed))
+    local = {int(i): pos for pos, i in enumerate(perm[rank::WORLD])}
+    batches = [sorted(local[int(i)] for i in b) for b, _ in zip(sampler, range(3))]
+    torch.save(batches, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("seeding", ["entropy", "seed", "loader"])
+def test_ddp_ranks_draw_independent_poisson_masks(seeding):
+    """Every rank seeds torch alike (and, for "seed" / "loader", passes the same seed):
+    the Poisson masks over the ranks' shares still differ (issue 21: they used to come
+    from the global generator, identical on every rank). 32 local examples at q = 1/8:
+    three equal masks have probability (q^2 + (1-q)^2)^96 < 1e-10."""
+    ranks = spawn(poisson_worker, seeding)
+    assert ranks[0] != ranks[1]

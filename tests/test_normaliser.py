@@ -131,13 +131,16 @@ def test_explicit_keywords_are_honoured(mode):
     assert isinstance(out[-1], DPDataLoader) and out[-1].sample_rate == 0.03
     _step(model, out)
     assert engine.accountant.history[0][1] == 0.03
-    # without Poisson sampling the loader is the user's; the rate is what is charged
+    # without Poisson sampling the loader is the user's: only its own rate is accepted
+    # (20 / 401; 0.05 would misstate how it samples) and charged (issue 21, item 4)
+    with pytest.raises(ValueError, match="sample_rate=0.05 does not match.*poisson_sampling=False"):
+        _private(_loader(401), grad_sample_mode=mode, poisson_sampling=False, sample_rate=0.05)
     engine, model, out = _private(
-        _loader(401), grad_sample_mode=mode, poisson_sampling=False, sample_rate=0.05
+        _loader(401), grad_sample_mode=mode, poisson_sampling=False, sample_rate=BATCH / 401
     )
     assert out[-1].batch_size == BATCH and out[1].expected_batch_size == BATCH
     _step(model, out)
-    assert engine.accountant.history[0][1] == 0.05
+    assert engine.accountant.history[0][1] == BATCH / 401
 
 
 def test_make_private_with_epsilon_calibrates_at_the_public_rate(monkeypatch):

@@ -8,7 +8,10 @@ score ``W.grad[r, d-1] / (sigma C)``) and its held-out Clopper-Pearson threshold
 ``accumulation_canary``
     One logical step sums ``m`` micro-batches (``m`` times forward, criterion,
     ``loss.backward()``, then one ``optimizer.step()``), built by ``make_private(...,
-    clipping="randomized", grad_sample_mode="ghost", sample_rate=q)``. Each step puts a
+    clipping="randomized", grad_sample_mode="ghost", poisson_sampling=False)`` with the
+    engine's accountant hook re-attached at rate q (the audit draws the Poisson
+    micro-batches itself and never iterates the loader; ``make_private`` refuses a
+    ``sample_rate`` that is not the loader's own rate). Each step puts a
     random half of the canaries "in the data set"; each of those lands in each micro-batch
     independently with probability q (Poisson sampling of every micro-batch), so in
     ``J ~ Bin(m, q)`` of them; the others in none. With the canary the score is
@@ -190,9 +193,10 @@ def build_reused(config: PathAuditConfig):
 
 
 def build_accumulation(config: PathAuditConfig, uses: int = 1):
-    """``make_private(..., clipping="randomized", sample_rate=q)`` on the audit's model
-    (the engine's accountant records each step's micro-batches); ``uses > 1``: the layer
-    applied that many times per pass, by book-keeping."""
+    """``make_private(..., clipping="randomized", poisson_sampling=False)`` on the audit's
+    model, its accountant hook at the audit's own Poisson rate q (the engine's accountant
+    records each step's micro-batches); ``uses > 1``: the layer applied that many times
+    per pass, by book-keeping."""
     from opacus import PrivacyEngine
 
     import opacus_rc  # noqa: F401
@@ -214,7 +218,6 @@ def build_accumulation(config: PathAuditConfig, uses: int = 1):
         noise_multiplier=config.sigma,
         max_grad_norm=config.max_grad_norm,
         poisson_sampling=False,
-        sample_rate=config.sample_rate,
         loss_reduction="sum",
         noise_generator=torch.Generator().manual_seed(config.seed + 1),
         grad_sample_mode="ghost" if uses == 1 else "hooks",
@@ -227,6 +230,8 @@ def build_accumulation(config: PathAuditConfig, uses: int = 1):
     )
     model, optimizer = out[0], out[1]
     criterion = out[2] if len(out) == 4 else InnerProductLoss(reduction="sum")
+    # the audit samples every micro-batch itself at q (Poisson); the loader is never used
+    optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=config.sample_rate))
     return engine.accountant, model, optimizer, criterion, layer.weight, background, canaries
 
 
