@@ -169,6 +169,9 @@ class SketchingMixin(_SketcherOwner):
         batch_first: bool,
     ) -> None:
         self._awaiting_forward = True
+        passes = getattr(self, "output_passes", None)  # plain-loss scripts: opacus_rc.output_passes
+        if passes is not None and self.hooks_enabled:
+            passes.check_inside(module)
         if self.hooks_enabled and self._is_tied_use(module):
             self._capture_tied_backprops(module, forward_output, loss_reduction, batch_first)
             return

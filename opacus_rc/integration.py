@@ -79,7 +79,8 @@ from .fsdp import (
     GradSampleModuleRandomizedClippingFSDP,
     check_fsdp_mode,
 )
-from .one_pass import pop_bookkeeping, with_criterion
+from .one_pass import BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES, pop_bookkeeping, with_criterion
+from .output_passes import attach_output_passes
 from .optimizer import (
     DistributedRandomizedClippingBookkeepingOptimizer,
     DistributedRandomizedClippingOptimizer,
@@ -382,7 +383,7 @@ def _with_denoising(entry_point):
 
 @_with_denoising
 def _make_private(original, self: PrivacyEngine, *, clipping: str = "flat", **kwargs):
-    one_pass = pop_bookkeeping(clipping, kwargs)  # a ghost script run by book-keeping
+    runs = pop_bookkeeping(clipping, kwargs)  # book-keeping or two passes (one_pass.py)
     if clipping != RANDOMIZED:
         _check_no_sketch_options(clipping, kwargs)
         _require_torchcsprng(self, clipping)
@@ -415,7 +416,11 @@ def _make_private(original, self: PrivacyEngine, *, clipping: str = "flat", **kw
         "randomized clipping: public normaliser %d, sample rate %.6g", sampling.batch_size,
         sampling.sample_rate,
     )
-    return with_criterion(out, kwargs) if one_pass else out
+    if runs == OUTPUT_PASSES:  # a plain-loss script on a checkpointed model
+        module, optimizer, _, data_loader = out
+        attach_output_passes(module, optimizer, kwargs.get("loss_reduction", "mean"))
+        return module, optimizer, data_loader
+    return with_criterion(out, kwargs) if runs == BOOKKEEPING_WITH_CRITERION else out
 
 
 def _prepare_optimizer(original, self: PrivacyEngine, **kwargs):

@@ -22,26 +22,51 @@ from torch import nn
 OPTION = "bookkeeping"
 
 
-def pop_bookkeeping(clipping: str, kwargs: Dict[str, Any]) -> bool:
-    """Validate and remove ``bookkeeping=`` from make_private's keyword arguments; True when
-    a ghost-mode call is to run by book-keeping (``grad_sample_mode`` is then switched to
-    ``"hooks"`` in ``kwargs``).
+#: What a randomized make_private call runs (see :func:`pop_bookkeeping`).
+TWO_PASS, BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES = (
+    "two_pass", "bookkeeping", "bookkeeping_with_criterion", "output_passes"
+)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """True if Hugging Face activation checkpointing is on in ``module`` (a submodule's
+    ``gradient_checkpointing`` flag, set by ``gradient_checkpointing_enable()``)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules())
+
+
+def pop_bookkeeping(clipping: str, kwargs: Dict[str, Any]) -> str:
+    """Validate and remove ``bookkeeping=`` from make_private's keyword arguments and
+    return what the call runs; ``grad_sample_mode`` in ``kwargs`` is switched to the
+    grad-sample module that does it:
+
+    * ``grad_sample_mode="ghost"``: two passes (``bookkeeping`` ``None``/``False``), or
+      book-keeping behind the ghost criterion (``True``);
+    * ``grad_sample_mode="hooks"`` (a plain-loss script): book-keeping (``True``, or
+      ``None`` on a model without activation checkpointing), or two passes run from the
+      model's output (``False``, or ``None`` on a checkpointed model: book-keeping would
+      keep the activations checkpointing frees; :mod:`opacus_rc.output_passes`).
 
     Raises:
         ValueError: naming the parameter and its accepted values.
     """
-    value = kwargs.pop(OPTION, False)
-    if not isinstance(value, bool):
-        raise ValueError(f"bookkeeping={value!r} is invalid; accepted values: True, False")
-    if not value:
-        return False
-    if clipping != "randomized":
-        raise ValueError(
-            f"bookkeeping=True only applies with clipping='randomized'; got clipping={clipping!r}"
-        )
+    value = kwargs.pop(OPTION, None)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"bookkeeping={value!r} is invalid; accepted values: None, True, False")
     mode = kwargs.get("grad_sample_mode", "hooks")
+    if clipping != "randomized":
+        if value is not None:
+            raise ValueError(
+                f"bookkeeping={value!r} only applies with clipping='randomized'; got clipping={clipping!r}"
+            )
+        return TWO_PASS
     if mode == "hooks":
-        return False  # already one backward pass (3-tuple, plain loss)
+        checkpointed = kwargs.get("module") is not None and is_checkpointed(kwargs["module"])
+        if value is True or (value is None and not checkpointed):
+            return BOOKKEEPING  # one backward pass (3-tuple, plain loss)
+        kwargs["grad_sample_mode"] = "ghost"
+        return OUTPUT_PASSES
+    if not value:
+        return TWO_PASS
     if mode != "ghost":
         raise ValueError(
             f"bookkeeping=True runs a grad_sample_mode='ghost' script in one backward pass; got "
@@ -49,7 +74,7 @@ def pop_bookkeeping(clipping: str, kwargs: Dict[str, Any]) -> bool:
             "(under FSDP2 book-keeping does not fit: use grad_sample_mode='ghost_fsdp' without it)"
         )
     kwargs["grad_sample_mode"] = "hooks"
-    return True
+    return BOOKKEEPING_WITH_CRITERION
 
 
 class DPLossBookkeeping(DPLossFastGradientClipping):

@@ -1,0 +1,137 @@
+"""Two passes from the model's output, for plain-loss scripts (``grad_sample_mode="hooks"``).
+
+Book-keeping (one backward pass) keeps every linear layer's input ``A`` and output gradient
+``G`` until ``optimizer.step()``: on a model with activation checkpointing that is exactly
+the memory checkpointing was meant to free. The two-pass method keeps nothing past each
+layer's backward hook, but needs per-sample losses (the ghost criterion). This module runs
+it under an ordinary ``loss = criterion(model(x), y); loss.backward()``:
+
+a forward hook on the module that produces the output the loss is computed from (the LM
+head of a causal LM, else the model) hands the loss a *boundary* tensor. When the user's
+backward reaches it with the output gradient ``g`` (rows = examples), the boundary runs
+the two passes of :class:`~opacus_rc.loss.DPTensorRandomizedClipping` on the inner graph
+with the pseudo per-sample loss ``l_i = n <y_i, g_i>`` (``y`` the output, ``g`` detached,
+``n`` the batch size): its mean has gradient ``g`` at ``y`` (the norm pass sees what the
+user's backward would have), and ``sum_i c_i l_i`` has ``n c_i g_i`` (the clipped pass).
+Nothing flows from the boundary into the model's graph except these two passes.
+
+A loss computed from anything else than the boundary (e.g. inside the model from
+un-hooked logits) would reach the hooks outside the two passes: that is refused with a
+clear error (:meth:`OutputPasses.check_inside`), never run as an unclipped update.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from .loss import DPTensorRandomizedClipping
+
+logger = logging.getLogger(__name__)
+
+
+class _Boundary(torch.autograd.Function):
+    """Identity on the output values; its backward runs ``passes(g)`` and returns nothing
+    into the model's graph (the anchor is a 0-element leaf that only makes the result
+    require grad)."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, passes: Callable[[torch.Tensor], None]):
+        ctx.passes = passes
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.passes(grad)
+        return None, None, None
+
+
+def output_module(model: nn.Module) -> nn.Module:
+    """The module whose output the loss is computed from: a Hugging Face model's output
+    embeddings (the LM head, so that a loss computed inside the model from ``labels=`` is
+    still downstream of the boundary), else the model itself."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Module) else model
+
+
+class OutputPasses:
+    """Attaches the boundary to ``grad_sample_module``'s model output and runs the two
+    passes with ``optimizer`` (a randomized-clipping two-pass optimizer)."""
+
+    def __init__(self, grad_sample_module: Any, optimizer: Any, loss_reduction: str = "mean") -> None:
+        self.module = grad_sample_module
+        self.optimizer = optimizer
+        self.loss_reduction = loss_reduction
+        self._inside = 0
+        self._anchor = torch.empty(0, requires_grad=True)
+        target = output_module(grad_sample_module._module)
+        self._handle = target.register_forward_hook(self._wrap_output)
+        grad_sample_module.output_passes = self
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    @property
+    def inside(self) -> bool:
+        """True while the boundary's two passes run."""
+        return self._inside > 0
+
+    def check_inside(self, layer: nn.Module) -> None:
+        """Refuse a backward that reached a hooked layer without passing the boundary."""
+        if not self.inside:
+            raise ValueError(
+                f"the backward pass reached {type(layer).__name__} without passing the output "
+                "the privacy engine clips at (the loss was computed from a tensor it did not "
+                "see, e.g. from lm_head.weight directly): compute the loss from the model's "
+                "output (the logits), or use grad_sample_mode='ghost' with its criterion"
+            )
+
+    def _wrap_output(self, _module: nn.Module, _inputs: Any, output: Any) -> Any:
+        if not (self.module.hooks_enabled and _module.training and torch.is_grad_enabled()):
+            return None
+        if torch._C._current_graph_task_id() != -1:
+            return None  # recomputation inside a backward pass (activation checkpointing)
+        if isinstance(output, torch.Tensor):
+            return self._bounded(output)
+        logits = getattr(output, "logits", None)
+        if isinstance(logits, torch.Tensor):
+            output["logits"] = self._bounded(logits)
+            return output
+        raise ValueError(
+            f"the model's output ({type(output).__name__}) is neither a tensor nor has a "
+            "'logits' tensor: the two-pass computation needs the output the loss is computed "
+            "from; use grad_sample_mode='ghost' with its criterion"
+        )
+
+    def _bounded(self, value: torch.Tensor) -> torch.Tensor:
+        if not value.requires_grad:
+            return value
+        return _Boundary.apply(self._anchor, value.detach(), lambda g: self._passes(value, g))
+
+    def _passes(self, value: torch.Tensor, grad: torch.Tensor) -> None:
+        """The two passes for the output ``value`` whose gradient is ``grad``."""
+        n = value.shape[0]
+        self._inside += 1
+        try:
+            with torch.enable_grad():  # autograd runs a Function's backward without grad mode
+                pseudo = (value * grad.detach()).flatten(1).sum(dim=1)
+                if self.loss_reduction == "mean":
+                    pseudo = pseudo * n
+                DPTensorRandomizedClipping(self.module, self.optimizer, pseudo, self.loss_reduction).backward()
+        finally:
+            self._inside -= 1
+
+
+def attach_output_passes(module: Any, optimizer: Any, loss_reduction: str) -> Optional[OutputPasses]:
+    """Attach :class:`OutputPasses` to a two-pass randomized grad-sample module."""
+    passes = OutputPasses(module, optimizer, loss_reduction)
+    logger.info(
+        "randomized clipping: two passes from the output of %s (activation checkpointing: "
+        "book-keeping would keep every linear layer's input until the step)",
+        type(output_module(module._module)).__name__,
+    )
+    return passes
