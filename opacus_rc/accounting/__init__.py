@@ -4,7 +4,7 @@ Nothing is registered with Opacus here; ``opacus_rc.integration`` registers
 ``RCPRVAccountant`` under the name ``"rc_prv"``.
 """
 
-from .accountant import RCPRVAccountant, get_noise_multiplier_rc, sketch_record
+from .accountant import RCPRVAccountant, StepRecord, get_noise_multiplier_rc, sketch_record
 from .prv import (
     DETERMINISTIC,
     SensitivityMixture,
@@ -16,6 +16,7 @@ from .prv import (
 __all__ = [
     "DETERMINISTIC",
     "RCPRVAccountant",
+    "StepRecord",
     "SensitivityMixture",
     "StepPRV",
     "compose_epsilon",

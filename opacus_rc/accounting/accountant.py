@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from opacus.accountants.accountant import IAccountant
@@ -39,38 +40,10 @@ MAX_SIGMA = 1e6
 #: Coarsest-allowed Z bins for accumulated steps (each bin is a mixture over J: costlier).
 MULTIPLICITY_BIN_RATIO = 0.05
 
-Sketch = Optional[Dict[str, Any]]
-
-
-def sketch_record(
-    sketch_config: Optional[SketchConfig] = None,
-    *,
-    estimator: Optional[str] = None,
-    sketch_size: Optional[int] = None,
-    sketching: str = "shared",
-    micro_batches: int = 1,
-) -> Sketch:
-    """Plain-dict record of a step: its sketch (none: deterministic clipping) and its
-    number of accumulated micro-batches. None for a deterministic single-batch step."""
-    micro_batches = _check_micro_batches(micro_batches)
-    if sketch_config is None:
-        if estimator is None and sketch_size is None:
-            return None if micro_batches == 1 else {"micro_batches": micro_batches}
-        sketch_config = SketchConfig(
-            estimator=estimator or "hutchinson",
-            sketch_size=32 if sketch_size is None else sketch_size,
-            sketching=sketching,
-        )
-    if not isinstance(sketch_config, SketchConfig):
-        raise ValueError(
-            f"sketch_config={sketch_config!r} must be an opacus_rc.SketchConfig or None"
-        )
-    return {
-        "estimator": sketch_config.estimator,
-        "sketch_size": int(sketch_config.sketch_size),
-        "sketching": sketch_config.sketching,
-        "micro_batches": micro_batches,
-    }
+#: How a record or query that does not name its sketching is read: as one shared sketch,
+#: the larger epsilon (the plugin's own records always name it; ``SketchConfig``'s default
+#: is ``"per_example"``).
+UNNAMED_SKETCHING = "shared"
 
 
 def _check_micro_batches(micro_batches: Any) -> int:
@@ -79,45 +52,97 @@ def _check_micro_batches(micro_batches: Any) -> int:
     return int(micro_batches)
 
 
-def _normalise_sketch(sketch: Any) -> Sketch:
-    if sketch is None:
-        return None
-    if isinstance(sketch, SketchConfig):
-        return sketch_record(sketch)
-    if isinstance(sketch, dict):
-        micro_batches = _check_micro_batches(sketch.get("micro_batches", 1))
-        # "accounting_sketch_count": the name of k in records of versions up to 0.1.0
-        if "sketch_size" not in sketch and "accounting_sketch_count" not in sketch:
-            return sketch_record(micro_batches=micro_batches)  # deterministic clipping
-        est = sketch.get("estimator", "hutchinson")
-        kind = sketch.get("sketching", "shared")
+@dataclass(frozen=True)
+class StepRecord:
+    """The mechanism of one history entry, normalised once (hashable: steps group by it).
+
+    ``sketch_size`` None: deterministic clipping; else randomized clipping with
+    ``estimator``, ``sketch_size`` (k; for Hutch++ the residual's count, the only random
+    part the analysis relies on) and ``sketching``. ``micro_batches``: m independently
+    sampled micro-batches summed into the step. History entries store it as a plain dict
+    (:meth:`as_dict`, the checkpoint format); :meth:`of` reads any stored form.
+    """
+
+    estimator: Optional[str] = None
+    sketch_size: Optional[int] = None
+    sketching: str = UNNAMED_SKETCHING
+    micro_batches: int = 1
+
+    @property
+    def randomized(self) -> bool:
+        return self.sketch_size is not None
+
+    @classmethod
+    def from_config(cls, config: Optional[SketchConfig], micro_batches: int = 1) -> "StepRecord":
+        m = _check_micro_batches(micro_batches)
+        if config is None:
+            return cls(micro_batches=m)
+        if not isinstance(config, SketchConfig):
+            raise ValueError(f"sketch_config={config!r} must be an opacus_rc.SketchConfig or None")
+        return cls(config.estimator, int(config.sketch_size), config.sketching, m)
+
+    @classmethod
+    def of(cls, raw: Any) -> "StepRecord":
+        """From None, a :class:`SketchConfig`, a record dict (also of versions up to 0.1.0,
+        whose k was ``accounting_sketch_count``) or a record."""
+        if raw is None or isinstance(raw, StepRecord):
+            return raw or cls()
+        if isinstance(raw, SketchConfig):
+            return cls.from_config(raw)
+        if not isinstance(raw, dict):
+            raise ValueError(f"sketch={raw!r} must be None, a dict or a SketchConfig")
+        m = _check_micro_batches(raw.get("micro_batches", 1))
+        count = raw.get("sketch_size", raw.get("accounting_sketch_count"))
+        if count is None:
+            return cls(micro_batches=m)  # deterministic clipping
+        est, kind = raw.get("estimator", "hutchinson"), raw.get("sketching", UNNAMED_SKETCHING)
         if est not in ESTIMATORS or kind not in SKETCHINGS:
             raise ValueError(
-                f"sketch record {sketch!r}: estimator must be one of {ESTIMATORS}, "
+                f"sketch record {raw!r}: estimator must be one of {ESTIMATORS}, "
                 f"sketching one of {SKETCHINGS}"
             )
-        count = int(sketch.get("sketch_size", sketch.get("accounting_sketch_count")))
-        if count <= 0:
-            raise ValueError(f"sketch record {sketch!r}: sketch_size must be positive")
+        if int(count) <= 0:
+            raise ValueError(f"sketch record {raw!r}: sketch_size must be positive")
+        return cls(est, int(count), kind, m)
+
+    def as_dict(self) -> Optional[Dict[str, Any]]:
+        """The stored form: None for a deterministic single-batch step."""
+        if not self.randomized:
+            return None if self.micro_batches == 1 else {"micro_batches": self.micro_batches}
         return {
-            "estimator": est,
-            "sketch_size": count,
-            "sketching": kind,
-            "micro_batches": micro_batches,
+            "estimator": self.estimator,
+            "sketch_size": self.sketch_size,
+            "sketching": self.sketching,
+            "micro_batches": self.micro_batches,
         }
-    raise ValueError(f"sketch={sketch!r} must be None, a dict or a SketchConfig")
 
 
-def _micro_batches(sketch: Sketch) -> int:
-    return 1 if sketch is None else int(sketch.get("micro_batches", 1))
+def sketch_record(
+    sketch_config: Optional[SketchConfig] = None,
+    *,
+    estimator: Optional[str] = None,
+    sketch_size: Optional[int] = None,
+    sketching: str = UNNAMED_SKETCHING,
+    micro_batches: int = 1,
+) -> Optional[Dict[str, Any]]:
+    """Plain-dict record of a step (:meth:`StepRecord.as_dict`): its sketch (none:
+    deterministic clipping) and its number of accumulated micro-batches."""
+    if sketch_config is None and (estimator is not None or sketch_size is not None):
+        sketch_config = SketchConfig(
+            estimator=estimator or "hutchinson",
+            sketch_size=32 if sketch_size is None else sketch_size,
+            sketching=sketching,
+        )
+    return StepRecord.from_config(sketch_config, micro_batches).as_dict()
 
 
-def _exposure(q: float, sketch: Sketch) -> float:
+def _exposure(q: float, record: StepRecord) -> float:
     """Probability that the differing example takes part in the step."""
-    return multiplicity_weights(_micro_batches(sketch), q)[0] if _micro_batches(sketch) > 1 else q
+    m = record.micro_batches
+    return multiplicity_weights(m, q)[0] if m > 1 else q
 
 
-def _step_prv(sigma: float, q: float, sketch: Sketch, tail_mass: float, bin_ratio: float):
+def _step_prv(sigma: float, q: float, record: StepRecord, tail_mass: float, bin_ratio: float):
     """The PRV of one recorded step.
 
     One micro-batch: Z bins of the envelope with the accounted sketch count; hidden Z only
@@ -126,24 +151,20 @@ def _step_prv(sigma: float, q: float, sketch: Sketch, tail_mass: float, bin_rati
     for per-example sketches, whose hidden-Z analysis does not cover several copies of
     one example), each a mixture over ``J ~ Bin(m, q)`` copies.
     """
-    m = _micro_batches(sketch)
-    if sketch is None or "sketch_size" not in sketch:
+    m = record.micro_batches
+    if not record.randomized:
         mixture = DETERMINISTIC
     else:
         mixture = envelope_mixture(
-            int(sketch["sketch_size"]),
+            record.sketch_size,
             float(tail_mass),
-            hidden=m == 1 and sketch["sketching"] == "per_example",
+            hidden=m == 1 and record.sketching == "per_example",
             bin_ratio=bin_ratio if m == 1 else max(bin_ratio, MULTIPLICITY_BIN_RATIO),
             draws=m,
         )
     if m == 1:
         return StepPRV(sigma, q, mixture)
     return AccumulatedStepPRV(sigma, q, m, mixture)
-
-
-def _sketch_key(sketch: Sketch) -> Tuple:
-    return () if sketch is None else tuple(sorted(sketch.items()))
 
 
 class RCPRVAccountant(IAccountant):
@@ -172,17 +193,13 @@ class RCPRVAccountant(IAccountant):
     ) -> None:
         """Record one step (``micro_batches`` independently sampled micro-batches at rate
         ``sample_rate`` each); consecutive identical steps are merged."""
-        sketch = sketch_record(sketch_config, micro_batches=micro_batches)
+        record = StepRecord.from_config(sketch_config, micro_batches)
         if self.history:
-            last = self._entry(self.history[-1])
-            if (last[0], last[1], _sketch_key(last[3])) == (
-                noise_multiplier,
-                sample_rate,
-                _sketch_key(sketch),
-            ):
-                self.history[-1] = (last[0], last[1], last[2] + 1, last[3])
+            sigma, q, n, last = self._entry(self.history[-1])
+            if (sigma, q, last) == (noise_multiplier, sample_rate, record):
+                self.history[-1] = (sigma, q, n + 1, last.as_dict())
                 return
-        self.history.append((noise_multiplier, sample_rate, 1, sketch))
+        self.history.append((noise_multiplier, sample_rate, 1, record.as_dict()))
 
     def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
         """Hook for the DP optimizer: like Opacus's, plus ``optim.sketch_config``, and the
@@ -206,7 +223,7 @@ class RCPRVAccountant(IAccountant):
         *,
         estimator: Optional[str] = None,
         sketch_size: Optional[int] = None,
-        sketching: str = "shared",
+        sketching: str = UNNAMED_SKETCHING,
         eps_error: float = 0.01,
         delta_error: Optional[float] = None,
         **kwargs: Any,
@@ -221,7 +238,7 @@ class RCPRVAccountant(IAccountant):
             raise ValueError(f"delta={delta} must lie in (0, 1)")
         if sketching not in SKETCHINGS:
             raise ValueError(f"sketching={sketching!r}; accepted values: {SKETCHINGS}")
-        default = sketch_record(estimator=estimator, sketch_size=sketch_size, sketching=sketching)
+        default = StepRecord.of(sketch_record(estimator=estimator, sketch_size=sketch_size, sketching=sketching))
         groups = self._groups(default)
         if not groups:
             return 0.0
@@ -231,13 +248,10 @@ class RCPRVAccountant(IAccountant):
         if key in self._cache:
             return self._cache[key]
         # the Z mass beyond the cut-off costs at most TAIL_DELTA_FRACTION * delta overall
-        exposure = sum(_exposure(q, dict(skey) if skey else None) * n for (_, q, skey), n in groups)
+        exposure = sum(_exposure(q, record) * n for (_, q, record), n in groups)
         tail = min(0.5, TAIL_DELTA_FRACTION * delta / max(exposure, 1e-300))
-        steps, counts = [], []
-        for (sigma, q, skey), n in groups:
-            sketch = dict(skey) if skey else None
-            steps.append(_step_prv(sigma, q, sketch, tail, self.bin_ratio))
-            counts.append(n)
+        steps = [_step_prv(sigma, q, record, tail, self.bin_ratio) for (sigma, q, record), _ in groups]
+        counts = [n for _, n in groups]
         eps = compose_epsilon(steps, counts, delta, eps_error=eps_error, delta_error=delta_error)
         if len(self._cache) > 64:
             self._cache.clear()
@@ -253,34 +267,40 @@ class RCPRVAccountant(IAccountant):
 
     def load_state_dict(self, state_dict: Any) -> None:
         super().load_state_dict(state_dict)
-        self.history = [self._entry(e) for e in self.history]
+        self.history = [self._stored(e) for e in self.history]
         self._cache = {}
 
     # ---- helpers -----------------------------------------------------------------------
     @staticmethod
-    def _entry(entry: Sequence[Any], default: Sketch = None) -> Tuple:
+    def _entry(entry: Sequence[Any], default: Optional[StepRecord] = None) -> Tuple[float, float, int, StepRecord]:
+        """``(sigma, q, steps, record)`` of a stored entry; a 3-tuple (Opacus's
+        ``get_noise_multiplier``) takes ``default``."""
         if len(entry) == 3:
             sigma, q, n = entry
-            sketch = default
+            record = default or StepRecord()
         elif len(entry) == 4:
-            sigma, q, n, sketch = entry
+            sigma, q, n, raw = entry
+            record = StepRecord.of(raw)
         else:
             raise ValueError(
                 f"history entry {entry!r} must be (noise_multiplier, sample_rate, steps"
                 "[, sketch])"
             )
-        return (float(sigma), float(q), int(n), _normalise_sketch(sketch))
+        return (float(sigma), float(q), int(n), record)
 
-    def _groups(self, default: Sketch) -> List[Tuple[Tuple[float, float, Tuple], int]]:
-        """History merged into ``((sigma, q, sketch key), steps)`` groups."""
-        merged: Dict[Tuple[float, float, Tuple], int] = {}
+    @classmethod
+    def _stored(cls, entry: Sequence[Any]) -> Tuple:
+        sigma, q, n, record = cls._entry(entry)
+        return (sigma, q, n, record.as_dict())
+
+    def _groups(self, default: StepRecord) -> List[Tuple[Tuple[float, float, StepRecord], int]]:
+        """History merged into ``((sigma, q, record), steps)`` groups."""
+        merged: Dict[Tuple[float, float, StepRecord], int] = {}
         for raw in self.history:
-            sigma, q, n, sketch = self._entry(raw, default)
-            if n <= 0:
-                continue
-            k = (sigma, q, _sketch_key(sketch))
-            merged[k] = merged.get(k, 0) + n
-        return sorted(merged.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2])))
+            sigma, q, n, record = self._entry(raw, default)
+            if n > 0:
+                merged[(sigma, q, record)] = merged.get((sigma, q, record), 0) + n
+        return sorted(merged.items(), key=lambda kv: (kv[0][0], kv[0][1], repr(kv[0][2])))
 
 
 class _LogLogSecant:

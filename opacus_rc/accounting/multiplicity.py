@@ -26,9 +26,9 @@ from typing import List, Tuple
 import numpy as np
 from scipy.stats import binom
 
-from .prv.discretise import _cell_masses, place_atom
+from .prv.cells import infinite_bin_atom, place_atom
 from .prv.mixtures import SensitivityMixture
-from .prv.prvs import StepPRV, _lse
+from .prv.prvs import StepPRV, _lse, mgf_exponent
 
 
 def multiplicity_weights(micro_batches: int, sample_rate: float) -> Tuple[float, np.ndarray]:
@@ -88,30 +88,24 @@ class AccumulatedStepPRV:
         parts = sum(p_z * part.pm_inf(direction) for p_z, part in self.parts)
         return parts + (self.q * self.p_inf if direction == "remove" else 0.0)
 
-    def _atom(self, direction: str) -> Tuple[float, float]:
-        """The envelope top bin's finite atom: ``(location, mass)``."""
-        if direction == "remove":
-            return self.log1mq, (1.0 - self.q) * self.p_inf
-        return -self.log1mq, self.p_inf
-
     def cell_masses(self, direction: str, edges: np.ndarray) -> Tuple[np.ndarray, float, float]:
         """Finite-loss masses in the cells between ``edges``, and below / above them."""
         masses, low, high = np.zeros(edges.size - 1), 0.0, 0.0
         for p_z, part in self.parts:
-            m, lo, hi = _cell_masses(part, direction, edges)
+            m, lo, hi = part.cell_masses(direction, edges)
             masses += p_z * m
             low += p_z * lo
             high += p_z * hi
-        loc, atom = self._atom(direction)
-        if atom > 0 and self.q < 1.0:
+        loc, atom = infinite_bin_atom(direction, self.q, self.p_inf)
+        if atom > 0:
             low, high = place_atom(masses, low, high, edges, loc, atom)
         return masses, low, high
 
     def partial_mean(self, direction: str, a: float, b: float) -> float:
         """Unnormalised ``E[Y ; a <= Y <= b]``."""
         total = sum(p_z * part.partial_mean(direction, a, b) for p_z, part in self.parts)
-        loc, atom = self._atom(direction)
-        if atom > 0 and self.q < 1.0 and a <= loc <= b:
+        loc, atom = infinite_bin_atom(direction, self.q, self.p_inf)
+        if atom > 0 and a <= loc <= b:
             total += loc * atom
         return total
 
@@ -119,10 +113,7 @@ class AccumulatedStepPRV:
         """Upper bound on the log-MGF of the finite part (see :meth:`StepPRV.log_mgf`):
         the ``p_z``-mixture of the bins' moments ``E_Q[rho_z^beta]`` plus the top bin's
         ``p_inf (1 - q_m)^beta``."""
-        if direction == "remove":
-            beta = 1.0 + lam if tail == "upper" else 1.0 - lam
-        else:
-            beta = -lam if tail == "upper" else lam
+        beta = mgf_exponent(direction, lam, tail)
         terms = [math.log(p_z) + part._log_rho_moment(beta) for p_z, part in self.parts]
         if self.p_inf > 0 and self.q < 1.0:
             terms.append(math.log(self.p_inf) + beta * self.log1mq)

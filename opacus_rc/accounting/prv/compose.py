@@ -12,7 +12,7 @@ from scipy.signal import lfilter
 
 from .discretise import _discretise
 from .domain import _make_domain
-from .prvs import StepPRV
+from .prvs import PRVStep
 
 def _epsilon_from_pmf(
     pmf: np.ndarray, ts: np.ndarray, beyond: float, delta_target: float
@@ -38,7 +38,7 @@ def _epsilon_from_pmf(
 
 
 def _compose_direction(
-    steps: Sequence[StepPRV],
+    steps: Sequence[PRVStep],
     counts: Sequence[int],
     direction: str,
     delta: float,
@@ -77,7 +77,7 @@ def _compose_direction(
 
 
 def compose_epsilon(
-    steps: Sequence[StepPRV],
+    steps: Sequence[PRVStep],
     counts: Sequence[int],
     delta: float,
     eps_error: float = 0.01,

@@ -1,4 +1,4 @@
-"""One step's PRV on the domain's cells: masses, atoms, mean matching."""
+"""One step's PRV on the domain's cells: the pmf, mean matching."""
 
 from __future__ import annotations
 
@@ -7,104 +7,13 @@ import math
 from typing import Tuple
 
 import numpy as np
-from scipy.special import ndtr
 
 from .domain import _Domain
-from .kernel import mixture_cell_masses
-from .prvs import StepPRV
+from .prvs import PRVStep
 
 logger = logging.getLogger(__name__)
 
-def _revealed_masses(step: StepPRV, t_lo: np.ndarray, t_hi: np.ndarray, remove: bool) -> np.ndarray:
-    """Cell masses of the revealed-Z loss for cells ``u in [t_lo, t_hi]``: per bin
-    ``x = u/mu + mu/2``; remove: ``(1-q) N(0,1) + q N(mu,1)`` (the second is the twin),
-    add: ``N(0,1)``."""
-    mu, logp = step.mu, step._logp
-    if remove:
-        if step.q >= 1.0:  # no (1-q) N(0,1) part: only the twin N(mu, 1)
-            return mixture_cell_masses(t_lo, t_hi, 1.0 / mu, -0.5 * mu, logp)
-        twin = logp + math.log(step.q) if step.q > 0 else None
-        return mixture_cell_masses(t_lo, t_hi, 1.0 / mu, 0.5 * mu, logp + step.log1mq, twin)
-    return mixture_cell_masses(t_lo, t_hi, 1.0 / mu, 0.5 * mu, logp)
-
-
-def _hidden_components(step: StepPRV, remove: bool) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(alpha, beta, log_w)`` of ``P = (1-q) N(0,1) + q sum_j p_j N(mu_j,1)`` (remove)
-    or ``Q = N(0,1)`` (add), as ``Phi(alpha x + beta)`` components."""
-    if not remove:
-        return np.ones(1), np.zeros(1), np.zeros(1)
-    ones = np.ones(step.mu.size + 1)
-    beta = np.concatenate([[0.0], -step.mu])
-    log_w = np.concatenate([[step.log1mq], math.log(step.q) + step._logp])
-    return ones, beta, log_w
-
-
-def _gauss_mass_beyond(x: float, alpha: np.ndarray, beta: np.ndarray, log_w: np.ndarray,
-                       upper: bool) -> float:
-    """``sum_j w_j P(N(0,1) > alpha_j x + beta_j)`` (``upper``) or ``< ...``."""
-    if math.isinf(x) and (x < 0) == upper:
-        return float(np.exp(log_w).sum())
-    arg = alpha * x + beta
-    return float(np.exp(log_w) @ (ndtr(-arg) if upper else ndtr(arg)))
-
-
-def _cell_masses(step: StepPRV, direction: str, edges: np.ndarray) -> Tuple[np.ndarray, float, float]:
-    """Masses of the finite loss in the cells ``(edges[i], edges[i+1]]`` and the masses
-    below ``edges[0]`` and above ``edges[-1]``.
-
-    Remove: ``Y = log rho(X), X ~ P``; add: ``Y = -log rho(X), X ~ Q``. A cell in ``Y`` is an
-    interval in ``u = log((e^Y - (1-q))/q)`` (remove) or in ``u(-Y)`` (add), affine in
-    ``x`` per bin (revealed) or through the root ``x(u)`` of the hidden mixture.
-    """
-    custom = getattr(step, "cell_masses", None)
-    if custom is not None:  # composite steps (e.g. accumulated micro-batches)
-        return custom(direction, edges)
-    remove = direction == "remove"
-    u = step._u(edges if remove else -edges[::-1])  # increasing
-    if step.hidden:
-        xe = step._x_hidden(u)
-        xe = np.where(np.isfinite(u), xe, -np.inf)
-        alpha, beta, log_w = _hidden_components(step, remove)
-        masses = mixture_cell_masses(xe[:-1], xe[1:], alpha, beta, log_w)
-        low = _gauss_mass_beyond(float(xe[0]), alpha, beta, log_w, upper=False)
-        high = _gauss_mass_beyond(float(xe[-1]), alpha, beta, log_w, upper=True)
-        atom = 0.0
-    else:
-        masses = _revealed_masses(step, u[:-1], u[1:], remove)
-        alpha, beta = 1.0 / step.mu, 0.5 * step.mu
-        lw = step._logp + (step.log1mq if remove else 0.0)
-        low = _gauss_mass_beyond(float(u[0]), alpha, beta, lw, upper=False)
-        high = _gauss_mass_beyond(float(u[-1]), alpha, beta, lw, upper=True)
-        if remove and step.q > 0:
-            lt = step._logp + math.log(step.q)
-            low += _gauss_mass_beyond(float(u[0]), alpha, beta - 1.0 / alpha, lt, upper=False)
-            high += _gauss_mass_beyond(float(u[-1]), alpha, beta - 1.0 / alpha, lt, upper=True)
-        # the infinite bin's finite atom: log(1-q) w.p. (1-q) p_inf (remove), -log(1-q)
-        # w.p. p_inf (add)
-        atom = (1.0 - step.q) * step.p_inf if remove else step.p_inf
-    if not remove:  # back to increasing Y: reverse cells, swap the two sides
-        masses, low, high = masses[::-1].copy(), high, low
-    if atom > 0 and step.q < 1.0:
-        loc = step.log1mq if remove else -step.log1mq
-        low, high = place_atom(masses, low, high, edges, loc, atom)
-    return masses, low, high
-
-
-def place_atom(
-    masses: np.ndarray, low: float, high: float, edges: np.ndarray, loc: float, atom: float
-) -> Tuple[float, float]:
-    """Add ``atom`` at loss ``loc`` to the cell ``(edges[i], edges[i+1]]`` holding it (in
-    place), or to the mass below / above the edges; returns the new ``(low, high)``."""
-    i = int(np.searchsorted(edges, loc, side="left")) - 1  # edges[i] < loc <= edges[i+1]
-    if i < 0:
-        return low + atom, high
-    if i >= masses.size:
-        return low, high + atom
-    masses[i] += atom
-    return low, high
-
-
-def _discretise(step: StepPRV, direction: str, dom: _Domain) -> Tuple[np.ndarray, float, float]:
+def _discretise(step: PRVStep, direction: str, dom: _Domain) -> Tuple[np.ndarray, float, float]:
     """Cell-centred pmf on the domain, mean shift, and the step's mass at infinity.
 
     Mass below the first edge is dropped and the rest renormalised (moves mass up);
@@ -114,7 +23,7 @@ def _discretise(step: StepPRV, direction: str, dom: _Domain) -> Tuple[np.ndarray
     """
     dt = dom.dt
     edges = (dom.i0 + np.arange(dom.n + 1) - 0.5) * dt
-    pmf, below, _ = _cell_masses(step, direction, edges)
+    pmf, below, _ = step.cell_masses(direction, edges)
     inside = float(pmf.sum())
     # finite weight of the renormalised pmf: inside + below (below is moved up); all
     # the rest of the unit mass is infinite loss (never less than the exact pm_inf)

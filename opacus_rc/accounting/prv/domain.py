@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .prvs import StepPRV
+from .prvs import PRVStep
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class _Domain:
 
 
 def _make_domain(
-    steps: Sequence[StepPRV], counts: Sequence[int], eps_error: float, delta_error: float
+    steps: Sequence[PRVStep], counts: Sequence[int], eps_error: float, delta_error: float
 ) -> _Domain:
     """Domain ``[-L, L]`` (Gopi et al. remark 5.6, with Chernoff tails) and its mesh."""
     total = int(sum(counts))

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 
+from .cells import infinite_bin_atom, step_cell_masses
 from .mixtures import SensitivityMixture
 
 #: Nodes of the interpolated inverse of the hidden-Z loss, and its accepted error.
@@ -64,6 +65,37 @@ def _gauss_legendre_panels(lo: float, hi: float, panel: float, order: int = 12):
     return nodes, weights
 
 
+@runtime_checkable
+class PRVStep(Protocol):
+    """What the composition needs of one step's privacy loss random variable (finite part
+    conditioned on a finite loss; ``direction``: ``"remove"`` or ``"add"``):
+    :class:`StepPRV` (one micro-batch) and
+    :class:`~opacus_rc.accounting.multiplicity.AccumulatedStepPRV` implement it."""
+
+    sigma: float
+    q: float
+
+    def pm_inf(self, direction: str) -> float:
+        """Probability of an infinite loss in one step."""
+
+    def cell_masses(self, direction: str, edges: np.ndarray) -> Tuple[np.ndarray, float, float]:
+        """Finite-loss masses in the cells ``(edges[i], edges[i+1]]``, and below / above."""
+
+    def partial_mean(self, direction: str, a: float, b: float) -> float:
+        """Unnormalised ``E[Y ; a <= Y <= b]``."""
+
+    def log_mgf(self, direction: str, lam: float, tail: str) -> float:
+        """Upper bound on ``log E[exp(+-lam Y)]`` of the finite part."""
+
+
+def mgf_exponent(direction: str, lam: float, tail: str) -> float:
+    """``beta`` with ``E[exp(lam Y)]`` (``tail="upper"``) or ``E[exp(-lam Y)]`` (``"lower"``)
+    equal to ``E_Q[rho^beta]``: remove ``1 + lam`` / ``1 - lam``; add ``-lam`` / ``lam``."""
+    if direction == "remove":
+        return 1.0 + lam if tail == "upper" else 1.0 - lam
+    return -lam if tail == "upper" else lam
+
+
 class StepPRV:
     """PRV of one Poisson-subsampled Gaussian step with random sensitivity ``Z``.
 
@@ -108,6 +140,11 @@ class StepPRV:
     def pm_inf(self, direction: str) -> float:
         """Probability of infinite loss in one step (only ``remove`` has any)."""
         return self.q * self.p_inf if direction == "remove" else 0.0
+
+    def cell_masses(self, direction: str, edges: np.ndarray) -> Tuple[np.ndarray, float, float]:
+        """Finite-loss masses in the cells between ``edges``, and below / above them
+        (:func:`~opacus_rc.accounting.prv.cells.step_cell_masses`)."""
+        return step_cell_masses(self, direction, edges)
 
     def _finite_mass(self, direction: str) -> float:
         return 1.0 - self.pm_inf(direction)
@@ -219,16 +256,9 @@ class StepPRV:
             else:
                 dens = np.exp(-0.5 * nodes**2 - _LOG2PI_HALF)
             total += p_j * float(np.sum(w * sign * loss * dens))
-        # the atom of the revealed infinite bin: log(1-q) (remove, mass (1-q) p_inf)
-        # or -log(1-q) (add, mass p_inf)
-        if self.p_inf > 0 and q < 1:
-            atom, mass = (
-                (self.log1mq, (1 - q) * self.p_inf)
-                if direction == "remove"
-                else (-self.log1mq, self.p_inf)
-            )
-            if a <= atom <= b:
-                total += atom * mass
+        atom, mass = infinite_bin_atom(direction, q, self.p_inf)
+        if mass > 0 and a <= atom <= b:
+            total += atom * mass
         return total
 
     # ---- log moment generating functions (for the domain size) -----------------------
@@ -290,10 +320,7 @@ class StepPRV:
         ``<= 0`` are bounded by the revealed ones (Jensen, ``x^b`` convex); the
         hidden-Z mixture is integrated directly otherwise.
         """
-        if direction == "remove":
-            beta = 1.0 + lam if tail == "upper" else 1.0 - lam
-        else:
-            beta = -lam if tail == "upper" else lam
+        beta = mgf_exponent(direction, lam, tail)
         key = (direction, lam, tail)
         if key not in self._mgf_cache:
             self._mgf_cache[key] = self._log_rho_moment(beta)
