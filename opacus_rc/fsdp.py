@@ -190,18 +190,14 @@ class FSDPSketchingMixin(SketchingMixin):
         steps = [p._rc_steps_taken for p in getattr(self, "_sharded_trainable", ()) if hasattr(p, "_rc_steps_taken")]
         return max(steps) if steps else None
 
-    def _begin_forward(self, module: nn.Module) -> None:
-        """The parent's start-of-pass bookkeeping, where it has one."""
-        start = getattr(self, "_start_pass", None)
-        if start is not None:
-            start(module)
-
     def capture_activations_hook(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
     ) -> None:
         """Opacus's FSDP capture (module-level counter). A layer applied twice in one
-        forward pass (its parameters used twice) is refused with a clear message."""
-        self._begin_forward(module)
+        forward pass (its parameters used twice) is refused with a clear message.
+        Activation checkpointing's replays are told apart (:meth:`_begin_capture`)."""
+        if not self._begin_capture(module):
+            return
         if id(module) in self._tied_modules:
             self._capture_tied_activations(module, forward_input)
             return

@@ -35,6 +35,7 @@ from .bookkeeping import (
 )
 from .config import SketchConfig
 from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, register_model_layers
+from .recompute import NON_REENTRANT, forward_replay
 from .sketch import Sketcher
 
 
@@ -92,6 +93,18 @@ class _SketcherOwner:
         if self._awaiting_forward and self.hooks_enabled and module.training and torch.is_grad_enabled():
             self.sketcher.begin_pass()
             self._awaiting_forward = False
+
+    def _begin_capture(self, module: nn.Module) -> bool:
+        """Run first by every activation-capture hook; False when the call is not to be
+        captured: a replay by ``checkpoint(use_reentrant=False)``, whose original call
+        was captured (:mod:`opacus_rc.recompute`). A reentrant checkpoint's replay is
+        captured but starts no sketch pass (one sketch per layer and step)."""
+        replay = forward_replay()
+        if replay == NON_REENTRANT:
+            return False
+        if replay is None:
+            self._start_pass(module)
+        return True
 
     def _defer_weight_grads(self, layers: List[nn.Module], wanted=None) -> None:
         """Linear layers whose backward computes parameter gradients only if ``wanted()``."""
@@ -152,8 +165,8 @@ class SketchingMixin(_SketcherOwner):
     ) -> None:
         """Opacus's activation capture, without ghost mode's refusal of tied parameters:
         a parameter used several times is handled by :meth:`_capture_tied_backprops`."""
-        self._start_pass(module)
-        GradSampleHooks.capture_activations_hook(self, module, forward_input, _forward_output)
+        if self._begin_capture(module):
+            GradSampleHooks.capture_activations_hook(self, module, forward_input, _forward_output)
 
     def capture_backprops_hook(
         self,
@@ -288,8 +301,8 @@ class BookkeepingMixin(_SketcherOwner):
         self.allow_grad_accumulation()
 
     def capture_activations_hook(self, module, forward_input, _forward_output) -> None:
-        self._start_pass(module)
-        super().capture_activations_hook(module, forward_input, _forward_output)
+        if self._begin_capture(module):
+            super().capture_activations_hook(module, forward_input, _forward_output)
 
     def capture_backprops_hook(
         self, module: nn.Module, _forward_input, forward_output, loss_reduction: str, batch_first: bool

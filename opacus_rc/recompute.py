@@ -1,0 +1,95 @@
+"""Activation checkpointing: telling the training forward pass from its recomputations.
+
+``torch.utils.checkpoint`` runs a checkpointed region's forward a second time, during the
+backward pass, and every layer's forward hooks fire again. What that second run means
+for the privacy hooks depends on the form:
+
+* ``use_reentrant=False`` (PyTorch's recommended form; Hugging Face's
+  ``gradient_checkpointing_enable()`` default): the original forward ran with gradients
+  on, so the hooks captured every layer's input then, and autograd backpropagates the
+  *original* graph (the layers' backward hooks fire for the original calls). The replay
+  only rebuilds the saved tensors (under checkpoint's ``_recomputation_hook``) and its
+  graph is never backpropagated: the hooks must capture nothing (no second use of a
+  layer, no second input kept).
+* ``use_reentrant=True``: the original forward ran under ``no_grad`` (the hooks captured
+  nothing) and the replay, under gradients, is the graph that is backpropagated: the
+  hooks capture there, but the replay is part of the step's pass, not a new one (no new
+  sketch pass: the sketches of a step stay those of its forward).
+
+:func:`forward_replay` says which case a forward hook runs in.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, List, Optional
+
+import torch
+import torch.utils.checkpoint as _checkpoint
+
+#: A forward replayed by ``checkpoint(use_reentrant=False)`` to rebuild saved tensors.
+NON_REENTRANT = "non_reentrant"
+#: A forward run during a backward pass otherwise (``checkpoint(use_reentrant=True)``).
+REENTRANT = "reentrant"
+
+_RECOMPUTATION_HOOK = getattr(_checkpoint, "_recomputation_hook", None)
+
+
+def _saved_tensors_pack_hooks() -> List[Callable]:
+    """The pack hooks of this thread's saved-tensors hooks stack, innermost first.
+
+    PyTorch exposes only the top of the stack: it is popped entry by entry and pushed
+    back in the original order (the stack is thread-local; nothing runs in between)."""
+    autograd = torch._C._autograd
+    if autograd._top_saved_tensors_default_hooks(False) is None:
+        return []
+    popped = []
+    try:
+        while True:
+            top = autograd._top_saved_tensors_default_hooks(False)
+            if top is None:
+                break
+            popped.append(top)
+            autograd._pop_saved_tensors_default_hooks()
+    finally:
+        for pack, unpack in reversed(popped):
+            autograd._push_saved_tensors_default_hooks(pack, unpack)
+    return [pack for pack, _ in popped]
+
+
+def _is_recomputation_hook(pack: Callable) -> bool:
+    """True for the pack hook of ``torch.utils.checkpoint``'s ``_recomputation_hook``."""
+    fn = inspect.unwrap(pack)
+    return getattr(fn, "__module__", None) == _checkpoint.__name__ and getattr(
+        fn, "__qualname__", ""
+    ).startswith(f"{_RECOMPUTATION_HOOK.__qualname__}.")
+
+
+def forward_replay() -> Optional[str]:
+    """How the running forward relates to the step's forward pass.
+
+    Returns:
+        ``None`` for the forward pass itself; :data:`NON_REENTRANT` inside a replay by
+        ``checkpoint(use_reentrant=False)`` (also a region nested in one): the original
+        call was captured, capture nothing; :data:`REENTRANT` for any other forward run
+        during a backward pass (``checkpoint(use_reentrant=True)``'s replay): capture it,
+        as part of the running step.
+
+    Raises:
+        RuntimeError: if this PyTorch's ``torch.utils.checkpoint`` has no
+            ``_recomputation_hook`` (non-reentrant replays could not be recognised).
+    """
+    hooks = _saved_tensors_pack_hooks()
+    if hooks:
+        if _RECOMPUTATION_HOOK is None:
+            raise RuntimeError(
+                "clipping='randomized' cannot recognise activation checkpointing's "
+                f"recomputation in torch {torch.__version__} (torch.utils.checkpoint has no "
+                "_recomputation_hook): use checkpoint(..., use_reentrant=True), or no "
+                "activation checkpointing"
+            )
+        if any(_is_recomputation_hook(h) for h in hooks):
+            return NON_REENTRANT
+    if torch._C._current_graph_task_id() != -1:
+        return REENTRANT
+    return None
