@@ -35,7 +35,7 @@ from .bookkeeping import (
 )
 from .config import SketchConfig
 from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, register_model_layers
-from .recompute import NON_REENTRANT, forward_replay
+from .recompute import NON_REENTRANT, forward_replay, missing_per_sample_error
 from .sketch import Sketcher
 
 
@@ -147,8 +147,13 @@ class SketchingMixin(_SketcherOwner):
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-example norms over all trainable parameters (L2 of the per-parameter
-        norms), with a clear error when a layer did not see the batch dimension (their
-        finiteness is checked by the optimizer's step: :mod:`opacus_rc.finite`)."""
+        norms), with a clear error when a layer did not see the batch dimension or took
+        no part in the backward pass (their finiteness is checked by the optimizer's
+        step: :mod:`opacus_rc.finite`). The norms are consumed: a later pass never
+        reuses them for other examples."""
+        missing = [name for name, p in trainable_parameters(self._module) if getattr(p, "_norm_sample", None) is None]
+        if missing:
+            raise missing_per_sample_error(", ".join(repr(n) for n in missing))
         batch = max((int(p._norm_sample.shape[0]) for p in self.trainable_parameters), default=0)
         for name, p in trainable_parameters(self._module):
             if p._norm_sample.shape[0] != batch:
@@ -158,7 +163,11 @@ class SketchingMixin(_SketcherOwner):
                     "(e.g. position ids of shape (1, T)); pass it with a batch dimension "
                     "(e.g. position_ids of shape (B, T))"
                 )
-        return super().get_norm_sample()
+        try:
+            return super().get_norm_sample()
+        finally:
+            for p in self.trainable_parameters:
+                p._norm_sample = None
 
     def capture_activations_hook(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor

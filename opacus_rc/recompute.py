@@ -93,3 +93,18 @@ def forward_replay() -> Optional[str]:
     if torch._C._current_graph_task_id() != -1:
         return REENTRANT
     return None
+
+
+def missing_per_sample_error(what: str) -> ValueError:
+    """The error for trainable parameters that got no per-sample norm or gradient in a
+    backward pass (their layer's backward hook never ran), with its usual cause."""
+    return ValueError(
+        f"no per-sample gradient for {what}: the layer's backward hook did not run in this "
+        "backward pass. Every trainable layer must take part in each forward and backward "
+        "pass with clipping='randomized'. Under checkpoint(..., use_reentrant=True) this "
+        "happens when no input of a checkpointed region requires grad (e.g. a frozen base "
+        "model under LoRA): the region is then not differentiated at all. Use "
+        "checkpoint(..., use_reentrant=False) (Hugging Face: gradient_checkpointing_enable() "
+        "without arguments), or make the region's input require grad (Hugging Face: "
+        "model.enable_input_require_grads())"
+    )

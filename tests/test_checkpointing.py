@@ -43,9 +43,13 @@ MODES: Dict[str, dict] = {
 
 class CheckpointedMLP(nn.Module):
     """Embedding, then blocks of Linear-tanh-Linear, each block (optionally) run under
-    ``torch.utils.checkpoint``, mean-pooled and classified."""
+    ``torch.utils.checkpoint``, mean-pooled and classified.
 
-    def __init__(self, use_reentrant: Optional[bool] = None, d: int = 8, blocks: int = 2):
+    ``use_reentrant``: None (no checkpointing), a bool (one region per block) or a pair
+    ``(outer, inner)``: one region around all blocks, a nested region per block.
+    """
+
+    def __init__(self, use_reentrant=None, d: int = 8, blocks: int = 2):
         super().__init__()
         self.use_reentrant = use_reentrant
         self.emb = nn.Embedding(VOCAB, d)
@@ -54,13 +58,21 @@ class CheckpointedMLP(nn.Module):
         )
         self.head = nn.Linear(d, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x)
+    def _blocks(self, h: torch.Tensor, use_reentrant: Optional[bool]) -> torch.Tensor:
         for block in self.blocks:
-            if self.use_reentrant is None:
+            if use_reentrant is None:
                 h = h + block(h)
             else:
-                h = h + checkpoint(block, h, use_reentrant=self.use_reentrant)
+                h = h + checkpoint(block, h, use_reentrant=use_reentrant)
+        return h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        if isinstance(self.use_reentrant, tuple):
+            outer, inner = self.use_reentrant
+            h = checkpoint(self._blocks, h, inner, use_reentrant=outer)
+        else:
+            h = self._blocks(h, self.use_reentrant)
         return self.head(h).mean(dim=1)
 
 
@@ -204,7 +216,12 @@ def hf_forward(model, x):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("use_reentrant", [None, True, False], ids=["none", "reentrant", "non_reentrant"])
+@pytest.mark.parametrize(
+    "use_reentrant",
+    [None, True, False, (False, False), (True, False), (False, True)],
+    ids=["none", "reentrant", "non_reentrant", "nested_non_reentrant", "non_reentrant_in_reentrant",
+         "reentrant_in_non_reentrant"],
+)
 def test_plain_module_checkpoint_equals_brute_force(mode, use_reentrant):
     """torch.utils.checkpoint around Linear blocks, exact norms, noise 0, 3 steps."""
     torch.manual_seed(0)
@@ -302,3 +319,48 @@ def test_tied_embedding_one_sketch_per_step(mode, form, monkeypatch):
     got = private_steps(model, hf_forward, data, mode, sketch_size=2, sketching="per_example")
     assert counter.passes == STEPS
     assert_same_trajectory(got, reference)
+
+
+# --- what cannot be computed is refused ----------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reentrant_region_without_grad_input_is_refused(mode):
+    """checkpoint(use_reentrant=True) on a region whose input does not require grad (a
+    frozen embedding in front): torch differentiates nothing inside it; the step is
+    refused with a message naming the supported forms, before any update."""
+    torch.manual_seed(0)
+    model = CheckpointedMLP(use_reentrant=True)
+    model.emb.weight.requires_grad_(False)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"use_reentrant=False.*enable_input_require_grads"):
+        private_steps(model, mlp_forward, batches(n_steps=1, classes=True), mode)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k])
+
+
+class SometimesSkipped(nn.Module):
+    """A trainable layer used at the first step only."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.extra = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.emb(x)
+        if self.calls == 1:
+            h = self.extra(h)
+        return self.head(h).mean(dim=1)
+
+
+@pytest.mark.parametrize("mode", ["two_pass", "hooks_object"])
+def test_norms_of_a_layer_left_out_of_a_pass_are_not_reused(mode):
+    """The per-sample norms of a pass are consumed by its clipping: a layer that takes
+    no part in the next pass is refused, never clipped with the last batch's norms."""
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="no per-sample gradient for 'extra.weight', 'extra.bias'"):
+        private_steps(SometimesSkipped(), mlp_forward, batches(n_steps=2, classes=True), mode)
