@@ -195,9 +195,12 @@ class FSDPSketchingMixin(SketchingMixin):
     ) -> None:
         """Opacus's FSDP capture (module-level counter). A layer applied twice in one
         forward pass (its parameters used twice) is refused with a clear message.
-        Activation checkpointing's replays are told apart (:meth:`_begin_capture`)."""
-        if not self._begin_capture(module):
-            return
+        Activation checkpointing's replays are told apart (:meth:`_capture`)."""
+        self._capture(module, forward_input, lambda: self._capture_fsdp_activations(module, forward_input, _forward_output))
+
+    def _capture_fsdp_activations(
+        self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
+    ) -> None:
         if id(module) in self._tied_modules:
             self._capture_tied_activations(module, forward_input)
             return

@@ -14,7 +14,7 @@ sketch per layer and per step, seedable (``sketch_seed``), drawn from ``os.urand
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from opacus.grad_sample import (
@@ -23,7 +23,7 @@ from opacus.grad_sample import (
     GradSampleModule,
     GradSampleModuleFastGradientClipping,
 )
-from opacus.utils.module_utils import trainable_parameters
+from opacus.utils.module_utils import requires_grad, trainable_parameters
 from torch import nn
 
 from .bookkeeping import (
@@ -35,7 +35,14 @@ from .bookkeeping import (
 )
 from .config import SketchConfig
 from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, register_model_layers
-from .recompute import NON_REENTRANT, forward_replay, missing_per_sample_error
+from .recompute import (
+    NON_REENTRANT,
+    forward_replay,
+    missing_per_sample_error,
+    resolve_last,
+    save_inputs,
+    saved_tensors_hooks,
+)
 from .sketch import Sketcher
 
 
@@ -94,17 +101,41 @@ class _SketcherOwner:
             self.sketcher.begin_pass()
             self._awaiting_forward = False
 
-    def _begin_capture(self, module: nn.Module) -> bool:
-        """Run first by every activation-capture hook; False when the call is not to be
-        captured: a replay by ``checkpoint(use_reentrant=False)``, whose original call
-        was captured (:mod:`opacus_rc.recompute`). A reentrant checkpoint's replay is
-        captured but starts no sketch pass (one sketch per layer and step)."""
+    def _capture(self, module: nn.Module, forward_input: Sequence[torch.Tensor], capture: Callable[[], None]) -> None:
+        """Every activation-capture hook runs its body ``capture()`` (which appends the
+        layer's inputs to ``module.activations``, or not) through this.
+
+        * A replay by ``checkpoint(use_reentrant=False)`` captures nothing: its original
+          call was captured (:mod:`opacus_rc.recompute`).
+        * A reentrant checkpoint's replay is captured but starts no sketch pass (one
+          sketch per layer and step).
+        * Under saved-tensors hooks (inside a non-reentrant checkpoint region) the
+          captured inputs are saved through them, not kept: checkpointing frees them
+          and the backward hook gets them recomputed. The replay saves them again at
+          the same point (checkpointing matches saved tensors by order), then drops
+          them.
+        """
         replay = forward_replay()
+        hooks = saved_tensors_hooks() if _saves_inputs(module) else None
         if replay == NON_REENTRANT:
-            return False
+            if hooks is not None:
+                save_inputs(forward_input, hooks)
+            return
         if replay is None:
             self._start_pass(module)
-        return True
+        entries = len(getattr(module, "activations", ()))
+        capture()
+        if hooks is not None:
+            saved = save_inputs(forward_input, hooks)
+            if len(getattr(module, "activations", ())) > entries:
+                module.activations[-1] = saved
+
+    def rearrange_grad_samples(self, *, module, backprops, loss_reduction, batch_first):
+        """Opacus's rearrangement, after unpacking inputs saved by :meth:`_capture`."""
+        resolve_last(module)
+        return super().rearrange_grad_samples(
+            module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
+        )
 
     def _defer_weight_grads(self, layers: List[nn.Module], wanted=None) -> None:
         """Linear layers whose backward computes parameter gradients only if ``wanted()``."""
@@ -117,6 +148,12 @@ class _SketcherOwner:
         for m in self._patched:
             m.__dict__.pop("forward", None)
         super().cleanup()
+
+
+def _saves_inputs(module: nn.Module) -> bool:
+    """Whether a call of ``module`` has its inputs captured, or would with the hooks on
+    (decided alike in a forward and in its checkpoint replay)."""
+    return requires_grad(module) and module.training and torch.is_grad_enabled()
 
 
 def _trainable_linears(model: nn.Module) -> List[nn.Module]:
@@ -174,8 +211,10 @@ class SketchingMixin(_SketcherOwner):
     ) -> None:
         """Opacus's activation capture, without ghost mode's refusal of tied parameters:
         a parameter used several times is handled by :meth:`_capture_tied_backprops`."""
-        if self._begin_capture(module):
-            GradSampleHooks.capture_activations_hook(self, module, forward_input, _forward_output)
+        self._capture(
+            module, forward_input,
+            lambda: GradSampleHooks.capture_activations_hook(self, module, forward_input, _forward_output),
+        )
 
     def capture_backprops_hook(
         self,
@@ -310,8 +349,10 @@ class BookkeepingMixin(_SketcherOwner):
         self.allow_grad_accumulation()
 
     def capture_activations_hook(self, module, forward_input, _forward_output) -> None:
-        if self._begin_capture(module):
-            super().capture_activations_hook(module, forward_input, _forward_output)
+        self._capture(
+            module, forward_input,
+            lambda: super(BookkeepingMixin, self).capture_activations_hook(module, forward_input, _forward_output),
+        )
 
     def capture_backprops_hook(
         self, module: nn.Module, _forward_input, forward_output, loss_reduction: str, batch_first: bool

@@ -17,12 +17,20 @@ for the privacy hooks depends on the form:
   sketch pass: the sketches of a step stay those of its forward).
 
 :func:`forward_replay` says which case a forward hook runs in.
+
+Memory: a layer input captured inside a checkpointed region would, kept as a tensor, pin
+what checkpointing frees. It is instead saved as autograd saves a tensor at that point,
+through the saved-tensors hooks in force (:class:`SavedInputs`): checkpointing's pack
+hook keeps a placeholder, and unpacking it in the layer's backward hook returns the
+recomputed input. The replay then saves the same inputs at the same point, so the
+region saves as many tensors in its recomputation as in its forward (checkpointing
+matches them by order).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils.checkpoint as _checkpoint
@@ -93,6 +101,49 @@ def forward_replay() -> Optional[str]:
     if torch._C._current_graph_task_id() != -1:
         return REENTRANT
     return None
+
+
+SavedTensorsHooks = Tuple[Callable, Callable]
+
+
+def saved_tensors_hooks() -> Optional[SavedTensorsHooks]:
+    """The (pack, unpack) hooks autograd would save a tensor through now, or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+class SavedInput:
+    """One layer input saved through saved-tensors hooks; ``shape`` is known without
+    unpacking (Opacus reads the batch size of pending inputs)."""
+
+    __slots__ = ("shape", "_packed", "_unpack")
+
+    def __init__(self, tensor: torch.Tensor, hooks: SavedTensorsHooks) -> None:
+        pack, self._unpack = hooks
+        self.shape = tensor.shape
+        self._packed = pack(tensor.detach())
+
+    def get(self) -> torch.Tensor:
+        """The tensor (recomputed, under a non-reentrant checkpoint); once per pass."""
+        return self._unpack(self._packed)
+
+
+class SavedInputs(list):
+    """A ``module.activations`` entry made of :class:`SavedInput` (one per input)."""
+
+    def resolve(self) -> List[torch.Tensor]:
+        return [saved.get() for saved in self]
+
+
+def save_inputs(forward_input: Sequence[torch.Tensor], hooks: SavedTensorsHooks) -> SavedInputs:
+    """Save a layer's inputs through ``hooks`` (see the module docstring)."""
+    return SavedInputs(SavedInput(t, hooks) for t in forward_input)
+
+
+def resolve_last(module) -> None:
+    """Unpack the entry the backward hook is about to pop from ``module.activations``."""
+    entries = getattr(module, "activations", None)
+    if entries and isinstance(entries[-1], SavedInputs):
+        entries[-1] = entries[-1].resolve()
 
 
 def missing_per_sample_error(what: str) -> ValueError:
