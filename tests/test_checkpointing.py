@@ -24,6 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 from opacus_rc.sketch import Sketcher
 
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # tiny tensors: threads only contend
+
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
@@ -287,7 +289,8 @@ class _PassCounter:
 @pytest.mark.parametrize("form", ["hf_reentrant", "hf_non_reentrant"])
 def test_sketched_update_unchanged_by_checkpointing(mode, form, sketching, monkeypatch):
     """T > k: same sketch seed, same update with and without checkpointing; one sketch
-    pass per step and the same number of sketches drawn."""
+    pass per step and the same number of sketches drawn (per-example sketches are the
+    ones a new pass would redraw)."""
     init = llama()
     init.train()
     data = batches(t=12)
@@ -364,3 +367,36 @@ def test_norms_of_a_layer_left_out_of_a_pass_are_not_reused(mode):
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="no per-sample gradient for 'extra.weight', 'extra.bias'"):
         private_steps(SometimesSkipped(), mlp_forward, batches(n_steps=2, classes=True), mode)
+
+
+@pytest.mark.parametrize("form", ["none", "hf_non_reentrant"])
+def test_inputs_in_non_reentrant_regions_are_not_kept(form):
+    """After the forward pass, the captured inputs of the layers inside checkpointed
+    decoder layers are checkpointing's placeholders (recomputed in the backward pass),
+    not tensors that would pin what checkpointing frees; outside regions (embedding, LM
+    head) and without checkpointing they are tensors."""
+    from opacus_rc.recompute import SavedInputs
+
+    model = llama()
+    model.train()
+    enable_hf_checkpointing(model, form)
+    (x, y), = batches(n_steps=1)
+    engine = PrivacyEngine(accountant="rc_prv")
+    module, opt, crit, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH),
+        criterion=nn.CrossEntropyLoss(), noise_multiplier=0.0, max_grad_norm=CLIP,
+        poisson_sampling=False, clipping="randomized", grad_sample_mode="ghost", sketch_size=8,
+    )
+    logits = hf_forward(module, x)
+    kinds = {
+        name: type(m.activations[-1]) is SavedInputs
+        for name, m in model.named_modules() if getattr(m, "activations", None)
+    }
+    inside = {name for name in kinds if ".layers." in name}
+    assert inside and len(inside) < len(kinds)
+    assert all(kinds[n] == (form != "none") for n in inside)
+    assert not any(kinds[n] for n in set(kinds) - inside)
+    private_loss(crit, logits, y).backward()
+    opt.step()
+    assert not any(getattr(m, "activations", None) for m in model.modules())
