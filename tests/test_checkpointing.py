@@ -37,6 +37,7 @@ MODES: Dict[str, dict] = {
     "bookkeeping": dict(grad_sample_mode="hooks"),
     "ghost_bookkeeping": dict(grad_sample_mode="ghost", bookkeeping=True),
     "hooks_object": dict(grad_sample_mode="ghost", wrap_model=False),
+    "bookkeeping_hooks_object": dict(grad_sample_mode="hooks", wrap_model=False),
 }
 
 
