@@ -60,6 +60,7 @@ from torch import nn
 from .grad_sample import SketchingMixin
 from .optimizer import RandomizedClippingMixin
 from .norm_samplers import TIED_PROJECTIONS
+from .recompute import late_use_error
 from .sketch import entropy_seed
 
 logger = logging.getLogger(__name__)
@@ -197,6 +198,13 @@ class FSDPSketchingMixin(SketchingMixin):
         forward pass (its parameters used twice) is refused with a clear message.
         Activation checkpointing's replays are told apart (:meth:`_capture`)."""
         self._capture(module, forward_input, lambda: self._capture_fsdp_activations(module, forward_input, _forward_output))
+
+    def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
+        """A tied parameter whose norm this pass already took (see the parent)."""
+        if id(module) in self._tied_modules and any(
+            key in self._tied_norms for _, key in self._tied_names[id(module)]
+        ):
+            raise late_use_error(layer_type(module).__name__)
 
     def _capture_fsdp_activations(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor

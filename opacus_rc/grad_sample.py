@@ -37,11 +37,12 @@ from .config import SketchConfig
 from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, register_model_layers
 from .recompute import (
     NON_REENTRANT,
+    current_saved_tensors_hooks,
     forward_replay,
+    late_use_error,
     missing_per_sample_error,
     resolve_last,
     save_inputs,
-    saved_tensors_hooks,
 )
 from .sketch import Sketcher
 
@@ -116,19 +117,27 @@ class _SketcherOwner:
           them.
         """
         replay = forward_replay()
-        hooks = saved_tensors_hooks() if _saves_inputs(module) else None
+        hooks = current_saved_tensors_hooks() if _saves_inputs(module) else None
         if replay == NON_REENTRANT:
             if hooks is not None:
                 save_inputs(forward_input, hooks)
             return
         if replay is None:
             self._start_pass(module)
+        elif self.hooks_enabled:
+            self._refuse_use_after_its_norm(module)
         entries = len(getattr(module, "activations", ()))
         capture()
         if hooks is not None:
             saved = save_inputs(forward_input, hooks)
             if len(getattr(module, "activations", ())) > entries:
                 module.activations[-1] = saved
+
+    def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
+        """Called for a use of ``module`` captured during the backward pass (a reentrant
+        checkpoint's replay): raise if a parameter of it already got its per-sample norm
+        in this pass, i.e. it is also used after the region (its norm would miss this
+        use). Book-keeping keeps one record per use: nothing to refuse."""
 
     def rearrange_grad_samples(self, *, module, backprops, loss_reduction, batch_first):
         """Opacus's rearrangement, after unpacking inputs saved by :meth:`_capture`."""
@@ -188,6 +197,15 @@ class SketchingMixin(_SketcherOwner):
         no part in the backward pass (their finiteness is checked by the optimizer's
         step: :mod:`opacus_rc.finite`). The norms are consumed: a later pass never
         reuses them for other examples."""
+        try:
+            self._check_norm_samples()
+            return super().get_norm_sample()
+        finally:
+            for p in self.trainable_parameters:
+                p._norm_sample = None
+
+    def _check_norm_samples(self) -> None:
+        """Every trainable parameter has this pass's per-sample norms, over the batch."""
         missing = [name for name, p in trainable_parameters(self._module) if getattr(p, "_norm_sample", None) is None]
         if missing:
             raise missing_per_sample_error(", ".join(repr(n) for n in missing))
@@ -200,11 +218,10 @@ class SketchingMixin(_SketcherOwner):
                     "(e.g. position ids of shape (1, T)); pass it with a batch dimension "
                     "(e.g. position_ids of shape (B, T))"
                 )
-        try:
-            return super().get_norm_sample()
-        finally:
-            for p in self.trainable_parameters:
-                p._norm_sample = None
+
+    def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
+        if any(getattr(p, "_norm_sample", None) is not None for _, p in trainable_parameters(module)):
+            raise late_use_error(type(module).__name__)
 
     def capture_activations_hook(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor

@@ -30,6 +30,7 @@ matches them by order).
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -41,6 +42,17 @@ NON_REENTRANT = "non_reentrant"
 REENTRANT = "reentrant"
 
 _RECOMPUTATION_HOOK = getattr(_checkpoint, "_recomputation_hook", None)
+
+logger = logging.getLogger(__name__)
+_reported: set = set()
+
+
+def _report(kind: str) -> str:
+    """Log, once per process and kind, that a checkpoint replay was recognised."""
+    if kind not in _reported:
+        _reported.add(kind)
+        logger.info("activation checkpointing: %s recomputation recognised by the privacy hooks", kind)
+    return kind
 
 
 def _saved_tensors_pack_hooks() -> List[Callable]:
@@ -97,16 +109,16 @@ def forward_replay() -> Optional[str]:
                 "activation checkpointing"
             )
         if any(_is_recomputation_hook(h) for h in hooks):
-            return NON_REENTRANT
+            return _report(NON_REENTRANT)
     if torch._C._current_graph_task_id() != -1:
-        return REENTRANT
+        return _report(REENTRANT)
     return None
 
 
 SavedTensorsHooks = Tuple[Callable, Callable]
 
 
-def saved_tensors_hooks() -> Optional[SavedTensorsHooks]:
+def current_saved_tensors_hooks() -> Optional[SavedTensorsHooks]:
     """The (pack, unpack) hooks autograd would save a tensor through now, or None."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
@@ -158,4 +170,15 @@ def missing_per_sample_error(what: str) -> ValueError:
         "checkpoint(..., use_reentrant=False) (Hugging Face: gradient_checkpointing_enable() "
         "without arguments), or make the region's input require grad (Hugging Face: "
         "model.enable_input_require_grads())"
+    )
+
+
+def late_use_error(layer: str) -> ValueError:
+    """The error for a parameter used inside a reentrant checkpoint region and after it."""
+    return ValueError(
+        f"a trainable parameter of a {layer} is used inside a checkpoint(..., use_reentrant=True) "
+        "region and again after it: its per-sample norm was taken in the backward pass before "
+        "the region recomputed its other use, so the norm would miss that use. Use "
+        "checkpoint(..., use_reentrant=False) (Hugging Face: gradient_checkpointing_enable() "
+        "without arguments), or keep every use of the parameter on one side of the region"
     )

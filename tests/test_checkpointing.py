@@ -401,3 +401,65 @@ def test_inputs_in_non_reentrant_regions_are_not_kept(form):
     private_loss(crit, logits, y).backward()
     opt.step()
     assert not any(getattr(m, "activations", None) for m in model.modules())
+
+
+class SharedAcrossRegion(nn.Module):
+    """One Linear used inside a checkpointed block and again after it (a tied use)."""
+
+    def __init__(self, use_reentrant: Optional[bool]):
+        super().__init__()
+        self.use_reentrant = use_reentrant
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.shared = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def _block(self, h):
+        return torch.tanh(self.shared(h))
+
+    def forward(self, x):
+        h = self.emb(x)
+        if self.use_reentrant is None:
+            h = self._block(h)
+        else:
+            h = checkpoint(self._block, h, use_reentrant=self.use_reentrant)
+        return self.head(self.shared(h)).mean(dim=1)
+
+
+@pytest.mark.parametrize("mode", ["two_pass", "hooks_object"])
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_parameter_used_inside_and_after_a_region(mode, use_reentrant):
+    """Non-reentrant: the tied uses' sketched sum is the one without checkpointing (same
+    sketches). Reentrant: the later use's norm is taken before the region recomputes
+    the other use, so the step is refused with the supported form."""
+    torch.manual_seed(0)
+    init = SharedAcrossRegion(use_reentrant=None)
+    data = batches(classes=True)
+    model = copy.deepcopy(init)
+    model.use_reentrant = use_reentrant
+    if use_reentrant:
+        with pytest.raises(ValueError, match=r"inside a checkpoint.*use_reentrant=False"):
+            private_steps(model, mlp_forward, data, mode)
+        return
+    want = private_steps(copy.deepcopy(init), mlp_forward, data, mode)
+    assert_same_trajectory(private_steps(model, mlp_forward, data, mode), want)
+
+
+def test_reading_the_saved_tensors_hooks_stack_leaves_it_unchanged():
+    """forward_replay() walks the hooks stack by popping and pushing back: the stack,
+    nested contexts included, is the same afterwards (their exits still match)."""
+    from opacus_rc.recompute import _saved_tensors_pack_hooks, forward_replay
+
+    def pack_a(x):
+        return x
+
+    def pack_b(x):
+        return x
+
+    assert forward_replay() is None and _saved_tensors_pack_hooks() == []
+    with torch.autograd.graph.saved_tensors_hooks(pack_a, lambda x: x):
+        with torch.autograd.graph.saved_tensors_hooks(pack_b, lambda x: x):
+            assert _saved_tensors_pack_hooks() == [pack_b, pack_a]
+            assert forward_replay() is None
+            assert torch._C._autograd._top_saved_tensors_default_hooks(False)[0] is pack_b
+        assert _saved_tensors_pack_hooks() == [pack_a]
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
