@@ -9,7 +9,7 @@ batches:
 * noise 0, sketched (shared sketches, fixed sketch_seed; Hutchinson and Hutch++): the
   update equals one process on the union of the batches with the same sketches;
 * two micro-batches accumulated equal one batch;
-* non-reentrant activation checkpointing changes nothing;
+* activation checkpointing (non-reentrant and reentrant) changes nothing;
 * the noise std equals Opacus ghost_fsdp's (within 15%) and the theoretical
   ``sigma C / total batch``; shards get independent noise;
 * epsilon is the same on both ranks;
@@ -99,15 +99,16 @@ def lora(model: nn.Module) -> nn.Module:
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["fc1", "fc2"]))
 
 
-def make_checkpointed() -> nn.Module:
+def make_checkpointed(use_reentrant: bool) -> nn.Module:
     torch.manual_seed(0)
-    return CheckpointedSequenceClassifier()  # make_model()'s parameters, checkpointed
+    return CheckpointedSequenceClassifier(use_reentrant=use_reentrant)  # make_model()'s parameters
 
 
-def fsdp_step(rank, t, micro_batches=1, with_lora=False, checkpointed=False, **kwargs):
+def fsdp_step(rank, t, micro_batches=1, with_lora=False, checkpointed=None, **kwargs):
+    """``checkpointed``: None, or use_reentrant of the checkpointed fc1 -> tanh -> norm."""
     from opacus.utils.fsdp_utils import FSDP2Wrapper
 
-    base = make_checkpointed() if checkpointed else make_model()
+    base = make_model() if checkpointed is None else make_checkpointed(checkpointed)
     model = FSDP2Wrapper(lora(base) if with_lora else base)
     engine, (module, opt, crit, _) = private(model, t, micro_batches=micro_batches, **kwargs)
     if not kwargs.get("wrap_model", True):
@@ -263,9 +264,10 @@ def worker(rank, init_file, out_dir):
     _, _, _, out["rc_lora"] = fsdp_step(
         rank, T_SKETCHED, with_lora=True, clipping="randomized", mode="ghost_fsdp"
     )
-    _, _, _, out["rc_checkpointed"] = fsdp_step(
-        rank, T_SKETCHED, checkpointed=True, clipping="randomized", mode="ghost_fsdp"
-    )
+    for reentrant in (False, True):
+        _, _, _, out[f"rc_checkpointed_{reentrant}"] = fsdp_step(
+            rank, T_SKETCHED, checkpointed=reentrant, clipping="randomized", mode="ghost_fsdp"
+        )
     _, _, _, out["rc_two_micro_batches"] = fsdp_step(
         rank, T_SKETCHED, micro_batches=2, clipping="randomized", mode="ghost_fsdp"
     )
@@ -346,10 +348,11 @@ def test_lora_and_hooks_form_equal_single_process(ranks):
     assert_same(ranks[0]["rc_hooks_form"], ranks[0]["rc_hutchinson"], rtol=1e-5, atol=1e-7)
 
 
-def test_activation_checkpointing_equals_single_process(ranks):
-    """Non-reentrant activation checkpointing around fc1 -> tanh -> LayerNorm under FSDP2:
-    the update equals one process without checkpointing (same sketches)."""
-    assert_same(ranks[0]["rc_checkpointed"], single_process(T_SKETCHED), rtol=1e-4, atol=1e-6)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_equals_single_process(ranks, reentrant):
+    """Activation checkpointing around fc1 -> tanh -> LayerNorm under FSDP2: the update
+    equals one process without checkpointing (same sketches)."""
+    assert_same(ranks[0][f"rc_checkpointed_{reentrant}"], single_process(T_SKETCHED), rtol=1e-4, atol=1e-6)
 
 
 def test_per_example_sketches_train(ranks):
