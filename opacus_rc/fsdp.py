@@ -60,6 +60,7 @@ from torch import nn
 from .grad_sample import SketchingMixin
 from .optimizer import RandomizedClippingMixin
 from .norm_samplers import TIED_PROJECTIONS
+from .recompute import late_use_error
 from .sketch import entropy_seed
 
 logger = logging.getLogger(__name__)
@@ -190,18 +191,24 @@ class FSDPSketchingMixin(SketchingMixin):
         steps = [p._rc_steps_taken for p in getattr(self, "_sharded_trainable", ()) if hasattr(p, "_rc_steps_taken")]
         return max(steps) if steps else None
 
-    def _begin_forward(self, module: nn.Module) -> None:
-        """The parent's start-of-pass bookkeeping, where it has one."""
-        start = getattr(self, "_start_pass", None)
-        if start is not None:
-            start(module)
-
     def capture_activations_hook(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
     ) -> None:
         """Opacus's FSDP capture (module-level counter). A layer applied twice in one
-        forward pass (its parameters used twice) is refused with a clear message."""
-        self._begin_forward(module)
+        forward pass (its parameters used twice) is refused with a clear message.
+        Activation checkpointing's replays are told apart (:meth:`_capture`)."""
+        self._capture(module, forward_input, lambda: self._capture_fsdp_activations(module, forward_input, _forward_output))
+
+    def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
+        """A tied parameter whose norm this pass already took (see the parent)."""
+        if id(module) in self._tied_modules and any(
+            key in self._tied_norms for _, key in self._tied_names[id(module)]
+        ):
+            raise late_use_error(layer_type(module).__name__)
+
+    def _capture_fsdp_activations(
+        self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
+    ) -> None:
         if id(module) in self._tied_modules:
             self._capture_tied_activations(module, forward_input)
             return

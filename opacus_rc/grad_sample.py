@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from opacus.grad_sample import (
@@ -24,7 +24,7 @@ from opacus.grad_sample import (
     GradSampleModule,
     GradSampleModuleFastGradientClipping,
 )
-from opacus.utils.module_utils import trainable_parameters
+from opacus.utils.module_utils import requires_grad, trainable_parameters
 from torch import nn
 
 from .bookkeeping import (
@@ -37,6 +37,15 @@ from .bookkeeping import (
 )
 from .config import SketchConfig
 from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, register_model_layers
+from .recompute import (
+    NON_REENTRANT,
+    current_saved_tensors_hooks,
+    forward_replay,
+    late_use_error,
+    missing_per_sample_error,
+    resolve_last,
+    save_inputs,
+)
 from .sketch import Sketcher
 
 
@@ -94,6 +103,54 @@ class _SketcherOwner:
         if self._awaiting_forward and self.hooks_enabled and module.training and torch.is_grad_enabled():
             self.sketcher.begin_pass()
             self._awaiting_forward = False
+            self._on_pass_start()
+
+    def _on_pass_start(self) -> None:
+        """Per-pass state of a mixin is reset here."""
+
+    def _capture(self, module: nn.Module, forward_input: Sequence[torch.Tensor], capture: Callable[[], None]) -> None:
+        """Every activation-capture hook runs its body ``capture()`` (which appends the
+        layer's inputs to ``module.activations``, or not) through this.
+
+        * A replay by ``checkpoint(use_reentrant=False)`` captures nothing: its original
+          call was captured (:mod:`opacus_rc.recompute`).
+        * A reentrant checkpoint's replay is captured but starts no sketch pass (one
+          sketch per layer and step).
+        * Under saved-tensors hooks (inside a non-reentrant checkpoint region) the
+          captured inputs are saved through them, not kept: checkpointing frees them
+          and the backward hook gets them recomputed. The replay saves them again at
+          the same point (checkpointing matches saved tensors by order), then drops
+          them.
+        """
+        replay = forward_replay()
+        hooks = current_saved_tensors_hooks() if _saves_inputs(module) else None
+        if replay == NON_REENTRANT:
+            if hooks is not None:
+                save_inputs(forward_input, hooks)
+            return
+        if replay is None:
+            self._start_pass(module)
+        elif self.hooks_enabled:
+            self._refuse_use_after_its_norm(module)
+        entries = len(getattr(module, "activations", ()))
+        capture()
+        if hooks is not None:
+            saved = save_inputs(forward_input, hooks)
+            if len(getattr(module, "activations", ())) > entries:
+                module.activations[-1] = saved
+
+    def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
+        """Called for a use of ``module`` captured during the backward pass (a reentrant
+        checkpoint's replay): raise if a parameter of it already got its per-sample norm
+        in this pass, i.e. it is also used after the region (its norm would miss this
+        use)."""
+
+    def rearrange_grad_samples(self, *, module, backprops, loss_reduction, batch_first):
+        """Opacus's rearrangement, after unpacking inputs saved by :meth:`_capture`."""
+        resolve_last(module)
+        return super().rearrange_grad_samples(
+            module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
+        )
 
     def _defer_weight_grads(self, layers: List[nn.Module], wanted=None) -> None:
         """Linear layers whose backward computes parameter gradients only if ``wanted()``."""
@@ -106,6 +163,12 @@ class _SketcherOwner:
         for m in self._patched:
             m.__dict__.pop("forward", None)
         super().cleanup()
+
+
+def _saves_inputs(module: nn.Module) -> bool:
+    """Whether a call of ``module`` has its inputs captured, or would with the hooks on
+    (decided alike in a forward and in its checkpoint replay)."""
+    return requires_grad(module) and module.training and torch.is_grad_enabled()
 
 
 def _trainable_linears(model: nn.Module) -> List[nn.Module]:
@@ -136,8 +199,22 @@ class SketchingMixin(_SketcherOwner):
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-example norms over all trainable parameters (L2 of the per-parameter
-        norms), with a clear error when a layer did not see the batch dimension (their
-        finiteness is checked by the optimizer's step: :mod:`opacus_rc.finite`)."""
+        norms), with a clear error when a layer did not see the batch dimension or took
+        no part in the backward pass (their finiteness is checked by the optimizer's
+        step: :mod:`opacus_rc.finite`). The norms are consumed: a later pass never
+        reuses them for other examples."""
+        try:
+            self._check_norm_samples()
+            return super().get_norm_sample()
+        finally:
+            for p in self.trainable_parameters:
+                p._norm_sample = None
+
+    def _check_norm_samples(self) -> None:
+        """Every trainable parameter has this pass's per-sample norms, over the batch."""
+        missing = [name for name, p in trainable_parameters(self._module) if getattr(p, "_norm_sample", None) is None]
+        if missing:
+            raise missing_per_sample_error(", ".join(repr(n) for n in missing))
         batch = max((int(p._norm_sample.shape[0]) for p in self.trainable_parameters), default=0)
         for name, p in trainable_parameters(self._module):
             if p._norm_sample.shape[0] != batch:
@@ -147,18 +224,20 @@ class SketchingMixin(_SketcherOwner):
                     "(e.g. position ids of shape (1, T)); pass it with a batch dimension "
                     "(e.g. position_ids of shape (B, T))"
                 )
-        norms = super().get_norm_sample()
-        for p in self.trainable_parameters:  # per-example values: not kept past their use
-            p.__dict__.pop("_norm_sample", None)
-        return norms
+
+    def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
+        if any(getattr(p, "_norm_sample", None) is not None for _, p in trainable_parameters(module)):
+            raise late_use_error(type(module).__name__)
 
     def capture_activations_hook(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
     ) -> None:
         """Opacus's activation capture, without ghost mode's refusal of tied parameters:
         a parameter used several times is handled by :meth:`_capture_tied_backprops`."""
-        self._start_pass(module)
-        GradSampleHooks.capture_activations_hook(self, module, forward_input, _forward_output)
+        self._capture(
+            module, forward_input,
+            lambda: GradSampleHooks.capture_activations_hook(self, module, forward_input, _forward_output),
+        )
 
     def capture_backprops_hook(
         self,
@@ -288,7 +367,24 @@ class BookkeepingMixin(_SketcherOwner):
                 "with clipping='randomized'; use grad_sample_mode='ghost'"
             )
         self._pending_uses: Dict[nn.Module, List[Any]] = {}  # this pass's uses, per layer
+        self._recorded_in_pass: set = set()  # layers whose record of this pass is complete
+        self._clear_queued = False  # end-of-backward reset of _recorded_in_pass queued
         self._defer_weight_grads(_trainable_linears(self._module))
+
+    def _on_pass_start(self) -> None:
+        self._recorded_in_pass.clear()
+        self._clear_queued = False
+
+    def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
+        """A replayed use of a layer whose record of this backward pass is already
+        complete (used inside a reentrant checkpoint region and after it, or in two
+        regions) would become a second record, a second clip factor for one example:
+        refused. The replay runs in the user's backward, whose end clears the set."""
+        if module in self._recorded_in_pass:
+            raise late_use_error(type(module).__name__)
+        if not self._clear_queued:
+            self._clear_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_pass_start)
 
     def forbid_grad_accumulation(self) -> None:
         """Opacus forbids accumulation with Poisson sampling because its accountants
@@ -297,8 +393,10 @@ class BookkeepingMixin(_SketcherOwner):
         self.allow_grad_accumulation()
 
     def capture_activations_hook(self, module, forward_input, _forward_output) -> None:
-        self._start_pass(module)
-        super().capture_activations_hook(module, forward_input, _forward_output)
+        self._capture(
+            module, forward_input,
+            lambda: super(BookkeepingMixin, self).capture_activations_hook(module, forward_input, _forward_output),
+        )
 
     def capture_backprops_hook(
         self, module: nn.Module, _forward_input, forward_output, loss_reduction: str, batch_first: bool
@@ -329,6 +427,7 @@ class BookkeepingMixin(_SketcherOwner):
         if any(param._forward_counter > 0 for param in params):
             return  # more uses of this layer in this pass are still to come
         a, g = concatenate_uses(module, self._pending_uses.pop(module))
+        self._recorded_in_pass.add(module)
         norms = RANDOMIZED_NORM_SAMPLERS[type(module)](module, [a], g, self.sketcher)
         for param, norm in norms.items():
             records = getattr(param, "_bk_records", None) or []

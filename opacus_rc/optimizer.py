@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 from .bookkeeping import keep_rows
 from .config import SketchConfig
 from .finite import NonFiniteGuard, failed_kinds
+from .recompute import missing_per_sample_error
 from .sketch import NOISE_STREAM, DeviceStreams, check_seed
 
 
@@ -322,6 +323,8 @@ class BookkeepingClippingMixin:
         records = self._records(p)
         if records:
             return torch.cat([r.sq_norms for r in records])
+        if getattr(p, "grad_sample", None) is None:
+            raise missing_per_sample_error(f"a trainable parameter of shape {tuple(p.shape)}")
         gs = self._get_flat_grad_sample(p)
         return gs.flatten(start_dim=1).pow(2).sum(dim=1)
 

@@ -35,6 +35,24 @@ class SequenceClassifier(nn.Module):
         return self.fc2(self.norm(torch.tanh(self.fc1(self.emb(x))))).mean(dim=1)
 
 
+class CheckpointedSequenceClassifier(SequenceClassifier):
+    """:class:`SequenceClassifier` (same parameters, same initialisation) whose
+    Linear -> tanh -> LayerNorm runs under ``torch.utils.checkpoint``."""
+
+    def __init__(self, *args, use_reentrant: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.use_reentrant = use_reentrant
+
+    def _middle(self, h):
+        return self.norm(torch.tanh(self.fc1(h)))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self._middle, self.emb(x), use_reentrant=self.use_reentrant)
+        return self.fc2(h).mean(dim=1)
+
+
 def token_task(n: int = 256, t: int = 24, vocab: int = 32, seed: int = 0):
     """Sequences whose label sets the share of low-id tokens (3/4 vs 1/4): a task
     that a mean-pooled model learns in a few dozen noisy steps."""

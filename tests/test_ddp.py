@@ -18,7 +18,7 @@ from opacus import PrivacyEngine
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from torch import nn
 
-from .conftest import SequenceClassifier, token_task
+from .conftest import CheckpointedSequenceClassifier, SequenceClassifier, token_task
 
 WORLD, PER_RANK, T = 2, 8, 40  # T > k = 8: linear layers are sketched
 C = 0.5
@@ -56,10 +56,10 @@ def private_step(model, x, y, noise, distributed, mode):
     return type(opt).__name__, engine.accountant.history
 
 
-def worker(rank, init_file, noise, mode, out_dir):
+def worker(rank, init_file, noise, mode, out_dir, model_cls=SequenceClassifier):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     torch.manual_seed(0)
-    model = SequenceClassifier()
+    model = model_cls()
     x, y = token_task(n=WORLD * PER_RANK, t=T).tensors
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     name, history = private_step(model, x[shard], y[shard], noise, distributed=True, mode=mode)
@@ -110,6 +110,20 @@ def test_ddp_equals_single_process_on_the_union(initial, mode):
         torch.testing.assert_close(ranks[0]["params"][name], ranks[1]["params"][name])
         torch.testing.assert_close(ranks[0]["params"][name], single[name], rtol=1e-4, atol=1e-6)
     assert any(not torch.equal(single[n], initial[n]) for n in single)
+
+
+def checkpointed_worker(rank, init_file, mode, out_dir):
+    worker(rank, init_file, 0.0, mode, out_dir, model_cls=CheckpointedSequenceClassifier)
+
+
+def test_ddp_with_activation_checkpointing_equals_single_process():
+    """Non-reentrant activation checkpointing around fc1 -> tanh -> LayerNorm under DPDDP,
+    two-pass: the update equals one process without checkpointing (same sketches)."""
+    ranks = spawn(checkpointed_worker, "ghost")
+    single = single_process(noise=0.0, mode="ghost")
+    for name in single:
+        torch.testing.assert_close(ranks[0]["params"][name], ranks[1]["params"][name])
+        torch.testing.assert_close(ranks[0]["params"][name], single[name], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -9,6 +9,7 @@ batches:
 * noise 0, sketched (shared sketches, fixed sketch_seed; Hutchinson and Hutch++): the
   update equals one process on the union of the batches with the same sketches;
 * two micro-batches accumulated equal one batch;
+* activation checkpointing (non-reentrant and reentrant) changes nothing;
 * the noise std equals Opacus ghost_fsdp's (within 15%) and the theoretical
   ``sigma C / total batch``; shards get independent noise;
 * epsilon is the same on both ranks;
@@ -37,7 +38,7 @@ import torch.multiprocessing as mp
 from opacus import PrivacyEngine
 from torch import nn
 
-from .conftest import SequenceClassifier, token_task
+from .conftest import CheckpointedSequenceClassifier, SequenceClassifier, token_task
 
 WORLD, PER_RANK = 2, 8
 T_EXACT, T_SKETCHED, K = 8, 40, 8  # T <= k: exact norms; T > k: sketched
@@ -98,10 +99,17 @@ def lora(model: nn.Module) -> nn.Module:
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["fc1", "fc2"]))
 
 
-def fsdp_step(rank, t, micro_batches=1, with_lora=False, **kwargs):
+def make_checkpointed(use_reentrant: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return CheckpointedSequenceClassifier(use_reentrant=use_reentrant)  # make_model()'s parameters
+
+
+def fsdp_step(rank, t, micro_batches=1, with_lora=False, checkpointed=None, **kwargs):
+    """``checkpointed``: None, or use_reentrant of the checkpointed fc1 -> tanh -> norm."""
     from opacus.utils.fsdp_utils import FSDP2Wrapper
 
-    model = FSDP2Wrapper(lora(make_model()) if with_lora else make_model())
+    base = make_model() if checkpointed is None else make_checkpointed(checkpointed)
+    model = FSDP2Wrapper(lora(base) if with_lora else base)
     engine, (module, opt, crit, _) = private(model, t, micro_batches=micro_batches, **kwargs)
     if not kwargs.get("wrap_model", True):
         module = model  # the hooks form returns the hooks object; the model is called
@@ -256,6 +264,10 @@ def worker(rank, init_file, out_dir):
     _, _, _, out["rc_lora"] = fsdp_step(
         rank, T_SKETCHED, with_lora=True, clipping="randomized", mode="ghost_fsdp"
     )
+    for reentrant in (False, True):
+        _, _, _, out[f"rc_checkpointed_{reentrant}"] = fsdp_step(
+            rank, T_SKETCHED, checkpointed=reentrant, clipping="randomized", mode="ghost_fsdp"
+        )
     _, _, _, out["rc_two_micro_batches"] = fsdp_step(
         rank, T_SKETCHED, micro_batches=2, clipping="randomized", mode="ghost_fsdp"
     )
@@ -334,6 +346,13 @@ def test_lora_and_hooks_form_equal_single_process(ranks):
     """LoRA-only (frozen base layers sharded too) and the wrap_model=False form."""
     assert_same(ranks[0]["rc_lora"], single_process(T_SKETCHED, with_lora=True), rtol=1e-4, atol=1e-6)
     assert_same(ranks[0]["rc_hooks_form"], ranks[0]["rc_hutchinson"], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_equals_single_process(ranks, reentrant):
+    """Activation checkpointing around fc1 -> tanh -> LayerNorm under FSDP2: the update
+    equals one process without checkpointing (same sketches)."""
+    assert_same(ranks[0][f"rc_checkpointed_{reentrant}"], single_process(T_SKETCHED), rtol=1e-4, atol=1e-6)
 
 
 def test_per_example_sketches_train(ranks):

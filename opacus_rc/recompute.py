@@ -1,0 +1,184 @@
+"""Activation checkpointing: telling the training forward pass from its recomputations.
+
+``torch.utils.checkpoint`` runs a checkpointed region's forward a second time, during the
+backward pass, and every layer's forward hooks fire again. What that second run means
+for the privacy hooks depends on the form:
+
+* ``use_reentrant=False`` (PyTorch's recommended form; Hugging Face's
+  ``gradient_checkpointing_enable()`` default): the original forward ran with gradients
+  on, so the hooks captured every layer's input then, and autograd backpropagates the
+  *original* graph (the layers' backward hooks fire for the original calls). The replay
+  only rebuilds the saved tensors (under checkpoint's ``_recomputation_hook``) and its
+  graph is never backpropagated: the hooks must capture nothing (no second use of a
+  layer, no second input kept).
+* ``use_reentrant=True``: the original forward ran under ``no_grad`` (the hooks captured
+  nothing) and the replay, under gradients, is the graph that is backpropagated: the
+  hooks capture there, but the replay is part of the step's pass, not a new one (no new
+  sketch pass: the sketches of a step stay those of its forward).
+
+:func:`forward_replay` says which case a forward hook runs in.
+
+Memory: a layer input captured inside a checkpointed region would, kept as a tensor, pin
+what checkpointing frees. It is instead saved as autograd saves a tensor at that point,
+through the saved-tensors hooks in force (:class:`SavedInputs`): checkpointing's pack
+hook keeps a placeholder, and unpacking it in the layer's backward hook returns the
+recomputed input. The replay then saves the same inputs at the same point, so the
+region saves as many tensors in its recomputation as in its forward (checkpointing
+matches them by order).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.utils.checkpoint as _checkpoint
+
+#: A forward replayed by ``checkpoint(use_reentrant=False)`` to rebuild saved tensors.
+NON_REENTRANT = "non_reentrant"
+#: A forward run during a backward pass otherwise (``checkpoint(use_reentrant=True)``).
+REENTRANT = "reentrant"
+
+_RECOMPUTATION_HOOK = getattr(_checkpoint, "_recomputation_hook", None)
+
+logger = logging.getLogger(__name__)
+_reported: set = set()
+
+
+def _report(kind: str) -> str:
+    """Log, once per process and kind, that a checkpoint replay was recognised."""
+    if kind not in _reported:
+        _reported.add(kind)
+        logger.info("activation checkpointing: %s recomputation recognised by the privacy hooks", kind)
+    return kind
+
+
+def _saved_tensors_pack_hooks() -> List[Callable]:
+    """The pack hooks of this thread's saved-tensors hooks stack, innermost first.
+
+    PyTorch exposes only the top of the stack: it is popped entry by entry and pushed
+    back in the original order (the stack is thread-local; nothing runs in between)."""
+    autograd = torch._C._autograd
+    if autograd._top_saved_tensors_default_hooks(False) is None:
+        return []
+    popped = []
+    try:
+        while True:
+            top = autograd._top_saved_tensors_default_hooks(False)
+            if top is None:
+                break
+            popped.append(top)
+            autograd._pop_saved_tensors_default_hooks()
+    finally:
+        for pack, unpack in reversed(popped):
+            autograd._push_saved_tensors_default_hooks(pack, unpack)
+    return [pack for pack, _ in popped]
+
+
+def _is_recomputation_hook(pack: Callable) -> bool:
+    """True for the pack hook of ``torch.utils.checkpoint``'s ``_recomputation_hook``."""
+    fn = inspect.unwrap(pack)
+    return getattr(fn, "__module__", None) == _checkpoint.__name__ and getattr(
+        fn, "__qualname__", ""
+    ).startswith(f"{_RECOMPUTATION_HOOK.__qualname__}.")
+
+
+def forward_replay() -> Optional[str]:
+    """How the running forward relates to the step's forward pass.
+
+    Returns:
+        ``None`` for the forward pass itself; :data:`NON_REENTRANT` inside a replay by
+        ``checkpoint(use_reentrant=False)`` (also a region nested in one): the original
+        call was captured, capture nothing; :data:`REENTRANT` for any other forward run
+        during a backward pass (``checkpoint(use_reentrant=True)``'s replay): capture it,
+        as part of the running step.
+
+    Raises:
+        RuntimeError: if this PyTorch's ``torch.utils.checkpoint`` has no
+            ``_recomputation_hook`` (non-reentrant replays could not be recognised).
+    """
+    hooks = _saved_tensors_pack_hooks()
+    if hooks:
+        if _RECOMPUTATION_HOOK is None:
+            raise RuntimeError(
+                "clipping='randomized' cannot recognise activation checkpointing's "
+                f"recomputation in torch {torch.__version__} (torch.utils.checkpoint has no "
+                "_recomputation_hook): use checkpoint(..., use_reentrant=True), or no "
+                "activation checkpointing"
+            )
+        if any(_is_recomputation_hook(h) for h in hooks):
+            return _report(NON_REENTRANT)
+    if torch._C._current_graph_task_id() != -1:
+        return _report(REENTRANT)
+    return None
+
+
+SavedTensorsHooks = Tuple[Callable, Callable]
+
+
+def current_saved_tensors_hooks() -> Optional[SavedTensorsHooks]:
+    """The (pack, unpack) hooks autograd would save a tensor through now, or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+class SavedInput:
+    """One layer input saved through saved-tensors hooks; ``shape`` is known without
+    unpacking (Opacus reads the batch size of pending inputs)."""
+
+    __slots__ = ("shape", "_packed", "_unpack")
+
+    def __init__(self, tensor: torch.Tensor, hooks: SavedTensorsHooks) -> None:
+        pack, self._unpack = hooks
+        self.shape = tensor.shape
+        self._packed = pack(tensor.detach())
+
+    def get(self) -> torch.Tensor:
+        """The tensor (recomputed, under a non-reentrant checkpoint); once per pass."""
+        return self._unpack(self._packed)
+
+
+class SavedInputs(list):
+    """A ``module.activations`` entry made of :class:`SavedInput` (one per input)."""
+
+    def resolve(self) -> List[torch.Tensor]:
+        return [saved.get() for saved in self]
+
+
+def save_inputs(forward_input: Sequence[torch.Tensor], hooks: SavedTensorsHooks) -> SavedInputs:
+    """Save a layer's inputs through ``hooks`` (see the module docstring)."""
+    return SavedInputs(SavedInput(t, hooks) for t in forward_input)
+
+
+def resolve_last(module) -> None:
+    """Unpack the entry the backward hook is about to pop from ``module.activations``."""
+    entries = getattr(module, "activations", None)
+    if entries and isinstance(entries[-1], SavedInputs):
+        entries[-1] = entries[-1].resolve()
+
+
+def missing_per_sample_error(what: str) -> ValueError:
+    """The error for trainable parameters that got no per-sample norm or gradient in a
+    backward pass (their layer's backward hook never ran), with its usual cause."""
+    return ValueError(
+        f"no per-sample gradient for {what}: the layer's backward hook did not run in this "
+        "backward pass. Every trainable layer must take part in each forward and backward "
+        "pass with clipping='randomized'. Under checkpoint(..., use_reentrant=True) this "
+        "happens when no input of a checkpointed region requires grad (e.g. a frozen base "
+        "model under LoRA): the region is then not differentiated at all. Use "
+        "checkpoint(..., use_reentrant=False) (Hugging Face: gradient_checkpointing_enable() "
+        "without arguments), or make the region's input require grad (Hugging Face: "
+        "model.enable_input_require_grads())"
+    )
+
+
+def late_use_error(layer: str) -> ValueError:
+    """The error for a parameter used inside a reentrant checkpoint region and after it."""
+    return ValueError(
+        f"a trainable parameter of a {layer} is used inside a checkpoint(..., use_reentrant=True) "
+        "region and again after it: its per-sample norm was taken in the backward pass before "
+        "the region recomputed its other use, so the norm would miss that use. Use "
+        "checkpoint(..., use_reentrant=False) (Hugging Face: gradient_checkpointing_enable() "
+        "without arguments), or keep every use of the parameter on one side of the region"
+    )
