@@ -72,15 +72,16 @@ def assert_updates(model, want):
             torch.testing.assert_close(p.grad, want[name], rtol=1e-4, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 @pytest.mark.parametrize("lora", [False, True])
-def test_checkpointed_plain_loss_script_runs_two_passes_and_equals_per_example_clipping(lora):
+def test_checkpointed_plain_loss_script_runs_two_passes_and_equals_per_example_clipping(lora, reentrant):
     model = llama()
     if lora:
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     reference = copy.deepcopy(model)
-    engine, out = private(checkpointed(model))
+    engine, out = private(checkpointed(model, reentrant))
     assert len(out) == 3  # the plain-loss script's 3-tuple, unchanged
     module, opt, _ = out
     assert isinstance(opt, RandomizedClippingOptimizer)
