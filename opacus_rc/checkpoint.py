@@ -66,8 +66,9 @@ def load_rng_state(
         poisson.set_state(state["poisson_generator"])
 
 
-def save_checkpoint(original, engine, *, include_rng_state: bool = False, **kwargs: Any) -> None:
-    """``PrivacyEngine.save_checkpoint`` plus ``include_rng_state`` (default False).
+def with_rng_state(engine: Any, include_rng_state: bool, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Opacus's ``save_checkpoint`` arguments ``kwargs``, with the generators' states in
+    its ``checkpoint_dict`` when ``include_rng_state`` (default False).
 
     Args:
         include_rng_state: also store the sketch, noise and Poisson generators' states and
@@ -76,17 +77,17 @@ def save_checkpoint(original, engine, *, include_rng_state: bool = False, **kwar
     """
     if not isinstance(include_rng_state, bool):
         raise ValueError(f"include_rng_state={include_rng_state!r}; accepted values: True, False")
-    if include_rng_state:
-        extra = dict(kwargs.get("checkpoint_dict") or {})
-        extra[RNG_STATE_KEY] = rng_state(kwargs.get("module"), kwargs.get("optimizer"), engine)
-        kwargs["checkpoint_dict"] = extra
-    return original(engine, **kwargs)
+    if not include_rng_state:
+        return kwargs
+    extra = dict(kwargs.get("checkpoint_dict") or {})
+    extra[RNG_STATE_KEY] = rng_state(kwargs.get("module"), kwargs.get("optimizer"), engine)
+    return {**kwargs, "checkpoint_dict": extra}
 
 
-def load_checkpoint(original, engine, **kwargs: Any) -> Dict[str, Any]:
-    """``PrivacyEngine.load_checkpoint``; restores generator states only if the file has
-    them (saved with ``include_rng_state=True``)."""
-    checkpoint = original(engine, **kwargs)
+def restore_rng_state(engine: Any, checkpoint: Dict[str, Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``checkpoint`` Opacus's ``load_checkpoint(**kwargs)`` returned, without the
+    generators' states, which it restores if the file has them (saved with
+    ``include_rng_state=True``)."""
     state = checkpoint.pop(RNG_STATE_KEY, None)
     if state is not None:
         load_rng_state(state, kwargs.get("module"), kwargs.get("optimizer"), engine)

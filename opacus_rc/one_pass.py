@@ -13,7 +13,7 @@ mean (or sum) as an ordinary tensor, whose ``backward()`` is the single pass.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
@@ -22,7 +22,7 @@ from torch import nn
 OPTION = "bookkeeping"
 
 
-#: What a randomized make_private call runs (see :func:`pop_bookkeeping`).
+#: What a randomized make_private call runs (see :func:`resolve_bookkeeping`).
 TWO_PASS, BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES = (
     "two_pass", "bookkeeping", "bookkeeping_with_criterion", "output_passes"
 )
@@ -34,47 +34,46 @@ def is_checkpointed(module: nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules())
 
 
-def pop_bookkeeping(clipping: str, kwargs: Dict[str, Any]) -> str:
-    """Validate and remove ``bookkeeping=`` from make_private's keyword arguments and
-    return what the call runs; ``grad_sample_mode`` in ``kwargs`` is switched to the
-    grad-sample module that does it:
+def resolve_bookkeeping(
+    clipping: str, value: Any, grad_sample_mode: str, module: Optional[nn.Module]
+) -> Tuple[str, str]:
+    """What a make_private call with ``bookkeeping=value`` runs, and the grad-sample mode
+    of the module that does it:
 
     * ``grad_sample_mode="ghost"``: two passes (``bookkeeping`` ``None``/``False``), or
-      book-keeping behind the ghost criterion (``True``);
+      book-keeping behind the ghost criterion (``True``; mode ``"hooks"``);
     * ``grad_sample_mode="hooks"`` (a plain-loss script): book-keeping (``True``, or
       ``None`` on a model without activation checkpointing), or two passes run from the
       model's output (``False``, or ``None`` on a checkpointed model: book-keeping would
-      keep the activations checkpointing frees; :mod:`opacus_rc.output_passes`).
+      keep the activations checkpointing frees; :mod:`opacus_rc.output_passes`; mode
+      ``"ghost"``).
 
     Raises:
         ValueError: naming the parameter and its accepted values.
     """
-    value = kwargs.pop(OPTION, None)
     if value is not None and not isinstance(value, bool):
-        raise ValueError(f"bookkeeping={value!r} is invalid; accepted values: None, True, False")
-    mode = kwargs.get("grad_sample_mode", "hooks")
+        raise ValueError(f"{OPTION}={value!r} is invalid; accepted values: None, True, False")
     if clipping != "randomized":
         if value is not None:
             raise ValueError(
-                f"bookkeeping={value!r} only applies with clipping='randomized'; got clipping={clipping!r}"
+                f"{OPTION}={value!r} only applies with clipping='randomized'; got clipping={clipping!r}"
             )
-        return TWO_PASS
-    if mode == "hooks":
-        checkpointed = kwargs.get("module") is not None and is_checkpointed(kwargs["module"])
+        return TWO_PASS, grad_sample_mode
+    if grad_sample_mode == "hooks":
+        checkpointed = module is not None and is_checkpointed(module)
         if value is True or (value is None and not checkpointed):
-            return BOOKKEEPING  # one backward pass (3-tuple, plain loss)
-        kwargs["grad_sample_mode"] = "ghost"
-        return OUTPUT_PASSES
+            return BOOKKEEPING, "hooks"  # one backward pass (3-tuple, plain loss)
+        return OUTPUT_PASSES, "ghost"
     if not value:
-        return TWO_PASS
-    if mode != "ghost":
+        return TWO_PASS, grad_sample_mode
+    if grad_sample_mode != "ghost":
         raise ValueError(
             f"bookkeeping=True runs a grad_sample_mode='ghost' script in one backward pass; got "
-            f"grad_sample_mode={mode!r}; accepted values with bookkeeping=True: 'ghost', 'hooks' "
-            "(under FSDP2 book-keeping does not fit: use grad_sample_mode='ghost_fsdp' without it)"
+            f"grad_sample_mode={grad_sample_mode!r}; accepted values with bookkeeping=True: 'ghost', "
+            "'hooks' (under FSDP2 book-keeping does not fit: use grad_sample_mode='ghost_fsdp' "
+            "without it)"
         )
-    kwargs["grad_sample_mode"] = "hooks"
-    return BOOKKEEPING_WITH_CRITERION
+    return BOOKKEEPING_WITH_CRITERION, "hooks"
 
 
 class DPLossBookkeeping(DPLossFastGradientClipping):
@@ -91,12 +90,11 @@ class DPLossBookkeeping(DPLossFastGradientClipping):
         return per_sample.sum(dim=0)
 
 
-def with_criterion(out: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+def with_criterion(out: Tuple[Any, ...], criterion: Any, loss_reduction: str) -> Tuple[Any, ...]:
     """Opacus's book-keeping 3-tuple ``(module, optimizer, data_loader)`` as the ghost
     4-tuple ``(module, optimizer, criterion, data_loader)``."""
     module, optimizer, data_loader = out
-    criterion = kwargs.get("criterion")
     if criterion is None:
         criterion = nn.CrossEntropyLoss()  # Opacus's make_private default
-    loss = DPLossBookkeeping(module, optimizer, criterion, kwargs.get("loss_reduction", "mean"))
+    loss = DPLossBookkeeping(module, optimizer, criterion, loss_reduction)
     return module, optimizer, loss, data_loader

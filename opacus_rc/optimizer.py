@@ -62,6 +62,7 @@ class RandomizedClippingMixin:
         *,
         sketch_config: SketchConfig = SketchConfig(),
         noise_seed: Optional[int] = None,
+        nonfinite: str = "raise",
         **kwargs,
     ) -> None:
         super().__init__(optimizer, **kwargs)
@@ -76,7 +77,7 @@ class RandomizedClippingMixin:
         )
         self.sketch_config = sketch_config
         #: "raise" (default) or "skip" (book-keeping only): see ``make_private(nonfinite=)``
-        self.nonfinite = "raise"
+        self.nonfinite = nonfinite
         self._skipped = None  # device count of examples dropped under nonfinite="skip"
         self._nonfinite_guard = NonFiniteGuard()
         self.backward_passes = 0  # backward passes accumulated since the last real step

@@ -2,6 +2,7 @@
 
 import copy
 
+import opacus
 import pytest
 import torch
 from opacus import PrivacyEngine
@@ -31,8 +32,9 @@ MODES = [
 
 
 def run(model, options):
-    """Classes returned by make_private and the parameters after two noisy steps."""
-    engine = PrivacyEngine(accountant="prv")
+    """Classes returned by make_private and the parameters after two noisy steps (the
+    engine is Opacus's own after ``integration.uninstall()``)."""
+    engine = opacus.PrivacyEngine(accountant="prv")
     data = token_task(n=32, t=12)
     max_grad_norm = [0.5] * len(list(model.parameters())) if options["clipping"] == "per_layer" else 0.5
     out = engine.make_private(
@@ -62,6 +64,7 @@ def test_mode_behaves_as_without_opacus_rc(model_factory, options):
     with_rc = run(copy.deepcopy(init), dict(options))
     integration.uninstall()
     try:
+        assert type(opacus.PrivacyEngine()) is integration.OpacusPrivacyEngine
         without_rc = run(copy.deepcopy(init), dict(options))
     finally:
         integration.install()

@@ -1,0 +1,354 @@
+"""The plugin's ``make_private`` options, parsed once into one frozen :class:`Options`.
+
+:meth:`opacus_rc.PrivacyEngine.make_private` (and ``make_private_with_epsilon``) take the
+plugin's keywords next to Opacus's; :meth:`Options.parse` validates all of them in one
+place, with error messages that name the parameter and its accepted values, and resolves
+what the call runs (book-keeping or two passes, :mod:`opacus_rc.one_pass`), its public
+normaliser and sample rate (:func:`public_sampling`) and its seeds. The engine then reads
+nothing else: every ``_prepare_*`` step of Opacus's ``make_private`` reads the one object.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from torch.utils.data.distributed import DistributedSampler
+
+from .config import SketchConfig
+from .denoise import DEFAULT_KAPPA
+from .fsdp import FSDP_MODE
+from .one_pass import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES, TWO_PASS, resolve_bookkeeping
+from .sketch import check_seed
+
+RANDOMIZED = "randomized"
+RC_ACCOUNTANTS = ("rc_prv",)
+RC_GRAD_SAMPLE_MODES = ("ghost", "hooks", FSDP_MODE)
+NONFINITE_MODES = ("raise", "skip")
+DENOISERS = ("spectral",)
+
+#: the plugin's keywords of make_private and their defaults (a keyword at its default is
+#: the same as not giving it)
+DEFAULTS: Mapping[str, Any] = {
+    "estimator": "hutchinson",
+    "sketch_size": 32,
+    "sketching": "per_example",
+    "exact_when_cheaper": True,
+    "sketch_seed": None,
+    "seed": None,
+    "bookkeeping": None,
+    "nonfinite": "raise",
+    "sample_rate": None,
+    "expected_batch_size": None,
+    "denoise": None,
+    "denoise_kappa": DEFAULT_KAPPA,
+    "denoise_svd": "full",
+}
+SKETCH_OPTIONS = ("estimator", "sketch_size", "sketching", "exact_when_cheaper")
+#: make_private keywords fixing the public normaliser and sample rate (randomized only)
+SAMPLING_OPTIONS = ("expected_batch_size", "sample_rate")
+#: keywords that only apply with clipping="randomized" (bookkeeping has its own message)
+RANDOMIZED_ONLY = (*SKETCH_OPTIONS, "sketch_seed", "seed", "nonfinite", *SAMPLING_OPTIONS)
+
+
+def _given(options: Mapping[str, Any], name: str) -> bool:
+    """True when the keyword ``name`` is not at its default (same type, same value)."""
+    value, default = options[name], DEFAULTS[name]
+    if value is default:
+        return False
+    return type(value) is not type(default) or value != default
+
+
+@dataclass(frozen=True)
+class PublicSampling:
+    """What the randomized path treats as public, fixed at make_private time.
+
+    ``batch_size``: the averaging normaliser for ``loss_reduction="mean"`` (the expected
+    logical batch size, summed over ranks in DDP; each rank divides by
+    ``batch_size / world_size``, Opacus's convention); ``sample_rate``: the Poisson rate
+    the loader samples at and the accountant charges. Neither depends on the private
+    dataset's size (Opacus's ``int(len(dataset) / len(loader))`` does: issues #571, #819).
+    """
+
+    batch_size: int
+    sample_rate: float
+    explicit_sample_rate: bool = False
+
+
+def loader_batch_size(data_loader) -> Optional[int]:
+    """The batch size the user gave ``data_loader`` (its ``batch_size``, else its batch
+    sampler's), times the replicas of a ``DistributedSampler`` (then it is per rank);
+    ``None`` when it has none (e.g. an Opacus ``DPDataLoader``: its size is random)."""
+    size = getattr(data_loader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(data_loader, "batch_sampler", None), "batch_size", None)
+    if size is None:
+        return None
+    sampler = getattr(data_loader, "sampler", None)
+    if isinstance(sampler, DistributedSampler):
+        size *= sampler.num_replicas
+    return int(size)
+
+
+def loader_rate(data_loader) -> float:
+    """The rate a fixed-size loader used as given is charged:
+    ``q = max(B / n, 1 / len(loader))`` (``B``: :func:`loader_batch_size`, ``n``: the
+    dataset's size), capped at 1; ``1 / len(loader)`` when ``B`` or ``n`` is unknown.
+
+    Both terms describe the loader (a batch of ``B`` out of ``n``; ``len(loader)``
+    batches per epoch); their maximum is the larger, so the charge never falls below
+    either (``1 / ceil(n / B) < B / n`` when ``B`` does not divide ``n``).
+    """
+    rate = 1.0 / len(data_loader)
+    size = loader_batch_size(data_loader)
+    try:
+        n = len(data_loader.dataset)
+    except TypeError:  # a dataset without __len__
+        n = 0
+    return min(1.0, max(rate, size / n)) if size and n else rate
+
+
+def _matching_loader_rate(data_loader, sample_rate: float) -> float:
+    """``sample_rate`` when it is the loader's own rate (relative tolerance 1e-9), else a
+    ValueError: without Poisson sampling the loader is used as given, and charging
+    another rate would misstate how it samples (e.g. 0.01 for batches of 25 out of 500)."""
+    rate = loader_rate(data_loader)
+    if not math.isclose(sample_rate, rate, rel_tol=1e-9, abs_tol=0.0):
+        raise ValueError(
+            f"sample_rate={sample_rate!r} does not match how this data_loader samples: with "
+            f"poisson_sampling=False the loader is used as given (fixed-size batches) and "
+            f"is charged its own rate max(batch_size / len(dataset), 1 / len(loader)) = "
+            f"{rate!r}; accepted values: sample_rate=None or {rate!r} with "
+            f"poisson_sampling=False, or poisson_sampling=True to sample at sample_rate"
+        )
+    return rate
+
+
+def public_sampling(
+    data_loader,
+    expected_batch_size: Any = None,
+    sample_rate: Any = None,
+    poisson_sampling: bool = True,
+) -> PublicSampling:
+    """The public normaliser and sample rate of a randomized-clipping run.
+
+    Normaliser: ``expected_batch_size`` when given, else the batch size of the loader as
+    the user built it (:func:`loader_batch_size`): a hyper-parameter, never a function
+    of the dataset's size. Sample rate with Poisson sampling: ``sample_rate`` when
+    given, else ``1 / len(data_loader)`` (Opacus's choice; it assumes the number of
+    batches per epoch is public, see docs/accounting.md, "What the guarantee assumes").
+    With ``poisson_sampling=False``: the loader's own rate (:func:`loader_rate`); a
+    ``sample_rate`` other than it is refused.
+
+    Raises:
+        ValueError: naming the parameter and its accepted values.
+    """
+    if expected_batch_size is not None:
+        if (
+            isinstance(expected_batch_size, bool)
+            or not isinstance(expected_batch_size, numbers.Integral)
+            or expected_batch_size < 1
+        ):
+            raise ValueError(
+                f"expected_batch_size={expected_batch_size!r} is invalid; accepted values: "
+                f"a positive int (the expected logical batch size, summed over ranks in DDP) "
+                f"or None (the data loader's batch_size)"
+            )
+        batch_size = int(expected_batch_size)
+    else:
+        batch_size = loader_batch_size(data_loader)
+        if batch_size is None:
+            raise ValueError(
+                "expected_batch_size=None is invalid for this data_loader: it has no "
+                "batch_size (nor a batch sampler with one; an Opacus DPDataLoader has a "
+                "random size) to use as the public normaliser; accepted values: a positive "
+                "int, the expected logical batch size"
+            )
+    if sample_rate is not None:
+        if (
+            isinstance(sample_rate, bool)
+            or not isinstance(sample_rate, numbers.Real)
+            or not math.isfinite(sample_rate)
+            or not 0.0 < sample_rate <= 1.0
+        ):
+            raise ValueError(
+                f"sample_rate={sample_rate!r} is invalid; accepted values: a float in "
+                f"(0, 1] or None (1 / len(data_loader))"
+            )
+        if not poisson_sampling:
+            sample_rate = _matching_loader_rate(data_loader, float(sample_rate))
+        return PublicSampling(batch_size, float(sample_rate), explicit_sample_rate=True)
+    if not poisson_sampling:
+        return PublicSampling(batch_size, loader_rate(data_loader))
+    return PublicSampling(batch_size, 1.0 / len(data_loader))
+
+
+def _denoise(options: Mapping[str, Any]) -> Optional[Tuple[Tuple[str, Any], ...]]:
+    """``denoise=`` and its ``denoise_kappa`` / ``denoise_svd``: None (no denoising) or
+    the keyword arguments of :func:`~opacus_rc.denoise.attach_spectral_denoiser`."""
+    given = {k: options[f"denoise_{k}"] for k in ("kappa", "svd") if _given(options, f"denoise_{k}")}
+    denoise = options["denoise"]
+    if denoise is None:
+        if given:
+            raise ValueError(f"{', '.join('denoise_' + k for k in given)} need denoise='spectral'")
+        return None
+    if denoise not in DENOISERS:
+        raise ValueError(
+            f"denoise={denoise!r} is not supported; accepted values: None, "
+            f"{', '.join(repr(d) for d in DENOISERS)}"
+        )
+    return tuple(given.items())
+
+
+def _nonfinite(mode: Any, grad_sample_mode: str) -> str:
+    """``nonfinite=`` ("raise", the default, or "skip"). "skip" needs book-keeping
+    (``grad_sample_mode="hooks"`` after ``bookkeeping=`` was resolved): only there is each
+    example's contribution assembled on its own, so a non-finite one can be dropped before
+    the sum; the two-pass backward sums them inside autograd."""
+    if mode not in NONFINITE_MODES:
+        raise ValueError(
+            f"nonfinite={mode!r} is not supported; accepted values: "
+            f"{', '.join(repr(m) for m in NONFINITE_MODES)}"
+        )
+    if mode == "skip" and grad_sample_mode != "hooks":
+        raise ValueError(
+            "nonfinite='skip' needs book-keeping: use grad_sample_mode='hooks' (or "
+            "bookkeeping=True with 'ghost'); the two-pass backward cannot drop one example's "
+            f"non-finite gradient from its sum (got grad_sample_mode={grad_sample_mode!r})"
+        )
+    return mode
+
+
+def _seed(seed: Any, options: Mapping[str, Any], opacus: Mapping[str, Any], secure_mode: bool) -> Optional[int]:
+    """``seed=`` (None, the default, or a non-negative int): one root for a reproducible
+    run's noise, Poisson and sketch streams (distinct domain tags, see
+    :mod:`opacus_rc.sketch`); it replays them on resume. Refused next to another seed of
+    the same stream and in secure mode (nothing there is seeded)."""
+    seed = check_seed("seed", seed)
+    if seed is None:
+        return None
+    if secure_mode:
+        raise ValueError(
+            "seed= is invalid with secure_mode=True: secure noise, sketches and Poisson "
+            "masks come from os.urandom; accepted values: seed=None"
+        )
+    others = {
+        "noise_generator": opacus["noise_generator"] is not None,
+        "sketch_seed": options["sketch_seed"] is not None,
+        "data_loader's generator": opacus["poisson_sampling"]
+        and getattr(opacus.get("data_loader"), "generator", None) is not None,
+    }
+    given = [name for name, present in others.items() if present]
+    if given:
+        raise ValueError(
+            f"seed={seed!r} and {', '.join(given)} both seed the same stream; accepted "
+            f"values: seed= alone (noise, Poisson masks and sketches from one integer), or "
+            f"Opacus's noise_generator= / the DataLoader's generator= and sketch_seed= "
+            f"without seed="
+        )
+    return seed
+
+
+@dataclass(frozen=True)
+class Options:
+    """The plugin's options of one ``make_private`` call, parsed once (:meth:`parse`).
+
+    Attributes:
+        clipping: the clipping mode (``"randomized"`` or one of Opacus's).
+        grad_sample_mode: the grad-sample mode the call builds (``bookkeeping=`` may
+            switch the requested one, see :func:`opacus_rc.one_pass.resolve_bookkeeping`).
+        runs: what the randomized call runs: ``TWO_PASS``, ``BOOKKEEPING``,
+            ``BOOKKEEPING_WITH_CRITERION`` or ``OUTPUT_PASSES`` (:mod:`opacus_rc.one_pass`).
+        denoise: keyword arguments of the spectral denoiser, or None (no denoising).
+        sketch: the :class:`~opacus_rc.config.SketchConfig` (randomized only, else None).
+        sketch_seed: the sketches' seed (``sketch_seed=``, else ``seed=``).
+        seed: ``seed=``, root of the noise and Poisson streams (None: ``os.urandom``).
+        nonfinite: ``"raise"`` or ``"skip"``.
+        sampling: the public normaliser and sample rate (randomized only, else None).
+    """
+
+    clipping: str = "flat"
+    grad_sample_mode: str = "hooks"
+    runs: str = TWO_PASS
+    denoise: Optional[Tuple[Tuple[str, Any], ...]] = None
+    sketch: Optional[SketchConfig] = None
+    sketch_seed: Optional[int] = None
+    seed: Optional[int] = None
+    nonfinite: str = "raise"
+    sampling: Optional[PublicSampling] = None
+
+    @property
+    def randomized(self) -> bool:
+        return self.clipping == RANDOMIZED
+
+    @property
+    def denoise_kwargs(self) -> Optional[Dict[str, Any]]:
+        return None if self.denoise is None else dict(self.denoise)
+
+    def optimizer_kwargs(self) -> Dict[str, Any]:
+        """What the randomized optimizer takes through Opacus's ``**kwargs``."""
+        return {"sketch_config": self.sketch, "nonfinite": self.nonfinite, "noise_seed": self.seed}
+
+    @classmethod
+    def parse(
+        cls, engine: Any, clipping: str, options: Mapping[str, Any], opacus: Mapping[str, Any]
+    ) -> "Options":
+        """Validate the plugin's keywords ``options`` (all of :data:`DEFAULTS`) of a call
+        with clipping mode ``clipping`` and Opacus's arguments ``opacus`` (``module``,
+        ``data_loader``, ``grad_sample_mode``, ``poisson_sampling``, ``noise_generator``:
+        read, never changed) on ``engine``.
+
+        Raises:
+            ValueError: naming the parameter and its accepted values.
+        """
+        denoise = _denoise(options)
+        runs, mode = resolve_bookkeeping(
+            clipping, options["bookkeeping"], opacus["grad_sample_mode"], opacus.get("module")
+        )
+        if clipping != RANDOMIZED:
+            given = [k for k in RANDOMIZED_ONLY if _given(options, k)]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} only apply with clipping='randomized'; got clipping={clipping!r}"
+                )
+            return cls(clipping=clipping, grad_sample_mode=mode, denoise=denoise)
+        check_randomized_setup(engine, mode)
+        sketch = SketchConfig(**{k: options[k] for k in SKETCH_OPTIONS})
+        nonfinite = _nonfinite(options["nonfinite"], mode)
+        seed = _seed(options["seed"], options, opacus, engine.secure_mode)
+        # From the loader as the user built it: Opacus's DPDataLoader has no batch_size.
+        sampling = public_sampling(
+            opacus.get("data_loader"), options["expected_batch_size"], options["sample_rate"],
+            opacus["poisson_sampling"],
+        )
+        sketch_seed = options["sketch_seed"]
+        return cls(
+            clipping=clipping, grad_sample_mode=mode, runs=runs, denoise=denoise, sketch=sketch,
+            sketch_seed=seed if sketch_seed is None else sketch_seed, seed=seed,
+            nonfinite=nonfinite, sampling=sampling,
+        )
+
+
+def check_randomized_setup(engine: Any, grad_sample_mode: str) -> None:
+    """Refuse combinations that cannot be accounted or are not implemented."""
+    mechanism = engine.accountant.mechanism()
+    if mechanism not in RC_ACCOUNTANTS:
+        raise ValueError(
+            f"clipping='randomized' needs an accountant that accounts for the random "
+            f"sensitivity of estimated norms: use PrivacyEngine(accountant='rc_prv') "
+            f"(got accountant={mechanism!r}, which would report a too small epsilon)"
+        )
+    if grad_sample_mode not in RC_GRAD_SAMPLE_MODES:
+        raise ValueError(
+            f"clipping='randomized' does not support grad_sample_mode={grad_sample_mode!r}; "
+            f"accepted values: {', '.join(repr(m) for m in RC_GRAD_SAMPLE_MODES)}"
+        )
+
+
+__all__ = [
+    "Options", "PublicSampling", "public_sampling", "loader_rate", "loader_batch_size",
+    "check_randomized_setup", "DEFAULTS", "RANDOMIZED", "BOOKKEEPING", "BOOKKEEPING_WITH_CRITERION",
+    "OUTPUT_PASSES", "TWO_PASS",
+]

@@ -1,0 +1,200 @@
+"""The one way into Opacus: ``opacus_rc.PrivacyEngine``, its signatures and help, the names
+of Opacus that ``import opacus_rc`` replaces, and the options object parsed once."""
+
+import dataclasses
+import inspect
+import json
+import os
+import pydoc
+import subprocess
+import sys
+from pathlib import Path
+
+import opacus
+import pytest
+import torch
+from torch import nn
+
+import opacus_rc
+from opacus_rc import integration
+from opacus_rc.options import DEFAULTS, Options
+
+from .conftest import token_task
+
+OPTIONS = (
+    "estimator", "sketch_size", "sketching", "exact_when_cheaper", "sketch_seed", "seed",
+    "bookkeeping", "denoise", "denoise_kappa", "denoise_svd", "nonfinite", "sample_rate",
+    "expected_batch_size",
+)
+ENTRY_POINTS = ("make_private", "make_private_with_epsilon")
+
+
+def test_the_options_are_the_parsed_ones():
+    assert set(OPTIONS) == set(DEFAULTS)
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_signature_shows_every_option_with_its_default(name):
+    parameters = inspect.signature(getattr(opacus.PrivacyEngine, name)).parameters
+    assert parameters["clipping"].default == "flat"
+    for option in OPTIONS:
+        assert parameters[option].kind is inspect.Parameter.KEYWORD_ONLY, option
+        assert parameters[option].default == DEFAULTS[option], option
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_help_documents_every_option(name):
+    engine = opacus.PrivacyEngine(accountant="rc_prv")
+    text = pydoc.render_doc(getattr(engine, name), renderer=pydoc.plaintext)
+    for option in ("clipping", *OPTIONS):
+        assert f"{option}:" in text or f"{option}," in text, option
+    assert "make_private" in pydoc.render_doc(opacus.PrivacyEngine, renderer=pydoc.plaintext)
+
+
+def test_opacus_privacy_engine_is_the_plugins():
+    assert opacus_rc.PrivacyEngine is opacus.PrivacyEngine
+    assert opacus.privacy_engine.PrivacyEngine is opacus_rc.PrivacyEngine
+    assert issubclass(opacus_rc.PrivacyEngine, integration.OpacusPrivacyEngine)
+    # a name bound before `import opacus_rc` builds the plugin's engine too
+    assert type(integration.OpacusPrivacyEngine(accountant="rc_prv")) is opacus_rc.PrivacyEngine
+
+
+_PROBE = r"""
+import importlib, json, pkgutil, sys, warnings
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import opacus
+    from opacus import PrivacyEngine as bound_before
+
+    for info in pkgutil.walk_packages(opacus.__path__, "opacus."):
+        if "tests" not in info.name.split("."):
+            try:
+                importlib.import_module(info.name)
+            except Exception:
+                pass
+names = {}  # every module global of opacus and every attribute of its classes
+for module_name, module in list(sys.modules.items()):
+    if module is None or not (module_name == "opacus" or module_name.startswith("opacus.")):
+        continue
+    for attr, value in list(vars(module).items()):
+        names[f"{module_name}.{attr}"] = (module, attr, value)
+        if isinstance(value, type) and value.__module__ == module_name:
+            for a, v in list(vars(value).items()):
+                names[f"{module_name}.{attr}.{a}"] = (value, a, v)
+classes = {id(o): (k.rsplit(".", 1)[0], o) for k, (o, _, _) in names.items() if isinstance(o, type)}
+
+import opacus_rc  # outside catch_warnings: its filters stay
+
+changed = [k for k, (owner, attr, value) in names.items() if vars(owner).get(attr) is not value]
+changed += [f"{where}.{a}" for where, cls in classes.values() for a in vars(cls) if f"{where}.{a}" not in names]
+with warnings.catch_warnings(record=True) as caught:  # the filters of `-W always` and opacus_rc
+    for message, category in (
+        ("Full backward hook is firing when gradients are computed with respect to module "
+         "outputs since no inputs require gradients. See ...", UserWarning),
+        ("Using a non-full backward hook when the forward contains multiple autograd Nodes "
+         "is deprecated ...", FutureWarning),
+        ("Using a non-full backward hook when outputs are nested in python data structure", FutureWarning),
+        ("Full backward hook is firing", DeprecationWarning),
+        ("an unrelated warning", UserWarning),
+    ):
+        warnings.warn(message, category)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    bound = type(bound_before(accountant="rc_prv")).__module__
+print(json.dumps({"changed": sorted(set(changed)), "bound_before": bound, "shown": [str(w.message) for w in caught]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def probe():
+    """What a fresh interpreter sees around ``import opacus_rc`` (run once)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-W", "always", "-c", _PROBE], capture_output=True, text=True, env=env,
+        timeout=300, cwd=root,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_import_replaces_at_most_three_names_of_opacus(probe):
+    assert len(probe["changed"]) <= 3, probe["changed"]
+    assert probe["changed"] == sorted(
+        f"{owner.__module__}.{owner.__qualname__}.{name}" if isinstance(owner, type) else f"{owner.__name__}.{name}"
+        for owner, name, _ in integration.PATCHES
+    )
+
+
+def test_a_name_bound_before_the_import_builds_the_plugins_engine(probe):
+    # `from opacus import PrivacyEngine` above `import opacus_rc` (isort's order)
+    assert probe["bound_before"] == "opacus_rc.integration"
+
+
+def test_only_the_two_backward_hook_notes_are_silenced(probe):
+    assert probe["shown"] == [
+        "Using a non-full backward hook when outputs are nested in python data structure",
+        "Full backward hook is firing",
+        "an unrelated warning",
+    ]
+
+
+# --- the options object -------------------------------------------------------------------
+
+
+def _setup(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Embedding(32, 8), nn.Linear(8, 2))
+    data = token_task(n=32, t=12)
+    return dict(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=8),
+    )
+
+
+def _count_parses(monkeypatch):
+    calls = []
+    parse = Options.parse.__func__
+
+    def counting(cls, *args, **kwargs):
+        calls.append(parse(cls, *args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(Options, "parse", classmethod(counting))
+    return calls
+
+
+def test_options_are_frozen():
+    options = Options()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.sketch_size = 8
+    assert not options.randomized
+
+
+@pytest.mark.parametrize("clipping", ["randomized", "flat"])
+def test_make_private_parses_once(monkeypatch, clipping):
+    calls = _count_parses(monkeypatch)
+    engine = opacus.PrivacyEngine(accountant="rc_prv" if clipping == "randomized" else "prv")
+    extra = dict(sketch_size=4, nonfinite="skip", seed=3) if clipping == "randomized" else {}
+    out = engine.make_private(
+        **_setup(), noise_multiplier=1.0, max_grad_norm=1.0, clipping=clipping, **extra
+    )
+    assert len(calls) == 1 and engine._options is None
+    options = calls[0]
+    if clipping == "randomized":
+        assert options.sketch.sketch_size == 4 and options.seed == options.sketch_seed == 3
+        assert out[1].nonfinite == "skip" and out[1].sketch_config is options.sketch
+        assert out[1].expected_batch_size == options.sampling.batch_size == 8
+
+
+@pytest.mark.parametrize("clipping", ["randomized", "flat"])
+def test_make_private_with_epsilon_parses_once(monkeypatch, clipping):
+    calls = _count_parses(monkeypatch)
+    monkeypatch.setattr(integration, "get_noise_multiplier_rc", lambda **kw: 1.0)
+    engine = opacus.PrivacyEngine(accountant="rc_prv" if clipping == "randomized" else "prv")
+    engine.make_private_with_epsilon(
+        **_setup(), target_epsilon=8.0, target_delta=1e-5, epochs=1, max_grad_norm=1.0,
+        clipping=clipping,
+    )
+    assert len(calls) == 1 and engine._options is None
