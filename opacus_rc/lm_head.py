@@ -51,6 +51,14 @@ REDUCTIONS = ("mean", "sum")
 _LOW = (torch.float16, torch.bfloat16)
 
 
+def recomputing_forward() -> bool:
+    """True while autograd runs a backward pass: a forward executed then is activation
+    checkpointing's recomputation (``torch.utils.checkpoint``), whose layer inputs the
+    grad-sample hooks already captured in the real forward pass (and whose parameter
+    uses they already counted)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _hook_owners(layer: nn.Module):
     """The objects whose bound methods are ``layer``'s forward hooks (Opacus's
     grad-sample modules / hooks objects register ``self.capture_activations_hook``)."""
@@ -98,6 +106,10 @@ class _Plan:
     mode: str = "plain"  # "plain" | "norms" (two-pass, first pass) | "bk" (book-keeping)
     kept: Dict[str, Any] = field(default_factory=dict)  # per-example sums for the norms
     delivered: bool = False
+    # the head's parameters themselves (saved tensors unpack as other tensor objects
+    # under activation checkpointing: per-parameter state goes on these)
+    weight: Optional[nn.Parameter] = None
+    bias: Optional[nn.Parameter] = None
 
 
 def _logits(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype) -> torch.Tensor:
@@ -173,7 +185,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     "over the same forward; per-example norms are computed once per forward"
                 )
             plan.delivered = True
-            _deliver(plan, hidden, weight, bias, target, scale, lse, u)
+            _deliver(plan, hidden, target, scale, lse, u)
             return grad_hidden, None, None, None, None, None, None
         wants_w, wants_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         if wants_w or wants_b:
@@ -303,10 +315,11 @@ def _trainable(layer_params):
     return [p for p in layer_params if p is not None and p.requires_grad]
 
 
-def _deliver(plan: _Plan, hidden, weight, bias, target, scale, lse, u) -> None:
+def _deliver(plan: _Plan, hidden, target, scale, lse, u) -> None:
     """First backward with the hooks on: hand the head's per-example norms to the
     grad-sample module (``_norm_sample``, a tied running sum, or book-keeping records)."""
     owner, kept = plan.owner, plan.kept
+    weight, bias = plan.weight, plan.bias
     plan.kept = {}
     owner._awaiting_forward = True  # as its backward hooks do: the next forward starts a pass
     s = _per_example_scale(plan, u)
@@ -522,10 +535,10 @@ class ChunkedLMHeadLoss(nn.Module):
             dtype = torch.get_autocast_dtype(device_type)
         else:
             dtype = torch.promote_types(hidden.dtype, weight.dtype)
-        plan = _Plan(block_size=self.block_size, compute_dtype=dtype)
+        plan = _Plan(block_size=self.block_size, compute_dtype=dtype, weight=weight, bias=bias)
         owner = controlling_module(layer)
         spec = None
-        training = torch.is_grad_enabled() and layer.training
+        training = torch.is_grad_enabled() and layer.training and not recomputing_forward()
         if owner is not None and owner.hooks_enabled and training and _trainable([weight, bias]):
             owner._start_pass(layer)  # as its forward hook would: a new sketch pass
             from .grad_sample import BookkeepingMixin

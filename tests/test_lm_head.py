@@ -60,7 +60,8 @@ def step(model, x, y, *, chunked, mode="ghost", block_size=3, wrap_model=True, b
     head_loss = ChunkedLMHeadLoss(model.head, block_size=block_size, shift_labels=shift)
     criterion = head_loss if chunked else nn.CrossEntropyLoss(ignore_index=-100)
     engine = PrivacyEngine(accountant="rc_prv")
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x))
+    data = (x, y) if len(x) else (torch.zeros(4, x.shape[1], dtype=torch.long),) * 2  # empty batch
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data), batch_size=len(data[0]))
     kwargs = dict(module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0),
                   data_loader=loader, noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False,
                   grad_sample_mode=mode, clipping="randomized", wrap_model=wrap_model,
@@ -249,3 +250,200 @@ def test_tied_weights_under_book_keeping_raise():
     x, y = batch(2, 20, 40)
     with pytest.raises(ValueError, match="tied weights"):
         step(model, x, y, chunked=True, mode="hooks")
+
+
+# --- activation checkpointing, bf16 autocast, empty batches, micro-batches ----------------
+
+
+class CheckpointedLM(TinyLM):
+    """The body under activation checkpointing (non-reentrant): its forward is recomputed
+    inside the backward pass(es)."""
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(lambda e: self.norm(torch.tanh(self.fc(e))), self.tok(x), use_reentrant=False)
+
+
+@pytest.mark.parametrize("setup", MODES[:3])
+def test_checkpointed_body_exact_update_equals_brute_force(setup):
+    model = CheckpointedLM(bias=True)
+    x, y = batch(4, 8, 24)
+    ours, _ = step(model, x, y, chunked=True, **setup)
+    assert_close(ours, brute_force(TinyLM(bias=True), x, y))
+
+
+@pytest.mark.parametrize("setup", SKETCHED[:2])
+def test_checkpointed_head_equals_unchunked(setup):
+    """The head loss itself inside a checkpointed region: its recomputation leaves the
+    grad-sample module's state alone; the update is the unchunked one."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = TinyLM(vocab=40)
+    x, y = batch(3, 20, 40)
+    ref, _ = step(model, x, y, chunked=False, sketch_size=4, **setup)
+    original = ChunkedLMHeadLoss.forward
+    try:
+        ChunkedLMHeadLoss.forward = lambda self, h, l: checkpoint(original, self, h, l, use_reentrant=False)
+        ours, _ = step(model, x, y, chunked=True, sketch_size=4, **setup)
+    finally:
+        ChunkedLMHeadLoss.forward = original
+    assert_close(ours, ref)
+
+
+@pytest.mark.parametrize("setup", SKETCHED[:2])
+def test_bf16_autocast_matches_unchunked(setup):
+    """Under bf16 autocast the logits run in bf16 and the loss, softmax and sketch
+    arithmetic in float32, as in the unchunked path: the updates agree to bf16 precision."""
+    model = TinyLM(vocab=40)
+    x, y = batch(3, 20, 40)
+    ours, loss = step(model, x, y, chunked=True, autocast=True, sketch_size=4, **setup)
+    ref, ref_loss = step(model, x, y, chunked=False, autocast=True, sketch_size=4, **setup)
+    assert abs(loss - ref_loss) < 2e-2
+    for n in ref:
+        scale = float(ref[n].abs().max())
+        assert float((ours[n] - ref[n]).abs().max()) <= 3e-2 * scale + 1e-6, n
+
+
+@pytest.mark.parametrize("setup", MODES)
+def test_empty_batch_updates_nothing(setup):
+    model = TinyLM(bias=True)
+    x, y = batch(4, 8, 24)
+    ours, _ = step(model, x[:0], y[:0], chunked=True, **setup)
+    assert all(float(u.abs().max()) == 0.0 for u in ours.values())
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_micro_batches_equal_unchunked(mode):
+    """Two backward passes (micro-batches) before one step: the same sketches as the
+    unchunked path, the same accumulated update."""
+
+    def run(chunked):
+        model = TinyLM(vocab=40, bias=True)
+        x, y = batch(4, 20, 40)
+        head_loss = ChunkedLMHeadLoss(model.head, block_size=3)
+        engine = PrivacyEngine(accountant="rc_prv")
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
+        crit = head_loss if chunked else nn.CrossEntropyLoss(ignore_index=-100)
+        kwargs = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                      data_loader=loader, noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False,
+                      grad_sample_mode=mode, clipping="randomized", sketch_size=4, sketch_seed=5,
+                      sketching="shared")
+        if mode == "ghost":
+            module, opt, crit, _ = engine.make_private(criterion=crit, **kwargs)
+        else:
+            module, opt, _ = engine.make_private(**kwargs)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for xb, yb in loader:
+            hidden = module(xb)
+            if chunked:
+                loss = crit(hidden, yb) if mode == "ghost" else head_loss(hidden, yb)
+            else:
+                logits = model.head(hidden)
+                loss = (crit(logits.reshape(-1, 40), yb.reshape(-1), shape=logits.shape[:2]) if mode == "ghost"
+                        else per_sequence_ce(logits, yb).mean())
+            loss.backward()
+        opt.step()
+        return {n: before[n] - p.detach() for n, p in model.named_parameters()}
+
+    assert_close(run(True), run(False))
+
+
+def test_nonfinite_skip_drops_the_sequence():
+    """Book-keeping with nonfinite="skip": a sequence whose hidden states are not finite
+    contributes nothing (the head's recomputation never sees its rows)."""
+    model = TinyLM(bias=True)
+    x, y = batch(4, 8, 24)
+    head_loss = ChunkedLMHeadLoss(model.head, block_size=3)
+    engine = PrivacyEngine(accountant="rc_prv")
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    module, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader,
+        noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False, clipping="randomized",
+        sketch_size=16, nonfinite="skip")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    hidden = module(x)
+    poison = torch.zeros_like(hidden)
+    poison[1, 3, 0] = float("inf")
+    head_loss(hidden + poison, y).backward()
+    opt.step()
+    assert opt.skipped_examples == 1
+    ours = {n: before[n] - p.detach() for n, p in model.named_parameters()}
+    assert all(torch.isfinite(u).all() for u in ours.values())
+    keep = [0, 2, 3]
+    ref = brute_force(TinyLM(bias=True), x[keep], y[keep])
+    assert_close(ours, {n: r * 3 / 4 for n, r in ref.items()})
+
+
+# --- Hugging Face causal LMs; refusals ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "gpt2"])
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_hugging_face_causal_lm_equals_unchunked(name, mode):
+    """``from_causal_lm`` + ``hidden_states`` on a Hugging Face model (labels as the model
+    takes them, shifted inside): the update equals the model's own head and the ghost
+    criterion's ``shape=`` path for the same sketches."""
+    hf = pytest.importorskip("tests.test_hf_stacks")
+    from opacus_rc.lm_head import from_causal_lm, hidden_states
+
+    if name in ("llama_tied", "gpt2") and mode == "hooks":  # GPT-2 ties its head too
+        pytest.skip("tied weights: book-keeping refuses them (tested above)")
+    x, labels = hf.lm_batch(4)
+    positions = torch.arange(x.shape[1]).repeat(x.shape[0], 1)
+
+    def run(chunked):
+        model = hf.hf_model(name)
+        model.train()
+        engine = PrivacyEngine(accountant="rc_prv")
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, labels), batch_size=4)
+        head_loss = from_causal_lm(model, block_size=16)
+        crit = head_loss if chunked else nn.CrossEntropyLoss(ignore_index=-100)
+        kwargs = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                      data_loader=loader, noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False,
+                      grad_sample_mode=mode, clipping="randomized", sketch_size=8, sketch_seed=1)
+        if mode == "ghost":
+            module, opt, crit, _ = engine.make_private(criterion=crit, **kwargs)
+        else:
+            module, opt, _ = engine.make_private(**kwargs)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if chunked:
+            hidden = hidden_states(module, input_ids=x, position_ids=positions)
+            loss = crit(hidden, labels) if mode == "ghost" else head_loss(hidden, labels)
+        else:
+            logits = module(input_ids=x, position_ids=positions).logits[:, :-1]
+            flat = (logits.reshape(-1, hf.VOCAB), labels[:, 1:].reshape(-1))
+            loss = (crit(*flat, shape=logits.shape[:2]) if mode == "ghost"
+                    else per_sequence_ce(logits, labels[:, 1:]).mean())
+        loss.backward()
+        opt.step()
+        return {n: before[n] - p.detach() for n, p in model.named_parameters()}
+
+    assert_close(run(True), run(False), atol=1e-6, rtol=1e-3)
+
+
+def test_other_opacus_modes_are_refused():
+    model = TinyLM()
+    x, y = batch(2, 8, 24)
+    engine = PrivacyEngine(accountant="prv")
+    head_loss = ChunkedLMHeadLoss(model.head)
+    module, opt, crit, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), criterion=head_loss,
+        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2),
+        noise_multiplier=0.0, max_grad_norm=1.0, grad_sample_mode="ghost", poisson_sampling=False)
+    with pytest.raises(ValueError, match="clipping='randomized'"):
+        crit(module(x), y)
+
+
+def test_plain_training_without_privacy():
+    """No grad-sample module: an ordinary fused head + loss (the weight gradient recomputed
+    block by block in the backward pass)."""
+    model = TinyLM(bias=True)
+    x, y = batch(3, 8, 24)
+    loss = ChunkedLMHeadLoss(model.head, block_size=2)(model(x), y)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    ref = torch.autograd.grad(per_sequence_ce(model.head(model(x)), y).mean(), list(model.parameters()))
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(ChunkedLMHeadLoss(model.head)(model(x), y), loss.detach())
