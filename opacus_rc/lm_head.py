@@ -36,7 +36,7 @@ Opacus grad-sample mode, or under FSDP2, raises a ``ValueError``.
 
 from __future__ import annotations
 
-import math
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -531,7 +531,8 @@ class ChunkedLMHeadLoss(nn.Module):
         weight, bias = layer.weight, layer.bias
         batch, t, d = hidden.shape
         device_type = hidden.device.type
-        if torch.is_autocast_enabled(device_type):
+        autocast = torch.amp.is_autocast_available(device_type)
+        if autocast and torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
         else:
             dtype = torch.promote_types(hidden.dtype, weight.dtype)
@@ -549,7 +550,7 @@ class ChunkedLMHeadLoss(nn.Module):
                 p._forward_counter += 1
             spec = _norm_spec(owner, layer, weight, bias, batch, t, d, hidden.device)
         target, scale = self._targets(labels)
-        with torch.autocast(device_type, enabled=False):
+        with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
             losses = _ChunkedHeadLoss.apply(hidden, weight, bias, target, scale, plan, spec)
         if self.reduction == "mean":
             return losses.mean()
