@@ -105,20 +105,23 @@ def peak_bytes(form: str, head: str, *, batch=1, seq_len=1024, d=64, vocab=4096,
     return counter.peak
 
 
-def step_time(form: str, head: str, *, batch=2, seq_len=512, d=256, vocab=8192, k=32, block=128,
-              layers=2, repeats=5) -> float:
-    """Median wall time (s) of a full CPU step (noise multiplier 0)."""
+def step_times(form: str, *, batch=2, seq_len=512, d=256, vocab=8192, k=32, block=128,
+               layers=2, repeats=5) -> Dict[str, float]:
+    """Median wall time (s) of a full CPU step (noise multiplier 0) for each head, the
+    steps of the two heads interleaved (machine load hits both alike)."""
     torch.manual_seed(0)
-    _, opt, loss_of = _setup(form, head, batch=batch, d=d, vocab=vocab, k=k, block=block, layers=layers, device="cpu")
+    runs = {h: _setup(form, h, batch=batch, d=d, vocab=vocab, k=k, block=block, layers=layers, device="cpu")
+            for h in HEADS}
     x = torch.randn(batch, seq_len, d)
     y = torch.randint(0, vocab, (batch, seq_len))
-    times = []
+    times: Dict[str, List[float]] = {h: [] for h in HEADS}
     for i in range(repeats + 1):
-        start = time.perf_counter()
-        _step(form, opt, loss_of, x, y, full=True)
-        if i:  # the first step warms up
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for h, (_, opt, loss_of) in runs.items():
+            start = time.perf_counter()
+            _step(form, opt, loss_of, x, y, full=True)
+            if i:  # the first step warms up
+                times[h].append(time.perf_counter() - start)
+    return {h: statistics.median(v) for h, v in times.items()}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -132,6 +135,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--time", action="store_true", help="also time CPU steps (moderate size)")
     parser.add_argument("--time-shape", default="2,512,256,8192", help="B,T,d,V of the timed steps")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=2, help="body layers of the timed model")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
@@ -152,10 +156,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.time:
         b, t, d, vocab = (int(v) for v in args.time_shape.split(","))
         print(f"median CPU step time, B={b}, T={t}, d={d}, V={vocab}, k={args.k}, block={args.block}, "
-              f"2 body layers, threads={torch.get_num_threads()}")
+              f"{args.layers} body layers, threads={torch.get_num_threads()}")
         for form in FORMS:
-            times = {h: step_time(form, h, batch=b, seq_len=t, d=d, vocab=vocab, k=args.k, block=args.block,
-                                  repeats=args.repeats) for h in HEADS}
+            times = step_times(form, batch=b, seq_len=t, d=d, vocab=vocab, k=args.k, block=args.block,
+                               layers=args.layers, repeats=args.repeats)
             ratio = times["chunked"] / times["unchunked"]
             rows.append(dict(kind="time", form=form, B=b, T=t, d=d, V=vocab, k=args.k, block=args.block,
                              **{f"{h}_s": s for h, s in times.items()}, ratio=ratio))

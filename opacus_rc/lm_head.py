@@ -119,13 +119,18 @@ def _logits(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     return F.linear(a.to(dtype), weight.to(dtype), b).float()
 
 
-def _output_grad(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``d loss_i / d z`` for a block (in place on ``z``): ``(softmax(z) - onehot(target))
-    * scale`` per position, ``scale`` = 1 / (valid tokens of the sequence), or 1 with
+def _softmax_grad(p: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``(p - onehot(target)) * scale`` in place on the softmax ``p``: ``d loss_i / d z``,
+    ``scale`` per position = 1 / (valid tokens of the sequence), or 1 with
     ``reduction="sum"``, and 0 at ignored positions."""
-    g = z.sub_(lse[..., None]).exp_()
-    g.scatter_add_(-1, target[..., None], torch.full_like(g[..., :1], -1.0))
-    return g.mul_(scale[..., None])
+    p.scatter_add_(-1, target[..., None], torch.full_like(p[..., :1], -1.0))
+    return p.mul_(scale[..., None])
+
+
+def _output_grad(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``d loss_i / d z`` for a block, in place on the logits ``z``, from the kept
+    log-sum-exp (:func:`_softmax_grad`)."""
+    return _softmax_grad(z.sub_(lse[..., None]).exp_(), target, scale)
 
 
 def _as_dtype(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -149,13 +154,16 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         for s in range(0, t, c):
             a = hidden[:, s : s + c]
             z = _logits(a, weight, bias, cd)
-            block_lse = torch.logsumexp(z, dim=-1)
-            lse[:, s : s + c] = block_lse
             tgt, sc = target[:, s : s + c], scale[:, s : s + c]
             picked = z.gather(-1, tgt[..., None])[..., 0]
+            top = z.amax(dim=-1, keepdim=True)
+            e = z.sub_(top).exp_()  # one exponential per logit: softmax and log-sum-exp from it
+            total = e.sum(dim=-1, keepdim=True)
+            block_lse = (top + total.log())[..., 0]
+            lse[:, s : s + c] = block_lse
             losses += ((block_lse - picked) * sc).sum(dim=1)
             if need_hidden or acc is not None:
-                g = _output_grad(z, block_lse, tgt, sc)
+                g = _softmax_grad(e.div_(total), tgt, sc)
                 if need_hidden:
                     h1[:, s : s + c] = torch.matmul(g.to(cd), weight.to(cd))
                 if acc is not None:
@@ -203,10 +211,8 @@ def _recomputed_blocks(hidden, weight, bias, target, scale, lse, plan: _Plan, ro
     for s in range(0, hidden.shape[1], c):
         a = hidden[:, s : s + c]
         z = _logits(a, weight, bias, cd)
-        g = _output_grad(z, lse[:, s : s + c], target[:, s : s + c], scale[:, s : s + c])
-        if rows is not None:
-            g = g.mul_(rows[:, None, None])
-        yield s, a, _as_dtype(g, cd)
+        weights = scale[:, s : s + c] if rows is None else scale[:, s : s + c] * rows[:, None]
+        yield s, a, _as_dtype(_output_grad(z, lse[:, s : s + c], target[:, s : s + c], weights), cd)
 
 
 def _weighted_grads(hidden, weight, bias, target, scale, lse, plan, u, wants_w=True, wants_b=True):
@@ -377,7 +383,7 @@ class _BookkeptHead:
         hidden, weight, bias, target, scale, lse = self.args
         rows = c.float() * self.s
         if keep is not None:  # dropped examples: zero rows, so nothing non-finite reaches the sum
-            hidden = keep_rows(hidden, keep)
+            hidden, lse = keep_rows(hidden, keep), keep_rows(lse, keep)
             rows = torch.where(keep, rows, torch.zeros_like(rows))
         with torch.no_grad():
             return _weighted_grads(hidden, weight, bias, target, scale, lse, self.plan, rows, wants_w, wants_b)
