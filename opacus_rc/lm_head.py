@@ -222,8 +222,11 @@ def _weighted_grads(hidden, weight, bias, target, scale, lse, plan, u, wants_w=T
     grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if wants_b else None
     for _, a, g in _recomputed_blocks(hidden, weight, bias, target, scale, lse, plan, rows=u):
         if wants_w:
-            flat_g = g.reshape(-1, g.shape[-1]).to(cd)
-            grad_w += flat_g.t().mm(a.reshape(-1, a.shape[-1]).to(cd)).float()
+            flat_g, flat_a = g.reshape(-1, g.shape[-1]).to(cd), a.reshape(-1, a.shape[-1]).to(cd)
+            if cd == torch.float32:  # in place: no (V x d) temporary per block
+                grad_w.addmm_(flat_g.t(), flat_a)
+            else:
+                grad_w += flat_g.t().mm(flat_a).float()
         if wants_b:
             grad_b += g.sum(dim=(0, 1))
     return (

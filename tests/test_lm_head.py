@@ -447,3 +447,72 @@ def test_plain_training_without_privacy():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(ChunkedLMHeadLoss(model.head)(model(x), y), loss.detach())
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_peft_lora_with_frozen_head_equals_unchunked(mode):
+    """PEFT LoRA on the attention projections, the head frozen: no head norm, only the
+    body's (LoRA) gradient, clipped per sequence as by the unchunked path."""
+    hf = pytest.importorskip("tests.test_hf_stacks")
+    peft = pytest.importorskip("peft")
+    from opacus_rc.lm_head import from_causal_lm, hidden_states
+
+    x, labels = hf.lm_batch(4)
+    positions = torch.arange(x.shape[1]).repeat(x.shape[0], 1)
+
+    def run(chunked):
+        model = peft.get_peft_model(
+            hf.hf_model("llama"),
+            peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+        )
+        model.train()
+        for n, p in model.named_parameters():  # non-zero LoRA B so that A has a gradient too
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(len(n)))
+        assert not model.get_output_embeddings().weight.requires_grad
+        engine = PrivacyEngine(accountant="rc_prv")
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, labels), batch_size=4)
+        head_loss = from_causal_lm(model.base_model.model, block_size=16)
+        crit = head_loss if chunked else nn.CrossEntropyLoss(ignore_index=-100)
+        params = [p for p in model.parameters() if p.requires_grad]
+        kwargs = dict(module=model, optimizer=torch.optim.SGD(params, lr=1.0),
+                      data_loader=loader, noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False,
+                      grad_sample_mode=mode, clipping="randomized", sketch_size=8, sketch_seed=1)
+        if mode == "ghost":
+            module, opt, crit, _ = engine.make_private(criterion=crit, **kwargs)
+        else:
+            module, opt, _ = engine.make_private(**kwargs)
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        inner = model.base_model.model  # the LlamaForCausalLM under PEFT
+        if chunked:
+            hidden = hidden_states(inner, input_ids=x, position_ids=positions)
+            loss = crit(hidden, labels) if mode == "ghost" else head_loss(hidden, labels)
+        else:
+            logits = inner(input_ids=x, position_ids=positions).logits[:, :-1]
+            flat = (logits.reshape(-1, hf.VOCAB), labels[:, 1:].reshape(-1))
+            loss = (crit(*flat, shape=logits.shape[:2]) if mode == "ghost"
+                    else per_sequence_ce(logits, labels[:, 1:]).mean())
+        loss.backward()
+        opt.step()
+        return {n: before[n] - p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+    ours, ref = run(True), run(False)
+    assert ours and all("lora" in n for n in ours)
+    assert_close(ours, ref, atol=1e-7, rtol=1e-3)
+
+
+def test_fsdp_grad_sample_module_is_refused():
+    from opacus_rc.fsdp import FSDPSketchingMixin
+    from opacus_rc.lm_head import controlling_module
+
+    class Fake(FSDPSketchingMixin):
+        def __init__(self):  # no process group needed: only its type is looked at
+            pass
+
+        def capture_activations_hook(self, *args):
+            pass
+
+    head = nn.Linear(4, 8)
+    head.register_forward_hook(Fake().capture_activations_hook)
+    with pytest.raises(ValueError, match="FSDP2"):
+        controlling_module(head)
