@@ -52,11 +52,18 @@ _LOW = (torch.float16, torch.bfloat16)
 
 
 def recomputing_forward() -> bool:
-    """True while autograd runs a backward pass: a forward executed then is activation
-    checkpointing's recomputation (``torch.utils.checkpoint``), whose layer inputs the
-    grad-sample hooks already captured in the real forward pass (and whose parameter
-    uses they already counted)."""
-    return torch._C._current_graph_task_id() != -1
+    """True while non-reentrant activation checkpointing (``torch.utils.checkpoint(...,
+    use_reentrant=False)``) recomputes a forward inside the backward pass: the grad-sample
+    hooks captured that forward's layer inputs (and counted its parameter uses) in the
+    real forward pass. (Reentrant checkpointing runs its real forward without gradients,
+    so its recomputation is the one to capture: False there.)"""
+    if torch._C._current_graph_task_id() == -1:
+        return False
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, RuntimeError, TypeError):  # private API: without it, capture as before
+        return False
+    return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
 
 
 def _hook_owners(layer: nn.Module):
@@ -168,8 +175,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     h1[:, s : s + c] = torch.matmul(g.to(cd), weight.to(cd))
                 if acc is not None:
                     acc.add(s, a, _as_dtype(g, cd))
-                del g
-            del z
+            del z, e  # one block's logits alive at a time (g, e and z share them)
+            g = None
         if acc is not None:
             plan.kept = acc.finish(lambda: _recomputed_blocks(hidden, weight, bias, target, scale, lse, plan))
         ctx.plan = plan
@@ -184,7 +191,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         u = grad_losses.float()
         grad_hidden = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_hidden = (ctx.h1.float() * u[:, None, None]).to(hidden.dtype)
+            grad_hidden = (ctx.h1 * u[:, None, None]).to(hidden.dtype)  # float32 product
         owner = plan.owner
         if plan.mode != "plain" and owner.hooks_enabled:
             if plan.delivered:
@@ -210,9 +217,10 @@ def _recomputed_blocks(hidden, weight, bias, target, scale, lse, plan: _Plan, ro
     cd, c = plan.compute_dtype, plan.block_size
     for s in range(0, hidden.shape[1], c):
         a = hidden[:, s : s + c]
-        z = _logits(a, weight, bias, cd)
         weights = scale[:, s : s + c] if rows is None else scale[:, s : s + c] * rows[:, None]
-        yield s, a, _as_dtype(_output_grad(z, lse[:, s : s + c], target[:, s : s + c], weights), cd)
+        g = _output_grad(_logits(a, weight, bias, cd), lse[:, s : s + c], target[:, s : s + c], weights)
+        yield s, a, _as_dtype(g, cd)
+        del g  # (callers drop theirs too: one block's logits alive at a time)
 
 
 def _weighted_grads(hidden, weight, bias, target, scale, lse, plan, u, wants_w=True, wants_b=True):
@@ -227,8 +235,10 @@ def _weighted_grads(hidden, weight, bias, target, scale, lse, plan, u, wants_w=T
                 grad_w.addmm_(flat_g.t(), flat_a)
             else:
                 grad_w += flat_g.t().mm(flat_a).float()
+            del flat_g, flat_a
         if wants_b:
             grad_b += g.sum(dim=(0, 1))
+        del g
     return (
         None if grad_w is None else grad_w.to(weight.dtype),
         None if grad_b is None else grad_b.to(bias.dtype),
@@ -304,6 +314,7 @@ class _NormAccumulator:
                 left, right = (a.float(), g) if spec.side == "output" else (g, a.float())
                 part = torch.matmul(torch.matmul(left, q).transpose(1, 2), right)
                 head = part if head is None else head.add_(part)
+                del g, left, right
             head_sq = head.pow(2).sum(dim=(1, 2)) if head is not None else torch.zeros(batch, device=q.device)
             mp = self.products["tail"]
             residual = mp - torch.matmul(q, torch.matmul(q.transpose(1, 2), mp))
