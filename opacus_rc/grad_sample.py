@@ -36,7 +36,6 @@ from .bookkeeping import (
     linear_forward_deferring_weight_grad,
 )
 from .config import SketchConfig
-from .lm_head import recomputing_forward
 from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, register_model_layers
 from .sketch import Sketcher
 
@@ -158,8 +157,6 @@ class SketchingMixin(_SketcherOwner):
     ) -> None:
         """Opacus's activation capture, without ghost mode's refusal of tied parameters:
         a parameter used several times is handled by :meth:`_capture_tied_backprops`."""
-        if recomputing_forward():  # activation checkpointing: captured in the forward pass
-            return
         self._start_pass(module)
         GradSampleHooks.capture_activations_hook(self, module, forward_input, _forward_output)
 
@@ -297,8 +294,6 @@ class BookkeepingMixin(_SketcherOwner):
         self.allow_grad_accumulation()
 
     def capture_activations_hook(self, module, forward_input, _forward_output) -> None:
-        if recomputing_forward():  # activation checkpointing: captured in the forward pass
-            return
         self._start_pass(module)
         super().capture_activations_hook(module, forward_input, _forward_output)
 

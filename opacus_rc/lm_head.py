@@ -51,17 +51,29 @@ REDUCTIONS = ("mean", "sum")
 _LOW = (torch.float16, torch.bfloat16)
 
 
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (a forward run then is a checkpoint replay)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def recomputing_forward() -> bool:
-    """True while non-reentrant activation checkpointing (``torch.utils.checkpoint(...,
-    use_reentrant=False)``) recomputes a forward inside the backward pass: the grad-sample
-    hooks captured that forward's layer inputs (and counted its parameter uses) in the
-    real forward pass. (Reentrant checkpointing runs its real forward without gradients,
-    so its recomputation is the one to capture: False there.)"""
-    if torch._C._current_graph_task_id() == -1:
+    """True inside a replay by non-reentrant activation checkpointing
+    (``torch.utils.checkpoint(..., use_reentrant=False)``): the real forward pass already
+    ran this call with the grad-sample module's state (counters, sketches); the replay
+    only regenerates saved tensors. A reentrant replay (whose real forward ran without
+    gradients) is the pass itself: False there. Uses :mod:`opacus_rc.recompute`'s
+    ``forward_replay`` where the package has it (activation checkpointing support)."""
+    try:
+        from .recompute import NON_REENTRANT, forward_replay
+    except ImportError:
+        pass
+    else:
+        return forward_replay() == NON_REENTRANT
+    if not _in_backward():
         return False
     try:
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    except (AttributeError, RuntimeError, TypeError):  # private API: without it, capture as before
+    except (AttributeError, RuntimeError, TypeError):  # private API: without it, run as a pass
         return False
     return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
 
@@ -561,7 +573,8 @@ class ChunkedLMHeadLoss(nn.Module):
         spec = None
         training = torch.is_grad_enabled() and layer.training and not recomputing_forward()
         if owner is not None and owner.hooks_enabled and training and _trainable([weight, bias]):
-            owner._start_pass(layer)  # as its forward hook would: a new sketch pass
+            if not _in_backward():  # as its forward hook would (a reentrant replay starts none)
+                owner._start_pass(layer)
             from .grad_sample import BookkeepingMixin
 
             plan.owner = owner

@@ -270,6 +270,12 @@ class CheckpointedLM(TinyLM):
 @pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("setup", MODES[:3])
 def test_checkpointed_body_exact_update_equals_brute_force(setup, reentrant):
+    import os
+
+    import opacus_rc
+
+    if not reentrant and not os.path.exists(os.path.join(os.path.dirname(opacus_rc.__file__), "recompute.py")):
+        pytest.skip("non-reentrant checkpointing of the body needs opacus_rc.recompute (issue 22)")
     model = CheckpointedLM(bias=True)
     model.reentrant = reentrant
     x, y = batch(4, 8, 24)
