@@ -572,6 +572,13 @@ class ChunkedLMHeadLoss(nn.Module):
         owner = controlling_module(layer)
         spec = None
         training = torch.is_grad_enabled() and layer.training and not recomputing_forward()
+        if owner is not None and owner.hooks_enabled and getattr(owner, "output_passes", None) is not None:
+            raise ValueError(
+                "ChunkedLMHeadLoss computes the loss without the LM head's output, which the "
+                "two passes from the model's output (a plain-loss script on a checkpointed "
+                "model) clip at: pass bookkeeping=True to make_private (book-keeping), or use "
+                "grad_sample_mode='ghost' with this module as the criterion"
+            )
         if owner is not None and owner.hooks_enabled and training and _trainable([weight, bias]):
             if not _in_backward():  # as its forward hook would (a reentrant replay starts none)
                 owner._start_pass(layer)

@@ -531,3 +531,36 @@ def test_fsdp_grad_sample_module_is_refused():
     head.register_forward_hook(Fake().capture_activations_hook)
     with pytest.raises(ValueError, match="FSDP2"):
         controlling_module(head)
+
+
+def test_output_passes_on_a_checkpointed_model_are_refused_with_the_alternative():
+    """A plain-loss script on a checkpointed Hugging Face model runs two passes from the LM
+    head's output (opacus_rc.output_passes, issue 22), which the chunked head never
+    produces: refused at the head's forward, naming bookkeeping=True; that works."""
+    import os
+
+    import opacus_rc
+
+    if not os.path.exists(os.path.join(os.path.dirname(opacus_rc.__file__), "output_passes.py")):
+        pytest.skip("needs opacus_rc.output_passes (issue 22)")
+    hf = pytest.importorskip("tests.test_hf_stacks")
+    from opacus_rc.lm_head import from_causal_lm, hidden_states
+
+    x, labels = hf.lm_batch(4)
+    positions = torch.arange(x.shape[1]).repeat(4, 1)
+    for bookkeeping in (None, True):
+        model = hf.hf_model("llama")
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        head = from_causal_lm(model, block_size=16)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, labels), batch_size=4)
+        module, opt, _ = PrivacyEngine(accountant="rc_prv").make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader,
+            noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False, clipping="randomized",
+            sketch_size=8, **({} if bookkeeping is None else {"bookkeeping": bookkeeping}))
+        if bookkeeping is None:
+            with pytest.raises(ValueError, match="bookkeeping=True"):
+                head(hidden_states(module, input_ids=x, position_ids=positions), labels)
+        else:
+            head(hidden_states(module, input_ids=x, position_ids=positions), labels).backward()
+            opt.step()
