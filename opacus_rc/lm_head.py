@@ -1,0 +1,621 @@
+"""Chunked LM head and next-token loss for randomized clipping (issue 23).
+
+A causal LM's head materialises the logits (B x T x V) and, in the backward pass, their
+gradient; every per-sample hook (Opacus's and the plain ``nn.Linear`` norm sampler of
+:mod:`opacus_rc.norm_samplers`) is handed that whole (B, T, V) output gradient. At V =
+128,256 that is 16.8 GB per 64K-token sequence in bf16. :class:`ChunkedLMHeadLoss`
+replaces the head and the loss: it takes the final hidden states (B, T, d) and the labels
+(B, T) and works ``block_size`` positions at a time, so no more than one block's
+(B x block_size x V) logits exist at once:
+
+* forward: the block's logits ``z = A W^T (+ b)``, their log-sum-exp (kept, (B, T)), the
+  per-sequence loss (mean over the sequence's non-ignored tokens with ``reduction="mean"``,
+  sum with ``"sum"``: the convention of Opacus's ghost criterion with ``shape=``), the
+  gradient flowing back into the body ``H = G W`` (kept, (B, T, d); G = d loss_i / d z is
+  the block's softmax minus one-hot, per sequence scaled) and, when a randomized-clipping
+  grad-sample module is attached and its hooks are on, the head's per-example sketched
+  norm: ``A_b^T (G_b P)`` accumulated into (B, d, k) with the step's (V x k) sketch P of
+  the weight (vocabulary side; the input side ``G_b^T (A_b P)`` when d > V, as
+  :func:`opacus_rc.estimators.sketch_side` chooses), exact (ghost formula) when T <= k;
+* backward with upstream ``u`` (B,): the body's gradient ``u_i H_i``; the head's norms
+  (first pass of the two-pass form) or a book-keeping record (one-pass form), or, when the
+  weight gradient is wanted (second pass, plain training), ``sum_i u_i A_i^T G_i`` block
+  by block, recomputing each block's logits from A, W and the kept log-sum-exp.
+
+Tied input embedding / head: the head's contribution is the projection ``P^T grad`` with
+the weight's row sketch (V x k) keyed by the parameter, summed with the embedding's
+(:data:`opacus_rc.norm_samplers.TIED_PROJECTIONS`, ``SketchingMixin._capture_tied_backprops``)
+before the norm is taken: the norm of the summed uses' gradient.
+
+The module finds the grad-sample module that controls it through the hooks that
+``make_private`` registered on ``lm_head`` (Opacus hooks every layer with trainable
+parameters; ``lm_head.forward`` itself is never called), so it works with
+``wrap_model=True`` and ``False`` and needs no registration. A head under any other
+Opacus grad-sample mode, or under FSDP2, raises a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .bookkeeping import Record, keep_rows
+from .estimators import ghost_sq_norms, sketch_side
+
+REDUCTIONS = ("mean", "sum")
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (a forward run then is a checkpoint replay)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def recomputing_forward() -> bool:
+    """True inside a replay by non-reentrant activation checkpointing
+    (``torch.utils.checkpoint(..., use_reentrant=False)``): the real forward pass already
+    ran this call with the grad-sample module's state (counters, sketches); the replay
+    only regenerates saved tensors. A reentrant replay (whose real forward ran without
+    gradients) is the pass itself: False there. Uses :mod:`opacus_rc.recompute`'s
+    ``forward_replay`` where the package has it (activation checkpointing support)."""
+    try:
+        from .recompute import NON_REENTRANT, forward_replay
+    except ImportError:
+        pass
+    else:
+        return forward_replay() == NON_REENTRANT
+    if not _in_backward():
+        return False
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, RuntimeError, TypeError):  # private API: without it, run as a pass
+        return False
+    return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
+
+
+def _hook_owners(layer: nn.Module):
+    """The objects whose bound methods are ``layer``'s forward hooks (Opacus's
+    grad-sample modules / hooks objects register ``self.capture_activations_hook``)."""
+    for hook in layer._forward_hooks.values():
+        owner = getattr(hook, "__self__", None)
+        if owner is not None and hasattr(owner, "capture_backprops_hook"):
+            yield owner
+
+
+def controlling_module(layer: nn.Module):
+    """The randomized-clipping grad-sample module hooked on ``layer`` (None if none).
+
+    Raises:
+        ValueError: ``layer`` is hooked by another Opacus grad-sample mode (its per-sample
+            gradients or norms could not be computed: ``layer.forward`` is never called),
+            or by the FSDP2 form (not supported by the chunked head).
+    """
+    from .fsdp import FSDPSketchingMixin
+    from .grad_sample import BookkeepingMixin, SketchingMixin
+
+    for owner in _hook_owners(layer):
+        if isinstance(owner, FSDPSketchingMixin):
+            raise ValueError(
+                "ChunkedLMHeadLoss is not supported under FSDP2 (grad_sample_mode="
+                "'ghost_fsdp'); use the model's own LM head and criterion there, or "
+                "grad_sample_mode='ghost' / 'hooks' without FSDP2"
+            )
+        if isinstance(owner, (SketchingMixin, BookkeepingMixin)):
+            return owner
+        raise ValueError(
+            f"ChunkedLMHeadLoss needs clipping='randomized' (grad_sample_mode='ghost' or "
+            f"'hooks'); its lm_head is hooked by {type(owner).__name__}, which cannot "
+            "compute per-sample gradients of a head whose forward it never sees"
+        )
+    return None
+
+
+@dataclass
+class _Plan:
+    """What one forward decided and kept for its backward(s)."""
+
+    block_size: int
+    compute_dtype: torch.dtype
+    owner: Any = None
+    mode: str = "plain"  # "plain" | "norms" (two-pass, first pass) | "bk" (book-keeping)
+    kept: Dict[str, Any] = field(default_factory=dict)  # per-example sums for the norms
+    delivered: bool = False
+    # the head's parameters themselves (saved tensors unpack as other tensor objects
+    # under activation checkpointing: per-parameter state goes on these)
+    weight: Optional[nn.Parameter] = None
+    bias: Optional[nn.Parameter] = None
+
+
+def _logits(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype) -> torch.Tensor:
+    """The block's logits in ``dtype`` (the autocast dtype, as ``F.linear`` would run),
+    returned in float32 for the softmax."""
+    b = None if bias is None else bias.to(dtype)
+    return F.linear(a.to(dtype), weight.to(dtype), b).float()
+
+
+def _softmax_grad(p: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``(p - onehot(target)) * scale`` in place on the softmax ``p``: ``d loss_i / d z``,
+    ``scale`` per position = 1 / (valid tokens of the sequence), or 1 with
+    ``reduction="sum"``, and 0 at ignored positions."""
+    p.scatter_add_(-1, target[..., None], torch.full_like(p[..., :1], -1.0))
+    return p.mul_(scale[..., None])
+
+
+def _output_grad(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``d loss_i / d z`` for a block, in place on the logits ``z``, from the kept
+    log-sum-exp (:func:`_softmax_grad`)."""
+    return _softmax_grad(z.sub_(lse[..., None]).exp_(), target, scale)
+
+
+def _as_dtype(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The output gradient as autograd would hand it to a linear layer run in ``dtype``
+    (rounded to half precision under autocast), for float32 arithmetic."""
+    return g.to(dtype).float() if dtype in _LOW else g
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """Per-sequence next-token losses (B,) from hidden states, a block at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, scale, plan: _Plan, norm_spec):
+        batch, t, d = hidden.shape
+        cd, c = plan.compute_dtype, plan.block_size
+        need_hidden = ctx.needs_input_grad[0]
+        losses = torch.zeros(batch, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(batch, t, dtype=torch.float32, device=hidden.device)
+        h1 = torch.empty(batch, t, d, dtype=cd, device=hidden.device) if need_hidden else None
+        acc = _NormAccumulator(norm_spec, hidden, weight, bias) if norm_spec is not None else None
+        for s in range(0, t, c):
+            a = hidden[:, s : s + c]
+            z = _logits(a, weight, bias, cd)
+            tgt, sc = target[:, s : s + c], scale[:, s : s + c]
+            picked = z.gather(-1, tgt[..., None])[..., 0]
+            top = z.amax(dim=-1, keepdim=True)
+            e = z.sub_(top).exp_()  # one exponential per logit: softmax and log-sum-exp from it
+            total = e.sum(dim=-1, keepdim=True)
+            block_lse = (top + total.log())[..., 0]
+            lse[:, s : s + c] = block_lse
+            losses += ((block_lse - picked) * sc).sum(dim=1)
+            if need_hidden or acc is not None:
+                g = _softmax_grad(e.div_(total), tgt, sc)
+                if need_hidden:
+                    h1[:, s : s + c] = torch.matmul(g.to(cd), weight.to(cd))
+                if acc is not None:
+                    acc.add(s, a, _as_dtype(g, cd))
+            del z, e  # one block's logits alive at a time (g, e and z share them)
+            g = None
+        if acc is not None:
+            plan.kept = acc.finish(lambda: _recomputed_blocks(hidden, weight, bias, target, scale, lse, plan))
+        ctx.plan = plan
+        ctx.h1 = h1
+        ctx.save_for_backward(hidden, weight, bias, target, scale, lse)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        plan: _Plan = ctx.plan
+        hidden, weight, bias, target, scale, lse = ctx.saved_tensors
+        u = grad_losses.float()
+        grad_hidden = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = (ctx.h1 * u[:, None, None]).to(hidden.dtype)  # float32 product
+        owner = plan.owner
+        if plan.mode != "plain" and owner.hooks_enabled:
+            if plan.delivered:
+                raise RuntimeError(
+                    "ChunkedLMHeadLoss: a second backward pass with the grad-sample hooks on "
+                    "over the same forward; per-example norms are computed once per forward"
+                )
+            plan.delivered = True
+            _deliver(plan, hidden, target, scale, lse, u)
+            return grad_hidden, None, None, None, None, None, None
+        wants_w, wants_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        if wants_w or wants_b:
+            grad_w, grad_b = _weighted_grads(
+                hidden, weight, bias, target, scale, lse, plan, u, wants_w, wants_b
+            )
+        return grad_hidden, grad_w, grad_b, None, None, None, None
+
+
+def _recomputed_blocks(hidden, weight, bias, target, scale, lse, plan: _Plan, rows=None):
+    """Yield ``(start, A_b, G_b)`` (G_b float32, rounded as autograd would round it), the
+    logits recomputed from A, W and the kept log-sum-exp; ``rows``: per-example weights
+    (B,) multiplied into G_b."""
+    cd, c = plan.compute_dtype, plan.block_size
+    for s in range(0, hidden.shape[1], c):
+        a = hidden[:, s : s + c]
+        weights = scale[:, s : s + c] if rows is None else scale[:, s : s + c] * rows[:, None]
+        g = _output_grad(_logits(a, weight, bias, cd), lse[:, s : s + c], target[:, s : s + c], weights)
+        yield s, a, _as_dtype(g, cd)
+        del g  # (callers drop theirs too: one block's logits alive at a time)
+
+
+def _weighted_grads(hidden, weight, bias, target, scale, lse, plan, u, wants_w=True, wants_b=True):
+    """``sum_i u_i A_i^T G_i`` (V x d) and ``sum_i u_i sum_t G_i[t]`` (V), block by block."""
+    cd = plan.compute_dtype
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_w else None
+    grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if wants_b else None
+    for _, a, g in _recomputed_blocks(hidden, weight, bias, target, scale, lse, plan, rows=u):
+        if wants_w:
+            flat_g, flat_a = g.reshape(-1, g.shape[-1]).to(cd), a.reshape(-1, a.shape[-1]).to(cd)
+            if cd == torch.float32:  # in place: no (V x d) temporary per block
+                grad_w.addmm_(flat_g.t(), flat_a)
+            else:
+                grad_w += flat_g.t().mm(flat_a).float()
+            del flat_g, flat_a
+        if wants_b:
+            grad_b += g.sum(dim=(0, 1))
+        del g
+    return (
+        None if grad_w is None else grad_w.to(weight.dtype),
+        None if grad_b is None else grad_b.to(bias.dtype),
+    )
+
+
+@dataclass
+class _NormSpec:
+    """How the head's per-example norm is computed this pass."""
+
+    how: str  # "exact" | "hutchinson" | "hutchpp" | "tied"
+    weight: bool  # the weight is trainable
+    bias: bool  # the bias is trainable
+    sketches: Dict[str, torch.Tensor] = field(default_factory=dict)
+    side: str = "output"
+
+
+class _NormAccumulator:
+    """Per-example sums over blocks: sketched products (B, rows_left, k), the exact output
+    gradient (T <= k only), the exact bias gradient (B, V)."""
+
+    def __init__(self, spec: _NormSpec, hidden, weight, bias) -> None:
+        self.spec = spec
+        batch, t, d = hidden.shape
+        self.hidden = hidden
+        dev = hidden.device
+        self.out: Dict[str, torch.Tensor] = {}
+        if spec.bias:
+            self.out["bias"] = torch.zeros(batch, weight.shape[0], dtype=torch.float32, device=dev)
+        if spec.weight and spec.how == "exact":
+            self.g_all = torch.empty(batch, t, weight.shape[0], dtype=torch.float32, device=dev)
+        self.products: Dict[str, torch.Tensor] = {}
+
+    def _product(self, name: str, a: torch.Tensor, g: torch.Tensor) -> None:
+        sketch = self.spec.sketches[name]
+        left, right = (a.float(), g) if self.spec.side == "output" else (g, a.float())
+        part = torch.matmul(left.transpose(1, 2), torch.matmul(right, sketch))
+        self.products[name] = part if name not in self.products else self.products[name].add_(part)
+
+    def add(self, start: int, a: torch.Tensor, g: torch.Tensor) -> None:
+        spec = self.spec
+        if spec.bias:
+            self.out["bias"] += g.sum(dim=1)
+        if not spec.weight:
+            return
+        if spec.how == "exact":
+            self.g_all[:, start : start + g.shape[1]] = g
+        else:
+            for name in spec.sketches:
+                self._product(name, a, g)
+
+    def finish(self, recompute) -> Dict[str, torch.Tensor]:
+        """The per-example quantities the backward needs (the rest is dropped):
+        ``"sq"`` (B,) the squared weight norm of d loss_i / d W (exact or estimated) or
+        ``"proj"`` (B, d, k) the tied projection; ``"bias"`` (B, V)."""
+        spec, out = self.spec, self.out
+        batch = self.hidden.shape[0]
+        if not spec.weight:
+            return out
+        if spec.how == "exact":
+            out["sq"] = ghost_sq_norms(self.hidden, self.g_all)
+            del self.g_all
+        elif spec.how == "tied":
+            out["proj"] = self.products.get(
+                "tail", torch.zeros(batch, self.hidden.shape[-1], spec.sketches["tail"].shape[-1], device=self.hidden.device)
+            )
+        elif spec.how == "hutchinson":
+            out["sq"] = self.products["tail"].pow(2).sum(dim=(1, 2))
+        else:  # Hutch++: exact head on the range of M S, Hutchinson on the residual
+            q, _ = torch.linalg.qr(self.products["head"])  # (B, rows_left, r)
+            head = None
+            for _, a, g in recompute():
+                left, right = (a.float(), g) if spec.side == "output" else (g, a.float())
+                part = torch.matmul(torch.matmul(left, q).transpose(1, 2), right)
+                head = part if head is None else head.add_(part)
+                del g, left, right
+            head_sq = head.pow(2).sum(dim=(1, 2)) if head is not None else torch.zeros(batch, device=q.device)
+            mp = self.products["tail"]
+            residual = mp - torch.matmul(q, torch.matmul(q.transpose(1, 2), mp))
+            out["sq"] = head_sq + residual.pow(2).sum(dim=(1, 2))
+        return out
+
+
+def _per_example_scale(plan: _Plan, u: torch.Tensor) -> torch.Tensor:
+    """The factor of example i's gradient of the loss the norms are taken of: Opacus's
+    hooks multiply the output gradient by the batch size under ``loss_reduction="mean"``
+    (the gradient of ``n * mean_i l_i``: per example, that of ``l_i``)."""
+    if plan.owner.loss_reduction == "mean":
+        return u * u.shape[0]
+    return u
+
+
+def _trainable(layer_params):
+    return [p for p in layer_params if p is not None and p.requires_grad]
+
+
+def _deliver(plan: _Plan, hidden, target, scale, lse, u) -> None:
+    """First backward with the hooks on: hand the head's per-example norms to the
+    grad-sample module (``_norm_sample``, a tied running sum, or book-keeping records)."""
+    owner, kept = plan.owner, plan.kept
+    weight, bias = plan.weight, plan.bias
+    plan.kept = {}
+    owner._awaiting_forward = True  # as its backward hooks do: the next forward starts a pass
+    s = _per_example_scale(plan, u)
+    params = _trainable([weight, bias])
+    if plan.mode == "bk":
+        for p in params:
+            p._forward_counter -= 1
+        if weight.requires_grad:
+            sq = kept["sq"] * s.pow(2)
+            clip = _BookkeptHead(hidden, weight, bias, target, scale, lse, plan, s)
+            _append_record(weight, Record(sq, clip.weight))
+        if bias is not None and bias.requires_grad:
+            bias_grads = kept["bias"] * s[:, None]
+            clip = _BookkeptHead(hidden, weight, bias, target, scale, lse, plan, s)
+            _append_record(bias, Record(bias_grads.pow(2).sum(dim=1), clip.bias))
+        return
+    contributions = {}
+    if weight.requires_grad:
+        contributions[weight] = kept["proj"] * s[:, None, None] if "proj" in kept else None
+    if bias is not None and bias.requires_grad:
+        contributions[bias] = kept["bias"] * s[:, None]
+    tied = "proj" in kept
+    for p, contribution in contributions.items():
+        if p is weight and not tied:
+            p._norm_sample = kept["sq"].clamp(min=0).sqrt() * s.abs()
+            p._forward_counter -= 1
+        elif p is bias and not tied:
+            p._norm_sample = contribution.norm(2, dim=1)
+            p._forward_counter -= 1
+        else:  # a use of a tied parameter: SketchingMixin._capture_tied_backprops's protocol
+            total = getattr(p, "_tied_sketch_sum", None)
+            p._tied_sketch_sum = contribution if total is None else total + contribution
+            p._forward_counter -= 1
+            if p._forward_counter == 0:
+                p._norm_sample = p._tied_sketch_sum.flatten(start_dim=1).norm(2, dim=1)
+                p._tied_sketch_sum = None
+
+
+def _append_record(p: nn.Parameter, record: Record) -> None:
+    records = getattr(p, "_bk_records", None) or []
+    records.append(record)
+    p._bk_records = records
+
+
+class _BookkeptHead:
+    """Book-keeping's clipped sums of the head, ``sum_i c_i s_i A_i^T G_i`` and
+    ``sum_i c_i s_i sum_t G_i[t]``, recomputed block by block at ``optimizer.step()``
+    from what the forward kept (A, labels, log-sum-exp), never from a stored (T x V)."""
+
+    def __init__(self, hidden, weight, bias, target, scale, lse, plan, s) -> None:
+        self.args = (hidden, weight, bias, target, scale, lse)
+        self.plan, self.s = plan, s
+
+    def _grads(self, c: torch.Tensor, keep: Optional[torch.Tensor], wants_w: bool, wants_b: bool):
+        hidden, weight, bias, target, scale, lse = self.args
+        rows = c.float() * self.s
+        if keep is not None:  # dropped examples: zero rows, so nothing non-finite reaches the sum
+            hidden, lse = keep_rows(hidden, keep), keep_rows(lse, keep)
+            rows = torch.where(keep, rows, torch.zeros_like(rows))
+        with torch.no_grad():
+            return _weighted_grads(hidden, weight, bias, target, scale, lse, self.plan, rows, wants_w, wants_b)
+
+    def weight(self, c: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._grads(c, keep, True, False)[0]
+
+    def bias(self, c: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._grads(c, keep, False, True)[1]
+
+
+def _static_ties(owner, layer: nn.Module, weight: nn.Parameter) -> bool:
+    """``weight`` is also a direct parameter of another module of the controlled model."""
+    cache = owner.__dict__.setdefault("_rc_head_ties", {})
+    key = (id(layer), id(weight))
+    if key not in cache:
+        cache[key] = any(
+            m is not layer and any(q is weight for q in m.parameters(recurse=False))
+            for m in owner._module.modules()
+        )
+    return cache[key]
+
+
+def _norm_spec(owner, layer, weight, bias, batch: int, t: int, d: int, device) -> _NormSpec:
+    """How this pass computes the head's norm, mirroring the unchunked path
+    (:func:`opacus_rc.norm_samplers.weight_sq_norms`, ``Sketcher.estimate``, the tied
+    projection of :func:`opacus_rc.norm_samplers.linear_projection`), so the same
+    sketches give the same norms."""
+    from .grad_sample import BookkeepingMixin
+
+    sketcher = owner.sketcher
+    config = sketcher.config
+    k = config.sketch_size
+    w_trainable = weight.requires_grad
+    b_trainable = bias is not None and bias.requires_grad
+    tied = w_trainable and (weight._forward_counter > 1 or _static_ties(owner, layer, weight))
+    if tied and isinstance(owner, BookkeepingMixin):
+        raise ValueError(
+            "tied weights are not supported by book-keeping (grad_sample_mode='hooks') "
+            "with clipping='randomized'; use grad_sample_mode='ghost'"
+        )
+    if isinstance(owner, BookkeepingMixin) and any(
+        p._forward_counter > 1 for p in _trainable([weight, bias])
+    ):
+        raise ValueError(
+            "ChunkedLMHeadLoss was called more than once in one forward pass under "
+            "book-keeping (grad_sample_mode='hooks'); call it once per batch, or use "
+            "grad_sample_mode='ghost'"
+        )
+    spec = _NormSpec(how="tied", weight=w_trainable, bias=b_trainable)
+    if not w_trainable:
+        spec.how = "none"
+        return spec
+    vocab = weight.shape[0]
+    if tied:  # the weight's row sketch (V x k), shared with the embedding's use
+        spec.sketches["tail"] = sketcher.gaussian(batch, vocab, k, device, key=weight)
+        return spec
+    if config.exact_when_cheaper and t <= k:
+        spec.how = "exact"
+        return spec
+    spec.side = sketch_side(d, vocab, "auto")
+    rows = vocab if spec.side == "output" else d
+    spec.how = config.estimator
+    spec.sketches["tail"] = sketcher.gaussian(batch, rows, k, device, key=(weight, "tail"))
+    if config.estimator == "hutchpp":
+        spec.sketches["head"] = sketcher.gaussian(batch, rows, k, device, key=(weight, "head"))
+    return spec
+
+
+class ChunkedLMHeadLoss(nn.Module):
+    """LM head + next-token cross-entropy, a block of positions at a time.
+
+    ``forward(hidden, labels)``: ``hidden`` (B, T, d) final hidden states, ``labels``
+    (B, T) target ids (``ignore_index`` ignored) aligned with the positions, or, with
+    ``shift_labels=True``, the inputs' ids as Hugging Face models take them (position t
+    predicts ``labels[:, t + 1]``; the last position predicts nothing). Returns the
+    per-sequence losses (B,) with ``reduction="none"``, else their mean or sum over the
+    batch. A sequence's loss is the mean over its non-ignored tokens (``reduction`` or
+    ``loss_reduction`` "mean"; 0 for an all-ignored sequence) or their sum ("sum"): Opacus's
+    ghost criterion's convention with ``shape=`` (the privacy unit is the sequence).
+
+    Use it as the ``criterion`` of ``make_private(..., clipping="randomized")``
+    (the two-pass form's criterion then wraps it: ``criterion(hidden, labels)``), or call
+    it and ``backward()`` its mean under book-keeping. ``lm_head`` must be a trainable or
+    frozen ``nn.Linear`` of the private model (e.g. ``hf_model.lm_head``); its ``forward``
+    is never called: the body's hidden states come from the model's base
+    (:func:`hidden_states`).
+
+    Args:
+        lm_head: the model's output layer (V x d weight, optional bias); may be tied to
+            the input embedding.
+        block_size: positions per block (every sequence of the batch at once: a block's
+            logits are B x block_size x V floats).
+        ignore_index: label ignored in the loss (and in the per-sequence count).
+        reduction: ``"mean"`` or ``"sum"``; also the per-sequence convention (Opacus sets
+            ``reduction="none"`` while it computes per-sample losses).
+        shift_labels: labels are the inputs' ids (Hugging Face convention) and are shifted
+            here.
+    """
+
+    def __init__(
+        self,
+        lm_head: nn.Linear,
+        block_size: int = 1024,
+        *,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        shift_labels: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(lm_head, nn.Linear):
+            raise ValueError(
+                f"lm_head must be an nn.Linear (V x d weight); got {type(lm_head).__name__}"
+            )
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size={block_size!r} is invalid; accepted values: a positive int")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction={reduction!r} is invalid; accepted values: 'mean', 'sum'")
+        self.lm_head = lm_head
+        self.block_size = block_size
+        self.ignore_index = ignore_index
+        self.loss_reduction = reduction  # per-sequence convention (fixed)
+        self.reduction = reduction  # batch reduction; Opacus sets "none" for per-sample losses
+        self.shift_labels = shift_labels
+
+    def extra_repr(self) -> str:
+        return f"block_size={self.block_size}, reduction={self.loss_reduction!r}, shift_labels={self.shift_labels}"
+
+    def _targets(self, labels: torch.Tensor):
+        if self.shift_labels:
+            pad = torch.full_like(labels[:, :1], self.ignore_index)
+            labels = torch.cat([labels[:, 1:], pad], dim=1)
+        valid = labels != self.ignore_index
+        target = torch.where(valid, labels, torch.zeros_like(labels))
+        if self.loss_reduction == "mean":
+            count = valid.sum(dim=1, keepdim=True).clamp(min=1)
+            scale = valid.float() / count
+        else:
+            scale = valid.float()
+        return target, scale
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if hidden.dim() != 3 or labels.shape != hidden.shape[:2]:
+            raise ValueError(
+                f"ChunkedLMHeadLoss takes hidden states (B, T, d) and labels (B, T); got "
+                f"{tuple(hidden.shape)} and {tuple(labels.shape)}"
+            )
+        if self.reduction not in (*REDUCTIONS, "none"):
+            raise ValueError(f"reduction={self.reduction!r} is invalid; accepted values: 'mean', 'sum', 'none'")
+        layer = self.lm_head
+        weight, bias = layer.weight, layer.bias
+        batch, t, d = hidden.shape
+        device_type = hidden.device.type
+        autocast = torch.amp.is_autocast_available(device_type)
+        if autocast and torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+        else:
+            dtype = torch.promote_types(hidden.dtype, weight.dtype)
+        plan = _Plan(block_size=self.block_size, compute_dtype=dtype, weight=weight, bias=bias)
+        owner = controlling_module(layer)
+        spec = None
+        training = torch.is_grad_enabled() and layer.training and not recomputing_forward()
+        if owner is not None and owner.hooks_enabled and getattr(owner, "output_passes", None) is not None:
+            raise ValueError(
+                "ChunkedLMHeadLoss computes the loss without the LM head's output, which the "
+                "two passes from the model's output (a plain-loss script on a checkpointed "
+                "model) clip at: pass bookkeeping=True to make_private (book-keeping), or use "
+                "grad_sample_mode='ghost' with this module as the criterion"
+            )
+        if owner is not None and owner.hooks_enabled and training and _trainable([weight, bias]):
+            if not _in_backward():  # as its forward hook would (a reentrant replay starts none)
+                owner._start_pass(layer)
+            from .grad_sample import BookkeepingMixin
+
+            plan.owner = owner
+            plan.mode = "bk" if isinstance(owner, BookkeepingMixin) else "norms"
+            for p in _trainable([weight, bias]):
+                p._forward_counter += 1
+            spec = _norm_spec(owner, layer, weight, bias, batch, t, d, hidden.device)
+        target, scale = self._targets(labels)
+        with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
+            losses = _ChunkedHeadLoss.apply(hidden, weight, bias, target, scale, plan, spec)
+        if self.reduction == "mean":
+            return losses.mean()
+        if self.reduction == "sum":
+            return losses.sum()
+        return losses
+
+
+def hidden_states(model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The final hidden states (B, T, d) of a Hugging Face causal LM (its base model's
+    ``last_hidden_state``; the LM head is not run), also through a grad-sample module
+    (``wrap_model=True``)."""
+    inner = getattr(model, "_module", model)
+    base = getattr(inner, "base_model", None)
+    if base is None or base is inner:
+        raise ValueError(
+            f"{type(inner).__name__} has no separate base model; pass the hidden states "
+            "of your model's body to ChunkedLMHeadLoss directly"
+        )
+    return base(*args, **kwargs).last_hidden_state
+
+
+def from_causal_lm(model: nn.Module, block_size: int = 1024, **kwargs: Any) -> ChunkedLMHeadLoss:
+    """A :class:`ChunkedLMHeadLoss` on a Hugging Face causal LM's output embeddings
+    (``shift_labels=True``: labels as the model takes them)."""
+    inner = getattr(model, "_module", model)
+    kwargs.setdefault("shift_labels", True)
+    return ChunkedLMHeadLoss(inner.get_output_embeddings(), block_size, **kwargs)
