@@ -71,6 +71,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("opacus_rc.hf needs transformers: pip install 'opacus_rc[hf]'") from exc
 
 from opacus import PrivacyEngine
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.optimizers import DPOptimizer
 
 from . import integration as _integration  # noqa: F401  (registers clipping="randomized", rc_prv)
@@ -293,6 +294,12 @@ def _accepts(model: nn.Module, name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def _unwrap(model: nn.Module) -> nn.Module:
+    while isinstance(model, DPDDP):
+        model = model.module
+    return model
+
+
 def _base_model(model: nn.Module) -> nn.Module:
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
@@ -349,6 +356,7 @@ class DPTrainerMixin:
         self._dp_engine: Optional[PrivacyEngine] = None
         self._dp_optimizer: Optional[DPOptimizer] = None
         self._dp_hooks = None
+        self._dp_ddp: Optional[DPDDP] = None
         self._dp_max_steps: Optional[int] = None
         self._dp_micro = 0
         self._dp_sigma: Optional[float] = None
@@ -381,7 +389,8 @@ class DPTrainerMixin:
             (args.label_smoothing_factor != 0, "label_smoothing_factor", "0"),
             (getattr(self, "compute_loss_func", None) is not None, "compute_loss_func",
              "None (override per_example_loss(model, inputs) instead)"),
-            (args.world_size > 1, "world_size", "1 (distributed DPTrainer is not implemented yet)"),
+            (args.world_size > 1 and args.parallel_mode.value != "distributed", "parallel_mode",
+             "'distributed' (one process per device, torchrun)"),
             (getattr(args, "use_liger_kernel", False), "use_liger_kernel", "False (fused kernels read weights outside their modules)"),
         ]
         for bad, name, accepted in checks:
@@ -508,6 +517,11 @@ class DPTrainerMixin:
         self._dp_sigma = sigma
         batch = self.expected_batch_size
         engine = PrivacyEngine(accountant="rc_prv", secure_mode=p.secure_mode)
+        if self.args.world_size > 1:
+            # Opacus's DPDDP (parameters broadcast from rank 0, no gradient all-reduce in the
+            # backward pass): the distributed DP optimizer sums the clipped sums across ranks
+            # after rank 0 alone added the noise. The Trainer runs it instead of DDP.
+            self._dp_ddp = model = DPDDP(model)
         # make_private needs a loader for its checks; the Trainer's Poisson loader is ours
         placeholder = DataLoader(TensorDataset(torch.zeros(1)), batch_size=batch)
         kwargs: Dict[str, Any] = dict(
@@ -576,10 +590,11 @@ class DPTrainerMixin:
                 "padding_free=False (packing_strategy='wrapped' for packing)"
             )
         input_ids = inputs.get("input_ids")
-        if input_ids is not None and input_ids.dim() == 2 and "position_ids" not in inputs and _accepts(model, "position_ids"):
+        inner = _unwrap(model)
+        if input_ids is not None and input_ids.dim() == 2 and "position_ids" not in inputs and _accepts(inner, "position_ids"):
             # per-row position ids: a (1, T) tensor broadcast over the batch has no per-row gradient
             inputs["position_ids"] = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        if _accepts(model, "use_cache") and "use_cache" not in inputs:
+        if _accepts(inner, "use_cache") and "use_cache" not in inputs:
             inputs["use_cache"] = False
         outputs = model(**inputs)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
@@ -705,6 +720,11 @@ class DPTrainerMixin:
             else:
                 hi = mid
         return done + lo
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if training and self._dp_ddp is not None:
+            return self._dp_ddp  # not the Trainer's DDP (it would average un-clipped gradients)
+        return super()._wrap_model(model, training, dataloader)
 
     # ---- what the Trainer would compute from un-noised values --------------------------
     def _clip_grad_norm(self, model):

@@ -407,3 +407,72 @@ def test_private_sft_trainer_refuses_gradient_checkpointing_default(tmp_path):
             model=tiny_llama(), args=config, train_dataset=sft_dataset(), processing_class=char_tokenizer(),
             privacy=PrivacyArguments(noise_multiplier=1.0, delta=1e-5),
         )
+
+
+# ------------------------------------------------------------------- distributed
+
+
+def run_two_ranks(tmp_path, sigma: float):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:  # a free port (torchrun's --master_port 0 waits forever)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / f"ddp{sigma}"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           os.path.join(os.path.dirname(__file__), "hf_trainer_ddp_worker.py"), str(out), str(sigma)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_two_gloo_ranks_equal_one_process_on_the_union(tmp_path):
+    """torchrun --nproc_per_node 2: sigma = 0 equals the plain one-process loop on the union of
+    the ranks' batches (logical batch PER_DEVICE/2 x ACCUM x 2 = B); sigma > 0: the noise is
+    added once (every rank ends with the same parameters) and every rank reports the same
+    epsilon, the one-process epsilon of the schedule."""
+    ranks = run_two_ranks(tmp_path, 0.0)
+    assert all(r["world_size"] == 2 and r["expected_batch_size"] == B for r in ranks)
+    for name, p in ranks[0]["params"].items():
+        assert torch.equal(p, ranks[1]["params"][name]), name
+    union = []
+    for start in range(0, len(ranks[0]["recorded"]), ACCUM):  # a logical step: both ranks' physical batches
+        for r in ranks:
+            union.extend(r["recorded"][start:start + ACCUM])
+    reference = tiny_llama(seed=0)  # rank 0's initial weights
+    steps = []
+    for start in range(0, len(union), 2 * ACCUM):
+        steps.append([b for b in union[start:start + 2 * ACCUM] if b is not None])
+    engine = PrivacyEngine(accountant="rc_prv")
+    hooks, opt, _ = engine.make_private(
+        module=reference, optimizer=torch.optim.SGD(reference.parameters(), lr=0.5),
+        data_loader=torch.utils.data.DataLoader(RowDataset(), batch_size=B), noise_multiplier=0.0,
+        max_grad_norm=0.05, clipping="randomized", grad_sample_mode="hooks", wrap_model=False,
+        poisson_sampling=False, expected_batch_size=B, sample_rate=Q, sketch_size=32,
+    )
+    reference.train()
+    for step in steps:
+        for i, batch in enumerate(step):
+            ids = batch["input_ids"]
+            logits = reference(input_ids=ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids), use_cache=False).logits
+            per_example_token_loss(logits, batch["labels"], shift=True).mean().backward()
+            if i < len(step) - 1:
+                opt.signal_skip_step(do_skip=True)
+            opt.step()
+            opt.zero_grad()
+    for name, p in reference.named_parameters():
+        assert torch.allclose(ranks[0]["params"][name], p, atol=1e-6, rtol=1e-5), name
+    assert ranks[0]["history"] == ranks[1]["history"] == engine.accountant.history
+
+    noisy = run_two_ranks(tmp_path, 1.0)
+    for name, p in noisy[0]["params"].items():
+        assert torch.equal(p, noisy[1]["params"][name]), name
+    assert noisy[0]["epsilon"] == noisy[1]["epsilon"]
+    one = PrivacyEngine(accountant="rc_prv").accountant
+    one.history = [(1.0, Q, 3, noisy[0]["history"][0][3])]
+    assert noisy[0]["epsilon"][-1] == pytest.approx(one.get_epsilon(delta=1e-5))
