@@ -539,7 +539,12 @@ class DPTrainerMixin:
             kwargs["noise_generator"] = torch.Generator(device=device).manual_seed(entropy_seed())
         if p.denoise is not None:
             kwargs["denoise"] = p.denoise
-        hooks, dp_optimizer, _ = engine.make_private(**kwargs)
+        was_training = model.training
+        model.train()  # Opacus validates a module in training mode (evaluate() may have run first)
+        try:
+            hooks, dp_optimizer, _ = engine.make_private(**kwargs)
+        finally:
+            model.train(was_training)
         if p.clipping != "randomized":  # Opacus's own normaliser and rate read the placeholder
             dp_optimizer.expected_batch_size = batch
             dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=self.sample_rate))
@@ -648,7 +653,7 @@ class DPTrainerMixin:
         if rows or last:
             self._dp_check_records(rows)
         if not last and rows:
-            optimizer.signal_skip_step(do_skip=True)
+            _signal_same_draw(optimizer)
             optimizer.step()  # clip into the step's sum; no noise, no charge, no update
             optimizer.zero_grad(set_to_none=True)
         if last:
@@ -799,6 +804,16 @@ class DPTrainerMixin:
         self._dp_resumed_history = history
         if self._dp_engine is not None:
             self._dp_engine.accountant.history = list(history)
+
+
+def _signal_same_draw(optimizer: DPOptimizer) -> None:
+    """A skipped step whose next physical batch continues the same Poisson draw (charged
+    once, averaged once). Optimizers without ``same_draw=`` (Opacus's flat one, older
+    randomized ones) count a skipped step as part of the same logical step anyway."""
+    if "same_draw" in inspect.signature(optimizer.signal_skip_step).parameters:
+        optimizer.signal_skip_step(do_skip=True, same_draw=True)
+    else:
+        optimizer.signal_skip_step(do_skip=True)
 
 
 def _zero_sum(p: nn.Parameter):

@@ -84,6 +84,14 @@ def recording(trainer_class):
     return Recording
 
 
+def same_draw(opt):
+    """BatchMemoryManager's skipped step: the next physical batch is the same Poisson draw."""
+    try:
+        opt.signal_skip_step(do_skip=True, same_draw=True)
+    except TypeError:  # optimizers that count every skipped step as one draw
+        opt.signal_skip_step(do_skip=True)
+
+
 def plain_loop(model, recorded, *, lr, max_grad_norm, sample_rate, autocast=None):
     """The reference: make_private (book-keeping, wrap_model=False) and a BatchMemoryManager-
     like split: every physical batch but the last of a logical step is a skipped step."""
@@ -109,7 +117,7 @@ def plain_loop(model, recorded, *, lr, max_grad_norm, sample_rate, autocast=None
                 logits = model(**inputs, use_cache=False).logits
             per_example_token_loss(logits, batch["labels"], shift=True).mean().backward()
             if i < len(step) - 1:
-                opt.signal_skip_step(do_skip=True)
+                same_draw(opt)
             opt.step()
             opt.zero_grad()
     return engine
@@ -462,7 +470,7 @@ def test_two_gloo_ranks_equal_one_process_on_the_union(tmp_path):
             logits = reference(input_ids=ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids), use_cache=False).logits
             per_example_token_loss(logits, batch["labels"], shift=True).mean().backward()
             if i < len(step) - 1:
-                opt.signal_skip_step(do_skip=True)
+                same_draw(opt)
             opt.step()
             opt.zero_grad()
     for name, p in reference.named_parameters():
