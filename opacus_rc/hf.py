@@ -393,6 +393,12 @@ class DPTrainerMixin:
              "'distributed' (one process per device, torchrun)"),
             (getattr(args, "use_liger_kernel", False), "use_liger_kernel", "False (fused kernels read weights outside their modules)"),
         ]
+        base = _base_model(self.model)
+        checks.append((
+            bool(getattr(base, "is_activation_checkpointing", False) or base.__dict__.get("is_gradient_checkpointing", False)),
+            "gradient checkpointing enabled on the model",
+            "model.gradient_checkpointing_disable() (the recomputed forward would record activations twice)",
+        ))
         for bad, name, accepted in checks:
             if bad:
                 raise ValueError(f"{name} is not supported by {type(self).__name__}; accepted value: {accepted}")
@@ -674,8 +680,9 @@ class DPTrainerMixin:
                 raise ValueError(
                     f"parameter {self._dp_names.get(id(p), '?')!r} received a gradient that no per-example "
                     "hook saw: its weight was used outside its module's forward (e.g. a fused LM head "
-                    "reading lm_head.weight directly); use the module (per_example_loss computes logits "
-                    "through the model's forward) or freeze the parameter"
+                    "reading lm_head.weight directly, or non-reentrant gradient checkpointing); use the "
+                    "module (per_example_loss computes logits through the model's forward) or freeze "
+                    "the parameter"
                 )
             if bookkept:
                 p._bk_records = [Record(torch.zeros(rows, device=p.device), _zero_sum(p))]

@@ -92,7 +92,7 @@ def same_draw(opt):
         opt.signal_skip_step(do_skip=True)
 
 
-def plain_loop(model, recorded, *, lr, max_grad_norm, sample_rate, autocast=None):
+def plain_loop(model, recorded, *, lr, max_grad_norm, sample_rate, autocast=None, noise=0.0):
     """The reference: make_private (book-keeping, wrap_model=False) and a BatchMemoryManager-
     like split: every physical batch but the last of a logical step is a skipped step."""
     engine = PrivacyEngine(accountant="rc_prv")
@@ -100,7 +100,7 @@ def plain_loop(model, recorded, *, lr, max_grad_norm, sample_rate, autocast=None
     loader = torch.utils.data.DataLoader(RowDataset(), batch_size=B)
     hooks, opt, _ = engine.make_private(
         module=model, optimizer=torch.optim.SGD(params, lr=lr), data_loader=loader,
-        noise_multiplier=0.0, max_grad_norm=max_grad_norm, clipping="randomized",
+        noise_multiplier=noise, max_grad_norm=max_grad_norm, clipping="randomized",
         grad_sample_mode="hooks", wrap_model=False, poisson_sampling=False,
         expected_batch_size=B, sample_rate=sample_rate, sketch_size=32,
     )
@@ -147,11 +147,16 @@ def test_sigma0_equals_plain_loop_and_epsilon_matches(tmp_path):
 
 def test_log_history_has_epsilon_and_no_unnoised_statistic(tmp_path):
     model = tiny_llama()
-    trainer = DPTrainer(
+    reference = copy.deepcopy(model)
+    trainer = recording(DPTrainer)(
         model=model, args=training_args(tmp_path, max_steps=2, logging_steps=1), train_dataset=RowDataset(),
         privacy=PrivacyArguments(noise_multiplier=1.0, delta=1e-5),
     )
     out = trainer.train()
+    # the same schedule in the plain loop (sigma = 1): the same history, the same epsilon
+    engine = plain_loop(reference, trainer.recorded, lr=0.5, max_grad_norm=1.0, sample_rate=Q, noise=1.0)
+    assert trainer.accountant.history == engine.accountant.history
+    assert trainer.get_epsilon() == engine.get_epsilon(delta=1e-5)
     logs = trainer.state.log_history
     step_logs = [entry for entry in logs if "learning_rate" in entry]
     assert len(step_logs) == 2 and all("epsilon" in entry for entry in step_logs)
@@ -175,7 +180,7 @@ def test_short_run_lowers_the_loss(tmp_path):
 
     before = loss()
     trainer = DPTrainer(
-        model=model, args=training_args(tmp_path, max_steps=12, learning_rate=2e-2, lr_scheduler_type="linear"),
+        model=model, args=training_args(tmp_path, max_steps=6, learning_rate=3e-2, lr_scheduler_type="linear"),
         train_dataset=ds, privacy=PrivacyArguments(noise_multiplier=0.3, delta=1e-5, max_grad_norm=1.0),
     )
     trainer.train()
@@ -295,6 +300,16 @@ def test_secure_mode_flat_clipping_and_denoising_train(tmp_path, options):
     if options.get("clipping") == "flat":
         assert trainer.accountant.history[0][3] is None  # deterministic clipping charged
         assert trainer._dp_optimizer.expected_batch_size == B
+
+
+def test_gradient_checkpointing_enabled_on_the_model_is_refused(tmp_path):
+    model = tiny_llama()
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="gradient checkpointing"):
+        DPTrainer(
+            model=model, args=training_args(tmp_path), train_dataset=RowDataset(),
+            privacy=PrivacyArguments(noise_multiplier=1.0, delta=1e-5),
+        )
 
 
 def test_refused_privacy_arguments():
