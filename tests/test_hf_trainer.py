@@ -302,6 +302,22 @@ def test_secure_mode_flat_clipping_and_denoising_train(tmp_path, options):
         assert trainer._dp_optimizer.expected_batch_size == B
 
 
+def test_empty_physical_batches_and_empty_logical_steps(tmp_path):
+    """At q = 0.02 most physical batches (and many logical steps) are empty: they are
+    skipped without a forward pass, the step still adds noise and is charged."""
+    model = tiny_llama()
+    before = copy.deepcopy(model.lm_head.weight)
+    trainer = recording(DPTrainer)(
+        model=model, args=training_args(tmp_path, max_steps=4, learning_rate=1e-2), train_dataset=RowDataset(),
+        privacy=PrivacyArguments(noise_multiplier=1.0, delta=1e-5, sample_rate=0.02),
+    )
+    trainer.train()
+    assert len(trainer.recorded) == 4 * ACCUM
+    assert any(b is None for b in trainer.recorded)
+    assert trainer.accountant.history[0][1:3] == (0.02, 4)
+    assert not torch.equal(model.lm_head.weight, before)  # noise even on an empty step
+
+
 def test_gradient_checkpointing_enabled_on_the_model_is_refused(tmp_path):
     model = tiny_llama()
     model.gradient_checkpointing_enable()
@@ -499,3 +515,27 @@ def test_two_gloo_ranks_equal_one_process_on_the_union(tmp_path):
     one = PrivacyEngine(accountant="rc_prv").accountant
     one.history = [(1.0, Q, 3, noisy[0]["history"][0][3])]
     assert noisy[0]["epsilon"][-1] == pytest.approx(one.get_epsilon(delta=1e-5))
+
+
+def test_private_sft_trainer_with_peft_config_trains_the_adapters(tmp_path):
+    trl = pytest.importorskip("trl")
+    peft = pytest.importorskip("peft")
+    config = trl.SFTConfig(
+        output_dir=str(tmp_path / "sft"), per_device_train_batch_size=PER_DEVICE, gradient_accumulation_steps=ACCUM,
+        max_steps=2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+        gradient_checkpointing=False, learning_rate=1e-2,
+    )
+    trainer = private_trainer(trl.SFTTrainer)(
+        model=tiny_llama(), args=config, train_dataset=sft_dataset(), processing_class=char_tokenizer(),
+        peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+        privacy=PrivacyArguments(noise_multiplier=1.0, delta=1e-5),
+    )
+    model = trainer.model
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert lora and all("lora_" in n for n in lora)
+    trainer.train()
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[n], v) for n, v in frozen.items())
+    assert all(not torch.equal(params[n], v) for n, v in lora.items())
+    assert trainer.privacy_steps() == 2
