@@ -8,8 +8,8 @@ is one row, the privacy unit), full fine-tuning in bf16 autocast (SFTConfig's de
 
     python examples/trl_sft.py --steps 30
 
-``SFTConfig`` defaults to gradient checkpointing, which the private Trainer refuses for now
-(``gradient_checkpointing=False`` below). In training the per-example losses are computed
+``SFTConfig`` defaults to gradient checkpointing: it runs reentrant, as two passes from the
+model's output (opacus_rc/output_passes.py). In training the per-example losses are computed
 through the model's forward (TRL's fused LM head reads ``lm_head.weight`` outside its module,
 which no per-example hook would see); evaluation keeps TRL's own loss.
 
@@ -86,7 +86,6 @@ def main() -> None:
         save_strategy="no",
         report_to=[],
         use_cpu=not torch.cuda.is_available(),
-        gradient_checkpointing=False,  # refused for now by the private Trainer
     )
     trainer = private_trainer(SFTTrainer)(
         model=model,

@@ -38,8 +38,10 @@ the guarantee or crash):
   draws fresh noise.
 
 Refused with a ``ValueError`` naming the parameter and the accepted values: fp16 (loss
-scaling would scale the per-example gradients before clipping), gradient checkpointing (the
-recomputed forward re-records activations), DataParallel, DeepSpeed/FSDP, auto batch size,
+scaling would scale the per-example gradients before clipping), non-reentrant gradient
+checkpointing (the recomputed forward runs the hooks twice; ``gradient_checkpointing=True``
+runs reentrant, as two passes from the model's output, :mod:`opacus_rc.output_passes`),
+gradient checkpointing with flat clipping, DataParallel, DeepSpeed/FSDP, auto batch size,
 token counting, ``compute_loss_func``/label smoothing/custom ``compute_loss`` (override
 :meth:`DPTrainerMixin.per_example_loss` instead), padding-free batches, and a trainable
 parameter whose gradient no hook saw (e.g. a fused LM head reading ``lm_head.weight``
@@ -180,6 +182,25 @@ class PrivacyArguments:
         if self.clipping != "randomized":
             return None
         return SketchConfig(self.estimator, self.sketch_size, self.sketching)
+
+
+_CHECKPOINTING_ACCEPTED = (
+    "False with clipping='flat' (the recomputed forward would record per-sample activations "
+    "twice); with clipping='randomized' it runs as two passes from the model's output"
+)
+
+
+def _checkpointing_supported(privacy: "PrivacyArguments") -> bool:
+    """Activation checkpointing works with randomized clipping when this opacus_rc has the
+    two passes from the model's output (:mod:`opacus_rc.output_passes`), which
+    ``make_private`` picks for a checkpointed model instead of book-keeping."""
+    if privacy.clipping != "randomized":
+        return False
+    try:
+        from . import output_passes  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _real(x: Any) -> bool:
@@ -378,8 +399,9 @@ class DPTrainerMixin:
         args.max_grad_norm = 0.0  # per-example clipping replaces the Trainer's clipping
         checks = [
             (args.fp16, "fp16", "False (use bf16=True: no loss scaling)"),
-            (bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)),
-             "gradient_checkpointing", "False (the recomputed forward would record activations twice)"),
+            (bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
+             and not _checkpointing_supported(self.privacy),
+             "gradient_checkpointing", _CHECKPOINTING_ACCEPTED),
             (args.n_gpu > 1, "n_gpu (nn.DataParallel)", "one device per process (torchrun)"),
             (bool(getattr(args, "deepspeed", None)), "deepspeed", "None"),
             (bool(getattr(args, "fsdp", None)), "fsdp", "'' (no FSDP)"),
@@ -395,10 +417,37 @@ class DPTrainerMixin:
         ]
         base = _base_model(self.model)
         checks.append((
-            bool(getattr(base, "is_activation_checkpointing", False) or base.__dict__.get("is_gradient_checkpointing", False)),
+            bool(getattr(base, "is_activation_checkpointing", False) or base.__dict__.get("is_gradient_checkpointing", False))
+            and not _checkpointing_supported(self.privacy),
             "gradient checkpointing enabled on the model",
-            "model.gradient_checkpointing_disable() (the recomputed forward would record activations twice)",
+            "model.gradient_checkpointing_disable() " + _CHECKPOINTING_ACCEPTED,
         ))
+        if bool(getattr(args, "activation_checkpointing", False)) and _checkpointing_supported(self.privacy):
+            # Reentrant checkpointing: the first forward runs without grad (no hook records
+            # it), the recomputation inside the backward pass is the one the hooks see. The
+            # non-reentrant kind runs the hooks twice (not supported yet).
+            options = dict(getattr(args, "activation_checkpointing_kwargs", None) or {})
+            if options.get("use_reentrant", True) is not True:
+                raise ValueError(
+                    f"activation_checkpointing_kwargs={options!r} is not supported: non-reentrant "
+                    "checkpointing runs the per-example hooks twice; accepted values: "
+                    "use_reentrant=True (set by default by the private Trainer)"
+                )
+            options["use_reentrant"] = True
+            args.activation_checkpointing_kwargs = options
+            if hasattr(args, "gradient_checkpointing_kwargs"):
+                args.gradient_checkpointing_kwargs = options
+        for m in base.modules():
+            func = getattr(m, "_gradient_checkpointing_func", None)
+            if getattr(m, "gradient_checkpointing", False) is True and func is not None:
+                if getattr(func, "keywords", {}).get("use_reentrant") is not True:
+                    raise ValueError(
+                        "the model's gradient checkpointing is non-reentrant (the per-example hooks "
+                        "would run twice); accepted values: model.gradient_checkpointing_enable("
+                        "gradient_checkpointing_kwargs={'use_reentrant': True}), or leave it to "
+                        "TrainingArguments(gradient_checkpointing=True)"
+                    )
+                break
         for bad, name, accepted in checks:
             if bad:
                 raise ValueError(f"{name} is not supported by {type(self).__name__}; accepted value: {accepted}")
@@ -672,6 +721,14 @@ class DPTrainerMixin:
         contributes exact zeros; one with a gradient that no hook saw is refused."""
         optimizer = self._dp_optimizer
         bookkept = hasattr(optimizer, "_records")
+        if not bookkept and getattr(self._dp_hooks, "output_passes", None) is not None:
+            # two passes from the output (checkpointed model): the clipped sum is in p.grad;
+            # the boundary refuses a loss it did not see. An empty batch or an unused
+            # parameter contributes zeros.
+            for p in optimizer.params:
+                if p.grad is None and getattr(p, "summed_grad", None) is None:
+                    p.grad = torch.zeros_like(p)
+            return
         for p in optimizer.params:
             has = getattr(p, "_bk_records", None) or getattr(p, "grad_sample", None) is not None
             if has:
