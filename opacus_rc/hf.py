@@ -72,11 +72,14 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("opacus_rc.hf needs transformers: pip install 'opacus_rc[hf]'") from exc
 
-from opacus import PrivacyEngine
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.optimizers import DPOptimizer
 
-from . import integration as _integration  # noqa: F401  (registers clipping="randomized", rc_prv)
+from . import integration as _integration  # registers clipping="randomized" and rc_prv
+
+PrivacyEngine = getattr(_integration, "PrivacyEngine", None)
+if PrivacyEngine is None:  # an opacus_rc that patches Opacus's engine in place
+    from opacus import PrivacyEngine
 from .accounting.accountant import get_noise_multiplier_rc
 from .bookkeeping import Record
 from .config import SketchConfig
