@@ -1,0 +1,941 @@
+"""Differentially private training with the Hugging Face ``Trainer`` and TRL's ``SFTTrainer``.
+
+``DPTrainer`` is a :class:`transformers.Trainer` whose training is DP-SGD with randomized
+(or flat) per-example clipping, and ``private_trainer(TrainerClass)`` makes the same private
+subclass of any ``Trainer`` subclass (TRL's ``SFTTrainer`` first)::
+
+    from opacus_rc.hf import DPTrainer, PrivacyArguments
+
+    trainer = DPTrainer(model=model, args=training_args, train_dataset=train, data_collator=collator,
+                        privacy=PrivacyArguments(target_epsilon=8.0, delta=1e-5, max_grad_norm=1.0))
+    trainer.train()                      # log_history carries "epsilon" at every logging step
+
+How the Trainer is made private (each point is a place where the plain Trainer would break
+the guarantee or crash):
+
+* **Sampling.** The training loader is replaced by a Poisson loader at a public rate ``q``
+  (``PrivacyArguments.sample_rate``, else ``1 / ceil(len(train_dataset) / B)``). The logical
+  batch has ``B = per_device_train_batch_size x gradient_accumulation_steps x world_size``
+  rows in expectation; each logical step is ONE Poisson draw split into
+  ``gradient_accumulation_steps`` physical batches (as Opacus's BatchMemoryManager does), so it
+  is charged once at rate ``q``. The privacy unit is one row of the training dataset (with
+  packing: one packed row).
+* **Clipping and noise.** Book-keeping (``grad_sample_mode="hooks"``, ``wrap_model=False``):
+  one plain backward per physical batch; the clipped sum of the logical step is assembled in
+  the optimizer step, noise is added once and the sum is divided by the public ``B``, never by
+  the realised batch size or ``num_items_in_batch``. Per-example losses (mean over the row's
+  supervised tokens) replace the model's batch-level token mean.
+* **What the Trainer would leak or break**: its own gradient clipping (``max_grad_norm``) is
+  off (per-example clipping replaces it); ``grad_norm`` is never computed; the training loss
+  and other per-batch statistics of the private batches are not logged (opt in with
+  ``log_train_loss=True``: not covered by epsilon); the DP optimizer's ``zero_grad`` runs every
+  step; ``total_flos`` and token counts (functions of the realised batch sizes) are not kept;
+  evaluation, prediction and ``generate`` run under ``no_grad`` and neither record nor charge.
+* **Randomness.** Noise and Poisson sampling use generators seeded from ``os.urandom`` (or the
+  CSPRNG in ``secure_mode``), never the global generators that ``set_seed(args.seed)`` seeds and
+  the Trainer's ``rng_state.pth`` restores. Checkpoints store the accountant's history
+  (``dp_state.json``) and no generator state or seed; a resumed run reports the same epsilon and
+  draws fresh noise.
+
+Refused with a ``ValueError`` naming the parameter and the accepted values: fp16 (loss
+scaling would scale the per-example gradients before clipping), non-reentrant gradient
+checkpointing (the recomputed forward runs the hooks twice; ``gradient_checkpointing=True``
+runs reentrant, as two passes from the model's output, :mod:`opacus_rc.output_passes`),
+gradient checkpointing with flat clipping, DataParallel, DeepSpeed/FSDP, auto batch size,
+token counting, ``compute_loss_func``/label smoothing/custom ``compute_loss`` (override
+:meth:`DPTrainerMixin.per_example_loss` instead), padding-free batches, and a trainable
+parameter whose gradient no hook saw (e.g. a fused LM head reading ``lm_head.weight``
+directly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import json
+import logging
+import math
+import numbers
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+try:
+    import transformers
+    from transformers import Trainer, TrainerCallback
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("opacus_rc.hf needs transformers: pip install 'opacus_rc[hf]'") from exc
+
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+from opacus.optimizers import DPOptimizer
+
+from . import integration as _integration  # registers clipping="randomized" and rc_prv
+
+PrivacyEngine = getattr(_integration, "PrivacyEngine", None)
+if PrivacyEngine is None:  # an opacus_rc that patches Opacus's engine in place
+    from opacus import PrivacyEngine
+from .accounting.accountant import get_noise_multiplier_rc
+from .bookkeeping import Record
+from .config import SketchConfig
+from .sketch import entropy_seed
+
+logger = logging.getLogger(__name__)
+
+CLIPPINGS = ("randomized", "flat")
+DENOISERS = (None, "spectral")
+#: file of the privacy state in every checkpoint and saved model folder
+DP_STATE_NAME = "dp_state.json"
+#: keys of the Trainer's (and TRL's) training logs that are statistics of the private
+#: batches before noise (removed); "loss"/"train_loss" stay with log_train_loss=True
+PRIVATE_LOG_KEYS = (
+    "grad_norm", "num_input_tokens_seen", "train_tokens_per_second", "entropy",
+    "mean_token_accuracy", "num_tokens", "aux_loss", "total_flos",
+)
+LOSS_LOG_KEYS = ("loss", "train_loss")
+_EMPTY = "__opacus_rc_empty_batch__"
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+@dataclass
+class PrivacyArguments:
+    """The privacy options of :class:`DPTrainer` (everything else stays in ``TrainingArguments``).
+
+    Args:
+        target_epsilon: calibrate the noise multiplier with ``rc_prv`` so that the planned
+            run (``max_steps``, or ``num_train_epochs`` at the public rate) spends this epsilon
+            at ``delta``. Exactly one of ``target_epsilon`` and ``noise_multiplier``.
+        noise_multiplier: sigma (noise std over ``max_grad_norm``).
+        delta: the delta of every reported epsilon (required).
+        max_grad_norm: the per-example clipping bound C (replaces the Trainer's own
+            ``max_grad_norm``, which would clip the noisy average).
+        clipping: ``"randomized"`` (default: estimated norms, :mod:`opacus_rc`) or ``"flat"``
+            (Opacus's exact per-sample gradients).
+        estimator, sketch_size, sketching: the randomized-clipping sketch (see ``make_private``).
+        denoise: ``None`` or ``"spectral"`` (post-processing of the noisy gradient).
+        secure_mode: noise, sketches and Poisson masks from :mod:`opacus_rc.csprng`.
+        sample_rate: the public Poisson rate; ``None``: ``1 / ceil(len(train_dataset) / B)``
+            (Opacus's ``1 / len(loader)``; it treats the number of batches per epoch as public).
+        stop_at_epsilon: stop training before a step would make epsilon exceed this value.
+        log_train_loss: also log the training loss of the private batches (an un-noised
+            statistic that epsilon does not cover; off by default).
+    """
+
+    target_epsilon: Optional[float] = None
+    noise_multiplier: Optional[float] = None
+    delta: Optional[float] = None
+    max_grad_norm: float = 1.0
+    clipping: str = "randomized"
+    estimator: str = "hutchinson"
+    sketch_size: int = 32
+    sketching: str = "per_example"
+    denoise: Optional[str] = None
+    secure_mode: bool = False
+    sample_rate: Optional[float] = None
+    stop_at_epsilon: Optional[float] = None
+    log_train_loss: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.target_epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError(
+                f"target_epsilon={self.target_epsilon!r}, noise_multiplier={self.noise_multiplier!r}: "
+                "give exactly one; accepted values: target_epsilon a float > 0 (sigma is "
+                "calibrated with rc_prv) or noise_multiplier a float >= 0"
+            )
+        if self.target_epsilon is not None and not _positive(self.target_epsilon):
+            raise ValueError(f"target_epsilon={self.target_epsilon!r} is invalid; accepted values: a float > 0")
+        if self.noise_multiplier is not None and not (
+            _real(self.noise_multiplier) and self.noise_multiplier >= 0
+        ):
+            raise ValueError(f"noise_multiplier={self.noise_multiplier!r} is invalid; accepted values: a float >= 0")
+        if self.delta is None or not (_real(self.delta) and 0.0 < self.delta < 1.0):
+            raise ValueError(
+                f"delta={self.delta!r} is invalid; accepted values: a float in (0, 1), e.g. "
+                "1e-5 (below 1 / number of training rows); it is required"
+            )
+        if not _positive(self.max_grad_norm):
+            raise ValueError(f"max_grad_norm={self.max_grad_norm!r} is invalid; accepted values: a float > 0")
+        if self.clipping not in CLIPPINGS:
+            raise ValueError(
+                f"clipping={self.clipping!r} is not supported; accepted values: "
+                f"{', '.join(repr(c) for c in CLIPPINGS)}"
+            )
+        if self.clipping == "randomized":
+            SketchConfig(self.estimator, self.sketch_size, self.sketching)  # validates
+        if self.denoise not in DENOISERS:
+            raise ValueError(f"denoise={self.denoise!r} is not supported; accepted values: None, 'spectral'")
+        if self.sample_rate is not None and not (_real(self.sample_rate) and 0.0 < self.sample_rate <= 1.0):
+            raise ValueError(f"sample_rate={self.sample_rate!r} is invalid; accepted values: a float in (0, 1] or None")
+        if self.stop_at_epsilon is not None and not _positive(self.stop_at_epsilon):
+            raise ValueError(f"stop_at_epsilon={self.stop_at_epsilon!r} is invalid; accepted values: a float > 0 or None")
+        for name in ("secure_mode", "log_train_loss"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; accepted values: True, False")
+
+    @property
+    def sketch_config(self) -> Optional[SketchConfig]:
+        """The sketch the accountant charges (None: flat, deterministic clipping)."""
+        if self.clipping != "randomized":
+            return None
+        return SketchConfig(self.estimator, self.sketch_size, self.sketching)
+
+
+_CHECKPOINTING_ACCEPTED = (
+    "False with clipping='flat' (the recomputed forward would record per-sample activations "
+    "twice); with clipping='randomized' it runs as two passes from the model's output"
+)
+
+
+def _checkpointing_supported(privacy: "PrivacyArguments") -> bool:
+    """Activation checkpointing works with randomized clipping when this opacus_rc has the
+    two passes from the model's output (:mod:`opacus_rc.output_passes`), which
+    ``make_private`` picks for a checkpointed model instead of book-keeping."""
+    if privacy.clipping != "randomized":
+        return False
+    try:
+        from . import output_passes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _positive(x: Any) -> bool:
+    return _real(x) and x > 0
+
+
+# ------------------------------------------------------------------------ Poisson loader
+
+
+class PoissonAccumulationSampler(Sampler[List[int]]):
+    """Batch sampler of the private Trainer: every logical step is ONE Poisson draw (each
+    row joins independently with probability ``sample_rate``), split into
+    ``micro_batches`` consecutive physical batches of nearly equal size (some may be empty).
+
+    ``len()`` is ``steps x micro_batches``, a function of public values only. The masks come
+    from a ``torch.Generator`` seeded from ``os.urandom`` (``secure_mode``: the CSPRNG), never
+    from the global generator. Distributed: rank ``r`` samples the fixed share
+    ``r, r + world_size, ...`` at the same rate (the union over ranks is one Poisson draw).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_samples: int,
+        sample_rate: float,
+        micro_batches: int,
+        steps: int,
+        rank: int = 0,
+        world_size: int = 1,
+        secure_mode: bool = False,
+    ) -> None:
+        self.num_samples = int(num_samples)
+        self.sample_rate = float(sample_rate)
+        self.micro_batches = int(micro_batches)
+        self.steps = int(steps)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.secure_mode = secure_mode
+        self.share = len(range(self.rank, self.num_samples, self.world_size))
+        self._generator = None if secure_mode else torch.Generator().manual_seed(entropy_seed())
+
+    def __len__(self) -> int:
+        return self.steps * self.micro_batches
+
+    def _mask(self) -> torch.Tensor:
+        if self.secure_mode:
+            from .csprng import secure_bernoulli
+
+            return secure_bernoulli(self.sample_rate, self.share)
+        return torch.rand(self.share, generator=self._generator) < self.sample_rate
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for _ in range(self.steps):
+            local = self._mask().nonzero().reshape(-1)
+            rows = local * self.world_size + self.rank
+            for part in torch.tensor_split(rows, self.micro_batches):
+                yield part.tolist()
+
+    def __getstate__(self):
+        raise TypeError("the Poisson sampler's generator is a secret: it is never pickled or saved")
+
+
+class _EmptySafeCollator:
+    """The Trainer's collator; an empty Poisson batch becomes a marker (no forward pass)."""
+
+    def __init__(self, collate) -> None:
+        self.collate = collate
+
+    def __call__(self, rows):
+        if len(rows) == 0:
+            return {_EMPTY: True}
+        return self.collate(rows)
+
+
+def is_empty_batch(inputs: Any) -> bool:
+    return isinstance(inputs, dict) and inputs.get(_EMPTY, False) is True
+
+
+# ------------------------------------------------------------------- per-example losses
+
+
+def per_example_token_loss(logits: torch.Tensor, labels: torch.Tensor, *, shift: bool) -> torch.Tensor:
+    """Per-row loss of a token-level task: the mean cross-entropy over the row's supervised
+    tokens (labels != -100; a row without any gives 0), computed in float32. ``shift``: causal
+    language modelling (logits at t predict labels at t + 1)."""
+    if shift:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    batch, steps = labels.shape[:2]
+    tokens = F.cross_entropy(
+        logits.reshape(batch * steps, -1).float(), labels.reshape(-1), ignore_index=-100, reduction="none"
+    ).view(batch, steps)
+    valid = (labels != -100).sum(dim=1)
+    return tokens.sum(dim=1) / valid.clamp(min=1)
+
+
+def per_example_sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-row loss of sequence classification (cross-entropy) or regression (one output: MSE)."""
+    if logits.shape[-1] == 1 and labels.is_floating_point():
+        return (logits.reshape(-1).float() - labels.reshape(-1).float()).pow(2)
+    return F.cross_entropy(logits.float(), labels.reshape(-1), reduction="none")
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    forward = getattr(model, "forward", None)
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    while isinstance(model, DPDDP):
+        model = model.module
+    return model
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+# ----------------------------------------------------------------------- the mixin
+
+
+class _DPCallback(TrainerCallback):
+    """Runs the DP optimizer's zero_grad after every step and the budget stop."""
+
+    def __init__(self, trainer: "DPTrainerMixin") -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._dp_on_train_begin()
+        return control
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._dp_after_step()
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        limit = self.trainer._dp_max_steps
+        if limit is not None and self.trainer.privacy_steps() >= limit and not control.should_training_stop:
+            logger.info("stop_at_epsilon: the next step would exceed epsilon=%s; training stops", self.trainer.privacy.stop_at_epsilon)
+            control.should_training_stop = True
+            control.should_log = True
+            if args.save_strategy != "no":
+                control.should_save = True
+        return control
+
+
+class DPTrainerMixin:
+    """The private part of :class:`DPTrainer`; put it first in the bases of a Trainer
+    subclass (:func:`private_trainer` does)."""
+
+    #: compute_loss implementations the mixin knows to replace in training (they reduce the
+    #: batch with num_items_in_batch; per-example losses replace them)
+    _REPLACEABLE_COMPUTE_LOSS: Tuple[Any, ...] = ()
+
+    def __init__(self, *args: Any, privacy: Optional[PrivacyArguments] = None, **kwargs: Any) -> None:
+        if not isinstance(privacy, PrivacyArguments):
+            raise ValueError(
+                f"privacy={privacy!r} is invalid; accepted values: an opacus_rc.hf.PrivacyArguments"
+            )
+        self.privacy = privacy
+        optimizers = kwargs.get("optimizers", (None, None))
+        if optimizers and isinstance(optimizers[0], DPOptimizer):
+            raise ValueError(
+                "optimizers=(DPOptimizer, ...) is invalid: pass the plain torch optimizer "
+                "(or none); the private Trainer makes it private itself"
+            )
+        self._dp_engine: Optional[PrivacyEngine] = None
+        self._dp_optimizer: Optional[DPOptimizer] = None
+        self._dp_hooks = None
+        self._dp_ddp: Optional[DPDDP] = None
+        self._dp_max_steps: Optional[int] = None
+        self._dp_micro = 0
+        self._dp_sigma: Optional[float] = None
+        self._dp_resumed_history: Optional[list] = None
+        super().__init__(*args, **kwargs)
+        self._dp_check_setup()
+        self.add_callback(_DPCallback(self))
+
+    # ---- configuration checks --------------------------------------------------------
+    def _dp_check_setup(self) -> None:
+        args = self.args
+        if args.max_grad_norm not in (None, 0, 1.0) and args.max_grad_norm != self.privacy.max_grad_norm:
+            raise ValueError(
+                f"TrainingArguments.max_grad_norm={args.max_grad_norm!r} would clip the noisy "
+                "average (no privacy effect) and differs from the per-example bound; set the bound "
+                "with PrivacyArguments(max_grad_norm=...); accepted values for "
+                "TrainingArguments.max_grad_norm: 0, the default 1.0, or the same value"
+            )
+        args.max_grad_norm = 0.0  # per-example clipping replaces the Trainer's clipping
+        checks = [
+            (args.fp16, "fp16", "False (use bf16=True: no loss scaling)"),
+            (bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
+             and not _checkpointing_supported(self.privacy),
+             "gradient_checkpointing", _CHECKPOINTING_ACCEPTED),
+            (args.n_gpu > 1, "n_gpu (nn.DataParallel)", "one device per process (torchrun)"),
+            (bool(getattr(args, "deepspeed", None)), "deepspeed", "None"),
+            (bool(getattr(args, "fsdp", None)), "fsdp", "'' (no FSDP)"),
+            (args.auto_find_batch_size, "auto_find_batch_size", "False (the batch size fixes the public rate)"),
+            (args.include_num_input_tokens_seen not in ("no", False, None), "include_num_input_tokens_seen",
+             "'no' (token counts of Poisson batches are not private)"),
+            (args.label_smoothing_factor != 0, "label_smoothing_factor", "0"),
+            (getattr(self, "compute_loss_func", None) is not None, "compute_loss_func",
+             "None (override per_example_loss(model, inputs) instead)"),
+            (args.world_size > 1 and args.parallel_mode.value != "distributed", "parallel_mode",
+             "'distributed' (one process per device, torchrun)"),
+            (getattr(args, "use_liger_kernel", False), "use_liger_kernel", "False (fused kernels read weights outside their modules)"),
+        ]
+        base = _base_model(self.model)
+        checks.append((
+            bool(getattr(base, "is_activation_checkpointing", False) or base.__dict__.get("is_gradient_checkpointing", False))
+            and not _checkpointing_supported(self.privacy),
+            "gradient checkpointing enabled on the model",
+            "model.gradient_checkpointing_disable() " + _CHECKPOINTING_ACCEPTED,
+        ))
+        if bool(getattr(args, "activation_checkpointing", False)) and _checkpointing_supported(self.privacy):
+            # Reentrant checkpointing: the first forward runs without grad (no hook records
+            # it), the recomputation inside the backward pass is the one the hooks see. The
+            # non-reentrant kind runs the hooks twice (not supported yet).
+            options = dict(getattr(args, "activation_checkpointing_kwargs", None) or {})
+            if options.get("use_reentrant", True) is not True:
+                raise ValueError(
+                    f"activation_checkpointing_kwargs={options!r} is not supported: non-reentrant "
+                    "checkpointing runs the per-example hooks twice; accepted values: "
+                    "use_reentrant=True (set by default by the private Trainer)"
+                )
+            options["use_reentrant"] = True
+            args.activation_checkpointing_kwargs = options
+            if hasattr(args, "gradient_checkpointing_kwargs"):
+                args.gradient_checkpointing_kwargs = options
+        for m in base.modules():
+            func = getattr(m, "_gradient_checkpointing_func", None)
+            if getattr(m, "gradient_checkpointing", False) is True and func is not None:
+                if getattr(func, "keywords", {}).get("use_reentrant") is not True:
+                    raise ValueError(
+                        "the model's gradient checkpointing is non-reentrant (the per-example hooks "
+                        "would run twice); accepted values: model.gradient_checkpointing_enable("
+                        "gradient_checkpointing_kwargs={'use_reentrant': True}), or leave it to "
+                        "TrainingArguments(gradient_checkpointing=True)"
+                    )
+                break
+        for bad, name, accepted in checks:
+            if bad:
+                raise ValueError(f"{name} is not supported by {type(self).__name__}; accepted value: {accepted}")
+        if getattr(self, "padding_free", False):
+            raise ValueError(
+                "padding_free=True (also implied by packing=True with packing_strategy='bfd') is not "
+                "supported: it flattens the batch into one row, so no per-row gradient exists; accepted "
+                "values: padding_free=False with packing=False, or packing_strategy='wrapped' (each "
+                "packed row is then one privacy unit)"
+            )
+        if getattr(args, "loss_type", "nll") not in ("nll",):
+            raise ValueError(f"loss_type={args.loss_type!r} is not supported; accepted values: 'nll'")
+        if getattr(args, "activation_offloading", False):
+            raise ValueError("activation_offloading=True is not supported; accepted values: False")
+        compute_loss = type(self).compute_loss
+        if compute_loss is not Trainer.compute_loss and compute_loss not in self._REPLACEABLE_COMPUTE_LOSS:
+            raise ValueError(
+                f"{type(self).__name__} overrides compute_loss: the private Trainer needs per-example "
+                "losses and would not use it in training; override per_example_loss(model, inputs) "
+                "(returns one loss per row) instead"
+            )
+        if self.train_dataset is not None and isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+            raise ValueError("an IterableDataset train_dataset is not supported: Poisson sampling needs a map-style dataset")
+
+    # ---- public sizes ----------------------------------------------------------------
+    @property
+    def expected_batch_size(self) -> int:
+        """The public logical batch size B (the normaliser): per-device batch size x
+        accumulation steps x world size."""
+        return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+
+    @property
+    def sample_rate(self) -> float:
+        """The public Poisson rate every logical step samples at and is charged at."""
+        if self.privacy.sample_rate is not None:
+            return float(self.privacy.sample_rate)
+        if self.train_dataset is None:
+            raise ValueError("sample_rate=None needs a train_dataset (or give PrivacyArguments.sample_rate)")
+        return 1.0 / math.ceil(len(self.train_dataset) / self.expected_batch_size)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Logical steps per epoch: ``int(1 / sample_rate)`` (Opacus's Poisson loader)."""
+        return max(1, int(1.0 / self.sample_rate))
+
+    def planned_steps(self) -> int:
+        """The logical steps the run plans (what target_epsilon is calibrated for)."""
+        if self.args.max_steps > 0:
+            return int(self.args.max_steps)
+        return int(math.ceil(self.args.num_train_epochs * self.steps_per_epoch))
+
+    # ---- data ------------------------------------------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        """The Poisson loader (never the Trainer's shuffled loader)."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        dataset, collator = self.train_dataset, self.data_collator
+        try:
+            import datasets
+
+            is_hf_dataset = isinstance(dataset, datasets.Dataset)
+        except ImportError:  # pragma: no cover
+            is_hf_dataset = False
+        if is_hf_dataset:
+            dataset = self._remove_unused_columns(dataset, description="Training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="Training")
+        sampler = PoissonAccumulationSampler(
+            num_samples=len(dataset),
+            sample_rate=self.sample_rate,
+            micro_batches=self.args.gradient_accumulation_steps,
+            steps=self.steps_per_epoch,
+            rank=self.args.process_index,
+            world_size=self.args.world_size,
+            secure_mode=self.privacy.secure_mode,
+        )
+        return DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=_EmptySafeCollator(collator),
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+
+    def num_examples(self, dataloader: DataLoader) -> int:
+        """The expected number of rows per epoch (public; never ``len(dataset)``)."""
+        if isinstance(getattr(dataloader, "batch_sampler", None), PoissonAccumulationSampler):
+            return self.steps_per_epoch * self.expected_batch_size
+        return super().num_examples(dataloader)
+
+    # ---- the private optimizer -------------------------------------------------------
+    def create_optimizer(self, model=None):
+        if self._dp_optimizer is not None:
+            return self.optimizer
+        optimizer = super().create_optimizer(model) if self.optimizer is None else self.optimizer
+        if isinstance(optimizer, DPOptimizer):
+            raise ValueError("the optimizer is already a DPOptimizer: pass the plain torch optimizer")
+        self.optimizer = self._dp_make_private(optimizer)
+        return self.optimizer
+
+    def _dp_noise_multiplier(self) -> float:
+        p = self.privacy
+        if p.noise_multiplier is not None:
+            return float(p.noise_multiplier)
+        sigma = get_noise_multiplier_rc(
+            target_epsilon=p.target_epsilon,
+            target_delta=p.delta,
+            sample_rate=self.sample_rate,
+            steps=self.planned_steps(),
+            sketch_config=p.sketch_config,
+        )
+        logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps at q=%.6g", sigma, self.planned_steps(), self.sample_rate)
+        return sigma
+
+    def _dp_make_private(self, optimizer: torch.optim.Optimizer) -> DPOptimizer:
+        p = self.privacy
+        model = self.model
+        trainable = [q for q in model.parameters() if q.requires_grad]
+        if not trainable:
+            raise ValueError("the model has no trainable parameter")
+        sigma = self._dp_noise_multiplier()
+        self._dp_sigma = sigma
+        batch = self.expected_batch_size
+        engine = PrivacyEngine(accountant="rc_prv", secure_mode=p.secure_mode)
+        if self.args.world_size > 1:
+            # Opacus's DPDDP (parameters broadcast from rank 0, no gradient all-reduce in the
+            # backward pass): the distributed DP optimizer sums the clipped sums across ranks
+            # after rank 0 alone added the noise. The Trainer runs it instead of DDP.
+            self._dp_ddp = model = DPDDP(model)
+        # make_private needs a loader for its checks; the Trainer's Poisson loader is ours
+        placeholder = DataLoader(TensorDataset(torch.zeros(1)), batch_size=batch)
+        kwargs: Dict[str, Any] = dict(
+            module=model, optimizer=optimizer, data_loader=placeholder, noise_multiplier=sigma,
+            max_grad_norm=p.max_grad_norm, clipping=p.clipping, grad_sample_mode="hooks",
+            wrap_model=False, poisson_sampling=True, loss_reduction="mean", batch_first=True,
+        )
+        if p.clipping == "randomized":
+            kwargs.update(
+                estimator=p.estimator, sketch_size=p.sketch_size, sketching=p.sketching,
+                expected_batch_size=batch, sample_rate=self.sample_rate,
+            )
+        if not p.secure_mode:
+            device = trainable[0].device
+            kwargs["noise_generator"] = torch.Generator(device=device).manual_seed(entropy_seed())
+        if p.denoise is not None:
+            kwargs["denoise"] = p.denoise
+        was_training = model.training
+        model.train()  # Opacus validates a module in training mode (evaluate() may have run first)
+        try:
+            hooks, dp_optimizer, _ = engine.make_private(**kwargs)
+        finally:
+            model.train(was_training)
+        if p.clipping != "randomized":  # Opacus's own normaliser and rate read the placeholder
+            dp_optimizer.expected_batch_size = batch
+            dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=self.sample_rate))
+        if self._dp_resumed_history is not None:
+            engine.accountant.history = list(self._dp_resumed_history)
+        self._dp_engine, self._dp_optimizer, self._dp_hooks = engine, dp_optimizer, hooks
+        self._dp_names = {id(q): n for n, q in model.named_parameters()}
+        return dp_optimizer
+
+    @property
+    def privacy_engine(self) -> Optional[PrivacyEngine]:
+        return self._dp_engine
+
+    @property
+    def accountant(self):
+        return None if self._dp_engine is None else self._dp_engine.accountant
+
+    def privacy_steps(self) -> int:
+        """Logical steps charged so far (resumed history included)."""
+        acc = self.accountant
+        history = acc.history if acc is not None else (self._dp_resumed_history or [])
+        return int(sum(entry[2] for entry in history))
+
+    def get_epsilon(self) -> float:
+        """Epsilon spent so far at ``privacy.delta`` (rc_prv)."""
+        acc = self.accountant
+        if acc is None:
+            if not self._dp_resumed_history:
+                return 0.0
+            from .accounting.accountant import RCPRVAccountant
+
+            acc = RCPRVAccountant()
+            acc.history = list(self._dp_resumed_history)
+        return float(acc.get_epsilon(delta=self.privacy.delta))
+
+    # ---- training --------------------------------------------------------------------
+    def per_example_loss(self, model: nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
+        """One loss per row of ``inputs`` (shape (B,)). Override for other tasks; every
+        trainable weight must be used through its module's forward (the hooks see it)."""
+        inputs = dict(inputs)
+        labels = inputs.pop("labels", None)
+        inputs.pop("num_items_in_batch", None)
+        if labels is None:
+            raise ValueError("the batch has no 'labels': override per_example_loss(model, inputs)")
+        if any(k.startswith("cu_seq_lens") for k in inputs):
+            raise ValueError(
+                "padding-free batches (cu_seq_lens_*) merge rows: no per-row gradient; accepted values: "
+                "padding_free=False (packing_strategy='wrapped' for packing)"
+            )
+        input_ids = inputs.get("input_ids")
+        inner = _unwrap(model)
+        if input_ids is not None and input_ids.dim() == 2 and "position_ids" not in inputs and _accepts(inner, "position_ids"):
+            # per-row position ids: a (1, T) tensor broadcast over the batch has no per-row gradient
+            inputs["position_ids"] = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        if _accepts(inner, "use_cache") and "use_cache" not in inputs:
+            inputs["use_cache"] = False
+        outputs = model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        if logits.dim() == 3 and labels.dim() == 2:
+            return per_example_token_loss(logits, labels, shift=self._dp_shifts_labels())
+        if logits.dim() == 2:
+            return per_example_sequence_loss(logits, labels)
+        raise ValueError(
+            f"cannot form per-row losses from logits of shape {tuple(logits.shape)} and labels of shape "
+            f"{tuple(labels.shape)}: override per_example_loss(model, inputs)"
+        )
+
+    def _dp_shifts_labels(self) -> bool:
+        shifts = getattr(self, "_loss_shifts_labels", None)
+        if shifts is not None:
+            return bool(shifts)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        return type(_base_model(self.model)).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+    def training_step(self, model: nn.Module, inputs: Dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        """One physical batch: per-example losses averaged over the realised physical batch
+        (the hooks undo that factor; the update is divided by the public B only), one plain
+        backward, and, except for the last physical batch of the logical step, clipping into
+        the step's sum (BatchMemoryManager's skipped step). ``num_items_in_batch`` is ignored."""
+        optimizer = self._dp_optimizer
+        if optimizer is None:
+            raise RuntimeError("the private optimizer was not created (train() creates it)")
+        self._dp_micro += 1
+        last = self._dp_micro == self.args.gradient_accumulation_steps
+        if last != bool(self.accelerator.sync_gradients):
+            raise RuntimeError(
+                "physical batches are out of step with the Trainer's accumulation groups "
+                f"(batch {self._dp_micro} of {self.args.gradient_accumulation_steps})"
+            )
+        model.train()
+        report = torch.zeros((), device=self.args.device)
+        rows = 0
+        if not is_empty_batch(inputs):
+            inputs = self._prepare_inputs(inputs)
+            offload = getattr(self, "maybe_activation_offload_context", None) or contextlib.nullcontext()
+            with self.compute_loss_context_manager(), offload:
+                losses = self.per_example_loss(model, inputs)
+            del inputs
+            if losses.dim() != 1:
+                raise ValueError(f"per_example_loss must return shape (B,); got {tuple(losses.shape)}")
+            rows = int(losses.shape[0])
+            losses.mean().backward()
+            if self.privacy.log_train_loss:
+                report = losses.detach().sum() / self.expected_batch_size * self.args.gradient_accumulation_steps
+        if rows or last:
+            self._dp_check_records(rows)
+        if not last and rows:
+            _signal_same_draw(optimizer)
+            optimizer.step()  # clip into the step's sum; no noise, no charge, no update
+            optimizer.zero_grad(set_to_none=True)
+        if last:
+            self._dp_micro = 0
+        return report
+
+    def _dp_check_records(self, rows: int) -> None:
+        """Every trainable parameter must have per-example records (or Opacus per-sample
+        gradients) for this batch. A parameter unused by the batch (or an empty batch)
+        contributes exact zeros; one with a gradient that no hook saw is refused."""
+        optimizer = self._dp_optimizer
+        bookkept = hasattr(optimizer, "_records")
+        if not bookkept and getattr(self._dp_hooks, "output_passes", None) is not None:
+            # two passes from the output (checkpointed model): the clipped sum is in p.grad;
+            # the boundary refuses a loss it did not see. An empty batch or an unused
+            # parameter contributes zeros.
+            for p in optimizer.params:
+                if p.grad is None and getattr(p, "summed_grad", None) is None:
+                    p.grad = torch.zeros_like(p)
+            return
+        for p in optimizer.params:
+            has = getattr(p, "_bk_records", None) or getattr(p, "grad_sample", None) is not None
+            if has:
+                continue
+            if p.grad is not None and rows:
+                raise ValueError(
+                    f"parameter {self._dp_names.get(id(p), '?')!r} received a gradient that no per-example "
+                    "hook saw: its weight was used outside its module's forward (e.g. a fused LM head "
+                    "reading lm_head.weight directly, or non-reentrant gradient checkpointing); use the "
+                    "module (per_example_loss computes logits through the model's forward) or freeze "
+                    "the parameter"
+                )
+            if bookkept:
+                p._bk_records = [Record(torch.zeros(rows, device=p.device), _zero_sum(p))]
+            else:
+                p.grad_sample = torch.zeros(rows, *p.shape, device=p.device, dtype=p.dtype)
+
+    def _dp_after_step(self) -> None:
+        if self._dp_optimizer is not None:
+            self._dp_optimizer.zero_grad(set_to_none=True)
+
+    def _dp_on_train_begin(self) -> None:
+        self._dp_micro = 0
+        if self._dp_optimizer is not None:
+            self._dp_optimizer.zero_grad(set_to_none=True)
+        self._dp_max_steps = self._dp_budget_steps()
+        if self._dp_max_steps is not None and self._dp_max_steps <= self.privacy_steps():
+            raise ValueError(
+                f"stop_at_epsilon={self.privacy.stop_at_epsilon}: the next step would exceed it "
+                f"(epsilon so far {self.get_epsilon():.4g}); nothing to train"
+            )
+
+    def _dp_budget_steps(self) -> Optional[int]:
+        """The largest total number of logical steps whose epsilon stays within
+        ``stop_at_epsilon`` (steps as configured), by bisection; None without a budget."""
+        budget = self.privacy.stop_at_epsilon
+        if budget is None:
+            return None
+        acc = self.accountant
+        base = list(acc.history)
+        from .accounting.accountant import RCPRVAccountant, sketch_record
+
+        step = (self._dp_sigma, self.sample_rate, 1, sketch_record(self.privacy.sketch_config))
+        probe = RCPRVAccountant()
+
+        def eps_after(extra: int) -> float:
+            probe.history = base + ([(step[0], step[1], extra, step[3])] if extra else [])
+            return probe.get_epsilon(delta=self.privacy.delta) if probe.history else 0.0
+
+        done = self.privacy_steps()
+        lo, hi = 0, max(1, self.planned_steps())
+        if eps_after(hi) <= budget:
+            return None if hi >= self.planned_steps() else done + hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if eps_after(mid) <= budget:
+                lo = mid
+            else:
+                hi = mid
+        return done + lo
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if training and self._dp_ddp is not None:
+            return self._dp_ddp  # not the Trainer's DDP (it would average un-clipped gradients)
+        return super()._wrap_model(model, training, dataloader)
+
+    # ---- what the Trainer would compute from un-noised values --------------------------
+    def _clip_grad_norm(self, model):
+        return None
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return None  # the norm of the clipped, un-noised sum: never computed or logged
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        return None  # the realised token count is not the normaliser
+
+    def floating_point_ops(self, inputs) -> int:
+        return 0  # a function of the realised batch sizes
+
+    def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
+        """The Trainer's log without un-noised statistics, with ``epsilon`` (at
+        ``privacy.delta``) added at every logging step."""
+        for key in PRIVATE_LOG_KEYS:
+            logs.pop(key, None)
+        if not self.privacy.log_train_loss:
+            for key in LOSS_LOG_KEYS:
+                logs.pop(key, None)
+        if self._dp_engine is not None or self._dp_resumed_history:
+            logs["epsilon"] = self.get_epsilon()
+        metrics = getattr(self, "_metrics", None)  # TRL's per-batch training metrics
+        if isinstance(metrics, dict) and isinstance(metrics.get("train"), dict):
+            metrics["train"].clear()
+        super().log(logs, start_time)
+
+    # ---- checkpoints -----------------------------------------------------------------
+    def privacy_state(self) -> Dict[str, Any]:
+        """What a checkpoint keeps of the privacy state: the accountant's history and the
+        public parameters; no generator state, no seed."""
+        acc = self.accountant
+        history = acc.history if acc is not None else (self._dp_resumed_history or [])
+        return {
+            "accountant": "rc_prv",
+            "history": [list(entry) for entry in history],
+            "delta": self.privacy.delta,
+            "epsilon": self.get_epsilon(),
+            "noise_multiplier": self._dp_sigma,
+            "sample_rate": self.sample_rate if self.train_dataset is not None or self.privacy.sample_rate else None,
+            "expected_batch_size": self.expected_batch_size,
+            "privacy": dataclasses.asdict(self.privacy),
+        }
+
+    def _dp_write_state(self, output_dir: Optional[str]) -> None:
+        if output_dir is None or not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, DP_STATE_NAME), "w") as f:
+            json.dump(self.privacy_state(), f, indent=1)
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        self._dp_write_state(output_dir if output_dir is not None else self.args.output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, DP_STATE_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"resume_from_checkpoint={checkpoint!r} has no {DP_STATE_NAME}: its privacy history is "
+                "unknown, so epsilon cannot be reported; accepted values: a checkpoint saved by a private Trainer"
+            )
+        with open(path) as f:
+            state = json.load(f)
+        history = [tuple(e[:3]) + (e[3] if len(e) > 3 else None,) for e in state["history"]]
+        history = [(float(s), float(q), int(n), sk) for s, q, n, sk in history]
+        self._dp_resumed_history = history
+        if self._dp_engine is not None:
+            self._dp_engine.accountant.history = list(history)
+
+
+def _signal_same_draw(optimizer: DPOptimizer) -> None:
+    """A skipped step whose next physical batch continues the same Poisson draw (charged
+    once, averaged once). Optimizers without ``same_draw=`` (Opacus's flat one, older
+    randomized ones) count a skipped step as part of the same logical step anyway."""
+    if "same_draw" in inspect.signature(optimizer.signal_skip_step).parameters:
+        optimizer.signal_skip_step(do_skip=True, same_draw=True)
+    else:
+        optimizer.signal_skip_step(do_skip=True)
+
+
+def _zero_sum(p: nn.Parameter):
+    def clipped(c: torch.Tensor, keep=None) -> torch.Tensor:
+        return torch.zeros_like(p)
+
+    return clipped
+
+
+def _replaceable_compute_loss() -> Tuple[Any, ...]:
+    known = []
+    try:
+        from trl import SFTTrainer
+
+        known.append(SFTTrainer.compute_loss)
+    except Exception:  # TRL not installed
+        pass
+    return tuple(known)
+
+
+class DPTrainer(DPTrainerMixin, Trainer):
+    """:class:`transformers.Trainer` trained with DP-SGD (see the module documentation);
+    the privacy options come as ``privacy=PrivacyArguments(...)``."""
+
+
+_PRIVATE_CLASSES: Dict[type, type] = {Trainer: DPTrainer}
+
+
+def private_trainer(trainer_class: Type[Trainer]) -> Type[Trainer]:
+    """A private subclass of ``trainer_class`` (a ``transformers.Trainer`` subclass, e.g.
+    TRL's ``SFTTrainer``): ``private_trainer(SFTTrainer)(..., privacy=PrivacyArguments(...))``.
+
+    In training, the class's ``compute_loss`` is replaced by per-example losses computed
+    through the model's forward (TRL's fused LM head, which reads ``lm_head.weight``
+    outside the module, is not used in training; evaluation keeps the class's own loss).
+    A class with any other custom ``compute_loss`` is refused at construction (override
+    ``per_example_loss`` instead).
+    """
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise ValueError(f"trainer_class={trainer_class!r} is invalid; accepted values: a transformers.Trainer subclass")
+    if issubclass(trainer_class, DPTrainerMixin):
+        return trainer_class
+    cls = _PRIVATE_CLASSES.get(trainer_class)
+    if cls is None:
+        cls = type(
+            f"DP{trainer_class.__name__}",
+            (DPTrainerMixin, trainer_class),
+            {"__module__": __name__, "_REPLACEABLE_COMPUTE_LOSS": _replaceable_compute_loss(),
+             "__doc__": f"Private {trainer_class.__name__} (opacus_rc.hf.private_trainer)."},
+        )
+        _PRIVATE_CLASSES[trainer_class] = cls
+    return cls
+
+
+__all__ = [
+    "DPTrainer", "DPTrainerMixin", "PrivacyArguments", "PoissonAccumulationSampler", "private_trainer",
+    "per_example_token_loss", "per_example_sequence_loss", "DP_STATE_NAME",
+]

@@ -1,0 +1,42 @@
+"""One rank of the two-process DPTrainer test (tests/test_hf_trainer.py), launched with
+``python -m torch.distributed.run --nproc_per_node 2 tests/hf_trainer_ddp_worker.py OUT SIGMA``
+(gloo on CPU). Each rank saves what it trained on and where it ended."""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import test_hf_trainer as t  # noqa: E402
+
+
+def main(out: str, sigma: float) -> None:
+    import pathlib
+
+    torch.set_num_threads(1)
+    model = t.tiny_llama(seed=int(os.environ["RANK"]))  # different on purpose: rank 0's is broadcast
+    trainer = t.recording(t.DPTrainer)(
+        model=model,
+        args=t.training_args(pathlib.Path(out), per_device_train_batch_size=t.PER_DEVICE // 2, logging_steps=1),
+        train_dataset=t.RowDataset(),
+        optimizers=(torch.optim.SGD(model.parameters(), lr=0.5), None),
+        privacy=t.PrivacyArguments(noise_multiplier=sigma, delta=1e-5, max_grad_norm=0.05, sketch_size=32),
+    )
+    trainer.train()
+    torch.save(
+        {
+            "recorded": trainer.recorded,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "history": trainer.accountant.history,
+            "epsilon": [e.get("epsilon") for e in trainer.state.log_history],
+            "world_size": trainer.args.world_size,
+            "expected_batch_size": trainer.expected_batch_size,
+        },
+        os.path.join(out, f"rank{os.environ['RANK']}.pt"),
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]))
