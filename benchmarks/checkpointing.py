@@ -327,6 +327,30 @@ def cpu_run(seq_lens: Sequence[int], configs: Sequence[str], *, steps: int = 1, 
     return out
 
 
+def interleaved_times(seq_len: int, configs: Sequence[str], *, reps: int = 3, d_model: int = 256,
+                      n_layers: int = 4, vocab: int = 512) -> Dict[str, Any]:
+    """Step time of every configuration in one process on the CPU: one warm-up step each,
+    then ``reps`` rounds with the order rotated every round (load changes hit all alike);
+    medians and their ratios to ``nonprivate_ckpt``."""
+    shape = default_shape(seq_len, d_model, n_layers, vocab)
+    trainers = {c: build_trainer(c, shape, "cpu") for c in configs}
+    for trainer, tokens in trainers.values():
+        trainer.step(tokens)
+    times: Dict[str, List[float]] = {c: [] for c in configs}
+    for rep in range(reps):
+        for j in range(len(configs)):
+            c = configs[(rep + j) % len(configs)]
+            trainer, tokens = trainers[c]
+            gc.collect()
+            t0 = time.perf_counter()
+            trainer.step(tokens)
+            times[c].append(time.perf_counter() - t0)
+    med = {c: statistics.median(v) for c, v in times.items()}
+    base = med.get(BASELINE)
+    return {"seq_len": seq_len, "median_s": med, "times_s": times,
+            "ratio_to_nonprivate_ckpt": {c: m / base for c, m in med.items()} if base else {}}
+
+
 # ------------------------------------------------------------------------------------------
 # report
 # ------------------------------------------------------------------------------------------
@@ -440,6 +464,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--cpu-configs", default=",".join(CONFIGS[:2] + CONFIGS[3:]),
                         help="configurations of the CPU run (default: all but ghost_ckpt)")
     parser.add_argument("--cpu-only", action="store_true", help="skip the meta sweep")
+    parser.add_argument("--time-seq-lens", default="",
+                        help="also time the CPU configurations interleaved in this process at these T")
+    parser.add_argument("--reps", type=int, default=3, help="rounds of --time-seq-lens")
     parser.add_argument("--steps", type=int, default=1, help="timed CPU steps per configuration")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
@@ -470,13 +497,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     rows = [] if args.cpu_only else sweep(seq_lens, configs, **size)
     cpu_rows = cpu_run(cpu_seq_lens, cpu_configs, steps=args.steps, threads=args.threads, **size) \
         if cpu_seq_lens else []
+    time_lens = [int(t) for t in args.time_seq_lens.split(",") if t]
+    timings = [interleaved_times(t, cpu_configs, reps=args.reps, d_model=args.d_model, n_layers=args.layers,
+                                 vocab=args.vocab) for t in time_lens]
     print(markdown(rows, cpu_rows), end="")
+    for x in timings:
+        print(f"\nInterleaved CPU step time at T={x['seq_len']:,} (median of {args.reps}; ratio to nonprivate_ckpt): "
+              + ", ".join(f"{c} {m:.2f} s ({x['ratio_to_nonprivate_ckpt'].get(c, float('nan')):.2f}x)"
+                          for c, m in x["median_s"].items()))
     if args.plot and rows:
         plot(rows, args.plot)
     if args.json:
         record = {"model": {"arch": "llama", "d_model": args.d_model, "layers": args.layers, "vocab": args.vocab,
                             "batch": 1, "dtype": "float32", "checkpointing": "HF, per decoder layer, reentrant"},
-                  "rows": rows, "cpu_rows": cpu_rows, "slopes": slopes(rows) if rows else {},
+                  "rows": rows, "cpu_rows": cpu_rows, "timings": timings, "slopes": slopes(rows) if rows else {},
                   "crossover": crossover(rows) if rows else {}, "wall_s": time.perf_counter() - started,
                   "command": "python -m benchmarks.checkpointing " + " ".join(sys.argv[1:] if argv is None else argv)}
         with open(args.json, "w") as f:

@@ -58,7 +58,7 @@ def test_checkpointing_lowers_the_step_and_norm_terms_scale_as_stated():
 
 
 def test_slopes_and_crossover_on_known_curves():
-    a, b, c = 1e6, 300.0, 0.02
+    a, b, c = 1e6, 300.0, 0.1
     rows = []
     for t in (1024, 2048, 4096, 8192, 16384):
         rows.append({"config": "nonprivate_ckpt", "seq_len": t, "peak_bytes": a + b * t, "norm_peak_bytes": None})
@@ -90,3 +90,9 @@ def test_cli_writes_json_and_plot(tmp_path):
     assert png.stat().st_size > 1000
     with pytest.raises(SystemExit):
         C.main(["--configs", "nonsense"])
+
+
+def test_interleaved_times_rotate_and_ratio():
+    x = C.interleaved_times(64, ["nonprivate_ckpt", "randomized_ckpt"], reps=2, **TINY)
+    assert all(len(v) == 2 and min(v) > 0 for v in x["times_s"].values())
+    assert x["ratio_to_nonprivate_ckpt"]["nonprivate_ckpt"] == 1.0
