@@ -7,16 +7,23 @@ Model: Hugging Face ``LlamaForCausalLM`` from a config shaped like Llama-3.2-1B 
 16 layers, 32 query / 8 key-value heads, SwiGLU 8192, vocabulary 128,256; untied head so
 that every mode can run it), random weights, bf16 autocast, batch 1, T in {4096, 16384,
 65536}. Modes: ``nonprivate``, ``opacus_hooks`` (per-sample gradients), ``opacus_ghost``,
-``randomized`` (two passes) and ``randomized_bk`` (book-keeping), k = 32. Each (mode, T) gets
-a fresh model, one warm-up step and ``--steps`` timed steps; the JSON records the median step
-time and ``torch.cuda.max_memory_allocated``, an out-of-memory error as ``"oom"`` (the run
-goes on), and, from one more untimed step, the operations that make the host wait
-(``syncing_ops_per_step``, by site: :mod:`benchmarks.host_sync`, any device) and on CUDA
-the synchronisations ``torch.cuda.set_sync_debug_mode("warn")`` reports
+``randomized`` (two passes) and ``randomized_bk`` (book-keeping), k = 32; and with activation
+checkpointing (Hugging Face's, one checkpoint per decoder layer, **reentrant**:
+``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})`` +
+``enable_input_require_grads()``) at T in {16384, 65536, 131072}: ``nonprivate_ckpt``,
+``opacus_ghost_ckpt`` and ``randomized_ckpt`` (randomized clipping in its default mode,
+``grad_sample_mode="hooks"``, whatever form that mode takes under checkpointing). Each
+(mode, T) gets a fresh model, one warm-up step and ``--steps`` timed steps (``--long-steps``
+above T = 16384); the JSON records the median step time and
+``torch.cuda.max_memory_allocated``, an out-of-memory error as ``"oom"`` (the run goes on),
+and, from one more untimed step at T <= ``--sync-max-seq-len``, the operations that make the
+host wait (``syncing_ops_per_step``, by site: :mod:`benchmarks.host_sync`, any device) and on
+CUDA the synchronisations ``torch.cuda.set_sync_debug_mode("warn")`` reports
 (``host_syncs_per_step``). The optimizer is fused SGD, which skips a refused step on the
 device (no host synchronisation for the non-finite check). Hugging Face's mask code
 reads one value per forward pass (``find_packed_sequence_indices``), in every mode. Configurations that would
-start after ``--time-budget-s`` are recorded as skipped.
+start after ``--time-budget-s``, or whose predicted duration (the same mode's last step time
+scaled by (T / T_last)², attention's growth) would end past it, are recorded as skipped.
 
 Without CUDA (and without ``--device cpu``) it says so in one line and exits with status 2.
 """
@@ -41,13 +48,34 @@ from .host_sync import HostSyncCounter
 
 logger = logging.getLogger(__name__)
 
-MODES = ("nonprivate", "opacus_hooks", "opacus_ghost", "randomized", "randomized_bk")
-FULL = dict(vocab=128256, d=2048, layers=16, heads=32, kv_heads=8, ffn=8192, seq_lens=(4096, 16384, 65536))
-TINY = dict(vocab=512, d=64, layers=2, heads=4, kv_heads=2, ffn=128, seq_lens=(64, 128))
+PLAIN_MODES = ("nonprivate", "opacus_hooks", "opacus_ghost", "randomized", "randomized_bk")
+CKPT_MODES = ("nonprivate_ckpt", "opacus_ghost_ckpt", "randomized_ckpt")
+MODES = PLAIN_MODES + CKPT_MODES
+FULL = dict(vocab=128256, d=2048, layers=16, heads=32, kv_heads=8, ffn=8192, seq_lens=(4096, 16384, 65536),
+            ckpt_seq_lens=(16384, 65536, 131072))
+TINY = dict(vocab=512, d=64, layers=2, heads=4, kv_heads=2, ffn=128, seq_lens=(64, 128), ckpt_seq_lens=(128,))
+#: the grad-sample mode each private mode runs with
+GRAD_SAMPLE_MODE = {"opacus_hooks": "hooks", "opacus_ghost": "ghost", "randomized": "ghost", "randomized_bk": "hooks",
+                    "opacus_ghost_ckpt": "ghost", "randomized_ckpt": "hooks"}
 
 
-def build_model(cfg: Dict[str, Any], max_len: int, device: torch.device) -> nn.Module:
-    """``LlamaForCausalLM`` with random weights (float32 master weights; bf16 autocast)."""
+def enable_reentrant_checkpointing(model: nn.Module) -> None:
+    """Hugging Face activation checkpointing on a ``PreTrainedModel``, one checkpoint per
+    decoder layer, reentrant (``activation_checkpointing_enable`` in transformers >= 5.x,
+    else ``gradient_checkpointing_enable``), with ``enable_input_require_grads()``: a
+    reentrant checkpoint needs an input that requires grad. Leaves the model in train mode
+    (Hugging Face checkpoints only in training)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    else:  # transformers 4.x
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    model.train()
+
+
+def build_model(cfg: Dict[str, Any], max_len: int, device: torch.device, checkpointing: bool = False) -> nn.Module:
+    """``LlamaForCausalLM`` with random weights (float32 master weights; bf16 autocast);
+    ``checkpointing``: one reentrant checkpoint per decoder layer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -57,7 +85,10 @@ def build_model(cfg: Dict[str, Any], max_len: int, device: torch.device) -> nn.M
         tie_word_embeddings=False, attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(device)
+    model = LlamaForCausalLM(config).to(device)
+    if checkpointing:
+        enable_reentrant_checkpointing(model)
+    return model
 
 
 class Runner:
@@ -67,7 +98,7 @@ class Runner:
         self.mode, self.model, self.device = mode, model, device
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, fused=True)  # device-side skip: no host sync
         self.criterion = None
-        if mode == "nonprivate":
+        if mode in ("nonprivate", "nonprivate_ckpt"):
             self.module, self.optimizer = model, optimizer
             return
         from opacus import PrivacyEngine
@@ -77,13 +108,12 @@ class Runner:
         randomized = mode.startswith("randomized")
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(batch.cpu()), batch_size=len(batch))
         extra = {"clipping": "randomized", "sketch_size": 32} if randomized else {}
-        mode_name = {"opacus_hooks": "hooks", "opacus_ghost": "ghost", "randomized": "ghost", "randomized_bk": "hooks"}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = PrivacyEngine(accountant="rc_prv" if randomized else "prv").make_private(
                 module=model, optimizer=optimizer, criterion=nn.CrossEntropyLoss(), data_loader=loader,
                 noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False,
-                grad_sample_mode=mode_name[mode], wrap_model=False, **extra,
+                grad_sample_mode=GRAD_SAMPLE_MODE[mode], wrap_model=False, **extra,
             )
         self.module, self.optimizer = model, out[1]
         if len(out) == 4:
@@ -135,9 +165,11 @@ def count_syncs(runner: Runner, tokens: torch.Tensor, device: torch.device) -> D
     return out
 
 
-def run_one(mode: str, cfg: Dict[str, Any], seq_len: int, steps: int, device: torch.device) -> Dict[str, Any]:
+def run_one(mode: str, cfg: Dict[str, Any], seq_len: int, steps: int, device: torch.device,
+            count_host_syncs: bool = True) -> Dict[str, Any]:
     """Median step time, peak allocated memory and host syncs of one (mode, T)."""
-    record: Dict[str, Any] = {"mode": mode, "seq_len": seq_len}
+    checkpointing = mode in CKPT_MODES
+    record: Dict[str, Any] = {"mode": mode, "seq_len": seq_len, "checkpointing": "reentrant" if checkpointing else None}
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -145,7 +177,7 @@ def run_one(mode: str, cfg: Dict[str, Any], seq_len: int, steps: int, device: to
     try:
         gen = torch.Generator().manual_seed(seq_len)
         tokens = torch.randint(0, cfg["vocab"], (1, seq_len + 1), generator=gen).to(device)
-        runner = Runner(mode, build_model(cfg, seq_len + 1, device), tokens, device)
+        runner = Runner(mode, build_model(cfg, seq_len + 1, device, checkpointing), tokens, device)
         runner.step(tokens)  # warm-up
         _sync(device)
         times: List[float] = []
@@ -155,7 +187,8 @@ def run_one(mode: str, cfg: Dict[str, Any], seq_len: int, steps: int, device: to
             _sync(device)
             times.append(time.perf_counter() - start)
         record.update(status="ok", median_step_s=statistics.median(times), step_times_s=times)
-        record.update(count_syncs(runner, tokens, device))
+        if count_host_syncs:
+            record.update(count_syncs(runner, tokens, device))
     except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
         if not _is_oom(error):
             raise
@@ -169,13 +202,38 @@ def run_one(mode: str, cfg: Dict[str, Any], seq_len: int, steps: int, device: to
     return record
 
 
+def schedule(modes: Sequence[str], plain_lens: Sequence[int], ckpt_lens: Sequence[int]) -> List[tuple]:
+    """(T, mode) in the order they run: T ascending; at each T the modes in ``modes`` order,
+    the checkpointed ones at ``ckpt_lens``, the others at ``plain_lens``."""
+    out = []
+    for seq_len in sorted(set(plain_lens) | set(ckpt_lens)):
+        for mode in modes:
+            if seq_len in (ckpt_lens if mode in CKPT_MODES else plain_lens):
+                out.append((seq_len, mode))
+    return out
+
+
+def predicted_seconds(last: Optional[tuple], seq_len: int, steps: int) -> float:
+    """Seconds ``steps`` steps at ``seq_len`` would take from the same mode's last measured
+    step (T_last, s): scaled by (T / T_last)², attention's growth (an upper bound for the
+    linear layers); 0 without a measurement."""
+    if last is None:
+        return 0.0
+    t_last, seconds = last
+    return steps * seconds * (seq_len / t_last) ** 2
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny model and T (CI, CPU)")
-    parser.add_argument("--seq-lens", default=None, help="comma-separated T (default: by size)")
+    parser.add_argument("--seq-lens", default=None, help="comma-separated T of the modes without checkpointing")
+    parser.add_argument("--ckpt-seq-lens", default=None, help="comma-separated T of the checkpointed modes")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--steps", type=int, default=3, help="timed steps per (mode, T), after one warm-up")
+    parser.add_argument("--long-steps", type=int, default=1, help="timed steps above T = 16384")
+    parser.add_argument("--sync-max-seq-len", type=int, default=16384,
+                        help="count host syncs (one more step) only up to this T")
     parser.add_argument("--time-budget-s", type=float, default=540.0, help="start no configuration after this")
     parser.add_argument("--out", default="gpu_bench.json")
     args = parser.parse_args(argv)
@@ -186,26 +244,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
-    if bad or args.steps < 1:
-        parser.error(f"--modes accepts {','.join(MODES)}; --steps must be positive")
+    if bad or args.steps < 1 or args.long_steps < 1:
+        parser.error(f"--modes accepts {','.join(MODES)}; --steps and --long-steps must be positive")
     cfg = dict(TINY if args.tiny else FULL)
-    seq_lens = [int(t) for t in args.seq_lens.split(",")] if args.seq_lens else list(cfg.pop("seq_lens"))
-    cfg.pop("seq_lens", None)
+    plain_lens = [int(t) for t in args.seq_lens.split(",")] if args.seq_lens else list(cfg["seq_lens"])
+    ckpt_lens = [int(t) for t in args.ckpt_seq_lens.split(",")] if args.ckpt_seq_lens else list(cfg["ckpt_seq_lens"])
+    cfg.pop("seq_lens"), cfg.pop("ckpt_seq_lens")
     device = torch.device(args.device)
     started = time.perf_counter()
     results: List[Dict[str, Any]] = []
-    for seq_len in seq_lens:
-        for mode in modes:
-            if time.perf_counter() - started > args.time_budget_s:
-                results.append({"mode": mode, "seq_len": seq_len, "status": "skipped (time budget)"})
-                continue
-            record = run_one(mode, cfg, seq_len, args.steps, device)
-            results.append(record)
-            print(json.dumps({k: v for k, v in record.items() if k != "step_times_s"}), flush=True)
+    last: Dict[str, tuple] = {}  # mode -> (T, seconds per step) of its last successful run
+    for seq_len, mode in schedule(modes, plain_lens, ckpt_lens):
+        elapsed = time.perf_counter() - started
+        steps = args.steps if seq_len <= 16384 else args.long_steps
+        count = seq_len <= args.sync_max_seq_len
+        predicted = predicted_seconds(last.get(mode), seq_len, steps + 1 + count)
+        if elapsed > args.time_budget_s or elapsed + predicted > args.time_budget_s:
+            why = "time budget" if elapsed > args.time_budget_s else f"predicted {predicted:.0f} s, over the time budget"
+            results.append({"mode": mode, "seq_len": seq_len, "status": f"skipped ({why})"})
+            print(json.dumps(results[-1]), flush=True)
+            continue
+        record = run_one(mode, cfg, seq_len, steps, device, count_host_syncs=count)
+        if record["status"] == "ok":
+            last[mode] = (seq_len, record["median_step_s"])
+        results.append(record)
+        print(json.dumps({k: v for k, v in record.items() if k != "step_times_s"}), flush=True)
     summary = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "model": cfg, "batch": 1, "autocast": "bfloat16",
-        "steps": args.steps, "wall_s": time.perf_counter() - started, "results": results,
+        "steps": args.steps, "long_steps": args.long_steps, "checkpointing": "HF, per decoder layer, reentrant", "wall_s": time.perf_counter() - started, "results": results,
     }
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)

@@ -17,6 +17,14 @@ Two parts per GPU (FSDP2 over ``--gpus`` GPUs, one sequence of T tokens per GPU,
   activations autograd (and Opacus's hooks) keep for the backward pass. The peak is taken at
   the start of the backward pass, with every activation alive (an upper bound).
 
+With activation checkpointing (``--checkpointed``, the default tables of docs/scaling.md
+since issue 22) the activation term is :func:`checkpointed_terms`: what each checkpointed
+decoder layer keeps (its input), the one layer recomputed at a time, the LM head's logits
+and their gradient, and the norm term of each method, at Llama-3.2-1B on one GPU and
+Llama-3-8B under FSDP2 on 8 GPUs (:data:`SETUPS`); the stated model is checked against the
+counted peak of a small checkpointed Llama (:mod:`benchmarks.checkpointing`) in
+tests/test_scaling.py.
+
 Nothing here runs a model: the counts are exact for the operators (meta tensors have shapes
 but no data) and the rest is arithmetic.
 """
@@ -25,9 +33,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import functools
 import logging
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from opacus.grad_sample.linear import compute_linear_norm_sample
@@ -79,8 +88,12 @@ class DecoderShape:
 
 
 LLAMA3_8B = DecoderShape()
+#: Llama-3.2-1B's shape with an untied head (as benchmarks/gpu.py runs it: Opacus ghost
+#: clipping refuses tied weights)
+LLAMA32_1B = DecoderShape(vocab=128256, d=2048, layers=16, heads=32, kv_heads=8, ffn=8192)
 
 
+@functools.lru_cache(maxsize=None)
 def norm_peak_bytes(method: str, d: int, p: int, seq_len: int, sketch_size: int = 32) -> int:
     """Peak extra bytes of one (d -> p) layer's per-sample norm computation, one sequence
     of ``seq_len`` bf16 tokens, counted on the meta device (inputs excluded)."""
@@ -196,12 +209,225 @@ def markdown(rows: List[Row], longest: Dict[Tuple[str, float], int], shape: Deco
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------------------------------
+# with activation checkpointing (one checkpoint per decoder layer)
+# ------------------------------------------------------------------------------------------
+#: methods of the checkpointed tables: non-private, Opacus ghost, randomized clipping in its
+#: two-pass form (the randomized default under checkpointing), and book-keeping (stated apart)
+CKPT_METHODS = ("nonprivate", "ghost", "randomized", "bookkeeping")
+#: the norm computation each method runs (benchmarks.scaling.norm_peak_bytes)
+CKPT_NORM = {"nonprivate": None, "ghost": "ghost", "randomized": "hutchinson", "bookkeeping": "hutchinson"}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A model on ``gpus`` GPUs (FSDP2 when more than one), one sequence per GPU."""
+
+    name: str
+    shape: DecoderShape
+    gpus: int
+
+
+SETUPS = (Setup("Llama-3.2-1B, 1 GPU", LLAMA32_1B, 1), Setup("Llama-3-8B, FSDP2 over 8 GPUs", LLAMA3_8B, 8))
+
+
+def record_elements(shape: DecoderShape) -> int:
+    """Elements per token that book-keeping records for one decoder layer: the linear
+    layers' inputs (q/k/v share one, gate/up share one: 3d + ffn) and output gradients
+    (q, k, v, o, gate, up, down: 3d + 2 d_kv + 2 ffn)."""
+    return (3 * shape.d + shape.ffn) + (3 * shape.d + 2 * shape.d_kv + 2 * shape.ffn)
+
+
+def checkpointed_terms(shape: DecoderShape, seq_len: int, gpus: int, method: str, *, elem_bytes: int = 2,
+                       state_bytes_per_param: int = 16, buffer_bytes_per_param: int = 2,
+                       norm_bytes: Optional[int] = None,
+                       logit_chunk: Optional[int] = None) -> Dict[str, int]:
+    """Bytes per GPU of one checkpointed step (the stated model), by term.
+
+    * ``state``, ``buffers``: as :func:`memory_model` (``gpus > 1``: FSDP2-sharded state
+      and unsharded buffers); on one GPU the state is whole and the buffers are the bf16
+      copies of the weights that autocast keeps for the backward pass (2 bytes/param);
+    * ``kept_inputs``: what each checkpointed decoder layer keeps for its recomputation,
+      its input, layers x T x d;
+    * ``recomputed_layer``: the one layer recomputed at a time in the backward pass, with
+      its full activations (:func:`memory_model`'s per-layer figure, 6d + 2 d_kv + 4 ffn
+      per token) and the gradients of its backward (gate and up, the hidden state:
+      2 ffn + 2d per token);
+    * ``head``: the LM head's logits and their gradient, 2 x T x vocab, alive together
+      when the loss's backward runs, before any decoder layer is recomputed;
+    * ``retained_head``: the two-pass methods (Opacus ghost, randomized two-pass) keep
+      the graph for their second pass, with one T x vocab tensor of the loss (measured on
+      the meta device: exactly one, tests/test_scaling.py), through the decoder layers'
+      first backward;
+    * ``records`` (book-keeping): every linear layer's input and output gradient, kept
+      until ``optimizer.step()``: :func:`record_elements` per token and layer, plus the
+      head's input and output gradient (d + vocab); checkpointing does not shrink them;
+    * ``norm``: the method's largest per-layer norm computation (counted: ghost's T x T
+      matrices, the sketch's B k (d + p) and chunks).
+
+    The peak (:func:`checkpointed_step_bytes`) is the persistent terms plus the larger of
+    the head phase and the layer phase. ``logit_chunk``: a loss that never holds more than
+    that many positions' logits (a chunked cross-entropy; not part of this package): the
+    head terms shrink to the chunk.
+    """
+    if method not in CKPT_METHODS:
+        raise ValueError(f"method={method!r} is not supported; accepted values: {CKPT_METHODS}")
+    t, b = seq_len, elem_bytes
+    if gpus > 1:
+        rest = memory_model(shape, seq_len, gpus)
+        state, buffers = rest["state"], rest["buffers"]
+    else:
+        state, buffers = state_bytes_per_param * shape.params(), buffer_bytes_per_param * shape.params()
+    if norm_bytes is None:
+        kind = CKPT_NORM[method]
+        norm_bytes = 0 if kind is None else max(
+            norm_peak_bytes(kind, d, p, seq_len) for d, p in shape.linear_shapes().values())
+    two_pass = method in ("ghost", "randomized")
+    t_logits = t if logit_chunk is None else min(t, logit_chunk)
+    return {
+        "state": state,
+        "buffers": buffers,
+        "kept_inputs": t * shape.layers * shape.d * b,
+        "recomputed_layer": t * b * ((6 * shape.d + 2 * shape.d_kv + 4 * shape.ffn) + (2 * shape.ffn + 2 * shape.d)),
+        "head": 2 * t_logits * shape.vocab * b,
+        "retained_head": t_logits * shape.vocab * b if two_pass else 0,
+        "records": t * b * (shape.layers * record_elements(shape) + shape.d + shape.vocab)
+        if method == "bookkeeping" else 0,
+        "bookkeeping_rest": t * b * ((6 * shape.d + 2 * shape.d_kv + 4 * shape.ffn) + (2 * shape.ffn + 2 * shape.d)
+                                     - record_elements(shape)) if method == "bookkeeping" else 0,
+        "norm": norm_bytes,
+    }
+
+
+def checkpointed_step_bytes(terms: Dict[str, int], method: str) -> int:
+    """Peak of the checkpointed step from :func:`checkpointed_terms`: state, buffers, kept
+    inputs and the norm term throughout, plus the larger of the head phase (logits and their
+    gradient) and the layer phase (one recomputed layer, and the two-pass methods' retained
+    loss tensor). Book-keeping's records already hold the head's gradient and every linear
+    layer's input and output gradient, so it adds the logits (T x vocab) or the rest of the
+    recomputed layer (``bookkeeping_rest``), the larger."""
+    base = terms["state"] + terms["buffers"] + terms["kept_inputs"] + terms["norm"]
+    if method == "bookkeeping":
+        return base + terms["records"] + max(terms["head"] // 2, terms["bookkeeping_rest"])
+    return base + max(terms["head"], terms["recomputed_layer"] + terms["retained_head"])
+
+
+def binding_terms(terms: Dict[str, int], method: str) -> List[Tuple[str, int]]:
+    """The terms of the checkpointed step that count towards its peak, largest first."""
+    phase = {"head": terms["head"], "layer_phase": terms["recomputed_layer"] + terms["retained_head"]}
+    if method == "bookkeeping":
+        phase = {"head": terms["head"] // 2, "layer_phase": terms["bookkeeping_rest"]}
+    names = {"state": terms["state"], "buffers": terms["buffers"], "kept_inputs": terms["kept_inputs"],
+             "norm": terms["norm"], "records": terms["records"], **phase}
+    return sorted(((k, v) for k, v in names.items() if v), key=lambda kv: -kv[1])
+
+
+def binding_term(terms: Dict[str, int], method: str) -> str:
+    """The largest single term of the checkpointed step."""
+    return binding_terms(terms, method)[0][0]
+
+
+@dataclass
+class CkptRow:
+    """One (setup, method, T) of the checkpointed tables (bytes per GPU)."""
+
+    setup: str
+    method: str
+    seq_len: int
+    terms: Dict[str, int]
+    step_bytes: int
+    binding: str
+
+
+def ckpt_row(setup: Setup, method: str, seq_len: int, logit_chunk: Optional[int] = None) -> CkptRow:
+    terms = checkpointed_terms(setup.shape, seq_len, setup.gpus, method, logit_chunk=logit_chunk)
+    return CkptRow(setup.name, method, seq_len, terms, checkpointed_step_bytes(terms, method),
+                   binding_term(terms, method))
+
+
+def longest_fitting_ckpt(setup: Setup, method: str, budget_bytes: float, step: int = 1024,
+                         limit: int = 1 << 18, logit_chunk: Optional[int] = None) -> int:
+    """The longest checkpointed T (a multiple of ``step``, at most ``limit``: 256K) that fits
+    ``budget_bytes`` per GPU (0 if none); bisection, the step memory grows with T."""
+    lo, hi = 0, limit // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ckpt_row(setup, method, mid * step, logit_chunk).step_bytes <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
+
+
+TERM_NAMES = {"state": "state", "buffers": "buffers", "kept_inputs": "kept layer inputs",
+              "recomputed_layer": "recomputed layer", "head": "logits + gradient",
+              "layer_phase": "recomputed layer (+ retained loss tensor)", "norm": "norm term",
+              "records": "book-keeping records"}
+
+
+def ckpt_markdown(rows: List[CkptRow], longest: Dict[Tuple[str, str, float], Tuple[int, str]],
+                  title: str = "") -> str:
+    lines = []
+    for setup in dict.fromkeys(r.setup for r in rows):
+        lines += [f"**{setup}**, checkpointing per decoder layer, one sequence per GPU, bf16; GB = 1e9 bytes per GPU.",
+                  "",
+                  "| T | method | norm term | kept inputs | recomputed layer (+ retained loss tensor) | "
+                  "logits + gradient | book-keeping records | state + buffers | whole step | binds |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in (r for r in rows if r.setup == setup):
+            x = r.terms
+            lines.append(
+                f"| {r.seq_len:,} | {r.method} | {_gb(x['norm'])} | {_gb(x['kept_inputs'])} | "
+                f"{_gb(x['recomputed_layer'])}" + (f" (+{_gb(x['retained_head'])})" if x["retained_head"] else "")
+                + f" | {_gb(x['head'])} | {_gb(x['records']) if x['records'] else '-'} | "
+                f"{_gb(x['state'] + x['buffers'])} | {_gb(r.step_bytes)} | {TERM_NAMES[r.binding]} |")
+        lines.append("")
+    budgets = sorted({b for _, _, b in longest})
+    lines += ([title, ""] if title else []) + [
+              "| setup | method | " + " | ".join(f"longest T in {b / GB:.0f} GB (largest terms just past it, GB)"
+                                                for b in budgets) + " |",
+              "|---|---|" + "---|" * len(budgets)]
+    for setup, method in dict.fromkeys((s, m) for s, m, _ in longest):
+        cells = []
+        for b in budgets:
+            t, bind = longest[(setup, method, b)]
+            cells.append(f"{t:,} ({bind})" if t else f"none ({bind})")
+        lines.append(f"| {setup} | {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def describe_binding(terms: Dict[str, int], method: str, count: int = 3) -> str:
+    """The largest terms, e.g. ``"logits + gradient 56.4, state 24.1, norm term 48.9"``."""
+    return ", ".join(f"{TERM_NAMES.get(k, k)} {_gb(v)}" for k, v in binding_terms(terms, method)[:count])
+
+
+def checkpointed_tables(seq_lens: Sequence[int], budgets: Sequence[float], logit_chunk: Optional[int] = None,
+                        with_rows: bool = True):
+    """Rows at ``seq_lens`` and the longest T per budget for every setup and method; the
+    binding terms are those of the first T past the longest (1024 more)."""
+    rows = [ckpt_row(s, m, t, logit_chunk) for s in SETUPS for t in seq_lens for m in CKPT_METHODS] \
+        if with_rows else []
+    longest = {}
+    for s in SETUPS:
+        for m in CKPT_METHODS:
+            for b in budgets:
+                t = longest_fitting_ckpt(s, m, b, logit_chunk=logit_chunk)
+                past = ckpt_row(s, m, t + 1024, logit_chunk)
+                longest[(s.name, m, b)] = (t, describe_binding(past.terms, m))
+    return rows, longest
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--seq-lens", default="8192,32768,131072")
     parser.add_argument("--budgets-gb", default="80,141", help="GPU memory sizes for the longest-T table")
     parser.add_argument("--sketch-size", type=int, default=32)
+    parser.add_argument("--ckpt-seq-lens", default="16384,65536,131072,262144",
+                        help="T of the checkpointed tables")
+    parser.add_argument("--logit-chunk", type=int, default=4096,
+                        help="positions per chunk of the chunked-loss variant of the longest-T table")
+    parser.add_argument("--no-checkpointed", action="store_true", help="only the table without checkpointing")
     parser.add_argument("--json", default=None, help="write the rows and longest T as JSON")
     args = parser.parse_args(argv)
     try:
@@ -214,12 +440,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     shape = LLAMA3_8B
     rows = [row(m, shape, t, args.gpus, args.sketch_size) for t in seq_lens for m in METHODS]
     longest = {(m, b): longest_fitting(m, shape, args.gpus, b) for m in METHODS for b in budgets}
+    ckpt_rows, ckpt_longest, chunked_longest = [], {}, {}
+    if not args.no_checkpointed:
+        ckpt_lens = [int(t) for t in args.ckpt_seq_lens.split(",") if t]
+        ckpt_rows, ckpt_longest = checkpointed_tables(ckpt_lens, budgets)
+        print(ckpt_markdown(ckpt_rows, ckpt_longest, "Longest T, checkpointed (logits whole, as benchmarks/gpu.py):"))
+        _, chunked_longest = checkpointed_tables(ckpt_lens, budgets, logit_chunk=args.logit_chunk, with_rows=False)
+        print(ckpt_markdown([], chunked_longest, f"Longest T, checkpointed, with a chunked loss "
+                                                 f"({args.logit_chunk:,} positions' logits at a time):"))
+        print("Without activation checkpointing (the earlier model):\n")
     print(markdown(rows, longest, shape, args.gpus), end="")
     if args.json:
         record = {
             "shape": asdict(shape), "gpus": args.gpus, "sketch_size": args.sketch_size,
             "rows": [{**asdict(r), "step_bytes": r.step_bytes} for r in rows],
             "longest": [{"method": m, "budget_bytes": b, "seq_len": t} for (m, b), t in longest.items()],
+            "checkpointed": {
+                "setups": [{"name": s.name, "shape": asdict(s.shape), "gpus": s.gpus} for s in SETUPS],
+                "rows": [asdict(r) for r in ckpt_rows],
+                "longest": [{"setup": s, "method": m, "budget_bytes": b, "seq_len": t, "binds": bind}
+                            for (s, m, b), (t, bind) in ckpt_longest.items()],
+                "logit_chunk": args.logit_chunk,
+                "longest_chunked_loss": [{"setup": s, "method": m, "budget_bytes": b, "seq_len": t, "binds": bind}
+                                         for (s, m, b), (t, bind) in chunked_longest.items()],
+            },
         }
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)

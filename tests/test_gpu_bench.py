@@ -13,24 +13,42 @@ SCRIPT = ROOT / "scripts" / "gpu_bench.sh"
 
 
 def test_tiny_cpu_form_runs_every_mode(tmp_path):
+    """Every mode, the checkpointed ones (reentrant) included."""
     out = tmp_path / "gpu_bench.json"
     proc = subprocess.run(
         ["bash", str(SCRIPT), "--device", "cpu", "--tiny", "--steps", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     results = record["results"]
     assert {r["mode"] for r in results} == {
-        "nonprivate", "opacus_hooks", "opacus_ghost", "randomized", "randomized_bk"
+        "nonprivate", "opacus_hooks", "opacus_ghost", "randomized", "randomized_bk",
+        "nonprivate_ckpt", "opacus_ghost_ckpt", "randomized_ckpt",
     }
     assert {r["seq_len"] for r in results} == {64, 128}
     assert all(r["status"] == "ok" and r["median_step_s"] > 0 for r in results)
+    ckpt = [r for r in results if r["mode"].endswith("_ckpt")]
+    assert len(ckpt) == 3 and all(r["checkpointing"] == "reentrant" and r["seq_len"] == 128 for r in ckpt)
+    by_mode = {r["mode"]: r["syncing_ops_per_step"] for r in ckpt}
+    assert by_mode["randomized_ckpt"] == by_mode["nonprivate_ckpt"], by_mode
     # randomized clipping adds no operation that makes the host wait: its modes see
     # exactly the syncing operations of non-private training (the model's own)
     for t in (64, 128):
         by_mode = {r["mode"]: r["syncing_ops_per_step"] for r in results if r["seq_len"] == t}
         assert by_mode["randomized"] == by_mode["randomized_bk"] == by_mode["nonprivate"], by_mode
+
+
+def test_schedule_and_time_prediction():
+    from benchmarks import gpu
+
+    order = gpu.schedule(gpu.MODES, [4096, 16384, 65536], [16384, 65536, 131072])
+    assert [t for t, _ in order] == sorted(t for t, _ in order)
+    assert {m for t, m in order if t == 131072} == set(gpu.CKPT_MODES)
+    assert {m for t, m in order if t == 4096} == set(gpu.PLAIN_MODES)
+    assert len(order) == 3 * len(gpu.PLAIN_MODES) + 3 * len(gpu.CKPT_MODES)
+    assert gpu.predicted_seconds(None, 131072, 3) == 0.0
+    assert gpu.predicted_seconds((65536, 2.0), 131072, 3) == pytest.approx(3 * 2.0 * 4)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")

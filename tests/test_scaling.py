@@ -60,3 +60,74 @@ def test_memory_model_arithmetic():
     assert model["activations"] == 1000 * per_token
     r = scaling.row("ghost", shape, 1024, 8)
     assert r.step_bytes == r.norm_bytes + r.state_bytes + r.buffer_bytes + r.activation_bytes
+
+
+# ------------------------------------------------------------------------------------------
+# the checkpointed model (docs/scaling.md since issue 22)
+# ------------------------------------------------------------------------------------------
+def test_checkpointed_activations_below_the_uncheckpointed_ones():
+    for setup in scaling.SETUPS:
+        for t in (8192, 65536):
+            terms = scaling.checkpointed_terms(setup.shape, t, setup.gpus, "randomized")
+            full = scaling.memory_model(setup.shape, t, max(setup.gpus, 1))["activations"]
+            ckpt = terms["kept_inputs"] + terms["recomputed_layer"] + terms["head"]
+            assert ckpt < full / 2, (setup.name, t)
+            # what a checkpointed layer keeps: its input, layers x T x d
+            assert terms["kept_inputs"] == setup.shape.layers * t * setup.shape.d * 2
+
+
+def test_norm_terms_ghost_quadratic_sketch_flat():
+    shape = scaling.LLAMA32_1B
+    ghost = [scaling.norm_peak_bytes("ghost", shape.d, shape.d, t) for t in (16384, 32768, 65536)]
+    sketch = [scaling.norm_peak_bytes("hutchinson", shape.d, shape.d, t) for t in (16384, 32768, 65536)]
+    assert ghost[1] / ghost[0] == pytest.approx(4, rel=0.01) and ghost[2] / ghost[1] == pytest.approx(4, rel=0.01)
+    assert sketch[2] <= 4 * sketch[0] and sketch[2] < ghost[0] / 10  # at most linear, far below
+
+
+def test_checkpointed_step_grows_with_t_and_longest_t_is_monotone():
+    setup = scaling.SETUPS[0]
+    for method in scaling.CKPT_METHODS:
+        steps = [scaling.ckpt_row(setup, method, t).step_bytes for t in (8192, 16384, 32768, 65536)]
+        assert steps == sorted(steps) and len(set(steps)) == 4
+    small, large = (scaling.longest_fitting_ckpt(setup, "randomized", b * 1e9) for b in (80, 141))
+    ghost_small, ghost_large = (scaling.longest_fitting_ckpt(setup, "ghost", b * 1e9) for b in (80, 141))
+    assert 0 < small <= large and 0 < ghost_small <= ghost_large
+    assert ghost_small < small and ghost_large < large  # ghost's T² term costs it context
+    # the longest T fits and 1024 more does not
+    assert scaling.ckpt_row(setup, "randomized", small).step_bytes <= 80e9
+    assert scaling.ckpt_row(setup, "randomized", small + 1024).step_bytes > 80e9
+    # book-keeping keeps every linear input and output gradient: checkpointing saves it less
+    assert scaling.longest_fitting_ckpt(setup, "bookkeeping", 80e9) < small
+
+
+def test_checkpointed_model_matches_the_counted_small_llama():
+    """The stated model, in float32 with the counted norm term, is within 15% of the peak
+    counted operator by operator on the meta device for the small checkpointed Llama of
+    benchmarks/checkpointing.py (d = 256, 4 layers, vocabulary 512)."""
+    pytest.importorskip("transformers")
+    from benchmarks import checkpointing
+
+    small = scaling.DecoderShape(vocab=512, d=256, layers=4, heads=4, kv_heads=4, ffn=704)
+    configs = {"nonprivate": "nonprivate_ckpt", "ghost": "ghost_ckpt", "randomized": "randomized_ckpt",
+               "bookkeeping": "randomized_bk_ckpt"}
+    for method, config in configs.items():
+        counted = checkpointing.measure_peak(config, checkpointing.default_shape(2048), "meta")
+        terms = scaling.checkpointed_terms(small, 2048, 1, method, elem_bytes=4, state_bytes_per_param=4,
+                                           buffer_bytes_per_param=0, norm_bytes=counted["norm_peak_bytes"] or 0)
+        modelled = scaling.checkpointed_step_bytes(terms, method)
+        assert modelled == pytest.approx(counted["peak_bytes"], rel=0.15), method
+
+
+def test_two_pass_keeps_one_loss_tensor_through_the_layers():
+    """The retained-loss term of the model: on the meta device the checkpointed two-pass
+    step's peak grows by exactly one T x vocab float32 tensor per extra vocabulary entry
+    (the non-private step by none: its peak is in the layer phase)."""
+    pytest.importorskip("transformers")
+    from benchmarks import checkpointing
+
+    t = 4096
+    for config, tensors in (("randomized_ckpt", 1), ("nonprivate_ckpt", 0)):
+        p = [checkpointing.measure_peak(config, checkpointing.default_shape(t, vocab=v), "meta")["peak_bytes"]
+             for v in (256, 512)]
+        per_vocab = (p[1] - p[0]) / (t * 256 * 4)
+        assert per_vocab == pytest.approx(tensors, abs=0.1), config
