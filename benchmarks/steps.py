@@ -277,8 +277,10 @@ def make_trainer(
         if randomized
         else {}
     )
-    if base == "randomized_bk_ghost":
-        extra["bookkeeping"] = True  # a ghost script (4-tuple, criterion) in one pass
+    if base in ("randomized_bk", "randomized_bk_ghost"):
+        # book-keeping even on a checkpointed model (where "hooks" runs two passes from the
+        # output by default); bk_ghost: a ghost script (4-tuple, criterion) in one pass
+        extra["bookkeeping"] = True
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         out = engine.make_private(
