@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .loss import DPTensorRandomizedClipping
+from .recompute import forward_replay
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +94,8 @@ class OutputPasses:
     def _wrap_output(self, _module: nn.Module, _inputs: Any, output: Any) -> Any:
         if not (self.module.hooks_enabled and _module.training and torch.is_grad_enabled()):
             return None
-        if torch._C._current_graph_task_id() != -1:
-            return None  # recomputation inside a backward pass (activation checkpointing)
+        if forward_replay() is not None:
+            return None  # activation checkpointing's recomputation: the original call was wrapped
         if isinstance(output, torch.Tensor):
             return self._bounded(output)
         logits = getattr(output, "logits", None)

@@ -437,33 +437,17 @@ class SharedInTwoRegions(SharedAcrossRegion):
         return self.head(h).mean(dim=1)
 
 
-@pytest.mark.parametrize("mode", ["two_pass", "bookkeeping", "ghost_bookkeeping"])
-@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-def test_layer_shared_by_two_regions(mode, use_reentrant):
-    """Non-reentrant: equal to no checkpointing. Reentrant: the second region's replay
-    comes after the first region's use was complete: refused (one clip factor per
-    example, never one per use)."""
-    torch.manual_seed(0)
-    init = SharedInTwoRegions(use_reentrant=None)
-    data = batches(classes=True)
-    model = copy.deepcopy(init)
-    model.use_reentrant = use_reentrant
-    if use_reentrant:
-        with pytest.raises(ValueError, match=r"inside a checkpoint.*use_reentrant=False"):
-            private_steps(model, mlp_forward, data, mode)
-        return
-    want = private_steps(copy.deepcopy(init), mlp_forward, data, mode)
-    assert_same_trajectory(private_steps(model, mlp_forward, data, mode), want)
-
-
+@pytest.mark.parametrize("shared", [SharedAcrossRegion, SharedInTwoRegions], ids=["after_region", "two_regions"])
 @pytest.mark.parametrize("mode", ["two_pass", "hooks_object", "bookkeeping", "ghost_bookkeeping"])
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-def test_parameter_used_inside_and_after_a_region(mode, use_reentrant):
-    """Non-reentrant: the tied uses' sketched sum is the one without checkpointing (same
-    sketches). Reentrant: the later use's norm is taken before the region recomputes
-    the other use, so the step is refused with the supported form."""
+def test_parameter_used_inside_and_after_a_region(mode, use_reentrant, shared):
+    """A Linear used inside a region and after it, or in two regions (ALBERT-style).
+    Non-reentrant: the uses' sum is the one without checkpointing (same sketches).
+    Reentrant: one use's norm (two-pass) or record (book-keeping) is complete before the
+    region recomputes the other use, so the step is refused with the supported form (one
+    clip factor per example, never one per use)."""
     torch.manual_seed(0)
-    init = SharedAcrossRegion(use_reentrant=None)
+    init = shared(use_reentrant=None)
     data = batches(classes=True)
     model = copy.deepcopy(init)
     model.use_reentrant = use_reentrant
