@@ -64,6 +64,7 @@ def _setup(form: str, head: str, *, batch: int, d: int, vocab: int, k: int, bloc
     else:
         gsm = GradSampleModuleBookkeeping(model, sketch_config=config, sketch_seed=0)
         opt = RandomizedClippingBookkeepingOptimizer(sgd, sketch_config=config, noise_seed=0, **opts)
+    gsm.follow_steps(opt)
     chunked = ChunkedLMHeadLoss(model.head, block_size=block)
     if head == "chunked":
         crit = DPLossRandomizedClipping(gsm, opt, chunked, "mean") if form == "ghost" else None

@@ -168,10 +168,6 @@ class FSDPSketchingMixin(SketchingMixin):
         self._tied_sums: Dict[int, torch.Tensor] = {}  # sketched per-sample gradients so far
         self._tied_norms: Dict[int, torch.Tensor] = {}  # this pass's per-sample norms
         super()._setup()
-        # The sharded parameters (what the optimizer holds): FSDP2 swaps unsharded ones
-        # into the modules during forward and backward, so the optimizer's step count kept
-        # on its parameters (the sketcher's step clock, if any) is read from these.
-        self._sharded_trainable = [p for p in self._module.parameters() if p.requires_grad]
         # FSDP2 renames every sharded layer's class (FSDPLinear): defer the weight
         # gradients of those linear layers too (the parent matches nn.Linear exactly).
         patched = set(map(id, self._patched))
@@ -184,12 +180,6 @@ class FSDPSketchingMixin(SketchingMixin):
 
     def _get_module_type(self, module: nn.Module) -> Type[nn.Module]:
         return layer_type(module)
-
-    def _optimizer_steps(self) -> Optional[int]:
-        """Steps taken by the randomized-clipping optimizer, read from the sharded
-        parameters it holds (None if it keeps no count on them)."""
-        steps = [p._rc_steps_taken for p in getattr(self, "_sharded_trainable", ()) if hasattr(p, "_rc_steps_taken")]
-        return max(steps) if steps else None
 
     def capture_activations_hook(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor

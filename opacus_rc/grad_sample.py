@@ -71,7 +71,8 @@ class _SketcherOwner:
     ) -> None:
         super().__init__(m, **self._opacus_options, **kwargs)
         self.sketch_config = sketch_config
-        self._clocked: List[nn.Parameter] = []  # parameters carrying the step clock
+        self._steps_taken: Optional[int] = None  # the step clock: see follow_steps()
+        self._step_hook: Optional[Any] = None
         self._sketcher = Sketcher(sketch_config, seed=sketch_seed, secure_mode=secure_mode)
         self._sketcher.bind_step_clock(self._optimizer_steps)
         self._awaiting_forward = True
@@ -88,15 +89,28 @@ class _SketcherOwner:
         sketcher.bind_step_clock(self._optimizer_steps)
         self._sketcher = sketcher
 
+    def follow_steps(self, optimizer: Any) -> None:
+        """Follow ``optimizer``'s steps: the sketcher draws fresh sketches after each step
+        it takes (shared sketches are kept for the micro-batches of one logical step).
+
+        ``make_private`` links the module and optimizer it returns; call this once for a
+        module and optimizer built by hand (without it every pass draws new sketches).
+        The clock is torch's step post-hook on the optimizer that updates the parameters
+        (a DP optimizer's ``original_optimizer``, stepped only after ``pre_step()`` took
+        the step: BatchMemoryManager's skipped steps do not count).
+        """
+        if self._step_hook is not None:
+            self._step_hook.remove()
+        target = getattr(optimizer, "original_optimizer", optimizer)
+        self._steps_taken = 0
+        self._step_hook = target.register_step_post_hook(self._count_step)
+
+    def _count_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self._steps_taken += 1
+
     def _optimizer_steps(self) -> Optional[int]:
-        """Steps taken by the randomized-clipping optimizer over these parameters (it
-        counts them on the parameters), or None if no such optimizer holds them. Read at
-        every sketch lookup: the parameters carrying the count are found once."""
-        if not self._clocked:
-            self._clocked = [p for p in self._module.parameters() if hasattr(p, "_rc_steps_taken")]
-            if not self._clocked:
-                return None
-        return max(p._rc_steps_taken for p in self._clocked)
+        """Steps taken by the followed optimizer (None: no optimizer followed)."""
+        return self._steps_taken
 
     def _start_pass(self, module: nn.Module) -> None:
         """The first hooked layer of a training forward pass starts a sketch pass."""

@@ -367,6 +367,7 @@ class PrivacyEngine(OpacusPrivacyEngine):
         """Opacus's outputs of a randomized call, charged at the public rate and in the
         form the script expects (:mod:`opacus_rc.one_pass`, :mod:`opacus_rc.output_passes`)."""
         sampling: PublicSampling = options.sampling
+        out[0].follow_steps(out[1])  # fresh sketches after every step the optimizer takes
         # Opacus charged 1 / len(its DPDataLoader); charge the public rate instead.
         out[1].attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sampling.sample_rate))
         logger.info(

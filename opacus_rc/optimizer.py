@@ -84,11 +84,6 @@ class RandomizedClippingMixin:
         self._draw_splits = 0  # of them, continuations of one Poisson draw (BatchMemoryManager)
         self._awaiting_zero_grad = False  # a real step was taken and zero_grad() not called
         self._holders: "weakref.WeakSet[Any]" = weakref.WeakSet()  # of per-example norms
-        # The step clock the grad-sample module's sketcher reads (new sketches every
-        # logical step however the objects were built); it lives on the parameters, the
-        # only objects the module and the optimizer always share.
-        for p in self.params:
-            p._rc_steps_taken = getattr(p, "_rc_steps_taken", 0)
 
     @property
     def accumulated_iterations(self) -> int:
@@ -136,18 +131,14 @@ class RandomizedClippingMixin:
     def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
         """Opacus's pre-step (accumulate, noise, average, accountant hook) with the
         step's non-finite refusal decided before noise is drawn (see
-        :meth:`_check_skip_next_step`), and the step clock advanced after a real step
-        (BatchMemoryManager's skipped steps do not: the physical batches of one logical
-        step share its sketches). A refusal decided on the device for an earlier step is
-        raised first."""
+        :meth:`_check_skip_next_step`). A refusal decided on the device for an earlier
+        step is raised first."""
         self._raise_deferred_refusal(wait=False)
         self._check_cleared()
         taken = super().pre_step(closure)
         if taken:
             self.backward_passes = self._draw_splits = 0
             self._awaiting_zero_grad = True
-            for p in self.params:
-                p._rc_steps_taken += 1
         return taken
 
     def _check_cleared(self) -> None:

@@ -4,8 +4,8 @@ A :class:`Sketcher` owns the random generators that draw every sketch of a run. 
 logical step draws fresh, independent sketches (one per layer; the micro-batches and tied
 uses of a step share a shared sketch; per-example sketches belong to one pass). Freshness
 does not depend on how the objects were built: the sketcher reads a *step clock* (the
-number of optimizer steps taken, kept on the parameters by the randomized-clipping
-optimizers) and, when no such optimizer is attached, starts new sketches every pass.
+number of optimizer steps taken, counted by the grad-sample module's ``follow_steps``
+hook on the optimizer) and, when no optimizer is followed, starts new sketches every pass.
 
 Seeding: every stream is derived from one seed (the user's ``sketch_seed`` or ``seed``, or
 128 bits of OS entropy) through :class:`numpy.random.SeedSequence` with a domain tag

@@ -53,12 +53,14 @@ def build(route: str, secure: bool, sketching: str = "shared"):
         opt = RandomizedClippingOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), sketch_config=config, **common
         )
+        module.follow_steps(opt)
         crit = DPLossRandomizedClipping(module, opt, nn.CrossEntropyLoss(), "mean")
         return module, opt, lambda x, y: crit(module(x), y).backward()
     module = GradSampleModuleBookkeeping(model, sketch_config=config, secure_mode=secure, **seed)
     opt = RandomizedClippingBookkeepingOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), sketch_config=config, **common
     )
+    module.follow_steps(opt)
     return module, opt, lambda x, y: nn.functional.cross_entropy(module(x), y).backward()
 
 
@@ -106,6 +108,33 @@ def test_shared_sketches_fresh_per_step_and_shared_within_it(route, secure):
         torch.testing.assert_close(seen[(0, 1)][key], seen[(0, 0)][key], rtol=0, atol=0)
         torch.testing.assert_close(seen[(1, 1)][key], seen[(1, 0)][key], rtol=0, atol=0)
         assert distinct(seen[(1, 0)][key], seen[(0, 0)][key])
+
+
+@pytest.mark.parametrize("route", ["hand_ghost", "hand_hooks"])
+def test_step_clock_is_the_optimizers_post_step_hook(route):
+    """``module.follow_steps(optimizer)`` is the clock: nothing is stashed on the
+    parameters; an unlinked hand-built module draws new shared sketches every pass (never
+    reuses one across steps); linking twice counts each step once; a skipped
+    (BatchMemoryManager-style) step does not advance it."""
+    module, opt, backward = build(route, False)
+    assert not any(hasattr(p, "_rc_steps_taken") for p in module.parameters())
+    module.follow_steps(opt)  # a second link replaces the first
+    x, y = token_task(n=16, t=T).tensors
+    backward(x[:8], y[:8])
+    opt.signal_skip_step(do_skip=True, same_draw=True)
+    opt.step()  # skipped: clips and accumulates only
+    assert module._optimizer_steps() == 0
+    backward(x[8:], y[8:])
+    opt.step()
+    assert module._optimizer_steps() == 1
+    opt.zero_grad()
+
+    module._step_hook.remove()
+    module._step_hook, module._steps_taken = None, None  # as if never linked
+    seen = record_sketches((module, opt, backward))
+    for key in seen[(0, 0)]:
+        assert distinct(seen[(0, 1)][key], seen[(0, 0)][key])
+        assert distinct(seen[(1, 0)][key], seen[(0, 1)][key])
 
 
 @pytest.mark.parametrize("route", ["make_private_hooks", "hand_ghost"])

@@ -275,6 +275,7 @@ def build_hand_built(config: PathAuditConfig, noise_multiplier: Optional[float] 
         secure_mode=secure,
         sketch_config=sketch_config,
     )
+    model.follow_steps(optimizer)
     accountant = RCPRVAccountant()
     optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=1.0))
     criterion = DPLossRandomizedClipping(model, optimizer, InnerProductLoss(reduction="sum"), "sum")
