@@ -11,17 +11,13 @@ nothing a user can act on are silenced; nothing else runs at import.
 import warnings as _warnings
 
 from . import integration as _integration
+from .bookkeeping import DistributedRandomizedClippingBookkeepingOptimizer, RandomizedClippingBookkeepingOptimizer
 from .config import SketchConfig
 from .estimators import hutchinson_sq_norms, hutchpp_sq_norms
 from .grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
 from .integration import PrivacyEngine
 from .norm_samplers import register_randomized_norm_sampler
-from .optimizer import (
-    DistributedRandomizedClippingBookkeepingOptimizer,
-    DistributedRandomizedClippingOptimizer,
-    RandomizedClippingBookkeepingOptimizer,
-    RandomizedClippingOptimizer,
-)
+from .optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingOptimizer
 from .options import Options
 from .sketch import Sketcher
 

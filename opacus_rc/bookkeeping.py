@@ -1,4 +1,16 @@
-"""Book-keeping (single backward pass) for randomized clipping.
+"""Book-keeping: randomized clipping in one backward pass.
+
+``make_private(..., clipping="randomized", grad_sample_mode="bookkeeping")`` trains a
+plain-loss script (``loss.backward(); optimizer.step()``, the 3-tuple) in one backward
+pass. Two older spellings stay as aliases:
+
+* ``grad_sample_mode="hooks"`` (Opacus's default): book-keeping too, except on a model
+  with activation checkpointing on, where it runs two passes from the model's output
+  (:mod:`opacus_rc.output_passes`; book-keeping would keep the activations checkpointing
+  frees); ``bookkeeping=True`` / ``False`` forces one form.
+* ``grad_sample_mode="ghost", bookkeeping=True``: a ghost-clipping script (the 4-tuple
+  and ``criterion(logits, targets, shape=...)``) run by book-keeping: the criterion
+  returned is a :class:`DPLossBookkeeping`.
 
 Instead of a second backward pass on the rescaled loss, the clipped gradient of a layer
 is assembled after the one ordinary backward pass from what its hooks kept (Bu et al.
@@ -10,19 +22,98 @@ is assembled after the one ordinary backward pass from what its hooks kept (Bu e
 * embedding (V x d): ``index_add`` of ``c_i G_i[t]`` at the token ids.
 
 Per-sample norms come from the same estimators as the two-pass method (sketched weight,
-exact bias/embedding), so the clipped gradient is the same for the same sketches.
+exact bias/embedding), so the clipped gradient is the same for the same sketches. Other
+trainable layers get Opacus's exact per-sample gradients (``p.grad_sample``).
+
+This module holds the whole form: which form a ``make_private`` call runs
+(:func:`resolve_bookkeeping`), the records (:class:`Record`), the grad-sample module
+(:class:`BookkeepingMixin`), the optimizer (:class:`BookkeepingClippingMixin`) and the
+criterion of ghost scripts (:class:`DPLossBookkeeping`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
+from opacus.grad_sample import GradSampleHooks, GradSampleModule
+from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
+from opacus.optimizers.optimizer import _mark_as_processed
+from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 
+from .grad_sample import _SketcherOwner, _trainable_linears
+from .norm_samplers import RANDOMIZED_NORM_SAMPLERS
+from .optimizer import RandomizedClippingMixin
+from .recompute import is_checkpointed, late_use_error, missing_per_sample_error
+
+# --- Which form a make_private call runs --------------------------------------------------
+
+OPTION = "bookkeeping"
+#: the public grad-sample mode name of book-keeping (aliases: see the module docstring)
+BOOKKEEPING_MODE = "bookkeeping"
+
+#: What a randomized make_private call runs (see :func:`resolve_bookkeeping`).
+TWO_PASS, BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES = (
+    "two_pass", "bookkeeping", "bookkeeping_with_criterion", "output_passes"
+)
+
+
+def resolve_bookkeeping(
+    clipping: str, value: Any, grad_sample_mode: str, module: Optional[nn.Module]
+) -> Tuple[str, str]:
+    """What a make_private call with ``bookkeeping=value`` runs, and the (Opacus)
+    grad-sample mode of the module that does it:
+
+    * ``grad_sample_mode="bookkeeping"``: book-keeping (``bookkeeping`` ``None``/``True``;
+      mode ``"hooks"``), also on a checkpointed model;
+    * ``grad_sample_mode="ghost"``: two passes (``bookkeeping`` ``None``/``False``), or
+      book-keeping behind the ghost criterion (``True``; mode ``"hooks"``);
+    * ``grad_sample_mode="hooks"`` (a plain-loss script): book-keeping (``True``, or
+      ``None`` on a model without activation checkpointing), or two passes run from the
+      model's output (``False``, or ``None`` on a checkpointed model: book-keeping would
+      keep the activations checkpointing frees; :mod:`opacus_rc.output_passes`; mode
+      ``"ghost"``).
+
+    Raises:
+        ValueError: naming the parameter and its accepted values.
+    """
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{OPTION}={value!r} is invalid; accepted values: None, True, False")
+    if clipping != "randomized":
+        if value is not None or grad_sample_mode == BOOKKEEPING_MODE:
+            given = f"{OPTION}={value!r}" if value is not None else f"grad_sample_mode={BOOKKEEPING_MODE!r}"
+            raise ValueError(f"{given} only applies with clipping='randomized'; got clipping={clipping!r}")
+        return TWO_PASS, grad_sample_mode
+    if grad_sample_mode == BOOKKEEPING_MODE:
+        if value is False:
+            raise ValueError(
+                f"bookkeeping=False contradicts grad_sample_mode={BOOKKEEPING_MODE!r}; accepted "
+                "values with it: None, True"
+            )
+        return BOOKKEEPING, "hooks"
+    if grad_sample_mode == "hooks":
+        checkpointed = module is not None and is_checkpointed(module)
+        if value is True or (value is None and not checkpointed):
+            return BOOKKEEPING, "hooks"  # one backward pass (3-tuple, plain loss)
+        return OUTPUT_PASSES, "ghost"
+    if not value:
+        return TWO_PASS, grad_sample_mode
+    if grad_sample_mode != "ghost":
+        raise ValueError(
+            f"bookkeeping=True runs a grad_sample_mode='ghost' script in one backward pass; got "
+            f"grad_sample_mode={grad_sample_mode!r}; accepted values with bookkeeping=True: 'ghost', "
+            f"'hooks', {BOOKKEEPING_MODE!r} (under FSDP2 book-keeping does not fit: use "
+            "grad_sample_mode='ghost_fsdp' without it)"
+        )
+    return BOOKKEEPING_WITH_CRITERION, "hooks"
+
+
+# --- Records: what one backward pass leaves for a parameter -------------------------------
 
 @dataclass
 class Record:
@@ -89,43 +180,271 @@ def clipped_embedding(
     return out
 
 
-class _LinearDeferredWeightGrad(torch.autograd.Function):
-    """``F.linear`` whose backward computes the parameter gradients only when
-    ``wanted()`` says so: book-keeping never needs them from autograd, the two-pass
-    method only in its second (clipped) pass."""
+# --- The grad-sample module ---------------------------------------------------------------
+
+BOOKKEPT_LAYERS = (nn.Linear, nn.Embedding)
+
+
+def _bookkept(module: nn.Module) -> bool:
+    """Layers book-kept exactly by type (subclasses, e.g. MultiheadAttention's output
+    projection, go through Opacus's per-sample gradients)."""
+    return type(module) in BOOKKEPT_LAYERS
+
+
+class BookkeepingMixin(_SketcherOwner):
+    """Records, for linear and embedding layers, what book-keeping needs to assemble the
+    clipped gradient after the single backward pass (:mod:`opacus_rc.bookkeeping`):
+    the per-sample squared norms (the same estimators as the two-pass method) and a
+    closure ``c -> sum_i c_i grad_i``. Every other trainable layer gets Opacus's exact
+    per-sample gradients (``p.grad_sample``). Linear layers skip their weight-gradient
+    computation in the backward pass, which book-keeping replaces.
+    """
+
+    def _setup(self) -> None:
+        layers = [
+            m for m in self._module.modules()
+            if _bookkept(m) and any(p.requires_grad for p in m.parameters(recurse=False))
+        ]
+        owners: Dict[int, int] = {}
+        for m in layers:
+            for p in m.parameters(recurse=False):
+                owners[id(p)] = owners.get(id(p), 0) + 1
+        if any(count > 1 for count in owners.values()):
+            raise ValueError(
+                "tied weights are not supported by book-keeping (grad_sample_mode='hooks') "
+                "with clipping='randomized'; use grad_sample_mode='ghost'"
+            )
+        self._pending_uses: Dict[nn.Module, List[Any]] = {}  # this pass's uses, per layer
+        self._recorded_in_pass: set = set()  # layers whose record of this pass is complete
+        self._clear_queued = False  # end-of-backward reset of _recorded_in_pass queued
+        self._defer_weight_grads(_trainable_linears(self._module))
+
+    def _on_pass_start(self) -> None:
+        self._recorded_in_pass.clear()
+        self._clear_queued = False
+
+    def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
+        """A replayed use of a layer whose record of this backward pass is already
+        complete (used inside a reentrant checkpoint region and after it, or in two
+        regions) would become a second record, a second clip factor for one example:
+        refused. The replay runs in the user's backward, whose end clears the set."""
+        if module in self._recorded_in_pass:
+            raise late_use_error(type(module).__name__)
+        if not self._clear_queued:
+            self._clear_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_pass_start)
+
+    def forbid_grad_accumulation(self) -> None:
+        """Opacus forbids accumulation with Poisson sampling because its accountants
+        cannot charge it; ``rc_prv`` accounts the micro-batches exactly (a multiplicity,
+        :mod:`opacus_rc.accounting.multiplicity`), so it stays allowed."""
+        self.allow_grad_accumulation()
+
+    def capture_activations_hook(self, module, forward_input, _forward_output) -> None:
+        self._capture(
+            module, forward_input,
+            lambda: super(BookkeepingMixin, self).capture_activations_hook(module, forward_input, _forward_output),
+        )
+
+    def capture_backprops_hook(
+        self, module: nn.Module, _forward_input, forward_output, loss_reduction: str, batch_first: bool
+    ) -> None:
+        """Keep this use's ``(A, G)``; at the layer's last use in the pass, one record of
+        the pass: the uses concatenated along the sequence (``sum_l G_l^T A_l = G^T A``
+        for ``G = [G_1; ...; G_L]``, ``A = [A_1; ...; A_L]``), so a layer applied L times
+        (an RNN cell, a shared block) has the per-example norm of its summed gradient and
+        counts as one micro-batch, not L."""
+        self._awaiting_forward = True
+        if not self.hooks_enabled or not _bookkept(module):
+            return super().capture_backprops_hook(
+                module, _forward_input, forward_output, loss_reduction, batch_first
+            )
+        activations, backprops = self.rearrange_grad_samples(
+            module=module,
+            backprops=forward_output[0].detach(),
+            loss_reduction=loss_reduction,
+            batch_first=batch_first,
+        )
+        params = [p for _, p in trainable_parameters(module)]
+        uses = self._pending_uses.setdefault(module, [])
+        uses.append((activations[0], backprops))
+        for param in params:
+            param._forward_counter -= 1
+        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
+            del module.max_batch_len
+        if any(param._forward_counter > 0 for param in params):
+            return  # more uses of this layer in this pass are still to come
+        a, g = concatenate_uses(module, self._pending_uses.pop(module))
+        self._recorded_in_pass.add(module)
+        norms = RANDOMIZED_NORM_SAMPLERS[type(module)](module, [a], g, self.sketcher)
+        for param, norm in norms.items():
+            records = getattr(param, "_bk_records", None) or []
+            records.append(Record(norm.pow(2), _clipped_sum(module, param, a, g)))
+            param._bk_records = records
+
+
+def concatenate_uses(module: nn.Module, uses: List[Any]) -> Any:
+    """One ``(A, G)`` for the uses ``[(A_l, G_l)]`` of a layer in one pass, concatenated
+    along the (flattened) sequence dimension: ``(B, sum_l T_l, d)`` and ``(B, sum_l T_l,
+    p)`` (ids ``(B, sum_l T_l)`` for an embedding). A single use is returned as it is."""
+    if len(uses) == 1:
+        return uses[0]
+    batch = {int(a.shape[0]) for a, _ in uses}
+    if len(batch) != 1:
+        raise ValueError(
+            f"{type(module).__name__} was applied {len(uses)} times in one forward pass to "
+            f"inputs of different batch sizes {sorted(batch)}: per-example gradients need "
+            "every use to see the whole batch along dimension 0"
+        )
+    ids = isinstance(module, nn.Embedding)
+    a = torch.cat([x.reshape(x.shape[0], math.prod(x.shape[1:])) if ids else as_sequence(x) for x, _ in uses], dim=1)
+    g = torch.cat([as_sequence(y) for _, y in uses], dim=1)
+    return a, g
+
+
+def _clipped_sum(module: nn.Module, param: nn.Parameter, a: torch.Tensor, g: torch.Tensor):
+    if isinstance(module, nn.Embedding):
+        return functools.partial(clipped_embedding, a, g, layer=module)
+    if param is module.weight:
+        return functools.partial(clipped_linear_weight, a, g)
+    return functools.partial(clipped_bias, g)
+
+
+class GradSampleModuleBookkeeping(BookkeepingMixin, GradSampleModule):
+    """Wrapping form of book-keeping randomized clipping (``grad_sample_mode="hooks"``)."""
+
+
+class GradSampleHooksBookkeeping(BookkeepingMixin, GradSampleHooks):
+    """Hooks (``wrap_model=False``) form of book-keeping randomized clipping."""
+
+
+# --- The optimizer ------------------------------------------------------------------------
+
+class BookkeepingClippingMixin:
+    """Clipping by book-keeping: per-sample norms combine the recorded (estimated or
+    exact) norms of book-kept layers with Opacus's per-sample gradients of the others;
+    the clipped sum ``sum_i c_i grad_i`` of a book-kept parameter comes from its records
+    (:mod:`opacus_rc.bookkeeping`), of the others from ``p.grad_sample`` as in Opacus."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, wanted: Callable[[], bool]):
-        ctx.save_for_backward(x, weight)
-        ctx.wanted = wanted
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
+    def _records(p: torch.nn.Parameter):
+        return getattr(p, "_bk_records", None)
 
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        # Under autocast the forward ran in lower precision than the saved tensors: the
-        # products run in the output gradient's dtype (autograd casts each gradient back
-        # to its input's dtype).
-        dtype = grad_out.dtype
-        grad_x = grad_out.matmul(weight.to(dtype)) if ctx.needs_input_grad[0] else None
-        grad_w = grad_b = None
-        if ctx.wanted():
-            g = grad_out.reshape(-1, grad_out.shape[-1])
-            if ctx.needs_input_grad[1]:
-                grad_w = g.t().mm(x.reshape(-1, x.shape[-1]).to(dtype))
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_b = g.sum(dim=0)
-        return grad_x, grad_w, grad_b, None
+    def _exact_grad_sample(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """Opacus's per-sample gradient of a parameter that is not book-kept."""
+        if getattr(p, "grad_sample", None) is None:
+            raise missing_per_sample_error(f"a trainable parameter of shape {tuple(p.shape)}")
+        return self._get_flat_grad_sample(p)
+
+    def _per_sample_sq_norms(self, p: torch.nn.Parameter) -> torch.Tensor:
+        records = self._records(p)
+        if records:
+            return torch.cat([r.sq_norms for r in records])
+        return self._exact_grad_sample(p).flatten(start_dim=1).pow(2).sum(dim=1)
+
+    @property
+    def grad_samples(self) -> List[Optional[torch.Tensor]]:
+        """Opacus's per-sample gradients, one entry per parameter; None for a book-kept
+        parameter (book-keeping never forms its per-sample gradients: its records hold the
+        per-sample squared norms and the clipped sum)."""
+        return [None if self._records(p) else self._exact_grad_sample(p) for p in self.params]
+
+    def _passes_recorded(self) -> int:
+        """Backward passes recorded since the last ``step()`` call: one record (book-kept
+        layers) or one per-sample gradient (the others) per pass."""
+        counts = [1]
+        for p in self.params:
+            records = self._records(p)
+            if records:
+                counts.append(len(records))
+            elif isinstance(getattr(p, "grad_sample", None), list):
+                counts.append(len(p.grad_sample))
+        return max(counts)
+
+    def clip_and_accumulate(self) -> None:
+        # counted before the records are consumed: averaging and the accountant read it
+        self.backward_passes += self._passes_recorded()
+        sq = torch.stack([self._per_sample_sq_norms(p).float() for p in self.params]).sum(dim=0)
+        keep = self._finite_examples(sq)
+        if keep is not None:
+            sq = torch.where(keep, sq, torch.zeros_like(sq))
+        clip = (self.max_grad_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+        if keep is not None:
+            clip = clip * keep
+        for p in self.params:
+            records = self._records(p)
+            if records:
+                grad, start = None, 0
+                for r in records:
+                    rows = slice(start, start + r.batch_size)
+                    kept = None if keep is None else keep[rows]
+                    part = r.clipped(clip[rows], kept).to(p.dtype).view_as(p)
+                    grad = part if grad is None else grad + part
+                    start += r.batch_size
+                p._bk_records = None
+            else:
+                gs = keep_rows(self._exact_grad_sample(p).to(p.dtype), keep)
+                grad = torch.einsum("i,i...", clip.to(gs), gs)
+                _mark_as_processed(p.grad_sample)
+            p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
+
+    def _finite_examples(self, sq: torch.Tensor) -> Optional[torch.Tensor]:
+        """Under ``nonfinite="raise"``: None, and the norms join the step's non-finite
+        check (no index, no value in a refusal). Under ``"skip"``: the mask of examples
+        to keep; the others contribute nothing (a per-example transform before the sum,
+        so the step is still the accounted mechanism) and are counted in
+        :attr:`skipped_examples` only. No host synchronisation either way."""
+        if self.nonfinite != "skip":
+            self.note_finite("per-sample gradient norm", sq)
+            return None
+        finite = sq.isfinite()
+        dropped = (~finite).sum()
+        self._skipped = dropped if self._skipped is None else self._skipped + dropped
+        return finite
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        super().zero_grad(set_to_none)
+        for p in self.params:
+            p._bk_records = None
 
 
-def _never() -> bool:
-    return False
+class RandomizedClippingBookkeepingOptimizer(
+    BookkeepingClippingMixin, RandomizedClippingMixin, DPOptimizer
+):
+    """:class:`~opacus.optimizers.DPOptimizer` with randomized clipping by book-keeping
+    (one backward pass; ``grad_sample_mode="hooks"``)."""
 
 
-def linear_forward_deferring_weight_grad(
-    layer: nn.Linear, x: torch.Tensor, wanted: Callable[[], bool] = _never
-) -> torch.Tensor:
-    """Forward of ``layer`` whose parameter gradients autograd computes only when
-    ``wanted()`` (default: never; book-keeping assembles them instead)."""
-    return _LinearDeferredWeightGrad.apply(x, layer.weight, layer.bias, wanted)
+class DistributedRandomizedClippingBookkeepingOptimizer(
+    BookkeepingClippingMixin, RandomizedClippingMixin, DistributedDPOptimizer
+):
+    """Distributed (DDP) book-keeping: each rank clips its own examples, rank 0 alone adds
+    the noise, and the clipped sums are all-reduced (Opacus's ``DistributedDPOptimizer``)."""
+
+    _refusals_across_ranks = True
+
+
+# --- The criterion of ghost-clipping scripts ----------------------------------------------
+
+class DPLossBookkeeping(DPLossFastGradientClipping):
+    """The criterion returned by ``make_private(..., grad_sample_mode="ghost",
+    bookkeeping=True)``: the ghost criterion's call signature
+    (``criterion(logits, targets, shape=...)``, ``-100`` labels ignored per sequence) and
+    per-sample losses, reduced (mean or sum over the batch) to an ordinary tensor whose
+    ``backward()`` is the one pass book-keeping needs."""
+
+    def __call__(self, *args: Any, shape=None, **kwargs: Any) -> torch.Tensor:
+        per_sample = super().__call__(*args, shape=shape, **kwargs).loss_per_sample
+        if self.loss_reduction == "mean":
+            return per_sample.mean(dim=0)
+        return per_sample.sum(dim=0)
+
+
+def with_criterion(out: Tuple[Any, ...], criterion: Any, loss_reduction: str) -> Tuple[Any, ...]:
+    """Opacus's book-keeping 3-tuple ``(module, optimizer, data_loader)`` as the ghost
+    4-tuple ``(module, optimizer, criterion, data_loader)``."""
+    module, optimizer, data_loader = out
+    if criterion is None:
+        criterion = nn.CrossEntropyLoss()  # Opacus's make_private default
+    loss = DPLossBookkeeping(module, optimizer, criterion, loss_reduction)
+    return module, optimizer, loss, data_loader

@@ -14,27 +14,18 @@ sketch per layer and per step, seedable (``sketch_seed``), drawn from ``os.urand
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from opacus.grad_sample import (
     GradSampleHooks,
     GradSampleHooksFastGradientClipping,
-    GradSampleModule,
     GradSampleModuleFastGradientClipping,
 )
 from opacus.utils.module_utils import requires_grad, trainable_parameters
 from torch import nn
 
-from .bookkeeping import (
-    Record,
-    as_sequence,
-    clipped_bias,
-    clipped_embedding,
-    clipped_linear_weight,
-    linear_forward_deferring_weight_grad,
-)
 from .config import SketchConfig
 from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, register_model_layers
 from .recompute import (
@@ -346,139 +337,46 @@ class GradSampleModuleRandomizedClipping(
     """Wrapping (``wrap_model=True``) form of randomized clipping."""
 
 
-# --- Book-keeping: one backward pass (grad_sample_mode="hooks") ------------------------
-
-BOOKKEPT_LAYERS = (nn.Linear, nn.Embedding)
+# --- Linear layers whose weight gradient autograd computes only when wanted ---------
 
 
-def _bookkept(module: nn.Module) -> bool:
-    """Layers book-kept exactly by type (subclasses, e.g. MultiheadAttention's output
-    projection, go through Opacus's per-sample gradients)."""
-    return type(module) in BOOKKEPT_LAYERS
+class _LinearDeferredWeightGrad(torch.autograd.Function):
+    """``F.linear`` whose backward computes the parameter gradients only when
+    ``wanted()`` says so: book-keeping never needs them from autograd, the two-pass
+    method only in its second (clipped) pass."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, wanted: Callable[[], bool]):
+        ctx.save_for_backward(x, weight)
+        ctx.wanted = wanted
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        # Under autocast the forward ran in lower precision than the saved tensors: the
+        # products run in the output gradient's dtype (autograd casts each gradient back
+        # to its input's dtype).
+        dtype = grad_out.dtype
+        grad_x = grad_out.matmul(weight.to(dtype)) if ctx.needs_input_grad[0] else None
+        grad_w = grad_b = None
+        if ctx.wanted():
+            g = grad_out.reshape(-1, grad_out.shape[-1])
+            if ctx.needs_input_grad[1]:
+                grad_w = g.t().mm(x.reshape(-1, x.shape[-1]).to(dtype))
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = g.sum(dim=0)
+        return grad_x, grad_w, grad_b, None
 
 
-class BookkeepingMixin(_SketcherOwner):
-    """Records, for linear and embedding layers, what book-keeping needs to assemble the
-    clipped gradient after the single backward pass (:mod:`opacus_rc.bookkeeping`):
-    the per-sample squared norms (the same estimators as the two-pass method) and a
-    closure ``c -> sum_i c_i grad_i``. Every other trainable layer gets Opacus's exact
-    per-sample gradients (``p.grad_sample``). Linear layers skip their weight-gradient
-    computation in the backward pass, which book-keeping replaces.
-    """
-
-    def _setup(self) -> None:
-        layers = [
-            m for m in self._module.modules()
-            if _bookkept(m) and any(p.requires_grad for p in m.parameters(recurse=False))
-        ]
-        owners: Dict[int, int] = {}
-        for m in layers:
-            for p in m.parameters(recurse=False):
-                owners[id(p)] = owners.get(id(p), 0) + 1
-        if any(count > 1 for count in owners.values()):
-            raise ValueError(
-                "tied weights are not supported by book-keeping (grad_sample_mode='hooks') "
-                "with clipping='randomized'; use grad_sample_mode='ghost'"
-            )
-        self._pending_uses: Dict[nn.Module, List[Any]] = {}  # this pass's uses, per layer
-        self._recorded_in_pass: set = set()  # layers whose record of this pass is complete
-        self._clear_queued = False  # end-of-backward reset of _recorded_in_pass queued
-        self._defer_weight_grads(_trainable_linears(self._module))
-
-    def _on_pass_start(self) -> None:
-        self._recorded_in_pass.clear()
-        self._clear_queued = False
-
-    def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
-        """A replayed use of a layer whose record of this backward pass is already
-        complete (used inside a reentrant checkpoint region and after it, or in two
-        regions) would become a second record, a second clip factor for one example:
-        refused. The replay runs in the user's backward, whose end clears the set."""
-        if module in self._recorded_in_pass:
-            raise late_use_error(type(module).__name__)
-        if not self._clear_queued:
-            self._clear_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_pass_start)
-
-    def forbid_grad_accumulation(self) -> None:
-        """Opacus forbids accumulation with Poisson sampling because its accountants
-        cannot charge it; ``rc_prv`` accounts the micro-batches exactly (a multiplicity,
-        :mod:`opacus_rc.accounting.multiplicity`), so it stays allowed."""
-        self.allow_grad_accumulation()
-
-    def capture_activations_hook(self, module, forward_input, _forward_output) -> None:
-        self._capture(
-            module, forward_input,
-            lambda: super(BookkeepingMixin, self).capture_activations_hook(module, forward_input, _forward_output),
-        )
-
-    def capture_backprops_hook(
-        self, module: nn.Module, _forward_input, forward_output, loss_reduction: str, batch_first: bool
-    ) -> None:
-        """Keep this use's ``(A, G)``; at the layer's last use in the pass, one record of
-        the pass: the uses concatenated along the sequence (``sum_l G_l^T A_l = G^T A``
-        for ``G = [G_1; ...; G_L]``, ``A = [A_1; ...; A_L]``), so a layer applied L times
-        (an RNN cell, a shared block) has the per-example norm of its summed gradient and
-        counts as one micro-batch, not L."""
-        self._awaiting_forward = True
-        if not self.hooks_enabled or not _bookkept(module):
-            return super().capture_backprops_hook(
-                module, _forward_input, forward_output, loss_reduction, batch_first
-            )
-        activations, backprops = self.rearrange_grad_samples(
-            module=module,
-            backprops=forward_output[0].detach(),
-            loss_reduction=loss_reduction,
-            batch_first=batch_first,
-        )
-        params = [p for _, p in trainable_parameters(module)]
-        uses = self._pending_uses.setdefault(module, [])
-        uses.append((activations[0], backprops))
-        for param in params:
-            param._forward_counter -= 1
-        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
-            del module.max_batch_len
-        if any(param._forward_counter > 0 for param in params):
-            return  # more uses of this layer in this pass are still to come
-        a, g = concatenate_uses(module, self._pending_uses.pop(module))
-        self._recorded_in_pass.add(module)
-        norms = RANDOMIZED_NORM_SAMPLERS[type(module)](module, [a], g, self.sketcher)
-        for param, norm in norms.items():
-            records = getattr(param, "_bk_records", None) or []
-            records.append(Record(norm.pow(2), _clipped_sum(module, param, a, g)))
-            param._bk_records = records
+def _never() -> bool:
+    return False
 
 
-def concatenate_uses(module: nn.Module, uses: List[Any]) -> Any:
-    """One ``(A, G)`` for the uses ``[(A_l, G_l)]`` of a layer in one pass, concatenated
-    along the (flattened) sequence dimension: ``(B, sum_l T_l, d)`` and ``(B, sum_l T_l,
-    p)`` (ids ``(B, sum_l T_l)`` for an embedding). A single use is returned as it is."""
-    if len(uses) == 1:
-        return uses[0]
-    batch = {int(a.shape[0]) for a, _ in uses}
-    if len(batch) != 1:
-        raise ValueError(
-            f"{type(module).__name__} was applied {len(uses)} times in one forward pass to "
-            f"inputs of different batch sizes {sorted(batch)}: per-example gradients need "
-            "every use to see the whole batch along dimension 0"
-        )
-    ids = isinstance(module, nn.Embedding)
-    a = torch.cat([x.reshape(x.shape[0], math.prod(x.shape[1:])) if ids else as_sequence(x) for x, _ in uses], dim=1)
-    g = torch.cat([as_sequence(y) for _, y in uses], dim=1)
-    return a, g
-
-
-def _clipped_sum(module: nn.Module, param: nn.Parameter, a: torch.Tensor, g: torch.Tensor):
-    if isinstance(module, nn.Embedding):
-        return functools.partial(clipped_embedding, a, g, layer=module)
-    if param is module.weight:
-        return functools.partial(clipped_linear_weight, a, g)
-    return functools.partial(clipped_bias, g)
-
-
-class GradSampleModuleBookkeeping(BookkeepingMixin, GradSampleModule):
-    """Wrapping form of book-keeping randomized clipping (``grad_sample_mode="hooks"``)."""
-
-
-class GradSampleHooksBookkeeping(BookkeepingMixin, GradSampleHooks):
-    """Hooks (``wrap_model=False``) form of book-keeping randomized clipping."""
+def linear_forward_deferring_weight_grad(
+    layer: nn.Linear, x: torch.Tensor, wanted: Callable[[], bool] = _never
+) -> torch.Tensor:
+    """Forward of ``layer`` whose parameter gradients autograd computes only when
+    ``wanted()`` (default: never; book-keeping assembles them instead)."""
+    return _LinearDeferredWeightGrad.apply(x, layer.weight, layer.bias, wanted)

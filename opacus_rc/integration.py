@@ -57,20 +57,18 @@ from .fsdp import (
     GradSampleModuleRandomizedClippingFSDP,
     check_fsdp_mode,
 )
-from .grad_sample import (
-    GradSampleHooksBookkeeping,
-    GradSampleHooksRandomizedClipping,
-    GradSampleModuleBookkeeping,
-    GradSampleModuleRandomizedClipping,
-)
-from .loss import DPLossRandomizedClipping
-from .one_pass import BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES, with_criterion
-from .optimizer import (
+from .bookkeeping import (
+    BOOKKEEPING_WITH_CRITERION,
+    OUTPUT_PASSES,
     DistributedRandomizedClippingBookkeepingOptimizer,
-    DistributedRandomizedClippingOptimizer,
+    GradSampleHooksBookkeeping,
+    GradSampleModuleBookkeeping,
     RandomizedClippingBookkeepingOptimizer,
-    RandomizedClippingOptimizer,
+    with_criterion,
 )
+from .grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
+from .loss import DPLossRandomizedClipping
+from .optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingOptimizer
 from .options import (  # noqa: F401  (loader_batch_size, loader_rate, public_sampling: public here too)
     DEFAULTS,
     RANDOMIZED,
@@ -207,8 +205,9 @@ class PrivacyEngine(OpacusPrivacyEngine):
         Args:
             clipping: Opacus's modes, or ``"randomized"``: per-sample norms of linear layers
                 estimated with sketches (needs ``PrivacyEngine(accountant="rc_prv")``;
-                ``grad_sample_mode`` ``"hooks"`` (book-keeping, Opacus's default), ``"ghost"``
-                or ``"ghost_fsdp"``).
+                ``grad_sample_mode`` ``"bookkeeping"`` (one backward pass, a plain loss;
+                Opacus's default ``"hooks"`` is its alias, see ``bookkeeping``), ``"ghost"``
+                (two passes) or ``"ghost_fsdp"``).
             estimator: *randomized*. ``"hutchinson"`` or ``"hutchpp"`` (Hutch++ spends
                 ``sketch_size`` more vectors on an exact head, about 3x the products).
             sketch_size: *randomized*. k, the number of Gaussian N(0, 1/k) sketch vectors
@@ -225,7 +224,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
             bookkeeping: *randomized*. None, True or False: with ``"ghost"``, True runs the
                 ghost script by book-keeping (one backward pass); with ``"hooks"``,
                 book-keeping unless the model has activation checkpointing on (then two
-                passes from the model's output); False forces those two passes.
+                passes from the model's output); False forces those two passes. With
+                ``"bookkeeping"``: None or True.
             nonfinite: *randomized*. ``"raise"`` (a non-finite norm or gradient refuses the
                 step) or ``"skip"`` (book-keeping only: drop that example's contribution,
                 counted in ``optimizer.skipped_examples``, a non-private count).
@@ -365,7 +365,7 @@ class PrivacyEngine(OpacusPrivacyEngine):
 
     def _randomized_outputs(self, out, options: Options, arguments: Dict[str, Any]):
         """Opacus's outputs of a randomized call, charged at the public rate and in the
-        form the script expects (:mod:`opacus_rc.one_pass`, :mod:`opacus_rc.output_passes`)."""
+        form the script expects (:mod:`opacus_rc.bookkeeping`, :mod:`opacus_rc.output_passes`)."""
         sampling: PublicSampling = options.sampling
         out[0].follow_steps(out[1])  # fresh sketches after every step the optimizer takes
         # Opacus charged 1 / len(its DPDataLoader); charge the public rate instead.

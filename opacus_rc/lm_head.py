@@ -96,7 +96,8 @@ def controlling_module(layer: nn.Module):
             or by the FSDP2 form (not supported by the chunked head).
     """
     from .fsdp import FSDPSketchingMixin
-    from .grad_sample import BookkeepingMixin, SketchingMixin
+    from .bookkeeping import BookkeepingMixin
+    from .grad_sample import SketchingMixin
 
     for owner in _hook_owners(layer):
         if isinstance(owner, FSDPSketchingMixin):
@@ -438,7 +439,7 @@ def _norm_spec(owner, layer, weight, bias, batch: int, t: int, d: int, device) -
     (:func:`opacus_rc.norm_samplers.weight_sq_norms`, ``Sketcher.estimate``, the tied
     projection of :func:`opacus_rc.norm_samplers.linear_projection`), so the same
     sketches give the same norms."""
-    from .grad_sample import BookkeepingMixin
+    from .bookkeeping import BookkeepingMixin
 
     sketcher = owner.sketcher
     config = sketcher.config
@@ -582,7 +583,7 @@ class ChunkedLMHeadLoss(nn.Module):
         if owner is not None and owner.hooks_enabled and training and _trainable([weight, bias]):
             if not _in_backward():  # as its forward hook would (a reentrant replay starts none)
                 owner._start_pass(layer)
-            from .grad_sample import BookkeepingMixin
+            from .bookkeeping import BookkeepingMixin
 
             plan.owner = owner
             plan.mode = "bk" if isinstance(owner, BookkeepingMixin) else "norms"

@@ -16,12 +16,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from opacus.optimizers import (
-    DistributedDPOptimizer,
-    DistributedDPOptimizerFastGradientClipping,
-    DPOptimizer,
-    DPOptimizerFastGradientClipping,
-)
+from opacus.optimizers import DistributedDPOptimizerFastGradientClipping, DPOptimizerFastGradientClipping
 from opacus.utils.batch_memory_manager import BatchSplittingSampler
 from opacus.optimizers.optimizer import (
     _check_processed_flag,
@@ -30,10 +25,8 @@ from opacus.optimizers.optimizer import (
 )
 from torch.optim import Optimizer
 
-from .bookkeeping import keep_rows
 from .config import SketchConfig
 from .finite import NonFiniteGuard, failed_kinds
-from .recompute import missing_per_sample_error
 from .sketch import NOISE_STREAM, DeviceStreams, check_seed
 
 
@@ -297,105 +290,5 @@ class DistributedRandomizedClippingOptimizer(
     RandomizedClippingMixin, DistributedDPOptimizerFastGradientClipping
 ):
     """Distributed (DDP) form: noise is added on rank 0 only, gradients are all-reduced."""
-
-    _refusals_across_ranks = True
-
-
-class BookkeepingClippingMixin:
-    """Clipping by book-keeping: per-sample norms combine the recorded (estimated or
-    exact) norms of book-kept layers with Opacus's per-sample gradients of the others;
-    the clipped sum ``sum_i c_i grad_i`` of a book-kept parameter comes from its records
-    (:mod:`opacus_rc.bookkeeping`), of the others from ``p.grad_sample`` as in Opacus."""
-
-    @staticmethod
-    def _records(p: torch.nn.Parameter):
-        return getattr(p, "_bk_records", None)
-
-    def _per_sample_sq_norms(self, p: torch.nn.Parameter) -> torch.Tensor:
-        records = self._records(p)
-        if records:
-            return torch.cat([r.sq_norms for r in records])
-        if getattr(p, "grad_sample", None) is None:
-            raise missing_per_sample_error(f"a trainable parameter of shape {tuple(p.shape)}")
-        gs = self._get_flat_grad_sample(p)
-        return gs.flatten(start_dim=1).pow(2).sum(dim=1)
-
-    @property
-    def grad_samples(self):
-        """Per-parameter per-sample tensors whose length is the batch (Opacus checks
-        only their length outside :meth:`clip_and_accumulate`)."""
-        return [self._per_sample_sq_norms(p) for p in self.params]
-
-    def _passes_recorded(self) -> int:
-        """Backward passes recorded since the last ``step()`` call: one record (book-kept
-        layers) or one per-sample gradient (the others) per pass."""
-        counts = [1]
-        for p in self.params:
-            records = self._records(p)
-            if records:
-                counts.append(len(records))
-            elif isinstance(getattr(p, "grad_sample", None), list):
-                counts.append(len(p.grad_sample))
-        return max(counts)
-
-    def clip_and_accumulate(self) -> None:
-        # counted before the records are consumed: averaging and the accountant read it
-        self.backward_passes += self._passes_recorded()
-        sq = torch.stack([self._per_sample_sq_norms(p).float() for p in self.params]).sum(dim=0)
-        keep = self._finite_examples(sq)
-        if keep is not None:
-            sq = torch.where(keep, sq, torch.zeros_like(sq))
-        clip = (self.max_grad_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
-        if keep is not None:
-            clip = clip * keep
-        for p in self.params:
-            records = self._records(p)
-            if records:
-                grad, start = None, 0
-                for r in records:
-                    rows = slice(start, start + r.batch_size)
-                    kept = None if keep is None else keep[rows]
-                    part = r.clipped(clip[rows], kept).to(p.dtype).view_as(p)
-                    grad = part if grad is None else grad + part
-                    start += r.batch_size
-                p._bk_records = None
-            else:
-                gs = keep_rows(self._get_flat_grad_sample(p).to(p.dtype), keep)
-                grad = torch.einsum("i,i...", clip.to(gs), gs)
-                _mark_as_processed(p.grad_sample)
-            p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
-
-    def _finite_examples(self, sq: torch.Tensor) -> Optional[torch.Tensor]:
-        """Under ``nonfinite="raise"``: None, and the norms join the step's non-finite
-        check (no index, no value in a refusal). Under ``"skip"``: the mask of examples
-        to keep; the others contribute nothing (a per-example transform before the sum,
-        so the step is still the accounted mechanism) and are counted in
-        :attr:`skipped_examples` only. No host synchronisation either way."""
-        if self.nonfinite != "skip":
-            self.note_finite("per-sample gradient norm", sq)
-            return None
-        finite = sq.isfinite()
-        dropped = (~finite).sum()
-        self._skipped = dropped if self._skipped is None else self._skipped + dropped
-        return finite
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        super().zero_grad(set_to_none)
-        for p in self.params:
-            p._bk_records = None
-
-
-class RandomizedClippingBookkeepingOptimizer(
-    BookkeepingClippingMixin, RandomizedClippingMixin, DPOptimizer
-):
-    """:class:`~opacus.optimizers.DPOptimizer` with randomized clipping by book-keeping
-    (one backward pass; ``grad_sample_mode="hooks"``)."""
-
-
-class DistributedRandomizedClippingBookkeepingOptimizer(
-    BookkeepingClippingMixin, RandomizedClippingMixin, DistributedDPOptimizer
-):
-    """Distributed (DDP) book-keeping: each rank clips its own examples, rank 0 alone adds
-    the noise, and the clipped sums are all-reduced (Opacus's ``DistributedDPOptimizer``)."""
 
     _refusals_across_ranks = True

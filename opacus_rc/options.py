@@ -3,7 +3,7 @@
 :meth:`opacus_rc.PrivacyEngine.make_private` (and ``make_private_with_epsilon``) take the
 plugin's keywords next to Opacus's; :meth:`Options.parse` validates all of them in one
 place, with error messages that name the parameter and its accepted values, and resolves
-what the call runs (book-keeping or two passes, :mod:`opacus_rc.one_pass`), its public
+what the call runs (book-keeping or two passes, :mod:`opacus_rc.bookkeeping`), its public
 normaliser and sample rate (:func:`public_sampling`) and its seeds. The engine then reads
 nothing else: every ``_prepare_*`` step of Opacus's ``make_private`` reads the one object.
 """
@@ -20,12 +20,12 @@ from torch.utils.data.distributed import DistributedSampler
 from .config import SketchConfig
 from .denoise import DEFAULT_KAPPA
 from .fsdp import FSDP_MODE
-from .one_pass import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES, TWO_PASS, resolve_bookkeeping
+from .bookkeeping import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, BOOKKEEPING_MODE, OUTPUT_PASSES, TWO_PASS, resolve_bookkeeping
 from .sketch import check_seed
 
 RANDOMIZED = "randomized"
 RC_ACCOUNTANTS = ("rc_prv",)
-RC_GRAD_SAMPLE_MODES = ("ghost", "hooks", FSDP_MODE)
+RC_GRAD_SAMPLE_MODES = (BOOKKEEPING_MODE, "ghost", "hooks", FSDP_MODE)
 NONFINITE_MODES = ("raise", "skip")
 DENOISERS = ("spectral",)
 
@@ -214,8 +214,8 @@ def _nonfinite(mode: Any, grad_sample_mode: str) -> str:
         )
     if mode == "skip" and grad_sample_mode != "hooks":
         raise ValueError(
-            "nonfinite='skip' needs book-keeping: use grad_sample_mode='hooks' (or "
-            "bookkeeping=True with 'ghost'); the two-pass backward cannot drop one example's "
+            "nonfinite='skip' needs book-keeping: use grad_sample_mode='bookkeeping' (or its "
+            "aliases 'hooks', 'ghost' with bookkeeping=True); the two-pass backward cannot drop one example's "
             f"non-finite gradient from its sum (got grad_sample_mode={grad_sample_mode!r})"
         )
     return mode
@@ -258,9 +258,9 @@ class Options:
     Attributes:
         clipping: the clipping mode (``"randomized"`` or one of Opacus's).
         grad_sample_mode: the grad-sample mode the call builds (``bookkeeping=`` may
-            switch the requested one, see :func:`opacus_rc.one_pass.resolve_bookkeeping`).
+            switch the requested one, see :func:`opacus_rc.bookkeeping.resolve_bookkeeping`).
         runs: what the randomized call runs: ``TWO_PASS``, ``BOOKKEEPING``,
-            ``BOOKKEEPING_WITH_CRITERION`` or ``OUTPUT_PASSES`` (:mod:`opacus_rc.one_pass`).
+            ``BOOKKEEPING_WITH_CRITERION`` or ``OUTPUT_PASSES`` (:mod:`opacus_rc.bookkeeping`).
         denoise: keyword arguments of the spectral denoiser, or None (no denoising).
         sketch: the :class:`~opacus_rc.config.SketchConfig` (randomized only, else None).
         sketch_seed: the sketches' seed (``sketch_seed=``, else ``seed=``).

@@ -35,6 +35,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils.checkpoint as _checkpoint
+from torch import nn
 
 #: A forward replayed by ``checkpoint(use_reentrant=False)`` to rebuild saved tensors.
 NON_REENTRANT = "non_reentrant"
@@ -182,3 +183,9 @@ def late_use_error(layer: str) -> ValueError:
         "checkpoint(..., use_reentrant=False) (Hugging Face: gradient_checkpointing_enable() "
         "without arguments), or keep every use of the parameter on one side of the region"
     )
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """True if Hugging Face activation checkpointing is on in ``module`` (a submodule's
+    ``gradient_checkpointing`` flag, set by ``gradient_checkpointing_enable()``)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules())

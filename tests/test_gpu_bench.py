@@ -65,7 +65,7 @@ def test_deferred_linear_under_bf16_autocast_matches_nn_linear():
     autocast (the GPU benchmark's setting) and give nn.Linear's gradients."""
     from torch import nn
 
-    from opacus_rc.bookkeeping import linear_forward_deferring_weight_grad
+    from opacus_rc.grad_sample import linear_forward_deferring_weight_grad
 
     torch.manual_seed(0)
     layer, reference = nn.Linear(8, 4), nn.Linear(8, 4)

@@ -94,7 +94,7 @@ def test_skip_with_noise_keeps_parameters_finite_and_learning_goes_on():
 
 
 def test_skip_is_refused_where_the_sum_cannot_drop_one_example():
-    with pytest.raises(ValueError, match="grad_sample_mode='hooks'"):
+    with pytest.raises(ValueError, match="grad_sample_mode='bookkeeping'"):
         make(mlp(), mode="ghost", nonfinite="skip")
     with pytest.raises(ValueError, match="nonfinite='ignore'.*accepted values: 'raise', 'skip'"):
         make(mlp(), nonfinite="ignore")

@@ -46,14 +46,14 @@ def sequence_loss(model, x, labels):
     return per_token.mean(dim=1).mean()
 
 
-def private(model, **options):
+def private(model, clipping="randomized", **options):
     engine = PrivacyEngine(accountant="rc_prv")
     x, labels = tokens()
     out = engine.make_private(
         module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0),
         data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, labels), batch_size=B),
-        noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False, clipping="randomized",
-        sketch_size=32, seed=0, **options,
+        noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False, clipping=clipping,
+        **({"sketch_size": 32, "seed": 0} if clipping == "randomized" else {}), **options,
     )
     return engine, out
 
@@ -163,3 +163,36 @@ def test_evaluation_is_untouched():
     assert not bounded(module(input_ids=x).logits)
     module.train()
     assert bounded(module(input_ids=x).logits)
+
+
+@pytest.mark.parametrize("spelling", [
+    {"grad_sample_mode": "bookkeeping"},
+    {"grad_sample_mode": "hooks", "bookkeeping": True},
+], ids=["bookkeeping", "hooks_alias"])
+def test_bookkeeping_mode_name_is_book_keeping_also_on_a_checkpointed_model(spelling):
+    """``grad_sample_mode="bookkeeping"`` (the public name) and its alias ``"hooks"`` +
+    ``bookkeeping=True`` run one backward pass (the book-keeping optimizer, a 3-tuple) on a
+    checkpointed model, equal to brute-force per-example clipping; plain ``"hooks"`` there
+    runs the output passes (the test above)."""
+    from opacus_rc.bookkeeping import RandomizedClippingBookkeepingOptimizer
+
+    model = llama()
+    reference = copy.deepcopy(model)
+    engine, out = private(checkpointed(model), **spelling)
+    module, opt, _ = out
+    assert isinstance(opt, RandomizedClippingBookkeepingOptimizer)
+    assert getattr(module, "output_passes", None) is None
+    x, labels = tokens(seed=3)
+    want = per_example_clipped_mean(reference, sequence_loss, x, labels, C, normaliser=B)
+    sequence_loss(module, x, labels).backward()
+    opt.step()
+    assert_updates(model, want)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"grad_sample_mode": "bookkeeping", "bookkeeping": False}, "bookkeeping=False contradicts"),
+    ({"grad_sample_mode": "bookkeeping", "clipping": "flat"}, "grad_sample_mode='bookkeeping' only applies"),
+])
+def test_bookkeeping_mode_name_refuses_contradictions(options, match):
+    with pytest.raises(ValueError, match=match):
+        private(llama(), **options)

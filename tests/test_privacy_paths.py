@@ -16,7 +16,7 @@ from opacus_rc import (
     RandomizedClippingOptimizer,
     SketchConfig,
 )
-from opacus_rc.grad_sample import GradSampleModuleBookkeeping
+from opacus_rc.bookkeeping import GradSampleModuleBookkeeping
 from opacus_rc.loss import DPLossRandomizedClipping
 from opacus_rc.sketch import Sketcher
 
