@@ -44,7 +44,7 @@ with a ``ValueError`` (see :func:`check_fsdp_mode` and docs/benchmarks.md).
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,10 +54,9 @@ from opacus.grad_sample import (
 )
 from opacus.optimizers import FSDPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _generate_noise
-from opacus.utils.module_utils import requires_grad
 from torch import nn
 
-from .grad_sample import SketchingMixin
+from .grad_sample import SketchingMixin, _saves_inputs, check_norms_cover_batch
 from .optimizer import RandomizedClippingMixin
 from .norm_samplers import TIED_PROJECTIONS
 from .recompute import late_use_error
@@ -79,11 +78,6 @@ def is_fsdp_module(module: Any) -> bool:
 
 def _contains_fsdp(module: Any) -> bool:
     return isinstance(module, nn.Module) and any(is_fsdp_module(m) for m in module.modules())
-
-
-def layer_type(module: nn.Module) -> Type[nn.Module]:
-    """The layer class behind FSDP2's dynamic ``FSDP<Layer>`` subclass (Opacus's rule)."""
-    return type(module).__bases__[1] if is_fsdp_module(module) else type(module)
 
 
 def check_fsdp_mode(module: Any, grad_sample_mode: str) -> None:
@@ -127,6 +121,16 @@ def shared_sketch_seed(seed: Optional[int], secure_mode: bool) -> Optional[int]:
     return int(box[0])
 
 
+class _TiedSlot:
+    """A tied parameter's state in one backward pass under FSDP2, which swaps the
+    parameter objects: what one process keeps on the parameter
+    (:meth:`SketchingMixin._tied_slot`), kept under the sharded parameter's identity."""
+
+    _forward_counter = 0  # uses still to come in this backward pass
+    _tied_sketch_sum: Optional[torch.Tensor] = None  # sketched per-sample gradients so far
+    _norm_sample: Optional[torch.Tensor] = None  # this pass's per-sample norm
+
+
 class FSDPSketchingMixin(SketchingMixin):
     """Two-pass randomized clipping on Opacus's FSDP hooks: per-sample norms are kept on
     the module (``module.norm_sample``, Opacus's FSDP layout) instead of on the
@@ -148,7 +152,8 @@ class FSDPSketchingMixin(SketchingMixin):
         # Opacus's per-module FSDP norms would count the shared parameter twice
         # (||a||^2 + ||b||^2 instead of ||a + b||^2).
         tied = [m for ms in owners.values() if len(ms) > 1 for m in ms]
-        unsupported = sorted({layer_type(m).__name__ for m in tied if layer_type(m) not in TIED_PROJECTIONS})
+        layers = {self._get_module_type(m) for m in tied}
+        unsupported = sorted(layer.__name__ for layer in layers if layer not in TIED_PROJECTIONS)
         if unsupported:
             raise ValueError(
                 f"parameter tying through {', '.join(unsupported)} is not supported with "
@@ -164,22 +169,17 @@ class FSDPSketchingMixin(SketchingMixin):
             id(m): [(n, id(p)) for n, p in m.named_parameters(recurse=False) if p.requires_grad]
             for m in tied
         }
-        self._tied_uses: Dict[int, int] = {}  # uses still to come in this backward pass
-        self._tied_sums: Dict[int, torch.Tensor] = {}  # sketched per-sample gradients so far
-        self._tied_norms: Dict[int, torch.Tensor] = {}  # this pass's per-sample norms
+        self._tied_slots: Dict[int, _TiedSlot] = {}  # this pass's, by sharded identity
         super()._setup()
         # FSDP2 renames every sharded layer's class (FSDPLinear): defer the weight
         # gradients of those linear layers too (the parent matches nn.Linear exactly).
         patched = set(map(id, self._patched))
         fsdp_linears = [
             m for m in self._module.modules()
-            if id(m) not in patched and is_fsdp_module(m) and layer_type(m) is nn.Linear
+            if id(m) not in patched and is_fsdp_module(m) and self._get_module_type(m) is nn.Linear
             and any(p.requires_grad for p in m.parameters(recurse=False))
         ]
         self._defer_weight_grads(fsdp_linears, wanted=self._in_second_pass)
-
-    def _get_module_type(self, module: nn.Module) -> Type[nn.Module]:
-        return layer_type(module)
 
     def capture_activations_hook(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
@@ -192,9 +192,10 @@ class FSDPSketchingMixin(SketchingMixin):
     def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
         """A tied parameter whose norm this pass already took (see the parent)."""
         if id(module) in self._tied_modules and any(
-            key in self._tied_norms for _, key in self._tied_names[id(module)]
+            getattr(self._tied_slots.get(key), "_norm_sample", None) is not None
+            for _, key in self._tied_names[id(module)]
         ):
-            raise late_use_error(layer_type(module).__name__)
+            raise late_use_error(self._get_module_type(module).__name__)
 
     def _capture_fsdp_activations(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
@@ -202,12 +203,9 @@ class FSDPSketchingMixin(SketchingMixin):
         if id(module) in self._tied_modules:
             self._capture_tied_activations(module, forward_input)
             return
-        if (
-            requires_grad(module) and module.training and torch.is_grad_enabled()
-            and self.hooks_enabled and getattr(module, "_forward_counter", 0) > 0
-        ):
+        if _saves_inputs(module) and self.hooks_enabled and getattr(module, "_forward_counter", 0) > 0:
             raise ValueError(
-                f"{layer_type(module).__name__} is applied twice in one forward pass (its "
+                f"{self._get_module_type(module).__name__} is applied twice in one forward pass (its "
                 "parameters are used twice): not supported with grad_sample_mode='ghost_fsdp'; "
                 "use grad_sample_mode='ghost' (one process or DPDDP), which supports it"
             )
@@ -215,60 +213,24 @@ class FSDPSketchingMixin(SketchingMixin):
             self, module, forward_input, _forward_output
         )
 
-    def capture_backprops_hook(
-        self,
-        module: nn.Module,
-        _forward_input: torch.Tensor,
-        forward_output: torch.Tensor,
-        loss_reduction: str,
-        batch_first: bool,
-    ) -> None:
-        self._awaiting_forward = True  # the next forward starts a new pass
-        if id(module) in self._tied_modules:
-            if self.hooks_enabled:
-                self._capture_tied_backprops_fsdp(module, forward_output, loss_reduction, batch_first)
-            return
-        # The randomized norm samplers apply the "mean" factor to the norms (see
-        # SketchingMixin.rearrange_grad_samples), keyed by the layer's real class.
-        self._unscaled_backprops = layer_type(module) in self.NORM_SAMPLERS
-        try:
-            GradSampleHooksFastGradientClippingFSDP.capture_backprops_hook(
-                self, module, _forward_input, forward_output, loss_reduction, batch_first
-            )
-        finally:
-            self._unscaled_backprops = False
+    def _is_tied_use(self, module: nn.Module) -> bool:
+        """Known from the setup: FSDP2's parameter objects keep no use counts."""
+        return id(module) in self._tied_modules
+
+    def _tied_slot(self, module: nn.Module, param: nn.Parameter) -> _TiedSlot:
+        """Found by the parameter's name in the module (see :meth:`_setup`)."""
+        names = self._tied_names[id(module)]
+        return self._tied_slots[next(key for name, key in names if getattr(module, name) is param)]
 
     def _capture_tied_activations(self, module: nn.Module, forward_input: List[torch.Tensor]) -> None:
         """Activation capture with per-parameter use counters for a tied module."""
-        if not (requires_grad(module) and module.training and torch.is_grad_enabled() and self.hooks_enabled):
+        if not (_saves_inputs(module) and self.hooks_enabled):
             return
         if not hasattr(module, "activations"):
             module.activations = []
         module.activations.append([t.detach() for t in forward_input])
         for _, key in self._tied_names[id(module)]:
-            self._tied_uses[key] = self._tied_uses.get(key, 0) + 1
-
-    def _capture_tied_backprops_fsdp(
-        self, module: nn.Module, forward_output: Any, loss_reduction: str, batch_first: bool
-    ) -> None:
-        """Each use adds its sketched per-sample gradient (the same sketch for all uses of a
-        parameter) to the parameter's running sum; at its last use the norm of the sum is
-        the parameter's per-sample norm (as in one process, :class:`SketchingMixin`)."""
-        activations, backprops = self.rearrange_grad_samples(
-            module=module, backprops=forward_output[0].detach(),
-            loss_reduction=loss_reduction, batch_first=batch_first,
-        )
-        keys = {id(getattr(module, name)): key for name, key in self._tied_names[id(module)]}
-        projection = TIED_PROJECTIONS[layer_type(module)]
-        for param, contribution in projection(module, activations, backprops, self.sketcher).items():
-            key = keys[id(param)]
-            total = self._tied_sums.get(key)
-            self._tied_sums[key] = contribution if total is None else total + contribution
-            self._tied_uses[key] -= 1
-            if self._tied_uses[key] == 0:
-                self._tied_norms[key] = self._tied_sums.pop(key).flatten(start_dim=1).norm(2, dim=1)
-        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
-            del module.max_batch_len
+            self._tied_slots.setdefault(key, _TiedSlot())._forward_counter += 1
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-example norms of this rank's examples over all trainable layers; refused on
@@ -280,24 +242,16 @@ class FSDPSketchingMixin(SketchingMixin):
             if id(module) not in self._tied_modules
             for norm in getattr(module, "norm_sample", [])
         ]
-        pending = [key for key, uses in self._tied_uses.items() if uses != 0] + list(self._tied_sums)
-        per_param += [(self._module, n) for n in self._tied_norms.values()]
-        self._tied_uses, self._tied_sums, self._tied_norms = {}, {}, {}
+        slots, self._tied_slots = list(self._tied_slots.values()), {}
+        pending = [s for s in slots if s._forward_counter != 0 or s._tied_sketch_sum is not None]
+        per_param += [(self._module, s._norm_sample) for s in slots if s._norm_sample is not None]
         if pending:  # never clip with part of a tied parameter's norm
             raise ValueError(
                 "a tied parameter's forward uses and backward hooks do not match (a forward "
                 "pass without its backward pass?): refusing to clip; run forward and backward "
                 "in pairs while the privacy hooks are on"
             )
-        batch = max((int(n.shape[0]) for _, n in per_param), default=0)
-        for module, n in per_param:
-            if n.shape[0] != batch:
-                raise ValueError(
-                    f"per-sample norms of a {layer_type(module).__name__} cover {n.shape[0]} "
-                    f"examples but the batch has {batch}: the layer's input was broadcast over "
-                    "the batch (e.g. position ids of shape (1, T)); pass it with a batch "
-                    "dimension (e.g. position_ids of shape (B, T))"
-                )
+        check_norms_cover_batch([(f"a {self._get_module_type(m).__name__}", n) for m, n in per_param])
         if per_param:
             device = per_param[0][1].device
             norms = torch.stack([n.to(device) for _, n in per_param]).norm(2, dim=0)

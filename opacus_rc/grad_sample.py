@@ -14,7 +14,7 @@ sketch per layer and per step, seedable (``sketch_seed``), drawn from ``os.urand
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -176,6 +176,19 @@ def _saves_inputs(module: nn.Module) -> bool:
     return requires_grad(module) and module.training and torch.is_grad_enabled()
 
 
+def check_norms_cover_batch(norms: Sequence[Tuple[str, torch.Tensor]]) -> None:
+    """Every per-sample norm covers the batch (the most examples any of them covers);
+    ``norms`` pairs each with what the error calls the layer or parameter it is of."""
+    batch = max((int(n.shape[0]) for _, n in norms), default=0)
+    for what, n in norms:
+        if n.shape[0] != batch:
+            raise ValueError(
+                f"per-sample norms of {what} cover {n.shape[0]} examples but the batch has "
+                f"{batch}: the layer's input was broadcast over the batch (e.g. position ids "
+                "of shape (1, T)); pass it with a batch dimension (e.g. position_ids of shape (B, T))"
+            )
+
+
 def _trainable_linears(model: nn.Module) -> List[nn.Module]:
     return [
         m for m in model.modules()
@@ -220,19 +233,11 @@ class SketchingMixin(_SketcherOwner):
         missing = [name for name, p in trainable_parameters(self._module) if getattr(p, "_norm_sample", None) is None]
         if missing:
             raise missing_per_sample_error(", ".join(repr(n) for n in missing))
-        batch = max((int(p._norm_sample.shape[0]) for p in self.trainable_parameters), default=0)
-        for name, p in trainable_parameters(self._module):
-            if p._norm_sample.shape[0] != batch:
-                raise ValueError(
-                    f"per-sample norms of {name!r} cover {p._norm_sample.shape[0]} examples but "
-                    f"the batch has {batch}: the layer's input was broadcast over the batch "
-                    "(e.g. position ids of shape (1, T)); pass it with a batch dimension "
-                    "(e.g. position_ids of shape (B, T))"
-                )
+        check_norms_cover_batch([(repr(name), p._norm_sample) for name, p in trainable_parameters(self._module)])
 
     def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
         if any(getattr(p, "_norm_sample", None) is not None for _, p in trainable_parameters(module)):
-            raise late_use_error(type(module).__name__)
+            raise late_use_error(self._get_module_type(module).__name__)
 
     def capture_activations_hook(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
@@ -252,14 +257,16 @@ class SketchingMixin(_SketcherOwner):
         loss_reduction: str,
         batch_first: bool,
     ) -> None:
-        self._awaiting_forward = True
+        self._awaiting_forward = True  # the next forward starts a new pass
         passes = getattr(self, "output_passes", None)  # plain-loss scripts: opacus_rc.output_passes
         if passes is not None and self.hooks_enabled:
             passes.check_inside(module)
         if self.hooks_enabled and self._is_tied_use(module):
             self._capture_tied_backprops(module, forward_output, loss_reduction, batch_first)
             return
-        self._unscaled_backprops = type(module) in self.NORM_SAMPLERS
+        # The randomized norm samplers apply the "mean" factor to the norms (see
+        # rearrange_grad_samples), keyed by the layer's real class (FSDP2 renames it).
+        self._unscaled_backprops = self._get_module_type(module) in self.NORM_SAMPLERS
         try:
             super().capture_backprops_hook(
                 module, _forward_input, forward_output, loss_reduction, batch_first
@@ -291,34 +298,44 @@ class SketchingMixin(_SketcherOwner):
             for _, p in trainable_parameters(module)
         )
 
+    def _tied_slot(self, module: nn.Module, param: nn.Parameter) -> Any:
+        """What keeps a tied parameter's running sum (``_tied_sketch_sum``), its uses
+        still to come in this pass (``_forward_counter``, Opacus's) and its per-sample
+        norm (``_norm_sample``): in one process, the parameter itself."""
+        return param
+
     def _capture_tied_backprops(
         self, module: nn.Module, forward_output: Any, loss_reduction: str, batch_first: bool
     ) -> None:
-        """Add this use's sketched per-sample gradient to each parameter's running sum;
-        at its last use, the norm of the sum is the parameter's per-sample norm."""
-        projection = TIED_PROJECTIONS.get(type(module))
+        """A use of tied parameters: their sketched per-sample gradients (one sketch for
+        all uses of a parameter) join their running sums (:meth:`_add_tied_use`)."""
+        layer = self._get_module_type(module)
+        projection = TIED_PROJECTIONS.get(layer)
         if projection is None:
             raise ValueError(
-                f"parameter tying through {type(module).__name__} is not supported with "
+                f"parameter tying through {layer.__name__} is not supported with "
                 f"clipping='randomized'; supported layers: "
                 f"{', '.join(c.__name__ for c in TIED_PROJECTIONS)}"
             )
         activations, backprops = self.rearrange_grad_samples(
-            module=module,
-            backprops=forward_output[0].detach(),
-            loss_reduction=loss_reduction,
-            batch_first=batch_first,
+            module=module, backprops=forward_output[0].detach(),
+            loss_reduction=loss_reduction, batch_first=batch_first,
         )
         for param, contribution in projection(module, activations, backprops, self.sketcher).items():
-            total = getattr(param, "_tied_sketch_sum", None)
-            param._tied_sketch_sum = contribution if total is None else total + contribution
-            param._forward_counter -= 1
-            if param._forward_counter == 0:
-                flat = param._tied_sketch_sum.flatten(start_dim=1)
-                param._norm_sample = flat.norm(2, dim=1)
-                param._tied_sketch_sum = None
+            self._add_tied_use(module, param, contribution)
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len
+
+    def _add_tied_use(self, module: nn.Module, param: nn.Parameter, contribution: torch.Tensor) -> None:
+        """One use of the tied ``param`` through ``module``: ``contribution`` joins the
+        running sum; at the last use, the norm of the sum is the per-sample norm."""
+        slot = self._tied_slot(module, param)
+        total = getattr(slot, "_tied_sketch_sum", None)
+        slot._tied_sketch_sum = contribution if total is None else total + contribution
+        slot._forward_counter -= 1
+        if slot._forward_counter == 0:
+            slot._norm_sample = slot._tied_sketch_sum.flatten(start_dim=1).norm(2, dim=1)
+            slot._tied_sketch_sum = None
 
 
 class GradSampleHooksRandomizedClipping(
