@@ -277,9 +277,7 @@ def make_trainer(
         if randomized
         else {}
     )
-    if base in ("randomized_bk", "randomized_bk_ghost"):
-        # book-keeping even on a checkpointed model (where "hooks" runs two passes from the
-        # output by default); bk_ghost: a ghost script (4-tuple, criterion) in one pass
+    if base == "randomized_bk_ghost":  # a ghost script (4-tuple, criterion) in one pass
         extra["bookkeeping"] = True
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
@@ -290,7 +288,9 @@ def make_trainer(
             data_loader=loader,
             noise_multiplier=noise_multiplier,
             max_grad_norm=1.0,
-            grad_sample_mode="hooks" if one_pass else "ghost",
+            # randomized_bk: book-keeping by its public name, also on a checkpointed model
+            # (where "hooks" runs two passes from the output)
+            grad_sample_mode=("bookkeeping" if base == "randomized_bk" else "hooks") if one_pass else "ghost",
             **extra,
         )
     if one_pass:
