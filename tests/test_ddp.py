@@ -126,6 +126,32 @@ def test_ddp_with_activation_checkpointing_equals_single_process():
         torch.testing.assert_close(ranks[0]["params"][name], single[name], rtol=1e-4, atol=1e-6)
 
 
+class FlaggedCheckpointedClassifier(CheckpointedSequenceClassifier):
+    """Checkpointed as Hugging Face marks it (``gradient_checkpointing = True``): a
+    plain-loss script ("hooks") on it runs the two passes from the model's output."""
+
+    gradient_checkpointing = True
+
+
+def output_passes_worker(rank, init_file, out_dir):
+    worker(rank, init_file, 0.0, "hooks", out_dir, model_cls=FlaggedCheckpointedClassifier)
+
+
+def test_ddp_output_passes_of_a_checkpointed_plain_loss_script_equal_single_process():
+    """A plain-loss script on a checkpointed model under DPDDP: the two passes run from the
+    output on every rank (the distributed two-pass optimizer), and the update equals one
+    process on the union without checkpointing (same shared sketches, noise 0)."""
+    ranks = spawn(output_passes_worker)
+    single = single_process(noise=0.0, mode="ghost")
+    assert ranks[0]["optimizer"] == MODES["ghost"]
+    for r in ranks:
+        (sigma, q, steps, record), = r["history"]
+        assert (sigma, q, steps, record["micro_batches"]) == (0.0, 1.0, 1, 1)
+    for name in single:
+        torch.testing.assert_close(ranks[0]["params"][name], ranks[1]["params"][name])
+        torch.testing.assert_close(ranks[0]["params"][name], single[name], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_ddp_adds_noise_once(initial, mode):
     """Noise std of the averaged update is sigma C / (total batch), as in one process;
