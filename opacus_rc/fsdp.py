@@ -229,6 +229,10 @@ class FSDPSketchingMixin(SketchingMixin):
         if not hasattr(module, "activations"):
             module.activations = []
         module.activations.append([t.detach() for t in forward_input])
+        self._count_tied_use(module)
+
+    def _count_tied_use(self, module: nn.Module) -> None:
+        """One more use of the tied module's parameters in this backward pass."""
         for _, key in self._tied_names[id(module)]:
             self._tied_slots.setdefault(key, _TiedSlot())._forward_counter += 1
 

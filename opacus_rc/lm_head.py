@@ -31,12 +31,24 @@ The module finds the grad-sample module that controls it through the hooks that
 ``make_private`` registered on ``lm_head`` (Opacus hooks every layer with trainable
 parameters; ``lm_head.forward`` itself is never called), so it works with
 ``wrap_model=True`` and ``False`` and needs no registration. A head under any other
-Opacus grad-sample mode, or under FSDP2, raises a ``ValueError``.
+Opacus grad-sample mode raises a ``ValueError``.
+
+FSDP2 (``grad_sample_mode="ghost_fsdp"``, :mod:`opacus_rc.fsdp`): ``lm_head`` must be its own
+``fully_shard`` unit (``FSDP2Wrapper`` makes it one) or share one with its tied embedding
+(``fully_shard([embedding, lm_head])``). The unit's own forward hooks run around the chunked
+computation as ``lm_head(hidden)`` would run them (:class:`_FSDPUnit`): the weight is
+all-gathered for the forward, re-gathered before the head's backward (each of the two
+passes) and its gradient ``sum_i c_i u_i A_i^T G_i`` lands on the unsharded parameter, which
+FSDP reduce-scatters into the sharded one, as for any ``nn.Linear`` of the model. The head's
+per-example norm (of this rank's examples) goes where the FSDP form keeps norms
+(``lm_head.norm_sample``, or the tied parameter's running sum of sketched uses) and is
+combined with the other layers' by ``get_norm_sample``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -46,6 +58,8 @@ from torch import nn
 
 from .bookkeeping import Record, keep_rows
 from .estimators import ghost_sq_norms, sketch_side
+
+logger = logging.getLogger(__name__)
 
 REDUCTIONS = ("mean", "sum")
 _LOW = (torch.float16, torch.bfloat16)
@@ -88,30 +102,144 @@ def _hook_owners(layer: nn.Module):
 
 
 def controlling_module(layer: nn.Module):
-    """The randomized-clipping grad-sample module hooked on ``layer`` (None if none).
+    """The randomized-clipping grad-sample module hooked on ``layer`` (None if none): the
+    two-pass (``"ghost"``), book-keeping (``"hooks"``) or FSDP2 (``"ghost_fsdp"``) form.
 
     Raises:
         ValueError: ``layer`` is hooked by another Opacus grad-sample mode (its per-sample
-            gradients or norms could not be computed: ``layer.forward`` is never called),
-            or by the FSDP2 form (not supported by the chunked head).
+            gradients or norms could not be computed: ``layer.forward`` is never called).
     """
-    from .fsdp import FSDPSketchingMixin
     from .bookkeeping import BookkeepingMixin
     from .grad_sample import SketchingMixin
 
     for owner in _hook_owners(layer):
-        if isinstance(owner, FSDPSketchingMixin):
-            raise ValueError(
-                "ChunkedLMHeadLoss is not supported under FSDP2 (grad_sample_mode="
-                "'ghost_fsdp'); use the model's own LM head and criterion there, or "
-                "grad_sample_mode='ghost' / 'hooks' without FSDP2"
-            )
-        if isinstance(owner, (SketchingMixin, BookkeepingMixin)):
+        if isinstance(owner, (SketchingMixin, BookkeepingMixin)):  # FSDPSketchingMixin too
             return owner
         raise ValueError(
-            f"ChunkedLMHeadLoss needs clipping='randomized' (grad_sample_mode='ghost' or "
-            f"'hooks'); its lm_head is hooked by {type(owner).__name__}, which cannot "
-            "compute per-sample gradients of a head whose forward it never sees"
+            f"ChunkedLMHeadLoss needs clipping='randomized' (grad_sample_mode='ghost', "
+            f"'hooks' or, under FSDP2, 'ghost_fsdp'); its lm_head is hooked by "
+            f"{type(owner).__name__}, which cannot compute per-sample gradients of a head "
+            "whose forward it never sees"
+        )
+    return None
+
+
+def _is_fsdp_owner(owner: Any) -> bool:
+    """``owner`` is the FSDP2 form of randomized clipping (norms kept on the modules)."""
+    if owner is None:
+        return False
+    from .fsdp import FSDPSketchingMixin
+
+    return isinstance(owner, FSDPSketchingMixin)
+
+
+def _is_dtensor(t: Optional[torch.Tensor]) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(t, DTensor)
+
+
+class _FSDPUnit:
+    """FSDP2's forward hooks on ``lm_head`` (a ``fully_shard`` unit, alone or grouped with
+    its tied embedding), run around the chunked computation in the order and with the
+    arguments ``nn.Module.__call__`` would give them, since ``lm_head.forward`` is never
+    called. The pre-hook all-gathers the weight (``lm_head.weight`` is then the unsharded
+    parameter) and registers FSDP's post-backward on the hidden states (reduce-scatter of the
+    unsharded gradient, reshard); the post-hook reshards and registers the pre-backward
+    re-gather on the losses. A group whose other module (the embedding) already ran keeps
+    its parameters unsharded (FSDP's partial-group path, made for chunked losses): the
+    pre-backward re-gather is registered here then, so the second (clipped) backward pass
+    finds the weight gathered too. Opacus's hooks on ``lm_head`` are not run."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+        self.state = layer._get_fsdp_state()
+
+        def owned(hook) -> bool:  # a bound method of the state, possibly under functools.wraps
+            while hook is not None:
+                if getattr(hook, "__self__", None) is self.state:
+                    return True
+                hook = getattr(hook, "__wrapped__", None)
+            return False
+
+        def ours(hooks):
+            return [(i, h) for i, h in hooks.items() if owned(h)]
+
+        self.pre = ours(layer._forward_pre_hooks)
+        self.post = ours(layer._forward_hooks)
+        if not (self.pre and self.post):
+            raise RuntimeError(
+                f"ChunkedLMHeadLoss: FSDP2's forward hooks on {type(layer).__name__} were not "
+                "found (an unsupported torch version?); cannot gather the head's weight"
+            )
+
+    def pre_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Run the pre-hooks on ``(hidden,)``; the hidden states to use (FSDP2 wraps them
+        in its post-backward node and may cast them to its ``param_dtype``)."""
+        args, kwargs = (hidden,), {}
+        for hook_id, hook in self.pre:
+            if hook_id in self.layer._forward_pre_hooks_with_kwargs:
+                result = hook(self.layer, args, kwargs)
+                if result is not None:
+                    args, kwargs = result
+            else:
+                result = hook(self.layer, args)
+                if result is not None:
+                    args = result if isinstance(result, tuple) else (result,)
+        return args[0]
+
+    def _run_post(self, hidden: torch.Tensor, output: Any, only_always: bool) -> Any:
+        layer = self.layer
+        for hook_id, hook in self.post:
+            if only_always and hook_id not in layer._forward_hooks_always_called:
+                continue
+            if hook_id in layer._forward_hooks_with_kwargs:
+                result = hook(layer, (hidden,), {}, output)
+            else:
+                result = hook(layer, (hidden,), output)
+            if result is not None:
+                output = result
+        return output
+
+    def post_forward(self, hidden: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
+        """Run the post-hooks on the losses (B,); the losses to return."""
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        losses = self._run_post(hidden, losses, only_always=False)
+        if self.state._training_state == TrainingState.FORWARD:  # partial group: unsharded until backward
+            losses = self.state._register_pre_backward_hook(losses)
+        return losses
+
+    def failed_forward(self, hidden: torch.Tensor) -> None:
+        """The ``always_call`` post-hooks after an exception (as ``nn.Module.__call__``)."""
+        try:
+            self._run_post(hidden, None, only_always=True)
+        except Exception as e:  # the forward's own error is the one raised
+            logger.warning("FSDP2 post-forward hook of lm_head failed after an error: %s", e)
+
+
+def _fsdp_unit(layer: nn.Module, owner: Any) -> Optional[_FSDPUnit]:
+    """The FSDP2 unit whose hooks must run around the head (None when not under FSDP2).
+
+    Raises:
+        ValueError: the head's parameters are sharded by FSDP2 but ``lm_head`` is not a
+            ``fully_shard`` unit itself (they belong to an enclosing unit, whose gather
+            does not bracket the head's backward passes).
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return None
+    if isinstance(layer, FSDPModule):
+        return _FSDPUnit(layer)
+    if _is_fsdp_owner(owner) or any(_is_dtensor(p) for p in layer.parameters(recurse=False)):
+        raise ValueError(
+            "ChunkedLMHeadLoss under FSDP2 needs lm_head to be a fully_shard unit itself: "
+            "FSDP2Wrapper shards it so; by hand, fully_shard(lm_head) (or "
+            "fully_shard([embedding, lm_head]) for a tied head) before fully_shard(model); got "
+            f"a {type(layer).__name__} whose parameters an enclosing unit manages"
         )
     return None
 
@@ -123,13 +251,17 @@ class _Plan:
     block_size: int
     compute_dtype: torch.dtype
     owner: Any = None
-    mode: str = "plain"  # "plain" | "norms" (two-pass, first pass) | "bk" (book-keeping)
+    mode: str = "plain"  # "plain" | "norms" (two-pass, first pass) | "bk" (book-keeping) | "fsdp"
     kept: Dict[str, Any] = field(default_factory=dict)  # per-example sums for the norms
     delivered: bool = False
     # the head's parameters themselves (saved tensors unpack as other tensor objects
     # under activation checkpointing: per-parameter state goes on these)
     weight: Optional[nn.Parameter] = None
     bias: Optional[nn.Parameter] = None
+    # FSDP2 (mode "fsdp"): the head module (norms go to ``layer.norm_sample``) and whether
+    # its weight is tied (the FSDP form's running sums of sketched uses, keyed per name)
+    layer: Optional[nn.Module] = None
+    tied: bool = False
 
 
 def _logits(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype) -> torch.Tensor:
@@ -369,26 +501,38 @@ def _deliver(plan: _Plan, hidden, target, scale, lse, u) -> None:
             clip = _BookkeptHead(hidden, weight, bias, target, scale, lse, plan, s)
             _append_record(bias, Record(bias_grads.pow(2).sum(dim=1), clip.bias))
         return
-    contributions = {}
-    if weight.requires_grad:
-        contributions[weight] = kept["proj"] * s[:, None, None] if "proj" in kept else None
-    if bias is not None and bias.requires_grad:
-        contributions[bias] = kept["bias"] * s[:, None]
-    tied = "proj" in kept
-    for p, contribution in contributions.items():
-        if p is weight and not tied:
-            p._norm_sample = kept["sq"].clamp(min=0).sqrt() * s.abs()
-            p._forward_counter -= 1
-        elif p is bias and not tied:
-            p._norm_sample = contribution.norm(2, dim=1)
-            p._forward_counter -= 1
-        else:  # a use of a tied parameter: SketchingMixin._capture_tied_backprops's protocol
-            total = getattr(p, "_tied_sketch_sum", None)
-            p._tied_sketch_sum = contribution if total is None else total + contribution
-            p._forward_counter -= 1
-            if p._forward_counter == 0:
-                p._norm_sample = p._tied_sketch_sum.flatten(start_dim=1).norm(2, dim=1)
-                p._tied_sketch_sum = None
+    _deliver_norms(plan, kept, s)
+
+
+def _deliver_norms(plan: _Plan, kept: Dict[str, torch.Tensor], s: torch.Tensor) -> None:
+    """Two-pass forms: the head's per-example norms where the grad-sample module keeps
+    them: ``||grad_i W|| = sqrt(sq_i) |s_i|``, ``||grad_i b|| = ||s_i sum_t G_i[t]||`` on
+    each parameter (one process) or as ``lm_head.norm_sample`` (FSDP2, this rank's
+    examples, as Opacus's FSDP hooks store them). A tied head's contributions
+    (``s_i P^T grad_i W``, ``s_i grad_i b``) join the running sums of the parameters' uses
+    (:meth:`SketchingMixin._add_tied_use`, the same sketch as the embedding's use)."""
+    owner, layer = plan.owner, plan.layer
+    contributions: Dict[str, torch.Tensor] = {}
+    if plan.weight.requires_grad:
+        if "proj" in kept:
+            contributions["weight"] = kept["proj"] * s[:, None, None]
+        else:
+            contributions["weight"] = kept["sq"].clamp(min=0).sqrt() * s.abs()
+    if plan.bias is not None and plan.bias.requires_grad:
+        contributions["bias"] = kept["bias"] * s[:, None]
+    fsdp = plan.mode == "fsdp"
+    if (plan.tied if fsdp else "proj" in kept):
+        for name, contribution in contributions.items():
+            owner._add_tied_use(layer, getattr(layer, name), contribution)
+        return
+    norms = [c if c.dim() == 1 else c.flatten(start_dim=1).norm(2, dim=1) for c in contributions.values()]
+    if fsdp:
+        layer.norm_sample = norms
+        return
+    for name, norm in zip(contributions, norms):
+        p = getattr(layer, name)
+        p._norm_sample = norm
+        p._forward_counter -= 1
 
 
 def _append_record(p: nn.Parameter, record: Record) -> None:
@@ -434,11 +578,12 @@ def _static_ties(owner, layer: nn.Module, weight: nn.Parameter) -> bool:
     return cache[key]
 
 
-def _norm_spec(owner, layer, weight, bias, batch: int, t: int, d: int, device) -> _NormSpec:
+def _norm_spec(owner, layer, weight, bias, batch: int, t: int, d: int, device, tied: Optional[bool] = None) -> _NormSpec:
     """How this pass computes the head's norm, mirroring the unchunked path
     (:func:`opacus_rc.norm_samplers.weight_sq_norms`, ``Sketcher.estimate``, the tied
     projection of :func:`opacus_rc.norm_samplers.linear_projection`), so the same
-    sketches give the same norms."""
+    sketches give the same norms. ``tied``: decided by the caller (FSDP2: the module
+    shares a parameter), else from the use counters and the model's modules."""
     from .bookkeeping import BookkeepingMixin
 
     sketcher = owner.sketcher
@@ -446,7 +591,9 @@ def _norm_spec(owner, layer, weight, bias, batch: int, t: int, d: int, device) -
     k = config.sketch_size
     w_trainable = weight.requires_grad
     b_trainable = bias is not None and bias.requires_grad
-    tied = w_trainable and (weight._forward_counter > 1 or _static_ties(owner, layer, weight))
+    if tied is None:
+        tied = w_trainable and (weight._forward_counter > 1 or _static_ties(owner, layer, weight))
+    tied = tied and w_trainable
     if tied and isinstance(owner, BookkeepingMixin):
         raise ValueError(
             "tied weights are not supported by book-keeping (grad_sample_mode='hooks') "
@@ -561,6 +708,36 @@ class ChunkedLMHeadLoss(nn.Module):
         if self.reduction not in (*REDUCTIONS, "none"):
             raise ValueError(f"reduction={self.reduction!r} is invalid; accepted values: 'mean', 'sum', 'none'")
         layer = self.lm_head
+        owner = controlling_module(layer)
+        if owner is not None and owner.hooks_enabled and getattr(owner, "output_passes", None) is not None:
+            raise ValueError(
+                "ChunkedLMHeadLoss computes the loss without the LM head's output, which the "
+                "two passes from the model's output (a plain-loss script on a checkpointed "
+                "model) clip at: pass bookkeeping=True to make_private (book-keeping), or use "
+                "grad_sample_mode='ghost' with this module as the criterion"
+            )
+        target, scale = self._targets(labels)
+        fsdp = _fsdp_unit(layer, owner)
+        if fsdp is None:
+            return self._reduced(self._losses(layer, owner, hidden, target, scale))
+        hidden = fsdp.pre_forward(hidden)  # lm_head.weight: the unsharded parameter from here
+        try:
+            losses = self._losses(layer, owner, hidden, target, scale)
+        except BaseException:
+            fsdp.failed_forward(hidden)
+            raise
+        return self._reduced(fsdp.post_forward(hidden, losses))
+
+    def _reduced(self, losses: torch.Tensor) -> torch.Tensor:
+        if self.reduction == "mean":
+            return losses.mean()
+        if self.reduction == "sum":
+            return losses.sum()
+        return losses
+
+    def _losses(self, layer: nn.Module, owner: Any, hidden: torch.Tensor, target, scale) -> torch.Tensor:
+        """The per-sequence losses (B,), registering the pass with ``owner`` when its hooks
+        are on (norms in the backward pass)."""
         weight, bias = layer.weight, layer.bias
         batch, t, d = hidden.shape
         device_type = hidden.device.type
@@ -569,43 +746,49 @@ class ChunkedLMHeadLoss(nn.Module):
             dtype = torch.get_autocast_dtype(device_type)
         else:
             dtype = torch.promote_types(hidden.dtype, weight.dtype)
-        plan = _Plan(block_size=self.block_size, compute_dtype=dtype, weight=weight, bias=bias)
-        owner = controlling_module(layer)
+        plan = _Plan(block_size=self.block_size, compute_dtype=dtype, weight=weight, bias=bias, layer=layer)
         spec = None
         training = torch.is_grad_enabled() and layer.training and not recomputing_forward()
-        if owner is not None and owner.hooks_enabled and getattr(owner, "output_passes", None) is not None:
-            raise ValueError(
-                "ChunkedLMHeadLoss computes the loss without the LM head's output, which the "
-                "two passes from the model's output (a plain-loss script on a checkpointed "
-                "model) clip at: pass bookkeeping=True to make_private (book-keeping), or use "
-                "grad_sample_mode='ghost' with this module as the criterion"
-            )
         if owner is not None and owner.hooks_enabled and training and _trainable([weight, bias]):
             if not _in_backward():  # as its forward hook would (a reentrant replay starts none)
                 owner._start_pass(layer)
             from .bookkeeping import BookkeepingMixin
 
             plan.owner = owner
-            plan.mode = "bk" if isinstance(owner, BookkeepingMixin) else "norms"
-            for p in _trainable([weight, bias]):
-                p._forward_counter += 1
-            spec = _norm_spec(owner, layer, weight, bias, batch, t, d, hidden.device)
-        target, scale = self._targets(labels)
+            if _is_fsdp_owner(owner):
+                # FSDP2: parameter objects are swapped (no per-parameter counters); a tied
+                # head counts its uses as the FSDP form's tied hooks do (_capture_tied_activations)
+                plan.mode, plan.tied = "fsdp", id(layer) in owner._tied_modules
+                if plan.tied:
+                    owner._count_tied_use(layer)
+                spec = _norm_spec(owner, layer, weight, bias, batch, t, d, hidden.device, tied=plan.tied)
+            else:
+                plan.mode = "bk" if isinstance(owner, BookkeepingMixin) else "norms"
+                for p in _trainable([weight, bias]):
+                    p._forward_counter += 1
+                spec = _norm_spec(owner, layer, weight, bias, batch, t, d, hidden.device)
         with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
-            losses = _ChunkedHeadLoss.apply(hidden, weight, bias, target, scale, plan, spec)
-        if self.reduction == "mean":
-            return losses.mean()
-        if self.reduction == "sum":
-            return losses.sum()
-        return losses
+            return _ChunkedHeadLoss.apply(hidden, weight, bias, target, scale, plan, spec)
 
 
 def hidden_states(model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
     """The final hidden states (B, T, d) of a Hugging Face causal LM (its base model's
     ``last_hidden_state``; the LM head is not run), also through a grad-sample module
-    (``wrap_model=True``)."""
+    (``wrap_model=True``). Not for an FSDP2 root (``ValueError``): FSDP2 needs the root's
+    own forward to run."""
     inner = getattr(model, "_module", model)
     base = getattr(inner, "base_model", None)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        FSDPModule = ()
+    if isinstance(inner, FSDPModule) and base is not None and base is not inner:
+        raise ValueError(
+            f"hidden_states() would call the base model of an FSDP2 root ({type(inner).__name__}), "
+            "skipping the root's forward, which FSDP2 needs: shard a module whose forward "
+            "returns the hidden states (e.g. one returning lm.model(...).last_hidden_state, "
+            "lm_head inside it as its own unit) and call that root"
+        )
     if base is None or base is inner:
         raise ValueError(
             f"{type(inner).__name__} has no separate base model; pass the hidden states "
