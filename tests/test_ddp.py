@@ -8,16 +8,15 @@ differ across ranks (independent examples), shared sketches do not.
 """
 
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from opacus import PrivacyEngine
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from torch import nn
 
+from .spawn import spawn as spawn_ranks
 from .conftest import CheckpointedSequenceClassifier, SequenceClassifier, token_task
 
 WORLD, PER_RANK, T = 2, 8, 40  # T > k = 8: linear layers are sketched
@@ -71,11 +70,7 @@ def worker(rank, init_file, noise, mode, out_dir, model_cls=SequenceClassifier):
 
 
 def spawn(fn, *args):
-    """Run ``fn(rank, init_file, *args, out_dir)`` on every rank; the ranks' saved files."""
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        mp.spawn(fn, args=(init_file, *args, tmp), nprocs=WORLD, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    return spawn_ranks(fn, WORLD, *args)
 
 
 def run_ddp(noise, mode):

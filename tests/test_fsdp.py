@@ -27,18 +27,17 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from opacus import PrivacyEngine
 from torch import nn
 
 from .conftest import CheckpointedSequenceClassifier, SequenceClassifier, token_task
+from .spawn import spawn
 
 WORLD, PER_RANK = 2, 8
 T_EXACT, T_SKETCHED, K = 8, 40, 8  # T <= k: exact norms; T > k: sketched
@@ -305,9 +304,7 @@ def worker(rank, init_file, out_dir):
 
 @pytest.fixture(scope="module")
 def ranks():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    return spawn(worker, WORLD)
 
 
 def single_process(t, with_lora=False, **kwargs):

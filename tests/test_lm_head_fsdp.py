@@ -15,18 +15,18 @@ scenario, each rank saves what it saw).
 """
 
 import os
-import tempfile
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from opacus import PrivacyEngine
 from torch import nn
 
 from opacus_rc.lm_head import ChunkedLMHeadLoss
 from tests.test_lm_head import C, TinyLM, batch, brute_force, per_sequence_ce
+
+from .spawn import spawn
 
 WORLD, PER_RANK = 2, 4
 EXACT = dict(vocab=24, t=8, sketch_size=16)  # T <= k: every norm exact
@@ -161,9 +161,7 @@ def worker(rank, init_file, out_dir):
 
 @pytest.fixture(scope="module")
 def ranks():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    return spawn(worker, WORLD)
 
 
 def assert_same(a, b, atol=1e-6, rtol=1e-4):
