@@ -37,11 +37,17 @@ the guarantee or crash):
   (``dp_state.json``) and no generator state or seed; a resumed run reports the same epsilon and
   draws fresh noise.
 
+Gradient checkpointing (``gradient_checkpointing=True``, or a model on which
+``gradient_checkpointing_enable()`` was called) runs in the form the user chose, reentrant or
+non-reentrant (Hugging Face's default), as two passes from the model's output
+(:mod:`opacus_rc.output_passes`; :mod:`opacus_rc.recompute` tells the recomputation from the
+forward pass).
+
 Refused with a ``ValueError`` naming the parameter and the accepted values: fp16 (loss
-scaling would scale the per-example gradients before clipping), non-reentrant gradient
-checkpointing (the recomputed forward runs the hooks twice; ``gradient_checkpointing=True``
-runs reentrant, as two passes from the model's output, :mod:`opacus_rc.output_passes`),
-gradient checkpointing with flat clipping, DataParallel, DeepSpeed/FSDP, auto batch size,
+scaling would scale the per-example gradients before clipping), a checkpoint function or
+option the package does not recognise (selective checkpointing's ``context_fn``, ``offload``,
+a custom ``_gradient_checkpointing_func``), gradient checkpointing with flat clipping,
+DataParallel, DeepSpeed/FSDP, auto batch size,
 token counting, ``compute_loss_func``/label smoothing/custom ``compute_loss`` (override
 :meth:`DPTrainerMixin.per_example_loss` instead), padding-free batches, and a trainable
 parameter whose gradient no hook saw (e.g. a fused LM head reading ``lm_head.weight``
@@ -52,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -63,6 +70,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
@@ -191,6 +199,39 @@ _CHECKPOINTING_ACCEPTED = (
     "False with clipping='flat' (the recomputed forward would record per-sample activations "
     "twice); with clipping='randomized' it runs as two passes from the model's output"
 )
+
+
+#: ``activation_checkpointing_kwargs`` keys the private Trainer runs: torch's checkpoint form and
+#: options that leave the recomputation a plain replay, and the Trainer's ``every_n_layers``
+_CHECKPOINT_OPTIONS = ("use_reentrant", "preserve_rng_state", "determinism_check", "debug", "early_stop", "every_n_layers")
+_CHECKPOINT_OPTIONS_ACCEPTED = (
+    "use_reentrant=True or False (unset: Hugging Face's non-reentrant default), preserve_rng_state, "
+    "determinism_check, debug, early_stop, every_n_layers"
+)
+
+
+def _checkpoint_options_error(options: Dict[str, Any]) -> Optional[str]:
+    """Why ``activation_checkpointing_kwargs`` cannot run exactly, or None. Selective
+    checkpointing (``context_fn``, TRL's ``selective``) replays under dispatch modes and
+    ``offload`` under saved-tensor hooks that the privacy hooks were not verified under."""
+    unknown = sorted(k for k in options if k not in _CHECKPOINT_OPTIONS)
+    if unknown:
+        return f"the keys {unknown} are not supported"
+    if "use_reentrant" in options and not isinstance(options["use_reentrant"], bool):
+        return f"use_reentrant={options['use_reentrant']!r} is not a bool"
+    return None
+
+
+def _recognised_checkpoint_function(func: Any) -> bool:
+    """True for ``functools.partial(torch.utils.checkpoint.checkpoint, **kw)`` (what
+    ``gradient_checkpointing_enable()`` installs) with ``kw`` in the accepted options."""
+    return (
+        isinstance(func, functools.partial)
+        and func.func is torch.utils.checkpoint.checkpoint
+        and not func.args
+        and "every_n_layers" not in func.keywords  # the Trainer's key, never torch's
+        and _checkpoint_options_error(func.keywords) is None
+    )
 
 
 def _checkpointing_supported(privacy: "PrivacyArguments") -> bool:
@@ -426,31 +467,18 @@ class DPTrainerMixin:
             "model.gradient_checkpointing_disable() " + _CHECKPOINTING_ACCEPTED,
         ))
         if bool(getattr(args, "activation_checkpointing", False)) and _checkpointing_supported(self.privacy):
-            # Reentrant checkpointing: the first forward runs without grad (no hook records
-            # it), the recomputation inside the backward pass is the one the hooks see. The
-            # non-reentrant kind runs the hooks twice (not supported yet).
+            # Either form runs as the user set it (recompute.forward_replay tells each
+            # replay from the forward pass): reentrant, the hooks capture in the replay;
+            # non-reentrant (Hugging Face's default), in the forward pass, not in the replay.
             options = dict(getattr(args, "activation_checkpointing_kwargs", None) or {})
-            if options.get("use_reentrant", True) is not True:
+            why = _checkpoint_options_error(options)
+            if why is not None:
                 raise ValueError(
-                    f"activation_checkpointing_kwargs={options!r} is not supported: non-reentrant "
-                    "checkpointing runs the per-example hooks twice; accepted values: "
-                    "use_reentrant=True (set by default by the private Trainer)"
+                    f"activation_checkpointing_kwargs (gradient_checkpointing_kwargs)={options!r} is not "
+                    f"supported ({why}): the privacy hooks are verified under torch.utils.checkpoint's "
+                    f"plain replays only; accepted keys: {_CHECKPOINT_OPTIONS_ACCEPTED}"
                 )
-            options["use_reentrant"] = True
-            args.activation_checkpointing_kwargs = options
-            if hasattr(args, "gradient_checkpointing_kwargs"):
-                args.gradient_checkpointing_kwargs = options
-        for m in base.modules():
-            func = getattr(m, "_gradient_checkpointing_func", None)
-            if getattr(m, "gradient_checkpointing", False) is True and func is not None:
-                if getattr(func, "keywords", {}).get("use_reentrant") is not True:
-                    raise ValueError(
-                        "the model's gradient checkpointing is non-reentrant (the per-example hooks "
-                        "would run twice); accepted values: model.gradient_checkpointing_enable("
-                        "gradient_checkpointing_kwargs={'use_reentrant': True}), or leave it to "
-                        "TrainingArguments(gradient_checkpointing=True)"
-                    )
-                break
+        self._dp_check_checkpoint_functions()
         for bad, name, accepted in checks:
             if bad:
                 raise ValueError(f"{name} is not supported by {type(self).__name__}; accepted value: {accepted}")
@@ -474,6 +502,23 @@ class DPTrainerMixin:
             )
         if self.train_dataset is not None and isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             raise ValueError("an IterableDataset train_dataset is not supported: Poisson sampling needs a map-style dataset")
+
+    def _dp_check_checkpoint_functions(self) -> None:
+        """Refuse a checkpointing function on the model that is not torch's checkpoint with
+        accepted options (run at setup and again when the optimizer is made private: the
+        Trainer enables ``gradient_checkpointing=True`` in ``train()``, after ``__init__``)."""
+        for m in _base_model(self.model).modules():
+            func = getattr(m, "_gradient_checkpointing_func", None)
+            if getattr(m, "gradient_checkpointing", False) is True and func is not None:
+                if not _recognised_checkpoint_function(func):
+                    raise ValueError(
+                        f"the model's gradient checkpointing function ({func!r} on {type(m).__name__}) is "
+                        "not recognised: the privacy hooks are verified under torch.utils.checkpoint's "
+                        "plain replays only; accepted values: model.gradient_checkpointing_enable("
+                        "gradient_checkpointing_kwargs=...) with keys "
+                        f"{_CHECKPOINT_OPTIONS_ACCEPTED} (or none), or "
+                        "TrainingArguments(gradient_checkpointing=True)"
+                    )
 
     # ---- public sizes ----------------------------------------------------------------
     @property
@@ -568,6 +613,7 @@ class DPTrainerMixin:
     def _dp_make_private(self, optimizer: torch.optim.Optimizer) -> DPOptimizer:
         p = self.privacy
         model = self.model
+        self._dp_check_checkpoint_functions()
         trainable = [q for q in model.parameters() if q.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameter")
@@ -740,7 +786,7 @@ class DPTrainerMixin:
                 raise ValueError(
                     f"parameter {self._dp_names.get(id(p), '?')!r} received a gradient that no per-example "
                     "hook saw: its weight was used outside its module's forward (e.g. a fused LM head "
-                    "reading lm_head.weight directly, or non-reentrant gradient checkpointing); use the "
+                    "reading lm_head.weight directly); use the "
                     "module (per_example_loss computes logits through the model's forward) or freeze "
                     "the parameter"
                 )

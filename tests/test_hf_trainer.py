@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -272,7 +273,9 @@ def test_resume_keeps_history_and_draws_fresh_noise(tmp_path):
     "kw, name",
     [
         (dict(fp16=True), "fp16"),
-        (dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}), "non-reentrant"),
+        (dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False, "offload": True}),
+         "offload"),
+        (dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": "yes"}), "use_reentrant"),
         (dict(max_grad_norm=0.5), "max_grad_norm"),
         (dict(include_num_input_tokens_seen="all"), "include_num_input_tokens_seen"),
         (dict(auto_find_batch_size=True), "auto_find_batch_size"),
@@ -320,29 +323,60 @@ def test_empty_physical_batches_and_empty_logical_steps(tmp_path, checkpointing)
     assert not torch.equal(model.lm_head.weight, before)  # noise even on an empty step
 
 
-def test_gradient_checkpointing_equals_plain_loop(tmp_path):
-    """TrainingArguments(gradient_checkpointing=True): two passes from the model's output
-    (reentrant checkpointing, set by the private Trainer); sigma = 0 equals the plain loop
-    without checkpointing for the same batches, charged the same."""
+@pytest.mark.parametrize(
+    "where, kwargs, reentrant",
+    [
+        ("args", None, False),  # Hugging Face's default: non-reentrant
+        ("args", {"use_reentrant": True}, True),
+        ("args", {"use_reentrant": False}, False),
+        ("model", None, False),  # gradient_checkpointing_enable() called before, its default
+    ],
+    ids=["args-default", "args-reentrant", "args-non_reentrant", "model-default"],
+)
+def test_gradient_checkpointing_equals_plain_loop(tmp_path, where, kwargs, reentrant):
+    """Gradient checkpointing in the form the user set (TrainingArguments, or on the model
+    before): two passes from the model's output; sigma = 0 equals the plain loop without
+    checkpointing for the same batches, charged the same."""
     model = tiny_llama()
     reference = copy.deepcopy(model)
+    if where == "model":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        options = {}
+    else:
+        options = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs=kwargs)
     trainer = recording(DPTrainer)(
-        model=model, args=training_args(tmp_path, gradient_checkpointing=True), train_dataset=RowDataset(),
+        model=model, args=training_args(tmp_path, **options), train_dataset=RowDataset(),
         optimizers=(torch.optim.SGD(model.parameters(), lr=0.5), None),
         privacy=PrivacyArguments(noise_multiplier=0.0, delta=1e-5, max_grad_norm=0.05, sketch_size=32),
     )
     trainer.train()
-    assert any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    forms = {m._gradient_checkpointing_func.keywords["use_reentrant"]
+             for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True}
+    assert forms == {reentrant}  # the user's form, not replaced
     assert getattr(trainer._dp_hooks, "output_passes", None) is not None  # not book-keeping
     engine = plain_loop(reference, trainer.recorded, lr=0.5, max_grad_norm=0.05, sample_rate=Q)
     assert_same_parameters(model, reference)
     assert trainer.accountant.history == engine.accountant.history
 
 
-def test_non_reentrant_or_flat_gradient_checkpointing_is_refused(tmp_path):
+def test_unrecognised_or_flat_gradient_checkpointing_is_refused(tmp_path):
+    def own_checkpoint(function, *args, **kwargs):  # not torch's checkpoint
+        return function(*args, **kwargs)
+
     model = tiny_llama()
-    model.gradient_checkpointing_enable()  # Transformers 5: non-reentrant
-    with pytest.raises(ValueError, match="non-reentrant"):
+    model.gradient_checkpointing_enable()
+    for m in model.modules():
+        if hasattr(m, "_gradient_checkpointing_func"):
+            m._gradient_checkpointing_func = own_checkpoint
+    with pytest.raises(ValueError, match="gradient checkpointing function .* not recognised.*use_reentrant"):
+        DPTrainer(
+            model=model, args=training_args(tmp_path), train_dataset=RowDataset(),
+            privacy=PrivacyArguments(noise_multiplier=1.0, delta=1e-5),
+        )
+    model = tiny_llama()  # selective checkpointing (a context_fn): not verified
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+        "use_reentrant": False, "context_fn": torch.utils.checkpoint.noop_context_fn})
+    with pytest.raises(ValueError, match="not recognised"):
         DPTrainer(
             model=model, args=training_args(tmp_path), train_dataset=RowDataset(),
             privacy=PrivacyArguments(noise_multiplier=1.0, delta=1e-5),
@@ -439,8 +473,9 @@ def test_private_sft_trainer_sigma0_equals_plain_loop(tmp_path):
     trl = pytest.importorskip("trl")
     model = tiny_llama()
     reference, initial = copy.deepcopy(model), copy.deepcopy(model)
-    # SFTConfig's defaults: bf16 autocast, gradient checkpointing (run as two passes from
-    # the output, reentrant), its logging; the optimizer and schedule are the test's
+    # SFTConfig's defaults: bf16 autocast, gradient checkpointing (Hugging Face's default
+    # non-reentrant form, run as two passes from the output), its logging; the optimizer and
+    # schedule are the test's
     config = trl.SFTConfig(
         output_dir=str(tmp_path / "sft"), per_device_train_batch_size=PER_DEVICE,
         gradient_accumulation_steps=ACCUM, max_steps=3, report_to=[], save_strategy="no",
@@ -456,6 +491,8 @@ def test_private_sft_trainer_sigma0_equals_plain_loop(tmp_path):
     )
     trainer.train()
     assert len(trainer.recorded) == 3 * ACCUM
+    assert {m._gradient_checkpointing_func.keywords["use_reentrant"]
+            for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True} == {False}
     plain_loop(reference, trainer.recorded, lr=0.5, max_grad_norm=0.05, sample_rate=Q, autocast=torch.bfloat16)
     # bf16: the two passes (checkpointing) apply the clip factors in bf16 arithmetic, the
     # plain loop's book-keeping in float32: equal up to bf16 rounding of the update
