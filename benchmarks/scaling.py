@@ -652,7 +652,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.no_checkpointed:
         ckpt_lens = [int(t) for t in args.ckpt_seq_lens.split(",") if t]
         ckpt_rows, ckpt_longest = checkpointed_tables(ckpt_lens, budgets)
-        print(ckpt_markdown(ckpt_rows, ckpt_longest, "Longest T, checkpointed (logits whole, as benchmarks/gpu.py):"))
+        print(ckpt_markdown(ckpt_rows, ckpt_longest, "Longest T, checkpointed (logits whole, as the whole-head modes of benchmarks/gpu.py):"))
         chunked_rows, chunked_longest = checkpointed_tables(ckpt_lens, budgets, head="chunked",
                                                             block_size=args.block_size, limit=args.chunked_limit)
         chunked_rows = [r for r in chunked_rows if r.method in CKPT_HEAD_FORM]
