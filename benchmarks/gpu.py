@@ -10,10 +10,17 @@ that every mode can run it), random weights, bf16 autocast, batch 1, T in {4096,
 ``randomized`` (two passes) and ``randomized_bk`` (book-keeping), k = 32; and with activation
 checkpointing (Hugging Face's, one checkpoint per decoder layer, **reentrant**:
 ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})`` +
-``enable_input_require_grads()``) at T in {16384, 65536, 131072}: ``nonprivate_ckpt``,
-``opacus_ghost_ckpt`` and ``randomized_ckpt`` (randomized clipping in its default mode,
-``grad_sample_mode="hooks"``, whatever form that mode takes under checkpointing). Each
-(mode, T) gets a fresh model, one warm-up step and ``--steps`` timed steps (``--long-steps``
+``enable_input_require_grads()``) at T in {16384, 65536, 131072}: ``nonprivate_ckpt_chunked``
+and ``randomized_ckpt_chunked`` (the package's chunked LM head and loss,
+:class:`opacus_rc.lm_head.ChunkedLMHeadLoss` from ``from_causal_lm(model, --block-size)`` on
+``hidden_states(model, ...)``: no T x vocab logits; non-private it is a plain fused head +
+loss, randomized it is the two-pass criterion, ``grad_sample_mode="ghost"``),
+``nonprivate_ckpt``, ``randomized_ckpt`` (randomized clipping in its default mode,
+``grad_sample_mode="hooks"``, whatever form that mode takes under checkpointing) and
+``opacus_ghost_ckpt``, in that order at each T: the chunked head first, Opacus ghost (its
+T x T norm term; out of memory at T = 131072 by docs/scaling.md's model) last. Each
+(mode, T) gets a fresh model (built on the device), one warm-up step (its loss is recorded:
+``warmup_loss``, chunked and whole heads agree) and ``--steps`` timed steps (``--long-steps``
 above T = 16384); the JSON records the median step time and
 ``torch.cuda.max_memory_allocated``, an out-of-memory error as ``"oom"`` (the run goes on),
 and, from one more untimed step at T <= ``--sync-max-seq-len``, the operations that make the
@@ -24,6 +31,14 @@ device (no host synchronisation for the non-finite check). Hugging Face's mask c
 reads one value per forward pass (``find_packed_sequence_indices``), in every mode. Configurations that would
 start after ``--time-budget-s``, or whose predicted duration (the same mode's last step time
 scaled by (T / T_last)², attention's growth) would end past it, are recorded as skipped.
+
+Schedule: 30 configurations in one call of at most 600 s (``--time-budget-s 540``). Not yet
+run on a GPU, so the budget is estimated (H200, about 300 TFLOP/s sustained): the
+configurations up to T = 65536 in about 4-5 minutes (the five uncheckpointed modes at 65536
+are expected to run out of memory within seconds), then at 131072 the two chunked-head
+modes (about 40 s and 75 s), the whole-head non-private and randomized modes, and Opacus
+ghost last, which runs out of memory (docs/scaling.md) or, if the budget is spent, is
+recorded as skipped.
 
 Without CUDA (and without ``--device cpu``) it says so in one line and exits with status 2.
 """
@@ -49,14 +64,23 @@ from .host_sync import HostSyncCounter
 logger = logging.getLogger(__name__)
 
 PLAIN_MODES = ("nonprivate", "opacus_hooks", "opacus_ghost", "randomized", "randomized_bk")
-CKPT_MODES = ("nonprivate_ckpt", "opacus_ghost_ckpt", "randomized_ckpt")
+#: the checkpointed modes in the order they run at each T: the chunked head first, Opacus
+#: ghost (out of memory at the longest T) last
+CKPT_MODES = ("nonprivate_ckpt_chunked", "randomized_ckpt_chunked", "nonprivate_ckpt", "randomized_ckpt",
+              "opacus_ghost_ckpt")
+#: the modes with the chunked LM head (opacus_rc.lm_head.ChunkedLMHeadLoss)
+CHUNKED_MODES = ("nonprivate_ckpt_chunked", "randomized_ckpt_chunked")
 MODES = PLAIN_MODES + CKPT_MODES
+#: positions per block of the chunked head on the full shape (one block's logits: 1024 x
+#: 128,256 float32, 0.5 GB)
+BLOCK_SIZE = 1024
 FULL = dict(vocab=128256, d=2048, layers=16, heads=32, kv_heads=8, ffn=8192, seq_lens=(4096, 16384, 65536),
-            ckpt_seq_lens=(16384, 65536, 131072))
-TINY = dict(vocab=512, d=64, layers=2, heads=4, kv_heads=2, ffn=128, seq_lens=(64, 128), ckpt_seq_lens=(128,))
+            ckpt_seq_lens=(16384, 65536, 131072), block_size=BLOCK_SIZE)
+TINY = dict(vocab=512, d=64, layers=2, heads=4, kv_heads=2, ffn=128, seq_lens=(64, 128), ckpt_seq_lens=(128,),
+            block_size=32)  # several blocks at T = 128
 #: the grad-sample mode each private mode runs with
 GRAD_SAMPLE_MODE = {"opacus_hooks": "hooks", "opacus_ghost": "ghost", "randomized": "ghost", "randomized_bk": "hooks",
-                    "opacus_ghost_ckpt": "ghost", "randomized_ckpt": "hooks"}
+                    "opacus_ghost_ckpt": "ghost", "randomized_ckpt": "hooks", "randomized_ckpt_chunked": "ghost"}
 
 
 def enable_reentrant_checkpointing(model: nn.Module) -> None:
@@ -85,7 +109,8 @@ def build_model(cfg: Dict[str, Any], max_len: int, device: torch.device, checkpo
         tie_word_embeddings=False, attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device)
+    with torch.device(device):  # initialised where it runs (no 6 GB host init and copy per configuration)
+        model = LlamaForCausalLM(config)
     if checkpointing:
         enable_reentrant_checkpointing(model)
     return model
@@ -94,11 +119,16 @@ def build_model(cfg: Dict[str, Any], max_len: int, device: torch.device, checkpo
 class Runner:
     """One mode on one model: ``step(tokens)`` runs forward, backward(s) and the optimizer."""
 
-    def __init__(self, mode: str, model: nn.Module, batch: torch.Tensor, device: torch.device) -> None:
+    def __init__(self, mode: str, model: nn.Module, batch: torch.Tensor, device: torch.device,
+                 block_size: int = BLOCK_SIZE) -> None:
         self.mode, self.model, self.device = mode, model, device
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, fused=True)  # device-side skip: no host sync
-        self.criterion = None
-        if mode in ("nonprivate", "nonprivate_ckpt"):
+        self.criterion = self.head_loss = None
+        if mode in CHUNKED_MODES:  # labels aligned with the positions (targets = tokens[:, 1:])
+            from opacus_rc.lm_head import from_causal_lm
+
+            self.head_loss = from_causal_lm(model, block_size, shift_labels=False)
+        if mode in ("nonprivate", "nonprivate_ckpt", "nonprivate_ckpt_chunked"):
             self.module, self.optimizer = model, optimizer
             return
         from opacus import PrivacyEngine
@@ -111,7 +141,7 @@ class Runner:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = PrivacyEngine(accountant="rc_prv" if randomized else "prv").make_private(
-                module=model, optimizer=optimizer, criterion=nn.CrossEntropyLoss(), data_loader=loader,
+                module=model, optimizer=optimizer, criterion=self.head_loss or nn.CrossEntropyLoss(), data_loader=loader,
                 noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False,
                 grad_sample_mode=GRAD_SAMPLE_MODE[mode], wrap_model=False, **extra,
             )
@@ -119,9 +149,18 @@ class Runner:
         if len(out) == 4:
             self.criterion = out[2]
 
-    def step(self, tokens: torch.Tensor) -> None:
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One step; returns the loss, detached (reading it is left to the caller)."""
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         positions = torch.arange(inputs.shape[1], device=self.device).repeat(inputs.shape[0], 1)
+        if self.head_loss is not None:  # the chunked head: hidden states in, no T x vocab logits
+            from opacus_rc.lm_head import hidden_states
+
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                hidden = hidden_states(self.model, input_ids=inputs, position_ids=positions, use_cache=False)
+                loss = (self.criterion or self.head_loss)(hidden, targets)
+            del hidden
+            return self._finish(loss)
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
             logits = self.model(input_ids=inputs, position_ids=positions, use_cache=False).logits
         flat = logits.reshape(-1, logits.shape[-1])  # bf16: no float32 copy of T x vocab
@@ -130,9 +169,13 @@ class Runner:
         else:
             loss = F.cross_entropy(flat, targets.reshape(-1))
         del logits, flat
+        return self._finish(loss)
+
+    def _finish(self, loss) -> torch.Tensor:
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
 
 
 def _sync(device: torch.device) -> None:
@@ -166,10 +209,13 @@ def count_syncs(runner: Runner, tokens: torch.Tensor, device: torch.device) -> D
 
 
 def run_one(mode: str, cfg: Dict[str, Any], seq_len: int, steps: int, device: torch.device,
-            count_host_syncs: bool = True) -> Dict[str, Any]:
+            count_host_syncs: bool = True, block_size: int = BLOCK_SIZE) -> Dict[str, Any]:
     """Median step time, peak allocated memory and host syncs of one (mode, T)."""
     checkpointing = mode in CKPT_MODES
-    record: Dict[str, Any] = {"mode": mode, "seq_len": seq_len, "checkpointing": "reentrant" if checkpointing else None}
+    record: Dict[str, Any] = {"mode": mode, "seq_len": seq_len, "checkpointing": "reentrant" if checkpointing else None,
+                              "head": "chunked" if mode in CHUNKED_MODES else "whole"}
+    if mode in CHUNKED_MODES:
+        record["block_size"] = block_size
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -177,9 +223,8 @@ def run_one(mode: str, cfg: Dict[str, Any], seq_len: int, steps: int, device: to
     try:
         gen = torch.Generator().manual_seed(seq_len)
         tokens = torch.randint(0, cfg["vocab"], (1, seq_len + 1), generator=gen).to(device)
-        runner = Runner(mode, build_model(cfg, seq_len + 1, device, checkpointing), tokens, device)
-        runner.step(tokens)  # warm-up
-        _sync(device)
+        runner = Runner(mode, build_model(cfg, seq_len + 1, device, checkpointing), tokens, device, block_size)
+        record["warmup_loss"] = float(runner.step(tokens))  # warm-up (the read waits for it, untimed)
         times: List[float] = []
         for _ in range(steps):
             start = time.perf_counter()
@@ -235,6 +280,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--sync-max-seq-len", type=int, default=16384,
                         help="count host syncs (one more step) only up to this T")
     parser.add_argument("--time-budget-s", type=float, default=540.0, help="start no configuration after this")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help=f"positions per block of the chunked LM head (the *_chunked modes; default {BLOCK_SIZE}, "
+                             "32 with --tiny)")
     parser.add_argument("--out", default="gpu_bench.json")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*[Ff]ull backward hook.*")
@@ -244,12 +292,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
-    if bad or args.steps < 1 or args.long_steps < 1:
-        parser.error(f"--modes accepts {','.join(MODES)}; --steps and --long-steps must be positive")
+    if bad or args.steps < 1 or args.long_steps < 1 or (args.block_size is not None and args.block_size < 1):
+        parser.error(f"--modes accepts {','.join(MODES)}; --steps, --long-steps and --block-size must be positive")
     cfg = dict(TINY if args.tiny else FULL)
     plain_lens = [int(t) for t in args.seq_lens.split(",")] if args.seq_lens else list(cfg["seq_lens"])
     ckpt_lens = [int(t) for t in args.ckpt_seq_lens.split(",")] if args.ckpt_seq_lens else list(cfg["ckpt_seq_lens"])
     cfg.pop("seq_lens"), cfg.pop("ckpt_seq_lens")
+    block_size = cfg.pop("block_size") if args.block_size is None else args.block_size
+    cfg.pop("block_size", None)
     device = torch.device(args.device)
     started = time.perf_counter()
     results: List[Dict[str, Any]] = []
@@ -264,7 +314,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             results.append({"mode": mode, "seq_len": seq_len, "status": f"skipped ({why})"})
             print(json.dumps(results[-1]), flush=True)
             continue
-        record = run_one(mode, cfg, seq_len, steps, device, count_host_syncs=count)
+        record = run_one(mode, cfg, seq_len, steps, device, count_host_syncs=count, block_size=block_size)
         if record["status"] == "ok":
             last[mode] = (seq_len, record["median_step_s"])
         results.append(record)
@@ -272,7 +322,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     summary = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "model": cfg, "batch": 1, "autocast": "bfloat16",
-        "steps": args.steps, "long_steps": args.long_steps, "checkpointing": "HF, per decoder layer, reentrant", "wall_s": time.perf_counter() - started, "results": results,
+        "steps": args.steps, "long_steps": args.long_steps, "checkpointing": "HF, per decoder layer, reentrant",
+        "chunked_head": {"modes": list(CHUNKED_MODES), "block_size": block_size}, "wall_s": time.perf_counter() - started, "results": results,
     }
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)

@@ -16,6 +16,7 @@ median step time on the CPU at a moderate size. Model: hidden states (B, T, d) a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -103,6 +104,66 @@ def peak_bytes(form: str, head: str, *, batch=1, seq_len=1024, d=64, vocab=4096,
     y = torch.randint(0, vocab, (batch, seq_len), device=device)
     with PeakAllocationCounter() as counter:
         _step(form, opt, loss_of, x, y, full=False)
+    return counter.peak
+
+
+class HeadOnly(nn.Module):
+    """The head (V x d, no bias) of :class:`BodyAndHead` without a body: ``forward``
+    returns its input, the final hidden states."""
+
+    def __init__(self, d: int, vocab: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+HEAD_FORMS = ("plain", "two_pass", "bookkeeping")
+
+
+def head_peak_bytes(form: str, *, batch: int = 1, seq_len: int = 1024, d: int = 64, vocab: int = 4096,
+                    k: int = 32, block: int = 128, device: str = "meta", autocast: bool = False) -> int:
+    """Peak live bytes of :class:`ChunkedLMHeadLoss` alone in one step: its forward from
+    hidden states A (B, T, d) float32, counted (created inside the count, as the body's
+    output would be), its backward pass(es) and, under book-keeping, the assembly of the
+    clipped head gradient. The gradient it hands the body is dropped once delivered (the
+    body's backward consumes it). ``form``: ``"plain"`` (no privacy: the fused head +
+    loss), ``"two_pass"`` (``grad_sample_mode="ghost"``: the criterion, two backward
+    passes) or ``"bookkeeping"`` (one pass, clipped sum at ``clip_and_accumulate``);
+    Hutchinson, k per-example sketch columns. ``autocast``: bf16 autocast (CPU only: the
+    meta device has none), float32 weights."""
+    if form not in HEAD_FORMS:
+        raise ValueError(f"form={form!r} is not supported; accepted values: {HEAD_FORMS}")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = HeadOnly(d, vocab)
+    config = SketchConfig(sketch_size=k)
+    opts = dict(noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=batch)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+    chunked = ChunkedLMHeadLoss(model.head, block_size=block)
+    gsm = crit = opt = None
+    if form == "two_pass":
+        gsm = GradSampleModuleRandomizedClipping(model, sketch_config=config, sketch_seed=0, max_grad_norm=1.0)
+        opt = RandomizedClippingOptimizer(sgd, sketch_config=config, noise_seed=0, **opts)
+        crit = DPLossRandomizedClipping(gsm, opt, chunked, "mean")
+    elif form == "bookkeeping":
+        gsm = GradSampleModuleBookkeeping(model, sketch_config=config, sketch_seed=0)
+        opt = RandomizedClippingBookkeepingOptimizer(sgd, sketch_config=config, noise_seed=0, **opts)
+    x = torch.randn(batch, seq_len, d, device=device)
+    y = torch.randint(0, vocab, (batch, seq_len), device=device)
+    amp = torch.autocast(device, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with PeakAllocationCounter() as counter:
+        hidden = x.clone().requires_grad_(True)  # the body's output
+        hidden.register_post_accumulate_grad_hook(lambda t: setattr(t, "grad", None))  # the body consumes it
+        with amp:
+            out = gsm(hidden) if gsm is not None else hidden
+            loss = crit(out, y) if crit is not None else chunked(out, y)
+        loss.backward()
+        if form == "bookkeeping":
+            opt.clip_and_accumulate()
+        del out, hidden
+    del loss  # alive through the step, as in a training loop
     return counter.peak
 
 

@@ -23,7 +23,10 @@ decoder layer keeps (its input), the one layer recomputed at a time, the LM head
 and their gradient, and the norm term of each method, at Llama-3.2-1B on one GPU and
 Llama-3-8B under FSDP2 on 8 GPUs (:data:`SETUPS`); the stated model is checked against the
 counted peak of a small checkpointed Llama (:mod:`benchmarks.checkpointing`) in
-tests/test_scaling.py.
+tests/test_scaling.py. With the package's chunked LM head (``head="chunked"``:
+:class:`opacus_rc.lm_head.ChunkedLMHeadLoss`, ``--block-size`` positions at a time) the logits
+terms are replaced by the head's own (:func:`chunked_head_terms`), checked against the head's
+counted peak (:func:`validate_chunked_head`) in the same test file and in the printed tables.
 
 Nothing here runs a model: the counts are exact for the operators (meta tensors have shapes
 but no data) and the rest is arithmetic.
@@ -210,6 +213,153 @@ def markdown(rows: List[Row], longest: Dict[Tuple[str, float], int], shape: Deco
 
 
 # ------------------------------------------------------------------------------------------
+# the package's chunked LM head (opacus_rc.lm_head.ChunkedLMHeadLoss)
+# ------------------------------------------------------------------------------------------
+#: the head's forms: no privacy (a fused head + loss), randomized two-pass (the criterion of
+#: grad_sample_mode="ghost"), randomized book-keeping
+CHUNKED_HEAD_FORMS = ("plain", "two_pass", "bookkeeping")
+#: the form of the chunked head each checkpointed method runs (Opacus ghost cannot use it)
+CKPT_HEAD_FORM = {"nonprivate": "plain", "randomized": "two_pass", "bookkeeping": "bookkeeping"}
+
+
+def chunked_head_terms(batch: int, seq_len: int, d: int, vocab: int, block_size: int = 1024, *,
+                       form: str = "two_pass", sketch_size: int = 32, hidden_bytes: int = 4,
+                       compute_bytes: int = 2, per_example: bool = True) -> Dict[str, int]:
+    """Bytes of :class:`opacus_rc.lm_head.ChunkedLMHeadLoss` in one step, by term (float32
+    weights; ``compute_bytes`` 2 under bf16 autocast, 4 without; the hidden states in
+    ``hidden_bytes``), read from its code:
+
+    * kept from the forward to the end of the step: ``hidden`` A (B, T, d), the head's input;
+      ``body_grad`` H = G W (B, T, d) in the compute dtype; ``per_position``: the
+      log-sum-exp (float32), the targets (int64) and the per-position loss scale (float32),
+      16 bytes per position; under privacy ``sketch`` the step's (B, V, k) float32 sketch
+      (vocabulary side; (B, d, k) when d > V);
+    * ``accumulator`` (forward only, reduced to (B,) norms at its end): the (B, d, k) sums
+      ``Σ_b A_bᵀ(G_b P)`` ((B, V, k) on the input side);
+    * ``forward_block``: one block's transients in the forward, the larger of the float32
+      logits with their compute-dtype original and, at ``H_b = G_b W``, the compute-dtype
+      copies of G_b and of W (V x d); under privacy, the compute-dtype rounding of G_b for
+      the sketch (a rounded float32 copy next to G_b: 8 + compute bytes per logit);
+    * ``backward_block``: the weight-gradient sweep (the plain backward, the two-pass
+      form's second pass, book-keeping's clipped sum at ``optimizer.step()``): the float32
+      (V x d) ``weight_grad`` and, per recomputed block, G_b, its rounded float32 copy and
+      its compute-dtype copy, and the block's (V x d) product in the compute dtype with its
+      float32 copy; ``grad_to_body``: the gradient handed to the body (B, T, d), alive
+      through that backward (absent from book-keeping's assembly).
+
+    Under float32 compute nothing is cast or rounded (``F.linear``'s logits are the float32
+    block, the weight gradient is accumulated in place). Left out (the tolerance of
+    tests/test_scaling.py): per block O(B·c·d) casts of A and the (B, c, d) product of H,
+    O(B·c) reductions (maximum, sum, picked logit), the (B, c, k) sketched block and one
+    (B, d, k) partial sum.
+    """
+    if form not in CHUNKED_HEAD_FORMS:
+        raise ValueError(f"form={form!r} is not supported; accepted values: {CHUNKED_HEAD_FORMS}")
+    b, t, c, v = batch, seq_len, min(block_size, seq_len), vocab
+    cb, low = compute_bytes, compute_bytes < 4
+    private = form != "plain"
+    output_side = vocab >= d  # opacus_rc.estimators.sketch_side(d, V, "auto")
+    sketch_rows, acc_rows = (v, d) if output_side else (d, v)
+    logits = b * c * v
+    if low:
+        forward_block = 4 * logits + max(cb * logits + cb * v * d, (4 + cb) * logits if private else 0)
+        backward_block = (8 + cb) * logits + (cb + 4) * v * d
+    else:
+        forward_block, backward_block = 4 * logits, 4 * logits
+    return {
+        "hidden": b * t * d * hidden_bytes,
+        "body_grad": b * t * d * cb,
+        "per_position": 16 * b * t,
+        "sketch": 4 * (b if per_example else 1) * sketch_rows * sketch_size if private else 0,
+        "accumulator": 4 * b * acc_rows * sketch_size if private else 0,
+        "forward_block": forward_block,
+        "backward_block": backward_block,
+        "weight_grad": 4 * v * d,
+        "grad_to_body": b * t * d * hidden_bytes if form != "bookkeeping" else 0,
+    }
+
+
+def chunked_head_kept(terms: Dict[str, int]) -> int:
+    """What the chunked head keeps from its forward to the end of the step."""
+    return sum(terms[k] for k in ("hidden", "body_grad", "per_position", "sketch"))
+
+
+def chunked_head_phase(terms: Dict[str, int], with_weight_grad: bool = True) -> int:
+    """The larger of the head's forward (a block and the sketch sums) and its
+    weight-gradient sweep, on top of what it keeps. ``with_weight_grad=False``: without the
+    (V x d) gradient (a whole step counts it in the training state)."""
+    sweep = terms["backward_block"] + terms["grad_to_body"] + (terms["weight_grad"] if with_weight_grad else 0)
+    return max(terms["forward_block"] + terms["accumulator"], sweep)
+
+
+def chunked_head_peak_bytes(terms: Dict[str, int]) -> int:
+    """Peak of the head alone, as :func:`benchmarks.lm_head.head_peak_bytes` counts it."""
+    return chunked_head_kept(terms) + chunked_head_phase(terms)
+
+
+def chunked_head_omitted_bytes(batch: int, seq_len: int, d: int, vocab: int, block_size: int = 1024, *,
+                               sketch_size: int = 32, compute_bytes: int = 2) -> int:
+    """An upper bound of what :func:`chunked_head_terms` leaves out at any moment: per block
+    the casts of A to the compute dtype and to float32, the (B, c, d) product H_b and its
+    flattened cast, the (B, c, k) sketched block, one (B, d, k) partial sum and a few
+    (B, c) float32 / int64 vectors; 4 KiB of scalars."""
+    b, c = batch, min(block_size, seq_len)
+    acc_rows = d if vocab >= d else vocab
+    return b * c * ((4 + 3 * compute_bytes) * d + 4 * sketch_size + 8 * 8) + 4 * b * acc_rows * sketch_size + 4096
+
+
+#: (form, B, T, d, V, block, device) points where tests/test_scaling.py and ``python -m
+#: benchmarks.scaling`` check :func:`chunked_head_terms` against the counted peak: the meta
+#: device in float32 at long T and Llama's vocabulary, the CPU (real tensors) under bf16
+#: autocast at small shapes, including d > 2c (the H_b = G_b W moment binds the forward)
+HEAD_VALIDATION_POINTS = (
+    ("two_pass", 1, 131072, 2048, 128256, 1024, "meta"),
+    ("two_pass", 1, 65536, 256, 128256, 1024, "meta"),
+    ("two_pass", 1, 16384, 512, 32768, 128, "meta"),
+    ("two_pass", 2, 8192, 256, 128256, 512, "meta"),
+    ("plain", 1, 65536, 256, 128256, 1024, "meta"),
+    ("bookkeeping", 1, 16384, 256, 128256, 512, "meta"),
+    ("two_pass", 1, 2048, 64, 8192, 256, "cpu"),
+    ("two_pass", 1, 1024, 256, 8192, 64, "cpu"),
+    ("two_pass", 2, 1024, 64, 16384, 128, "cpu"),
+    ("plain", 1, 2048, 64, 8192, 256, "cpu"),
+    ("bookkeeping", 1, 2048, 128, 8192, 128, "cpu"),
+)
+
+
+def validate_chunked_head(points: Sequence[tuple] = HEAD_VALIDATION_POINTS, sketch_size: int = 32) -> List[Dict]:
+    """:func:`chunked_head_peak_bytes` against :func:`benchmarks.lm_head.head_peak_bytes`
+    (counted live bytes; the CPU points run under bf16 autocast) at ``points``."""
+    from benchmarks.lm_head import head_peak_bytes
+
+    out = []
+    for form, b, t, d, v, c, device in points:
+        autocast = device == "cpu"
+        cb = 2 if autocast else 4
+        measured = head_peak_bytes(form, batch=b, seq_len=t, d=d, vocab=v, k=sketch_size, block=c,
+                                   device=device, autocast=autocast)
+        terms = chunked_head_terms(b, t, d, v, c, form=form, sketch_size=sketch_size, hidden_bytes=4,
+                                   compute_bytes=cb)
+        modelled = chunked_head_peak_bytes(terms)
+        omitted = chunked_head_omitted_bytes(b, t, d, v, c, sketch_size=sketch_size, compute_bytes=cb)
+        out.append(dict(form=form, B=b, T=t, d=d, V=v, block=c, device=device,
+                        dtype="bf16 autocast" if autocast else "float32", measured_bytes=measured,
+                        modelled_bytes=modelled, omitted_bound_bytes=omitted,
+                        rel_error=(measured - modelled) / measured))
+    return out
+
+
+def validation_markdown(rows: Sequence[Dict]) -> str:
+    lines = ["| form | B | T | d | V | block | device, dtype | counted MB | modelled MB | (counted − modelled) / counted |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['form']} | {r['B']} | {r['T']:,} | {r['d']} | {r['V']:,} | {r['block']} | "
+                     f"{r['device']}, {r['dtype']} | {r['measured_bytes'] / 1e6:,.1f} | "
+                     f"{r['modelled_bytes'] / 1e6:,.1f} | {100 * r['rel_error']:+.2f}% |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------
 # with activation checkpointing (one checkpoint per decoder layer)
 # ------------------------------------------------------------------------------------------
 #: methods of the checkpointed tables: non-private, Opacus ghost, randomized clipping in its
@@ -240,8 +390,8 @@ def record_elements(shape: DecoderShape) -> int:
 
 def checkpointed_terms(shape: DecoderShape, seq_len: int, gpus: int, method: str, *, elem_bytes: int = 2,
                        state_bytes_per_param: int = 16, buffer_bytes_per_param: int = 2,
-                       norm_bytes: Optional[int] = None,
-                       logit_chunk: Optional[int] = None) -> Dict[str, int]:
+                       norm_bytes: Optional[int] = None, head: str = "whole",
+                       block_size: int = 1024) -> Dict[str, int]:
     """Bytes per GPU of one checkpointed step (the stated model), by term.
 
     * ``state``, ``buffers``: as :func:`memory_model` (``gpus > 1``: FSDP2-sharded state
@@ -266,12 +416,25 @@ def checkpointed_terms(shape: DecoderShape, seq_len: int, gpus: int, method: str
       matrices, the sketch's B k (d + p) and chunks).
 
     The peak (:func:`checkpointed_step_bytes`) is the persistent terms plus the larger of
-    the head phase and the layer phase. ``logit_chunk``: a loss that never holds more than
-    that many positions' logits (a chunked cross-entropy; not part of this package): the
-    head terms shrink to the chunk.
+    the head phase and the layer phase.
+
+    ``head="chunked"``: the package's :class:`opacus_rc.lm_head.ChunkedLMHeadLoss`
+    (``block_size`` positions at a time; :func:`chunked_head_terms`, checked against its
+    counted peak in tests/test_scaling.py) in the form the method runs it
+    (:data:`CKPT_HEAD_FORM`; Opacus ghost cannot use it: refused). The logits terms go
+    (``head`` and ``retained_head`` 0); ``chunked_head_kept``: what the head keeps through
+    the step (A, H = G W, log-sum-exp and targets, the sketch), in the layer phase too;
+    ``chunked_head_phase``: its forward block or weight-gradient sweep (the (V x d)
+    gradient itself is in ``state``); the norm term is the body's layers' (the head's norm
+    is the chunked head's); book-keeping's records lose the head's (d + vocab).
     """
     if method not in CKPT_METHODS:
         raise ValueError(f"method={method!r} is not supported; accepted values: {CKPT_METHODS}")
+    if head not in ("whole", "chunked"):
+        raise ValueError(f"head={head!r} is not supported; accepted values: 'whole', 'chunked'")
+    chunked = head == "chunked"
+    if chunked and method not in CKPT_HEAD_FORM:
+        raise ValueError(f"method={method!r} cannot use the chunked head (Opacus ghost clipping is refused by it)")
     t, b = seq_len, elem_bytes
     if gpus > 1:
         rest = memory_model(shape, seq_len, gpus)
@@ -281,9 +444,16 @@ def checkpointed_terms(shape: DecoderShape, seq_len: int, gpus: int, method: str
     if norm_bytes is None:
         kind = CKPT_NORM[method]
         norm_bytes = 0 if kind is None else max(
-            norm_peak_bytes(kind, d, p, seq_len) for d, p in shape.linear_shapes().values())
+            norm_peak_bytes(kind, d, p, seq_len) for name, (d, p) in shape.linear_shapes().items()
+            if not (chunked and name == "lm_head"))
     two_pass = method in ("ghost", "randomized")
-    t_logits = t if logit_chunk is None else min(t, logit_chunk)
+    t_logits = 0 if chunked else t
+    head_kept = head_phase = 0
+    if chunked:
+        hterms = chunked_head_terms(1, t, shape.d, shape.vocab, block_size, form=CKPT_HEAD_FORM[method],
+                                    hidden_bytes=b, compute_bytes=2 if b < 4 else 4)
+        head_kept, head_phase = chunked_head_kept(hterms), chunked_head_phase(hterms, with_weight_grad=False)
+    head_record = 0 if chunked else shape.d + shape.vocab
     return {
         "state": state,
         "buffers": buffers,
@@ -291,11 +461,13 @@ def checkpointed_terms(shape: DecoderShape, seq_len: int, gpus: int, method: str
         "recomputed_layer": t * b * ((6 * shape.d + 2 * shape.d_kv + 4 * shape.ffn) + (2 * shape.ffn + 2 * shape.d)),
         "head": 2 * t_logits * shape.vocab * b,
         "retained_head": t_logits * shape.vocab * b if two_pass else 0,
-        "records": t * b * (shape.layers * record_elements(shape) + shape.d + shape.vocab)
+        "records": t * b * (shape.layers * record_elements(shape) + head_record)
         if method == "bookkeeping" else 0,
         "bookkeeping_rest": t * b * ((6 * shape.d + 2 * shape.d_kv + 4 * shape.ffn) + (2 * shape.ffn + 2 * shape.d)
                                      - record_elements(shape)) if method == "bookkeeping" else 0,
         "norm": norm_bytes,
+        "chunked_head_kept": head_kept,
+        "chunked_head_phase": head_phase,
     }
 
 
@@ -305,20 +477,26 @@ def checkpointed_step_bytes(terms: Dict[str, int], method: str) -> int:
     gradient) and the layer phase (one recomputed layer, and the two-pass methods' retained
     loss tensor). Book-keeping's records already hold the head's gradient and every linear
     layer's input and output gradient, so it adds the logits (T x vocab) or the rest of the
-    recomputed layer (``bookkeeping_rest``), the larger."""
-    base = terms["state"] + terms["buffers"] + terms["kept_inputs"] + terms["norm"]
+    recomputed layer (``bookkeeping_rest``), the larger. With the chunked head its kept
+    tensors count throughout and its block phase replaces the logits."""
+    base = terms["state"] + terms["buffers"] + terms["kept_inputs"] + terms["norm"] + terms["chunked_head_kept"]
     if method == "bookkeeping":
-        return base + terms["records"] + max(terms["head"] // 2, terms["bookkeeping_rest"])
-    return base + max(terms["head"], terms["recomputed_layer"] + terms["retained_head"])
+        return base + terms["records"] + max(terms["head"] // 2 + terms["chunked_head_phase"],
+                                             terms["bookkeeping_rest"])
+    return base + max(terms["head"] + terms["chunked_head_phase"], terms["recomputed_layer"] + terms["retained_head"])
 
 
 def binding_terms(terms: Dict[str, int], method: str) -> List[Tuple[str, int]]:
     """The terms of the checkpointed step that count towards its peak, largest first."""
-    phase = {"head": terms["head"], "layer_phase": terms["recomputed_layer"] + terms["retained_head"]}
+    head = "head_block" if terms["chunked_head_phase"] else "head"
+    layer = "layer_phase" if terms["retained_head"] else "recomputed_layer"
+    phase = {head: terms["head"] + terms["chunked_head_phase"],
+             layer: terms["recomputed_layer"] + terms["retained_head"]}
     if method == "bookkeeping":
-        phase = {"head": terms["head"] // 2, "layer_phase": terms["bookkeeping_rest"]}
+        phase = {head: terms["head"] // 2 + terms["chunked_head_phase"], "layer_phase": terms["bookkeeping_rest"]}
     names = {"state": terms["state"], "buffers": terms["buffers"], "kept_inputs": terms["kept_inputs"],
-             "norm": terms["norm"], "records": terms["records"], **phase}
+             "norm": terms["norm"], "records": terms["records"], "chunked_head_kept": terms["chunked_head_kept"],
+             **phase}
     return sorted(((k, v) for k, v in names.items() if v), key=lambda kv: -kv[1])
 
 
@@ -339,20 +517,25 @@ class CkptRow:
     binding: str
 
 
-def ckpt_row(setup: Setup, method: str, seq_len: int, logit_chunk: Optional[int] = None) -> CkptRow:
-    terms = checkpointed_terms(setup.shape, seq_len, setup.gpus, method, logit_chunk=logit_chunk)
+def ckpt_row(setup: Setup, method: str, seq_len: int, head: str = "whole", block_size: int = 1024) -> CkptRow:
+    """``head="chunked"``: the chunked head where the method can use it (Opacus ghost keeps
+    its whole logits: the chunked head refuses it)."""
+    if method not in CKPT_HEAD_FORM:
+        head = "whole"
+    terms = checkpointed_terms(setup.shape, seq_len, setup.gpus, method, head=head, block_size=block_size)
     return CkptRow(setup.name, method, seq_len, terms, checkpointed_step_bytes(terms, method),
                    binding_term(terms, method))
 
 
 def longest_fitting_ckpt(setup: Setup, method: str, budget_bytes: float, step: int = 1024,
-                         limit: int = 1 << 18, logit_chunk: Optional[int] = None) -> int:
-    """The longest checkpointed T (a multiple of ``step``, at most ``limit``: 256K) that fits
-    ``budget_bytes`` per GPU (0 if none); bisection, the step memory grows with T."""
+                         limit: int = 1 << 18, head: str = "whole", block_size: int = 1024) -> int:
+    """The longest checkpointed T (a multiple of ``step``, at most ``limit``: 256K by
+    default) that fits ``budget_bytes`` per GPU (0 if none); bisection, the step memory
+    grows with T."""
     lo, hi = 0, limit // step
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if ckpt_row(setup, method, mid * step, logit_chunk).step_bytes <= budget_bytes:
+        if ckpt_row(setup, method, mid * step, head, block_size).step_bytes <= budget_bytes:
             lo = mid
         else:
             hi = mid - 1
@@ -362,7 +545,8 @@ def longest_fitting_ckpt(setup: Setup, method: str, budget_bytes: float, step: i
 TERM_NAMES = {"state": "state", "buffers": "buffers", "kept_inputs": "kept layer inputs",
               "recomputed_layer": "recomputed layer", "head": "logits + gradient",
               "layer_phase": "recomputed layer (+ retained loss tensor)", "norm": "norm term",
-              "records": "book-keeping records"}
+              "records": "book-keeping records", "chunked_head_kept": "chunked head's kept A, H",
+              "head_block": "chunked head's block"}
 
 
 def ckpt_markdown(rows: List[CkptRow], longest: Dict[Tuple[str, str, float], Tuple[int, str]],
@@ -396,23 +580,45 @@ def ckpt_markdown(rows: List[CkptRow], longest: Dict[Tuple[str, str, float], Tup
     return "\n".join(lines) + "\n"
 
 
+def chunked_markdown(rows: List[CkptRow], block_size: int) -> str:
+    """The checkpointed rows with the chunked head (no logits term): its kept tensors and
+    its block phase in place of the logits."""
+    lines = []
+    for setup in dict.fromkeys(r.setup for r in rows):
+        lines += [f"**{setup}**, checkpointing per decoder layer, chunked head (block {block_size:,}), one "
+                  "sequence per GPU, bf16; GB = 1e9 bytes per GPU.",
+                  "",
+                  "| T | method | norm term | kept inputs | recomputed layer | chunked head: kept (A, H, ...) | "
+                  "chunked head: block phase | book-keeping records | state + buffers | whole step | binds |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in (r for r in rows if r.setup == setup):
+            x = r.terms
+            lines.append(
+                f"| {r.seq_len:,} | {r.method} | {_gb(x['norm'])} | {_gb(x['kept_inputs'])} | "
+                f"{_gb(x['recomputed_layer'])} | {_gb(x['chunked_head_kept'])} | {_gb(x['chunked_head_phase'])} | "
+                f"{_gb(x['records']) if x['records'] else '-'} | {_gb(x['state'] + x['buffers'])} | "
+                f"{_gb(r.step_bytes)} | {TERM_NAMES[r.binding]} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
 def describe_binding(terms: Dict[str, int], method: str, count: int = 3) -> str:
     """The largest terms, e.g. ``"logits + gradient 56.4, state 24.1, norm term 48.9"``."""
     return ", ".join(f"{TERM_NAMES.get(k, k)} {_gb(v)}" for k, v in binding_terms(terms, method)[:count])
 
 
-def checkpointed_tables(seq_lens: Sequence[int], budgets: Sequence[float], logit_chunk: Optional[int] = None,
-                        with_rows: bool = True):
-    """Rows at ``seq_lens`` and the longest T per budget for every setup and method; the
-    binding terms are those of the first T past the longest (1024 more)."""
-    rows = [ckpt_row(s, m, t, logit_chunk) for s in SETUPS for t in seq_lens for m in CKPT_METHODS] \
+def checkpointed_tables(seq_lens: Sequence[int], budgets: Sequence[float], head: str = "whole",
+                        block_size: int = 1024, with_rows: bool = True, limit: int = 1 << 18):
+    """Rows at ``seq_lens`` and the longest T (at most ``limit``) per budget for every setup
+    and method; the binding terms are those of the first T past the longest (1024 more)."""
+    rows = [ckpt_row(s, m, t, head, block_size) for s in SETUPS for t in seq_lens for m in CKPT_METHODS] \
         if with_rows else []
     longest = {}
     for s in SETUPS:
         for m in CKPT_METHODS:
             for b in budgets:
-                t = longest_fitting_ckpt(s, m, b, logit_chunk=logit_chunk)
-                past = ckpt_row(s, m, t + 1024, logit_chunk)
+                t = longest_fitting_ckpt(s, m, b, head=head, block_size=block_size, limit=limit)
+                past = ckpt_row(s, m, t + 1024, head, block_size)
                 longest[(s.name, m, b)] = (t, describe_binding(past.terms, m))
     return rows, longest
 
@@ -425,8 +631,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--sketch-size", type=int, default=32)
     parser.add_argument("--ckpt-seq-lens", default="16384,65536,131072,262144",
                         help="T of the checkpointed tables")
-    parser.add_argument("--logit-chunk", type=int, default=4096,
-                        help="positions per chunk of the chunked-loss variant of the longest-T table")
+    parser.add_argument("--block-size", type=int, default=1024,
+                        help="positions per block of the chunked LM head (opacus_rc.lm_head) in its tables")
+    parser.add_argument("--chunked-limit", type=int, default=1 << 20,
+                        help="largest T searched for the longest-T table with the chunked head")
     parser.add_argument("--no-checkpointed", action="store_true", help="only the table without checkpointing")
     parser.add_argument("--json", default=None, help="write the rows and longest T as JSON")
     args = parser.parse_args(argv)
@@ -440,14 +648,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     shape = LLAMA3_8B
     rows = [row(m, shape, t, args.gpus, args.sketch_size) for t in seq_lens for m in METHODS]
     longest = {(m, b): longest_fitting(m, shape, args.gpus, b) for m in METHODS for b in budgets}
-    ckpt_rows, ckpt_longest, chunked_longest = [], {}, {}
+    ckpt_rows, ckpt_longest, chunked_rows, chunked_longest, validation = [], {}, [], {}, []
     if not args.no_checkpointed:
         ckpt_lens = [int(t) for t in args.ckpt_seq_lens.split(",") if t]
         ckpt_rows, ckpt_longest = checkpointed_tables(ckpt_lens, budgets)
-        print(ckpt_markdown(ckpt_rows, ckpt_longest, "Longest T, checkpointed (logits whole, as benchmarks/gpu.py):"))
-        _, chunked_longest = checkpointed_tables(ckpt_lens, budgets, logit_chunk=args.logit_chunk, with_rows=False)
-        print(ckpt_markdown([], chunked_longest, f"Longest T, checkpointed, with a chunked loss "
-                                                 f"({args.logit_chunk:,} positions' logits at a time):"))
+        print(ckpt_markdown(ckpt_rows, ckpt_longest, "Longest T, checkpointed (logits whole, as the whole-head modes of benchmarks/gpu.py):"))
+        chunked_rows, chunked_longest = checkpointed_tables(ckpt_lens, budgets, head="chunked",
+                                                            block_size=args.block_size, limit=args.chunked_limit)
+        chunked_rows = [r for r in chunked_rows if r.method in CKPT_HEAD_FORM]
+        print(chunked_markdown(chunked_rows, args.block_size))
+        print(ckpt_markdown([], chunked_longest, f"Longest T, checkpointed, with the chunked head "
+                                                 f"(ChunkedLMHeadLoss, block {args.block_size:,}; at most "
+                                                 f"{args.chunked_limit:,}; Opacus ghost keeps its logits whole):"))
+        validation = validate_chunked_head(sketch_size=args.sketch_size)
+        print("The chunked head's modelled peak (chunked_head_terms) against its counted peak "
+              "(benchmarks.lm_head.head_peak_bytes):\n")
+        print(validation_markdown(validation))
         print("Without activation checkpointing (the earlier model):\n")
     print(markdown(rows, longest, shape, args.gpus), end="")
     if args.json:
@@ -460,9 +676,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "rows": [asdict(r) for r in ckpt_rows],
                 "longest": [{"setup": s, "method": m, "budget_bytes": b, "seq_len": t, "binds": bind}
                             for (s, m, b), (t, bind) in ckpt_longest.items()],
-                "logit_chunk": args.logit_chunk,
-                "longest_chunked_loss": [{"setup": s, "method": m, "budget_bytes": b, "seq_len": t, "binds": bind}
-                                         for (s, m, b), (t, bind) in chunked_longest.items()],
+                "chunked_head": {
+                    "block_size": args.block_size, "limit": args.chunked_limit,
+                    "rows": [asdict(r) for r in chunked_rows],
+                    "longest": [{"setup": s, "method": m, "budget_bytes": b, "seq_len": t, "binds": bind,
+                                 "head": "chunked" if m in CKPT_HEAD_FORM else "whole"}
+                                for (s, m, b), (t, bind) in chunked_longest.items()],
+                    "validation": validation,
+                },
             },
         }
         with open(args.json, "w") as f:

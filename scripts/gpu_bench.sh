@@ -2,8 +2,10 @@
 # One-shot GPU benchmark (benchmarks/gpu.py): a Llama-3.2-1B-shaped decoder at
 # T in {4096, 16384, 65536}, batch 1, bf16 autocast: non-private, Opacus hooks, Opacus ghost,
 # randomized two-pass and randomized book-keeping; with reentrant activation checkpointing at
-# T in {16384, 65536, 131072}: non-private, Opacus ghost and randomized (default mode);
-# JSON with the median step time and
+# T in {16384, 65536, 131072}: the chunked LM head (opacus_rc.lm_head.ChunkedLMHeadLoss,
+# block 1024, no T x vocab logits) non-private and randomized two-pass, then non-private,
+# randomized (default mode) and Opacus ghost (last: out of memory at 131072 by the model of
+# docs/scaling.md); JSON with the median step time and
 # torch.cuda.max_memory_allocated per mode (out-of-memory recorded as such).
 #   bash scripts/gpu_bench.sh [--out gpu_bench.json]      # one large GPU, about 10 minutes
 #   bash scripts/gpu_bench.sh --device cpu --tiny         # CI: the same code paths on CPU
