@@ -58,6 +58,7 @@ from torch import nn
 
 from .bookkeeping import Record, keep_rows
 from .estimators import ghost_sq_norms, sketch_side
+from .recompute import NON_REENTRANT, REENTRANT, forward_replay
 
 logger = logging.getLogger(__name__)
 
@@ -65,31 +66,13 @@ REDUCTIONS = ("mean", "sum")
 _LOW = (torch.float16, torch.bfloat16)
 
 
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (a forward run then is a checkpoint replay)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 def recomputing_forward() -> bool:
     """True inside a replay by non-reentrant activation checkpointing
     (``torch.utils.checkpoint(..., use_reentrant=False)``): the real forward pass already
     ran this call with the grad-sample module's state (counters, sketches); the replay
     only regenerates saved tensors. A reentrant replay (whose real forward ran without
-    gradients) is the pass itself: False there. Uses :mod:`opacus_rc.recompute`'s
-    ``forward_replay`` where the package has it (activation checkpointing support)."""
-    try:
-        from .recompute import NON_REENTRANT, forward_replay
-    except ImportError:
-        pass
-    else:
-        return forward_replay() == NON_REENTRANT
-    if not _in_backward():
-        return False
-    try:
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    except (AttributeError, RuntimeError, TypeError):  # private API: without it, run as a pass
-        return False
-    return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
+    gradients) is the pass itself: False there (:func:`opacus_rc.recompute.forward_replay`)."""
+    return forward_replay() == NON_REENTRANT
 
 
 def _hook_owners(layer: nn.Module):
@@ -681,6 +664,7 @@ class ChunkedLMHeadLoss(nn.Module):
         self.ignore_index = ignore_index
         self.loss_reduction = reduction  # per-sequence convention (fixed)
         self.reduction = reduction  # batch reduction; Opacus sets "none" for per-sample losses
+        self._forward_reduction = reduction  # the reduction of the last forward (see forward)
         self.shift_labels = shift_labels
 
     def extra_repr(self) -> str:
@@ -713,25 +697,32 @@ class ChunkedLMHeadLoss(nn.Module):
             raise ValueError(
                 "ChunkedLMHeadLoss computes the loss without the LM head's output, which the "
                 "two passes from the model's output (a plain-loss script on a checkpointed "
-                "model) clip at: pass bookkeeping=True to make_private (book-keeping), or use "
-                "grad_sample_mode='ghost' with this module as the criterion"
+                "model) clip at: use grad_sample_mode='bookkeeping' (or bookkeeping=True) in "
+                "make_private, or grad_sample_mode='ghost' with this module as the criterion"
             )
+        # A reentrant checkpoint's replay reduces as the region's forward did (Opacus's
+        # criterion sets reduction="none" for that call only, and has restored it since).
+        if forward_replay() == REENTRANT:
+            reduction = self._forward_reduction
+        else:
+            reduction = self._forward_reduction = self.reduction
         target, scale = self._targets(labels)
         fsdp = _fsdp_unit(layer, owner)
         if fsdp is None:
-            return self._reduced(self._losses(layer, owner, hidden, target, scale))
+            return self._reduced(self._losses(layer, owner, hidden, target, scale), reduction)
         hidden = fsdp.pre_forward(hidden)  # lm_head.weight: the unsharded parameter from here
         try:
             losses = self._losses(layer, owner, hidden, target, scale)
         except BaseException:
             fsdp.failed_forward(hidden)
             raise
-        return self._reduced(fsdp.post_forward(hidden, losses))
+        return self._reduced(fsdp.post_forward(hidden, losses), reduction)
 
-    def _reduced(self, losses: torch.Tensor) -> torch.Tensor:
-        if self.reduction == "mean":
+    @staticmethod
+    def _reduced(losses: torch.Tensor, reduction: str) -> torch.Tensor:
+        if reduction == "mean":
             return losses.mean()
-        if self.reduction == "sum":
+        if reduction == "sum":
             return losses.sum()
         return losses
 
@@ -750,7 +741,7 @@ class ChunkedLMHeadLoss(nn.Module):
         spec = None
         training = torch.is_grad_enabled() and layer.training and not recomputing_forward()
         if owner is not None and owner.hooks_enabled and training and _trainable([weight, bias]):
-            if not _in_backward():  # as its forward hook would (a reentrant replay starts none)
+            if forward_replay() is None:  # as its forward hook would (a reentrant replay starts none)
                 owner._start_pass(layer)
             from .bookkeeping import BookkeepingMixin
 

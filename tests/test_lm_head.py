@@ -291,9 +291,6 @@ def test_checkpointed_head_equals_unchunked(setup, reentrant):
     without gradients) is the pass; the update is the unchunked one."""
     from torch.utils.checkpoint import checkpoint
 
-    if reentrant and setup["mode"] == "ghost":
-        pytest.skip("reentrant recomputation re-reads criterion.reduction, which Opacus has restored")
-
     model = TinyLM(vocab=40)
     x, y = batch(3, 20, 40)
     ref, _ = step(model, x, y, chunked=False, sketch_size=4, **setup)
@@ -541,13 +538,8 @@ def test_fsdp_grad_sample_module_controls_the_head_which_must_be_its_own_unit():
 def test_output_passes_on_a_checkpointed_model_are_refused_with_the_alternative():
     """A plain-loss script on a checkpointed Hugging Face model runs two passes from the LM
     head's output (opacus_rc.output_passes, issue 22), which the chunked head never
-    produces: refused at the head's forward, naming bookkeeping=True; that works."""
-    import os
-
-    import opacus_rc
-
-    if not os.path.exists(os.path.join(os.path.dirname(opacus_rc.__file__), "output_passes.py")):
-        pytest.skip("needs opacus_rc.output_passes (issue 22)")
+    produces: refused at the head's forward, naming grad_sample_mode='bookkeeping'; that
+    works."""
     hf = pytest.importorskip("tests.test_hf_stacks")
     from opacus_rc.lm_head import from_causal_lm, hidden_states
 
@@ -564,7 +556,7 @@ def test_output_passes_on_a_checkpointed_model_are_refused_with_the_alternative(
             noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False, clipping="randomized",
             sketch_size=8, **({} if bookkeeping is None else {"bookkeeping": bookkeeping}))
         if bookkeeping is None:
-            with pytest.raises(ValueError, match="bookkeeping=True"):
+            with pytest.raises(ValueError, match="grad_sample_mode='bookkeeping'"):
                 head(hidden_states(module, input_ids=x, position_ids=positions), labels)
         else:
             head(hidden_states(module, input_ids=x, position_ids=positions), labels).backward()
