@@ -20,7 +20,7 @@ from opacus_rc.bookkeeping import GradSampleModuleBookkeeping
 from opacus_rc.loss import DPLossRandomizedClipping
 from opacus_rc.sketch import Sketcher
 
-from .conftest import SequenceClassifier, token_task
+from .conftest import SequenceClassifier, distinct, token_task
 
 T, K = 24, 4  # T > k: every linear layer is sketched
 CONFIG = SketchConfig(sketch_size=K)
@@ -87,18 +87,6 @@ def record_sketches(module, steps: int = 2, micro: int = 2):
         opt.step()
         opt.zero_grad()
     return seen
-
-
-def distinct(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Independent draws: at most ``2 + n / 10^4`` of the n entries coincide.
-
-    For independent a, b ~ N(0, s^2) an entry is within isclose's tolerance (relative
-    1e-5) with probability p = 2e-5 E|b| / (2 s sqrt(pi)) ~ 4.5e-6; the count is
-    Bin(n, p), and P(count > 2 + n / 10^4) < 1e-8 for every n here (n = 96: C(96, 3) p^3
-    ~ 1e-11). A reused sketch has all n entries equal. (A bound of 1% of the entries,
-    used before, fails once in ~2,000 secure-mode runs at n = 96: one chance coincidence.)
-    """
-    return a.shape == b.shape and int(torch.isclose(a, b).sum()) <= 2 + a.numel() // 10_000
 
 
 ROUTES = ["make_private_ghost", "make_private_hooks", "hand_ghost", "hand_hooks"]
