@@ -28,3 +28,27 @@ def test_no_thread_count_changes_in_library_code():
         # a comment naming the call is fine; code is not
         code = [c for c in lib_calls if not text[text.rfind("\n", 0, c) + 1:c].lstrip().startswith("#")]
         assert not code, f"{path.relative_to(ROOT)} changes the thread count in library code"
+
+
+def test_code_size_counts_code_lines_only():
+    """tools.code_size: docstrings (module, class, function), comments and blank lines are
+    not code; a string expression that is not a docstring is."""
+    from tools.code_size import code_lines
+
+    source = '''"""Module docstring,
+on two lines."""
+
+import os  # a comment on a code line
+
+
+class A:
+    """Class docstring."""
+
+    # a comment line
+    def f(self):
+        """Function docstring."""
+        x = 1
+        "not a docstring"
+        return x
+'''
+    assert code_lines(source) == 6  # import, class, def, x = 1, the string, return
