@@ -190,11 +190,18 @@ class FSDPSketchingMixin(SketchingMixin):
         self._capture(module, forward_input, lambda: self._capture_fsdp_activations(module, forward_input, _forward_output))
 
     def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
-        """A tied parameter whose norm this pass already took (see the parent)."""
-        if id(module) in self._tied_modules and any(
-            getattr(self._tied_slots.get(key), "_norm_sample", None) is not None
-            for _, key in self._tied_names[id(module)]
-        ):
+        """A layer whose norm this pass already took: an untied one holds it on the module
+        (``module.norm_sample``, set by its backward hook, consumed by
+        :meth:`get_norm_sample`), a tied one in its parameters' slots. The replay's use
+        would overwrite or miss it: refused (see the parent)."""
+        if id(module) in self._tied_modules:
+            done = any(
+                getattr(self._tied_slots.get(key), "_norm_sample", None) is not None
+                for _, key in self._tied_names[id(module)]
+            )
+        else:
+            done = getattr(module, "norm_sample", None) is not None
+        if done:
             raise late_use_error(self._get_module_type(module).__name__)
 
     def _capture_fsdp_activations(

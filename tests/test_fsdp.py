@@ -119,6 +119,43 @@ def fsdp_step(rank, t, micro_batches=1, with_lora=False, checkpointed=None, **kw
     return engine, module, opt, full_params(model)
 
 
+class NormAcrossRegion(SequenceClassifier):
+    """The LayerNorm used inside a checkpointed region and again after it (one layer, two
+    uses): FSDP2's per-module norms must not keep only one of them."""
+
+    def __init__(self, use_reentrant: bool):
+        super().__init__()
+        self.use_reentrant = use_reentrant
+
+    def _region(self, h):
+        return self.norm(torch.tanh(self.fc1(h)))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self._region, self.emb(x), use_reentrant=self.use_reentrant)
+        return self.fc2(self.norm(h)).mean(dim=1)
+
+
+def reused_across_region_errors(rank):
+    """The refusal of each checkpointing form for :class:`NormAcrossRegion` (None: ran)."""
+    from opacus.utils.fsdp_utils import FSDP2Wrapper
+
+    errors = {}
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        model = FSDP2Wrapper(NormAcrossRegion(use_reentrant=reentrant))
+        _, (module, opt, crit, _) = private(model, T_SKETCHED, clipping="randomized", mode="ghost_fsdp")
+        x, y = batch(T_SKETCHED, rank)
+        try:
+            crit(module(x), y).backward()
+            opt.step()
+            errors[reentrant] = None
+        except ValueError as e:
+            errors[reentrant] = str(e)
+    return errors
+
+
 class TiedLM(nn.Module):
     """Embedding -> Linear -> LayerNorm -> Linear -> head tied to the embedding."""
 
@@ -289,6 +326,7 @@ def worker(rank, init_file, out_dir):
         )
         out[f"sketch_{sketching}"] = module.sketcher.gaussian(2, 16, K, torch.device("cpu"))
     out["rc_tied"] = tied_fsdp_step(rank)
+    out["reused_across_region"] = reused_across_region_errors(rank)
     out["syncs"] = counted_fsdp_step(rank)
     out["refused"] = refused_fsdp_steps(rank, fused=False)
     out["refused_fused"] = refused_fsdp_steps(rank, fused=True)
@@ -452,3 +490,13 @@ def test_no_host_synchronisation_in_a_step(ranks):
     read of a tensor value and no data-dependent shape (benchmarks/host_sync.py) on
     either rank; the collectives run on the device."""
     assert [r["syncs"] for r in ranks] == [[], []]
+
+
+def test_layer_used_inside_and_after_a_region_is_refused(ranks):
+    """Non-reentrant: the second use in the forward pass is refused (FSDP2's per-module
+    norms hold one use). Reentrant: the replay's use comes after the later use's norm was
+    taken; refused too, never one of the two uses' norms alone (an under-estimate)."""
+    for r in ranks:
+        errors = r["reused_across_region"]
+        assert "applied twice in one forward pass" in errors[False]
+        assert errors[True] is not None and "use_reentrant=False" in errors[True]
