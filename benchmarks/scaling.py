@@ -39,7 +39,7 @@ import json
 import functools
 import logging
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from opacus.grad_sample.linear import compute_linear_norm_sample
@@ -549,23 +549,37 @@ TERM_NAMES = {"state": "state", "buffers": "buffers", "kept_inputs": "kept layer
               "head_block": "chunked head's block"}
 
 
-def ckpt_markdown(rows: List[CkptRow], longest: Dict[Tuple[str, str, float], Tuple[int, str]],
-                  title: str = "") -> str:
+def _records_cell(x: Dict[str, int]) -> str:
+    return _gb(x["records"]) if x["records"] else "-"
+
+
+def _rows_tables(rows: List[CkptRow], caption: str, columns: Sequence[Tuple[str, Any]]) -> List[str]:
+    """One markdown table per setup of ``rows``: T, method, ``columns`` (header, cell of
+    the terms), state + buffers, whole step, what binds."""
     lines = []
     for setup in dict.fromkeys(r.setup for r in rows):
-        lines += [f"**{setup}**, checkpointing per decoder layer, one sequence per GPU, bf16; GB = 1e9 bytes per GPU.",
-                  "",
-                  "| T | method | norm term | kept inputs | recomputed layer (+ retained loss tensor) | "
-                  "logits + gradient | book-keeping records | state + buffers | whole step | binds |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        headers = ["T", "method", *(h for h, _ in columns), "state + buffers", "whole step", "binds"]
+        lines += [f"**{setup}**, checkpointing per decoder layer, {caption}bf16; GB = 1e9 bytes per GPU.",
+                  "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         for r in (r for r in rows if r.setup == setup):
             x = r.terms
-            lines.append(
-                f"| {r.seq_len:,} | {r.method} | {_gb(x['norm'])} | {_gb(x['kept_inputs'])} | "
-                f"{_gb(x['recomputed_layer'])}" + (f" (+{_gb(x['retained_head'])})" if x["retained_head"] else "")
-                + f" | {_gb(x['head'])} | {_gb(x['records']) if x['records'] else '-'} | "
-                f"{_gb(x['state'] + x['buffers'])} | {_gb(r.step_bytes)} | {TERM_NAMES[r.binding]} |")
+            cells = [f"{r.seq_len:,}", r.method, *(cell(x) for _, cell in columns),
+                     _gb(x["state"] + x["buffers"]), _gb(r.step_bytes), TERM_NAMES[r.binding]]
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+    return lines
+
+
+def ckpt_markdown(rows: List[CkptRow], longest: Dict[Tuple[str, str, float], Tuple[int, str]],
+                  title: str = "") -> str:
+    lines = _rows_tables(rows, "one sequence per GPU, ", [
+        ("norm term", lambda x: _gb(x["norm"])),
+        ("kept inputs", lambda x: _gb(x["kept_inputs"])),
+        ("recomputed layer (+ retained loss tensor)",
+         lambda x: _gb(x["recomputed_layer"]) + (f" (+{_gb(x['retained_head'])})" if x["retained_head"] else "")),
+        ("logits + gradient", lambda x: _gb(x["head"])),
+        ("book-keeping records", _records_cell),
+    ])
     budgets = sorted({b for _, _, b in longest})
     lines += ([title, ""] if title else []) + [
               "| setup | method | " + " | ".join(f"longest T in {b / GB:.0f} GB (largest terms just past it, GB)"
@@ -583,22 +597,14 @@ def ckpt_markdown(rows: List[CkptRow], longest: Dict[Tuple[str, str, float], Tup
 def chunked_markdown(rows: List[CkptRow], block_size: int) -> str:
     """The checkpointed rows with the chunked head (no logits term): its kept tensors and
     its block phase in place of the logits."""
-    lines = []
-    for setup in dict.fromkeys(r.setup for r in rows):
-        lines += [f"**{setup}**, checkpointing per decoder layer, chunked head (block {block_size:,}), one "
-                  "sequence per GPU, bf16; GB = 1e9 bytes per GPU.",
-                  "",
-                  "| T | method | norm term | kept inputs | recomputed layer | chunked head: kept (A, H, ...) | "
-                  "chunked head: block phase | book-keeping records | state + buffers | whole step | binds |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in (r for r in rows if r.setup == setup):
-            x = r.terms
-            lines.append(
-                f"| {r.seq_len:,} | {r.method} | {_gb(x['norm'])} | {_gb(x['kept_inputs'])} | "
-                f"{_gb(x['recomputed_layer'])} | {_gb(x['chunked_head_kept'])} | {_gb(x['chunked_head_phase'])} | "
-                f"{_gb(x['records']) if x['records'] else '-'} | {_gb(x['state'] + x['buffers'])} | "
-                f"{_gb(r.step_bytes)} | {TERM_NAMES[r.binding]} |")
-        lines.append("")
+    lines = _rows_tables(rows, f"chunked head (block {block_size:,}), one sequence per GPU, ", [
+        ("norm term", lambda x: _gb(x["norm"])),
+        ("kept inputs", lambda x: _gb(x["kept_inputs"])),
+        ("recomputed layer", lambda x: _gb(x["recomputed_layer"])),
+        ("chunked head: kept (A, H, ...)", lambda x: _gb(x["chunked_head_kept"])),
+        ("chunked head: block phase", lambda x: _gb(x["chunked_head_phase"])),
+        ("book-keeping records", _records_cell),
+    ])
     return "\n".join(lines) + "\n"
 
 
