@@ -11,7 +11,6 @@ starts a new sketch pass.
 from __future__ import annotations
 
 import copy
-import functools
 import warnings
 from typing import Callable, Dict, List, Optional
 
@@ -238,23 +237,11 @@ def test_plain_module_checkpoint_equals_brute_force(mode, use_reentrant):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("form", ["none", "hf_default", "hf_reentrant", "hf_non_reentrant"])
-def test_hf_llama_checkpointing_equals_brute_force(mode, form):
-    """Tiny LlamaForCausalLM, HF gradient checkpointing in each form, 3 steps."""
-    init = llama()
-    init.train()
-    data = batches()
-    want = brute_force_steps(copy.deepcopy(init), hf_forward, data)
-    model = copy.deepcopy(init)
-    enable_hf_checkpointing(model, form)
-    assert_same_trajectory(private_steps(model, hf_forward, data, mode), want)
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("form", ["none", "hf_default", "hf_reentrant", "hf_non_reentrant"])
-def test_peft_lora_checkpointing_equals_brute_force(mode, form):
-    """PEFT LoRA on q/v (frozen base) under HF gradient checkpointing, 3 steps: no
-    ``enable_input_require_grads()`` from the user."""
-    init = lora(llama())
+@pytest.mark.parametrize("peft", [False, True], ids=["llama", "peft_lora"])
+def test_hf_llama_checkpointing_equals_brute_force(mode, form, peft):
+    """Tiny LlamaForCausalLM, HF gradient checkpointing in each form, 3 steps; with PEFT
+    LoRA on q/v (frozen base) too, without ``enable_input_require_grads()`` from the user."""
+    init = lora(llama()) if peft else llama()
     init.train()
     data = batches()
     want = brute_force_steps(copy.deepcopy(init), hf_forward, data)

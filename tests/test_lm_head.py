@@ -390,6 +390,41 @@ def test_nonfinite_skip_drops_the_sequence():
 # --- Hugging Face causal LMs; refusals ------------------------------------------------------
 
 
+def hf_step(model, causal_lm, x, labels, positions, chunked: bool, mode: str):
+    """One private step (noise 0, seeded sketches) of ``model`` whose Hugging Face causal
+    LM is ``causal_lm`` (the model itself, or the one under PEFT): chunked head
+    (``from_causal_lm`` + ``hidden_states``) or the model's own head; the update of each
+    trainable parameter."""
+    from opacus_rc.lm_head import from_causal_lm, hidden_states
+
+    hf = pytest.importorskip("tests.test_hf_stacks")
+    engine = PrivacyEngine(accountant="rc_prv")
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, labels), batch_size=4)
+    head_loss = from_causal_lm(causal_lm, block_size=16)
+    crit = head_loss if chunked else nn.CrossEntropyLoss(ignore_index=-100)
+    params = [p for p in model.parameters() if p.requires_grad]
+    kwargs = dict(module=model, optimizer=torch.optim.SGD(params, lr=1.0),
+                  data_loader=loader, noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False,
+                  grad_sample_mode=mode, clipping="randomized", sketch_size=8, sketch_seed=1)
+    if mode == "ghost":
+        module, opt, crit, _ = engine.make_private(criterion=crit, **kwargs)
+    else:
+        module, opt, _ = engine.make_private(**kwargs)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    inner = module if causal_lm is model else causal_lm
+    if chunked:
+        hidden = hidden_states(inner, input_ids=x, position_ids=positions)
+        loss = crit(hidden, labels) if mode == "ghost" else head_loss(hidden, labels)
+    else:
+        logits = inner(input_ids=x, position_ids=positions).logits[:, :-1]
+        flat = (logits.reshape(-1, hf.VOCAB), labels[:, 1:].reshape(-1))
+        loss = (crit(*flat, shape=logits.shape[:2]) if mode == "ghost"
+                else per_sequence_ce(logits, labels[:, 1:]).mean())
+    loss.backward()
+    opt.step()
+    return {n: before[n] - p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
 @pytest.mark.parametrize("name", ["llama", "llama_tied", "gpt2"])
 @pytest.mark.parametrize("mode", ["ghost", "hooks"])
 def test_hugging_face_causal_lm_equals_unchunked(name, mode):
@@ -397,7 +432,6 @@ def test_hugging_face_causal_lm_equals_unchunked(name, mode):
     takes them, shifted inside): the update equals the model's own head and the ghost
     criterion's ``shape=`` path for the same sketches."""
     hf = pytest.importorskip("tests.test_hf_stacks")
-    from opacus_rc.lm_head import from_causal_lm, hidden_states
 
     if name in ("llama_tied", "gpt2") and mode == "hooks":  # GPT-2 ties its head too
         pytest.skip("tied weights: book-keeping refuses them (tested above)")
@@ -407,29 +441,7 @@ def test_hugging_face_causal_lm_equals_unchunked(name, mode):
     def run(chunked):
         model = hf.hf_model(name)
         model.train()
-        engine = PrivacyEngine(accountant="rc_prv")
-        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, labels), batch_size=4)
-        head_loss = from_causal_lm(model, block_size=16)
-        crit = head_loss if chunked else nn.CrossEntropyLoss(ignore_index=-100)
-        kwargs = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                      data_loader=loader, noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False,
-                      grad_sample_mode=mode, clipping="randomized", sketch_size=8, sketch_seed=1)
-        if mode == "ghost":
-            module, opt, crit, _ = engine.make_private(criterion=crit, **kwargs)
-        else:
-            module, opt, _ = engine.make_private(**kwargs)
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        if chunked:
-            hidden = hidden_states(module, input_ids=x, position_ids=positions)
-            loss = crit(hidden, labels) if mode == "ghost" else head_loss(hidden, labels)
-        else:
-            logits = module(input_ids=x, position_ids=positions).logits[:, :-1]
-            flat = (logits.reshape(-1, hf.VOCAB), labels[:, 1:].reshape(-1))
-            loss = (crit(*flat, shape=logits.shape[:2]) if mode == "ghost"
-                    else per_sequence_ce(logits, labels[:, 1:]).mean())
-        loss.backward()
-        opt.step()
-        return {n: before[n] - p.detach() for n, p in model.named_parameters()}
+        return hf_step(model, model, x, labels, positions, chunked, mode)
 
     assert_close(run(True), run(False), atol=1e-6, rtol=1e-3)
 
@@ -467,7 +479,6 @@ def test_peft_lora_with_frozen_head_equals_unchunked(mode):
     body's (LoRA) gradient, clipped per sequence as by the unchunked path."""
     hf = pytest.importorskip("tests.test_hf_stacks")
     peft = pytest.importorskip("peft")
-    from opacus_rc.lm_head import from_causal_lm, hidden_states
 
     x, labels = hf.lm_batch(4)
     positions = torch.arange(x.shape[1]).repeat(x.shape[0], 1)
@@ -482,31 +493,7 @@ def test_peft_lora_with_frozen_head_equals_unchunked(mode):
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(len(n)))
         assert not model.get_output_embeddings().weight.requires_grad
-        engine = PrivacyEngine(accountant="rc_prv")
-        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, labels), batch_size=4)
-        head_loss = from_causal_lm(model.base_model.model, block_size=16)
-        crit = head_loss if chunked else nn.CrossEntropyLoss(ignore_index=-100)
-        params = [p for p in model.parameters() if p.requires_grad]
-        kwargs = dict(module=model, optimizer=torch.optim.SGD(params, lr=1.0),
-                      data_loader=loader, noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False,
-                      grad_sample_mode=mode, clipping="randomized", sketch_size=8, sketch_seed=1)
-        if mode == "ghost":
-            module, opt, crit, _ = engine.make_private(criterion=crit, **kwargs)
-        else:
-            module, opt, _ = engine.make_private(**kwargs)
-        before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        inner = model.base_model.model  # the LlamaForCausalLM under PEFT
-        if chunked:
-            hidden = hidden_states(inner, input_ids=x, position_ids=positions)
-            loss = crit(hidden, labels) if mode == "ghost" else head_loss(hidden, labels)
-        else:
-            logits = inner(input_ids=x, position_ids=positions).logits[:, :-1]
-            flat = (logits.reshape(-1, hf.VOCAB), labels[:, 1:].reshape(-1))
-            loss = (crit(*flat, shape=logits.shape[:2]) if mode == "ghost"
-                    else per_sequence_ce(logits, labels[:, 1:]).mean())
-        loss.backward()
-        opt.step()
-        return {n: before[n] - p.detach() for n, p in model.named_parameters() if p.requires_grad}
+        return hf_step(model, model.base_model.model, x, labels, positions, chunked, mode)
 
     ours, ref = run(True), run(False)
     assert ours and all("lora" in n for n in ours)
