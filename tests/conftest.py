@@ -88,3 +88,11 @@ def distinct(a: torch.Tensor, b: torch.Tensor) -> bool:
     used before, fails once in ~2,000 secure-mode runs at n = 96: one chance coincidence.)
     """
     return a.shape == b.shape and int(torch.isclose(a, b).sum()) <= 2 + a.numel() // 10_000
+
+
+def mode_options(mode: str) -> dict:
+    """make_private keywords of a test mode: a grad_sample_mode, or "bookkeeping=True" (a
+    ghost script run by book-keeping)."""
+    if mode == "bookkeeping=True":
+        return {"grad_sample_mode": "ghost", "bookkeeping": True}
+    return {"grad_sample_mode": mode}

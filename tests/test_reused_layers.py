@@ -13,6 +13,7 @@ import torch
 from opacus import PrivacyEngine
 from torch import nn
 
+from .conftest import mode_options
 from .oracles import per_example_clipped_mean
 
 B, T, D = 6, 4, 8
@@ -81,8 +82,7 @@ def loss_of(model, x, y):
 def private_update(model, x, y, mode):
     """p.grad after one step (noise 0), and the accountant's record."""
     engine = PrivacyEngine(accountant="rc_prv")
-    options = {"grad_sample_mode": "ghost", "bookkeeping": True} if mode == "bookkeeping=True" else {
-        "grad_sample_mode": mode}
+    options = mode_options(mode)
     out = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
         criterion=nn.CrossEntropyLoss(),

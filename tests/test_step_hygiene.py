@@ -14,7 +14,7 @@ from opacus import PrivacyEngine
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch import nn
 
-from .conftest import SequenceClassifier, token_task
+from .conftest import SequenceClassifier, mode_options, token_task
 
 MODES = ["ghost", "hooks", "bookkeeping=True"]
 T = 8
@@ -22,14 +22,12 @@ T = 8
 
 def make_private(model, mode, *, noise=0.0, batch_size=8, n=32, **options):
     engine = PrivacyEngine(accountant="rc_prv")
-    mode_options = {"grad_sample_mode": "ghost", "bookkeeping": True} if mode == "bookkeeping=True" else {
-        "grad_sample_mode": mode}
     out = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
         criterion=nn.CrossEntropyLoss(),
         data_loader=torch.utils.data.DataLoader(token_task(n=n, t=T), batch_size=batch_size),
         noise_multiplier=noise, max_grad_norm=0.1, clipping="randomized",
-        sketch_size=4, sketch_seed=0, sketching="shared", **mode_options, **options,
+        sketch_size=4, sketch_seed=0, sketching="shared", **mode_options(mode), **options,
     )
     module, opt = out[0], out[1]
     crit = out[2] if len(out) == 4 else nn.CrossEntropyLoss()
