@@ -278,9 +278,14 @@ class BookkeepingMixin(_SketcherOwner):
         self._recorded_in_pass.add(module)
         norms = RANDOMIZED_NORM_SAMPLERS[type(module)](module, [a], g, self.sketcher)
         for param, norm in norms.items():
-            records = getattr(param, "_bk_records", None) or []
-            records.append(Record(norm.pow(2), _clipped_sum(module, param, a, g)))
-            param._bk_records = records
+            append_record(param, Record(norm.pow(2), _clipped_sum(module, param, a, g)))
+
+
+def append_record(param: nn.Parameter, record: Record) -> None:
+    """Keep ``record`` (one backward pass) on ``param`` until the optimizer's step."""
+    records = getattr(param, "_bk_records", None) or []
+    records.append(record)
+    param._bk_records = records
 
 
 def concatenate_uses(module: nn.Module, uses: List[Any]) -> Any:

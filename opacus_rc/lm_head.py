@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .bookkeeping import Record, keep_rows
+from .bookkeeping import Record, append_record, keep_rows
 from .estimators import ghost_sq_norms, sketch_side
 from .recompute import NON_REENTRANT, REENTRANT, forward_replay
 
@@ -478,11 +478,11 @@ def _deliver(plan: _Plan, hidden, target, scale, lse, u) -> None:
         if weight.requires_grad:
             sq = kept["sq"] * s.pow(2)
             clip = _BookkeptHead(hidden, weight, bias, target, scale, lse, plan, s)
-            _append_record(weight, Record(sq, clip.weight))
+            append_record(weight, Record(sq, clip.weight))
         if bias is not None and bias.requires_grad:
             bias_grads = kept["bias"] * s[:, None]
             clip = _BookkeptHead(hidden, weight, bias, target, scale, lse, plan, s)
-            _append_record(bias, Record(bias_grads.pow(2).sum(dim=1), clip.bias))
+            append_record(bias, Record(bias_grads.pow(2).sum(dim=1), clip.bias))
         return
     _deliver_norms(plan, kept, s)
 
@@ -516,12 +516,6 @@ def _deliver_norms(plan: _Plan, kept: Dict[str, torch.Tensor], s: torch.Tensor) 
         p = getattr(layer, name)
         p._norm_sample = norm
         p._forward_counter -= 1
-
-
-def _append_record(p: nn.Parameter, record: Record) -> None:
-    records = getattr(p, "_bk_records", None) or []
-    records.append(record)
-    p._bk_records = records
 
 
 class _BookkeptHead:
