@@ -46,6 +46,7 @@ from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 
+from .estimators import as_sequence
 from .grad_sample import _SketcherOwner, _trainable_linears
 from .norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from .optimizer import RandomizedClippingMixin
@@ -138,11 +139,6 @@ def keep_rows(t: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
     if keep is None:
         return t
     return torch.where(keep.reshape(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
-
-
-def as_sequence(t: torch.Tensor) -> torch.Tensor:
-    """(B, ..., n) -> (B, T, n) with T the product of the middle dimensions."""
-    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
 
 
 def clipped_linear_weight(

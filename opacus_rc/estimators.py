@@ -23,6 +23,7 @@ shared (rows, k) or per example (B, rows, k).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Tuple
 
@@ -36,6 +37,11 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 PROMOTION_CHUNK_ELEMENTS = 1 << 24
 
 
+def as_sequence(t: torch.Tensor) -> torch.Tensor:
+    """(B, ..., n) -> (B, T, n) with T the product of the middle dimensions (a view)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
+
+
 def as_sequences(
     activations: torch.Tensor, backprops: torch.Tensor
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -43,12 +49,8 @@ def as_sequences(
 
     Half-precision inputs are promoted so the sketch arithmetic accumulates in float32.
     """
-    batch, t = activations.shape[0], math.prod(activations.shape[1:-1])
-    a = activations.reshape(batch, t, activations.shape[-1])
-    g = backprops.reshape(batch, t, backprops.shape[-1])
-    dtype = torch.promote_types(a.dtype, g.dtype)
-    if dtype in _LOW_PRECISION:
-        dtype = torch.float32
+    a, g = as_sequence(activations), as_sequence(backprops)
+    dtype = _wide(a, g)
     return a.to(dtype), g.to(dtype)
 
 
@@ -80,9 +82,7 @@ def _orient(
 
 def _wide(*tensors: torch.Tensor) -> torch.dtype:
     """The accumulation dtype: the inputs' promoted dtype, float32 for half precision."""
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
     return torch.float32 if dtype in _LOW_PRECISION else dtype
 
 
@@ -111,15 +111,9 @@ def sketched_product(
     return _sum_over_positions(left, right, lambda l, r: torch.matmul(l.transpose(1, 2), torch.matmul(r, p)))
 
 
-def _unpromoted_sequences(
-    activations: torch.Tensor, backprops: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(B, ..., d), (B, ..., p) as (B, T, d), (B, T, p) views in their own dtypes."""
-    batch, t = activations.shape[0], math.prod(activations.shape[1:-1])
-    return (
-        activations.reshape(batch, t, activations.shape[-1]),
-        backprops.reshape(batch, t, backprops.shape[-1]),
-    )
+def at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 when it is in half precision, else as it is."""
+    return t.float() if t.dtype in _LOW_PRECISION else t
 
 
 def _per_sample_sq_norm(x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +141,7 @@ def hutchinson_sq_norms(
     Returns:
         (B,) float tensor of estimated squared norms.
     """
-    a, g = _unpromoted_sequences(activations, backprops)
+    a, g = as_sequence(activations), as_sequence(backprops)
     left, right = _orient(a, g, side)
     return _per_sample_sq_norm(sketched_product(left, right, sketch))
 
@@ -171,7 +165,7 @@ def hutchpp_sq_norms(
         tail_sketch: (rows, k) or (B, rows, k) with N(0, 1/k) entries.
         side: ``"auto"``, ``"output"`` or ``"input"``.
     """
-    a, g = _unpromoted_sequences(activations, backprops)
+    a, g = as_sequence(activations), as_sequence(backprops)
     left, right = _orient(a, g, side)
     q, _ = torch.linalg.qr(sketched_product(left, right, head_sketch))  # (B, rows_left, r)
     head = _per_sample_sq_norm(
@@ -196,10 +190,7 @@ def ghost_sq_norms(activations: torch.Tensor, backprops: torch.Tensor) -> torch.
 
 def bias_grads(backprops: torch.Tensor) -> torch.Tensor:
     """Per-sample bias gradients ``sum_t G_i[t]``: (B, p), at least float32."""
-    g = backprops.reshape(backprops.shape[0], math.prod(backprops.shape[1:-1]), backprops.shape[-1])
-    if g.dtype in _LOW_PRECISION:
-        g = g.float()
-    return g.sum(dim=1)
+    return at_least_float32(as_sequence(backprops)).sum(dim=1)
 
 
 def bias_sq_norms(backprops: torch.Tensor) -> torch.Tensor:
@@ -224,9 +215,7 @@ def embedding_sq_norms(
         padding_idx: the layer's padding index, or None.
     """
     ids = ids.reshape(ids.shape[0], math.prod(ids.shape[1:]))
-    g = backprops.reshape(*ids.shape, backprops.shape[-1])
-    if g.dtype in _LOW_PRECISION:
-        g = g.float()
+    g = at_least_float32(backprops.reshape(*ids.shape, backprops.shape[-1]))
     if padding_idx is not None:
         g = g.masked_fill((ids == padding_idx)[..., None], 0)
     sorted_ids, order = ids.sort(dim=1, stable=True)

@@ -24,6 +24,7 @@ from torch import nn
 
 from .estimators import (
     as_sequences,
+    at_least_float32,
     bias_grads,
     bias_sq_norms,
     embedding_sq_norms,
@@ -157,9 +158,7 @@ linear_projection = register_tied_projection(nn.Linear)(
 def embedding_projection(layer, activations, backprops, sketcher):
     """Weight (V x d), grad ``onehot(ids)^T G``: ``P^T`` of it as (B, d, k) = ``G^T P[ids]``."""
     ids = activations[0].reshape(activations[0].shape[0], math.prod(activations[0].shape[1:]))
-    g = backprops.reshape(*ids.shape, backprops.shape[-1])
-    if g.dtype in (torch.float16, torch.bfloat16):
-        g = g.float()
+    g = at_least_float32(backprops.reshape(*ids.shape, backprops.shape[-1]))
     sketch = _row_sketch(layer.weight, ids.shape[0], sketcher, g.device).to(g.dtype)
     rows = sketch[ids] if sketch.dim() == 2 else torch.gather(
         sketch, 1, ids[..., None].expand(-1, -1, sketch.shape[-1])

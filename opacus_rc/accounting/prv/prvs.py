@@ -116,8 +116,8 @@ class StepPRV:
             raise ValueError(f"sample_rate={sample_rate} must lie in [0, 1]")
         if not self.sigma >= 0.0:
             raise ValueError(f"noise_multiplier={noise_multiplier} must be >= 0")
-        if self.sigma == 0.0 or not math.isfinite(self.sigma):
-            self.sigma = max(self.sigma, 1e-300) if self.sigma == 0.0 else self.sigma
+        if self.sigma == 0.0:
+            self.sigma = 1e-300
         self.mixture = mixture
         z = np.asarray(mixture.z, dtype=float)
         p = np.asarray(mixture.p, dtype=float)
@@ -212,50 +212,47 @@ class StepPRV:
         return out
 
     # ---- truncated first moment ------------------------------------------------------
+    def _log_rho(self, log_q_term: np.ndarray) -> np.ndarray:
+        """``log rho = log(1 - q + exp(log_q_term))`` for ``log_q_term = log q + (g or lin)``."""
+        return np.logaddexp(self.log1mq, log_q_term) if self.q < 1 else log_q_term
+
+    def _density(self, direction: str, x: np.ndarray, mu: np.ndarray, p: np.ndarray) -> np.ndarray:
+        """Density of ``X`` at ``x``: ``P = (1-q) N(0,1) + q sum_j p_j N(mu_j, 1)`` (remove),
+        ``Q = N(0, 1)`` (add)."""
+        phi = np.exp(-0.5 * x**2 - _LOG2PI_HALF)
+        if direction != "remove":
+            return phi
+        dens = (1 - self.q) * phi
+        for mu_j, p_j in zip(mu, p):
+            dens = dens + self.q * p_j * np.exp(-0.5 * (x - mu_j) ** 2 - _LOG2PI_HALF)
+        return dens
+
     def partial_mean(self, direction: str, a: float, b: float) -> float:
         """Unnormalised ``E[Y ; a <= Y <= b]`` by Gauss-Legendre quadrature in ``x``."""
         q = self.q
         sign = 1.0 if direction == "remove" else -1.0
         # loss ``sign * log rho(x)`` lies in [a, b]  <=>  x in [x(lo), x(hi)]
         lo_s, hi_s = (a, b) if direction == "remove" else (-b, -a)
-        x_hi_cap = self._mu_max + 40.0
-        total = 0.0
+        u = self._u(np.array([lo_s, hi_s]))
         if self.hidden:
-            u = self._u(np.array([lo_s, hi_s]))
             xl, xh = self._x_hidden(u)
             xl = max(xl, _X_LO) if np.isfinite(u[0]) else _X_LO
-            xh = min(xh, x_hi_cap)
-            nodes, w = _gauss_legendre_panels(xl, xh, 0.05)
-            if nodes.size:
-                g, _ = self._g(nodes)
-                loss = np.logaddexp(self.log1mq, math.log(q) + g) if q < 1 else g
-                dens = (1 - q) * np.exp(-0.5 * nodes**2 - _LOG2PI_HALF) if q < 1 else 0.0
-                if direction == "remove":
-                    for mu_j, p_j in zip(self.mu, self.p):
-                        dens = dens + q * p_j * np.exp(-0.5 * (nodes - mu_j) ** 2 - _LOG2PI_HALF)
-                else:
-                    dens = np.exp(-0.5 * nodes**2 - _LOG2PI_HALF)
-                total += float(np.sum(w * sign * loss * dens))
-            return total
-        u = self._u(np.array([lo_s, hi_s]))
+            nodes, w = _gauss_legendre_panels(xl, min(xh, self._mu_max + 40.0), 0.05)
+            if not nodes.size:
+                return 0.0
+            loss = self._log_rho(math.log(q) + self._g(nodes)[0])
+            return float(np.sum(w * sign * loss * self._density(direction, nodes, self.mu, self.p)))
+        total = 0.0
         for mu_j, p_j in zip(self.mu, self.p):
             if p_j == 0:
                 continue
             xl = (u[0] + 0.5 * mu_j**2) / mu_j if np.isfinite(u[0]) else _X_LO
             xh = (u[1] + 0.5 * mu_j**2) / mu_j if np.isfinite(u[1]) else _X_LO
-            xl, xh = max(xl, _X_LO), min(xh, mu_j + 40.0)
-            nodes, w = _gauss_legendre_panels(xl, xh, 0.05)
+            nodes, w = _gauss_legendre_panels(max(xl, _X_LO), min(xh, mu_j + 40.0), 0.05)
             if not nodes.size:
                 continue
-            lin = math.log(q) + mu_j * nodes - 0.5 * mu_j**2
-            loss = np.logaddexp(self.log1mq, lin) if q < 1 else lin
-            if direction == "remove":
-                dens = (1 - q) * np.exp(-0.5 * nodes**2 - _LOG2PI_HALF) + q * np.exp(
-                    -0.5 * (nodes - mu_j) ** 2 - _LOG2PI_HALF
-                )
-            else:
-                dens = np.exp(-0.5 * nodes**2 - _LOG2PI_HALF)
-            total += p_j * float(np.sum(w * sign * loss * dens))
+            loss = self._log_rho(math.log(q) + mu_j * nodes - 0.5 * mu_j**2)
+            total += p_j * float(np.sum(w * sign * loss * self._density(direction, nodes, [mu_j], [1.0])))
         atom, mass = infinite_bin_atom(direction, q, self.p_inf)
         if mass > 0 and a <= atom <= b:
             total += atom * mass
@@ -289,10 +286,7 @@ class StepPRV:
             per_bin = _lse(
                 base[None, :] + 0.5 * (i * i - i)[None, :] * self.mu[:, None] ** 2, axis=1
             )
-            log_terms = self._logp + per_bin
-            if self.p_inf > 0:
-                log_terms = np.append(log_terms, math.log(self.p_inf) + beta * self.log1mq)
-            return float(_lse(log_terms))
+            return self._with_top_bin(per_bin, beta)
         reach = max(beta, 0.0) * self._mu_max
         # rho_j^beta is analytic in the strip |Im x| < pi / mu_j (zeros of rho_j); with
         # h <= 0.25 / mu_max the trapezoid error is ~exp(-pi^2 / (mu h)) <= e^-39 relative
@@ -300,12 +294,13 @@ class StepPRV:
         x = np.arange(-14.0, reach + 14.0, h)
         logphi = -0.5 * x**2 - _LOG2PI_HALF + math.log(h)
         if direct_hidden:
-            g, _ = self._g(x)
-            log_rho = np.logaddexp(self.log1mq, math.log(q) + g)
+            log_rho = self._log_rho(math.log(q) + self._g(x)[0])
             return float(_lse(logphi + beta * log_rho))
-        lin = math.log(q) + x[None, :] * self.mu[:, None] - 0.5 * self.mu[:, None] ** 2
-        log_rho = np.logaddexp(self.log1mq, lin)
-        per_bin = _lse(logphi[None, :] + beta * log_rho, axis=1)
+        log_rho = self._log_rho(math.log(q) + x[None, :] * self.mu[:, None] - 0.5 * self.mu[:, None] ** 2)
+        return self._with_top_bin(_lse(logphi[None, :] + beta * log_rho, axis=1), beta)
+
+    def _with_top_bin(self, per_bin: np.ndarray, beta: float) -> float:
+        """``log(sum_j p_j E_Q[rho_j^beta] + p_inf (1-q)^beta)`` from the bins' log-moments."""
         log_terms = self._logp + per_bin
         if self.p_inf > 0:
             log_terms = np.append(log_terms, math.log(self.p_inf) + beta * self.log1mq)
