@@ -130,14 +130,23 @@ def denoised_weights(module: nn.Module) -> List[nn.Parameter]:
     ]
 
 
-def randomized_optimizer_class(distributed: bool, grad_sample_mode: str) -> type:
-    """The randomized-clipping optimizer for a grad-sample mode (two passes, book-keeping
-    or FSDP2), as Opacus's ``get_optimizer_class`` picks its own."""
-    if grad_sample_mode == FSDP_MODE:
-        return FSDPRandomizedClippingOptimizer
-    if grad_sample_mode == "hooks":
-        return DistributedRandomizedClippingBookkeepingOptimizer if distributed else RandomizedClippingBookkeepingOptimizer
-    return DistributedRandomizedClippingOptimizer if distributed else RandomizedClippingOptimizer
+#: Per grad-sample mode of a randomized call (``"hooks"``: book-keeping): the grad-sample
+#: module (wrapping form, ``wrap_model=False`` hooks form) and the optimizer (one process,
+#: DDP), as Opacus's ``get_gsm_class`` / ``get_optimizer_class`` pick its own.
+RANDOMIZED_CLASSES = {
+    "ghost": (
+        (GradSampleModuleRandomizedClipping, GradSampleHooksRandomizedClipping),
+        (RandomizedClippingOptimizer, DistributedRandomizedClippingOptimizer),
+    ),
+    "hooks": (
+        (GradSampleModuleBookkeeping, GradSampleHooksBookkeeping),
+        (RandomizedClippingBookkeepingOptimizer, DistributedRandomizedClippingBookkeepingOptimizer),
+    ),
+    FSDP_MODE: (
+        (GradSampleModuleRandomizedClippingFSDP, GradSampleHooksRandomizedClippingFSDP),
+        (FSDPRandomizedClippingOptimizer, FSDPRandomizedClippingOptimizer),
+    ),
+}
 
 
 class PrivacyEngine(OpacusPrivacyEngine):
@@ -288,19 +297,11 @@ class PrivacyEngine(OpacusPrivacyEngine):
                 denoise_kappa, denoise_svd: as in :meth:`make_private`.
             **kwargs: Opacus's ``make_private_with_epsilon`` arguments.
         """
-        arguments = _with_opacus_defaults(
-            OpacusPrivacyEngine.make_private_with_epsilon,
-            {**kwargs, "target_epsilon": target_epsilon, "target_delta": target_delta, "epochs": epochs},
-        )
+        call = {**kwargs, "target_epsilon": target_epsilon, "target_delta": target_delta, "epochs": epochs}
+        arguments = _with_opacus_defaults(OpacusPrivacyEngine.make_private_with_epsilon, call)
         options = Options.parse(self, clipping, _plugin_options(locals()), arguments)
         if not options.randomized:
-            self._require_torchcsprng(clipping)
-            with self._using(options):
-                out = super().make_private_with_epsilon(
-                    target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs,
-                    clipping=clipping, **kwargs,
-                )
-            return self._denoised(out, options, arguments["module"])
+            return self._run_opacus(super().make_private_with_epsilon, options, arguments, {**call, "clipping": clipping})
         # Copied from Opacus's make_private_with_epsilon, which calibrates for its own
         # accountants at 1 / len(loader): rc_prv needs the sketch and the public rate.
         if len(self.accountant) > 0:
@@ -355,10 +356,15 @@ class PrivacyEngine(OpacusPrivacyEngine):
         if options.randomized:
             call["grad_sample_mode"] = options.grad_sample_mode
             call.update(options.optimizer_kwargs())  # Opacus passes them to the optimizer
-        else:
+        return self._run_opacus(super().make_private, options, arguments, call)
+
+    def _run_opacus(self, method: Callable, options: Options, arguments: Dict[str, Any], call: Dict[str, Any]):
+        """Opacus's ``method(**call)`` with ``options`` in force for its ``_prepare_*`` steps;
+        its outputs completed for the randomized path and the denoiser."""
+        if not options.randomized:
             self._require_torchcsprng(options.clipping)
         with self._using(options):
-            out = super().make_private(**call)
+            out = method(**call)
         if options.randomized:
             out = self._randomized_outputs(out, options, arguments)
         return self._denoised(out, options, arguments["module"])
@@ -416,23 +422,20 @@ class PrivacyEngine(OpacusPrivacyEngine):
                 "clipping='randomized' needs a plain nn.Module; got an already wrapped "
                 f"{type(module).__name__}"
             )
-        wrap_model, mode = kwargs["wrap_model"], kwargs["grad_sample_mode"]
-        common = dict(
+        mode = kwargs["grad_sample_mode"]
+        check_fsdp_mode(module, mode)  # FSDP2: ghost_fsdp only
+        wrapping, hooks = RANDOMIZED_CLASSES[mode][0]
+        # book-keeping clips after the pass, in the optimizer: its module takes no bound
+        bound = {} if mode == "hooks" else {"max_grad_norm": kwargs["max_grad_norm"]}
+        return (wrapping if kwargs["wrap_model"] else hooks)(
+            module,
             batch_first=kwargs["batch_first"],
             loss_reduction=kwargs["loss_reduction"],
             sketch_config=options.sketch,
             sketch_seed=options.sketch_seed,
             secure_mode=self.secure_mode,
+            **bound,
         )
-        check_fsdp_mode(module, mode)  # FSDP2: ghost_fsdp only
-        if mode == FSDP_MODE:
-            cls = GradSampleModuleRandomizedClippingFSDP if wrap_model else GradSampleHooksRandomizedClippingFSDP
-            return cls(module, max_grad_norm=kwargs["max_grad_norm"], **common)
-        if mode == "hooks":  # book-keeping: one backward pass
-            cls = GradSampleModuleBookkeeping if wrap_model else GradSampleHooksBookkeeping
-            return cls(module, **common)
-        cls = GradSampleModuleRandomizedClipping if wrap_model else GradSampleHooksRandomizedClipping
-        return cls(module, max_grad_norm=kwargs["max_grad_norm"], **common)
 
     def _prepare_optimizer(self, *, optimizer, noise_generator=None, **kwargs: Any) -> DPOptimizer:
         """The randomized optimizer, averaging by the public normaliser."""
@@ -444,7 +447,7 @@ class PrivacyEngine(OpacusPrivacyEngine):
         # rank; the public normaliser is divided as Opacus divides its own.
         size = options.sampling.batch_size
         kwargs["expected_batch_size"] = size / torch.distributed.get_world_size() if distributed else size
-        cls = randomized_optimizer_class(distributed, kwargs.pop("grad_sample_mode"))
+        cls = RANDOMIZED_CLASSES[kwargs.pop("grad_sample_mode")][1][distributed]
         kwargs.pop("clipping")
         # Copied from Opacus's _prepare_optimizer, whose get_optimizer_class has no registry.
         if isinstance(optimizer, DPOptimizer):
