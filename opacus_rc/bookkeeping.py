@@ -47,7 +47,7 @@ from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 
 from .estimators import as_sequence
-from .grad_sample import _SketcherOwner, _trainable_linears
+from .grad_sample import _SketcherOwner
 from .norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from .optimizer import RandomizedClippingMixin
 from .recompute import is_checkpointed, late_use_error, missing_per_sample_error
@@ -213,7 +213,7 @@ class BookkeepingMixin(_SketcherOwner):
         self._pending_uses: Dict[nn.Module, List[Any]] = {}  # this pass's uses, per layer
         self._recorded_in_pass: set = set()  # layers whose record of this pass is complete
         self._clear_queued = False  # end-of-backward reset of _recorded_in_pass queued
-        self._defer_weight_grads(_trainable_linears(self._module))
+        self._defer_weight_grads()
 
     def _on_pass_start(self) -> None:
         self._recorded_in_pass.clear()

@@ -171,15 +171,6 @@ class FSDPSketchingMixin(SketchingMixin):
         }
         self._tied_slots: Dict[int, _TiedSlot] = {}  # this pass's, by sharded identity
         super()._setup()
-        # FSDP2 renames every sharded layer's class (FSDPLinear): defer the weight
-        # gradients of those linear layers too (the parent matches nn.Linear exactly).
-        patched = set(map(id, self._patched))
-        fsdp_linears = [
-            m for m in self._module.modules()
-            if id(m) not in patched and is_fsdp_module(m) and self._get_module_type(m) is nn.Linear
-            and any(p.requires_grad for p in m.parameters(recurse=False))
-        ]
-        self._defer_weight_grads(fsdp_linears, wanted=self._in_second_pass)
 
     def capture_activations_hook(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor

@@ -157,12 +157,13 @@ class _SketcherOwner:
             module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
         )
 
-    def _defer_weight_grads(self, layers: List[nn.Module], wanted=None) -> None:
-        """Linear layers whose backward computes parameter gradients only if ``wanted()``."""
-        for m in layers:
-            options = {} if wanted is None else {"wanted": wanted}
-            m.forward = functools.partial(linear_forward_deferring_weight_grad, m, **options)
-            self._patched.append(m)
+    def _defer_weight_grads(self, wanted: Optional[Callable[[], bool]] = None) -> None:
+        """The trainable ``nn.Linear`` layers (by their real class: FSDP2 renames it) compute
+        parameter gradients in their backward only if ``wanted()`` (None: never)."""
+        for m in self._module.modules():
+            if self._get_module_type(m) is nn.Linear and any(p.requires_grad for p in m.parameters(recurse=False)):
+                m.forward = functools.partial(linear_forward_deferring_weight_grad, m, wanted=wanted or _never)
+                self._patched.append(m)
 
     def cleanup(self) -> None:
         for m in self._patched:
@@ -189,13 +190,6 @@ def check_norms_cover_batch(norms: Sequence[Tuple[str, torch.Tensor]]) -> None:
             )
 
 
-def _trainable_linears(model: nn.Module) -> List[nn.Module]:
-    return [
-        m for m in model.modules()
-        if type(m) is nn.Linear and any(p.requires_grad for p in m.parameters(recurse=False))
-    ]
-
-
 class SketchingMixin(_SketcherOwner):
     """Two-pass randomized clipping: binds the randomized norm samplers to this module's
     sketcher (Opacus's hooks look up ``self.NORM_SAMPLERS``)."""
@@ -210,7 +204,7 @@ class SketchingMixin(_SketcherOwner):
         self._unscaled_backprops = False
         # The first backward pass only needs output gradients: linear layers compute
         # their weight gradients in the second (clipped) pass only, when hooks are off.
-        self._defer_weight_grads(_trainable_linears(self._module), wanted=self._in_second_pass)
+        self._defer_weight_grads(wanted=self._in_second_pass)
 
     def _in_second_pass(self) -> bool:
         return not self.hooks_enabled
