@@ -33,6 +33,7 @@ criterion of ghost scripts (:class:`DPLossBookkeeping`).
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from dataclasses import dataclass
@@ -201,10 +202,7 @@ class BookkeepingMixin(_SketcherOwner):
             m for m in self._module.modules()
             if _bookkept(m) and any(p.requires_grad for p in m.parameters(recurse=False))
         ]
-        owners: Dict[int, int] = {}
-        for m in layers:
-            for p in m.parameters(recurse=False):
-                owners[id(p)] = owners.get(id(p), 0) + 1
+        owners = collections.Counter(id(p) for m in layers for p in m.parameters(recurse=False))
         if any(count > 1 for count in owners.values()):
             raise ValueError(
                 "tied weights are not supported by book-keeping (grad_sample_mode='hooks') "
