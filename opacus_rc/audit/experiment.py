@@ -216,14 +216,39 @@ def _data(config: AuditConfig, gen: torch.Generator):
     return (xb, yb), (xc, yc)
 
 
-def build_experiment(config: AuditConfig, uses: int = 1) -> _Experiment:
-    """``make_private(..., clipping="randomized")`` on the audit's model, with the
-    broken sketcher of ``config.variant`` swapped in (honest: none); ``uses > 1``: the
-    layer applied that many times per pass, by book-keeping."""
+def make_private_rc(config, module: nn.Module, loader, reduction: str, seed: int, **options):
+    """``PrivacyEngine(accountant="rc_prv").make_private(..., clipping="randomized")`` on
+    ``module`` with an SGD at ``lr = 0`` and :class:`InnerProductLoss`, the noise and the
+    sketches seeded from ``seed``: the engine, model, optimizer, criterion and loader."""
     from opacus import PrivacyEngine
 
     import opacus_rc  # noqa: F401  (registers clipping="randomized" and "rc_prv")
 
+    engine = PrivacyEngine(accountant="rc_prv")
+    out = engine.make_private(
+        module=module,
+        optimizer=torch.optim.SGD(module.parameters(), lr=0.0),
+        criterion=InnerProductLoss(reduction=reduction),
+        data_loader=loader,
+        noise_multiplier=config.sigma,
+        max_grad_norm=config.max_grad_norm,
+        loss_reduction=reduction,
+        noise_generator=torch.Generator().manual_seed(seed + 1),
+        clipping="randomized",
+        estimator=config.estimator,
+        sketch_size=config.sketch_size,
+        sketch_seed=seed + 2,
+        **options,
+    )
+    # only the two-pass (ghost) path returns a criterion
+    criterion = out[2] if len(out) == 4 else InnerProductLoss(reduction=reduction)
+    return engine, out[0], out[1], criterion, out[-1]
+
+
+def build_experiment(config: AuditConfig, uses: int = 1) -> _Experiment:
+    """``make_private(..., clipping="randomized")`` on the audit's model, with the
+    broken sketcher of ``config.variant`` swapped in (honest: none); ``uses > 1``: the
+    layer applied that many times per pass, by book-keeping."""
     gen = torch.Generator().manual_seed(config.seed)
     d, p, _ = config.shapes
     layer = nn.Linear(d, p, bias=False)
@@ -231,27 +256,11 @@ def build_experiment(config: AuditConfig, uses: int = 1) -> _Experiment:
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(*background), batch_size=config.background
     )
-    engine = PrivacyEngine(accountant="rc_prv")
-    out = engine.make_private(
-        module=layer if uses == 1 else _Reused(layer, uses),
-        optimizer=torch.optim.SGD(layer.parameters(), lr=0.0),
-        criterion=InnerProductLoss(reduction="sum"),
-        data_loader=loader,
-        noise_multiplier=config.sigma,
-        max_grad_norm=config.max_grad_norm,
-        poisson_sampling=False,
-        loss_reduction="sum",
-        noise_generator=torch.Generator().manual_seed(config.seed + 1),
-        grad_sample_mode="ghost" if uses == 1 else "hooks",
-        clipping="randomized",
-        estimator=config.estimator,
-        sketch_size=config.sketch_size,
-        sketching=config.sketching,
-        exact_when_cheaper=False,
-        sketch_seed=config.seed + 2,
+    engine, model, optimizer, criterion, _ = make_private_rc(
+        config, layer if uses == 1 else _Reused(layer, uses), loader, "sum", config.seed,
+        poisson_sampling=False, grad_sample_mode="ghost" if uses == 1 else "hooks",
+        sketching=config.sketching, exact_when_cheaper=False,
     )
-    model, optimizer = out[0], out[1]
-    criterion = out[2] if len(out) == 4 else InnerProductLoss(reduction="sum")
     if config.variant != "honest":
         install_sketcher(model, optimizer, broken_sketcher(config.variant, model.sketcher))
     return _Experiment(engine.accountant, model, optimizer, criterion, layer.weight, background, canaries)
