@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import time
+from itertools import chain, islice, repeat
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
@@ -148,15 +149,9 @@ def _scores(
     epsilon after the first one (the steps are independent trials of one step)."""
     out = np.empty(steps)
     eps = math.nan
-    batches = iter(side.loader)
-    for step in range(steps):
-        try:
-            x, y = next(batches)
-        except StopIteration:
-            batches = iter(side.loader)
-            x, y = next(batches)
-        loss = side.criterion(side.model(x), y)
-        loss.backward()
+    # epoch after epoch: every pass over the loader draws fresh Poisson batches
+    for step, (x, y) in enumerate(islice(chain.from_iterable(repeat(side.loader)), steps)):
+        side.criterion(side.model(x), y).backward()
         side.optimizer.step()
         out[step] = side.weight.grad.detach().double().norm().item()
         side.optimizer.zero_grad()
