@@ -60,16 +60,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def _steps(args: argparse.Namespace) -> int:
+    return args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
+
+
+def _sigma(args: argparse.Namespace, k: int) -> float:
+    return args.sigma if args.sigma is not None else DEFAULT_SIGMA[k]
+
+
 def configs(args: argparse.Namespace) -> List[AuditConfig]:
-    steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
     return [
         AuditConfig(
             estimator=est,
             sketch_size=k,
-            sigma=args.sigma if args.sigma is not None else DEFAULT_SIGMA[k],
+            sigma=_sigma(args, k),
             variant=variant,
             sketching=args.sketching,
-            steps=steps,
+            steps=_steps(args),
             replicas=args.replicas,
             delta=args.delta,
             alpha=args.alpha,
@@ -84,13 +91,12 @@ def configs(args: argparse.Namespace) -> List[AuditConfig]:
 
 def normaliser_configs(args: argparse.Namespace) -> List[NormaliserAuditConfig]:
     """One normaliser audit per requested normaliser variant (``steps`` per neighbour)."""
-    steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
     k = args.sketch_sizes[0]
     return [
         NormaliserAuditConfig(
             variant=variant,
-            sigma=args.sigma if args.sigma is not None else DEFAULT_SIGMA[k],
-            steps=max(steps, 4),
+            sigma=_sigma(args, k),
+            steps=max(_steps(args), 4),
             estimator=args.estimators[0],
             sketch_size=k,
             delta=args.delta,
@@ -106,15 +112,12 @@ def path_configs(args: argparse.Namespace) -> List[PathAuditConfig]:
     """One side-path audit per requested variant: the first estimator, the variant's
     sketch size and sigma (``PATH_DEFAULTS``; ``--sigma`` overrides), ``steps`` logical
     steps (accumulation) or episodes (hand-built)."""
-    steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
     out = []
     for variant in args.variants:
         if variant not in PATH_VARIANTS:
             continue
         options = dict(PATH_DEFAULTS[variant])
-        if args.sigma is not None:
-            options["sigma"] = args.sigma
-        for name in ("micro_batches", "sample_rate", "episode_steps"):
+        for name in ("sigma", "micro_batches", "sample_rate", "episode_steps"):
             if getattr(args, name) is not None:
                 options[name] = getattr(args, name)
         out.append(
@@ -122,7 +125,7 @@ def path_configs(args: argparse.Namespace) -> List[PathAuditConfig]:
                 variant=variant,
                 estimator=args.estimators[0],
                 sketching=args.sketching,
-                steps=steps,
+                steps=_steps(args),
                 replicas=args.replicas,
                 delta=args.delta,
                 alpha=args.alpha,
@@ -159,34 +162,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tqdm = None
     todo = configs(args)
     todo_normaliser = normaliser_configs(args)
-    todo_paths = path_configs(args)
-    start = time.perf_counter()
-    total = (
-        sum(c.steps for c in todo) + sum(2 * c.steps for c in todo_normaliser)
-        + sum(c.steps for c in todo_paths)
+    runs = (
+        [(c, run_audit, f"{c.estimator} k={c.sketch_size} {c.variant}", c.steps) for c in todo]
+        + [(c, run_normaliser_audit, c.variant, 2 * c.steps) for c in todo_normaliser]
+        + [(c, run_path_audit, c.variant, c.steps) for c in path_configs(args)]
     )
-    bar = tqdm(total=total, unit="step", file=sys.stderr) if tqdm else None
+    start = time.perf_counter()
+    bar = tqdm(total=sum(steps for *_, steps in runs), unit="step", file=sys.stderr) if tqdm else None
     results = []
-    for config in todo:
+    for config, run, description, _ in runs:
         if bar is not None:
-            bar.set_description(f"{config.estimator} k={config.sketch_size} {config.variant}")
-        results.append(run_audit(config, progress=bar.update if bar is not None else None))
-    exact = [
-        exact_epsilon(r.estimator, r.sketch_size, r.sigma, r.variant, args.delta, todo[0].canary_norm)
-        for r in results
-    ]
-    for config in todo_normaliser:
-        if bar is not None:
-            bar.set_description(config.variant)
-        results.append(run_normaliser_audit(config, progress=bar.update if bar is not None else None))
-        exact.append(results[-1].eps_exact)
-    for config in todo_paths:
-        if bar is not None:
-            bar.set_description(config.variant)
-        results.append(run_path_audit(config, progress=bar.update if bar is not None else None))
-        exact.append(results[-1].eps_exact)
+            bar.set_description(description)
+        results.append(run(config, progress=bar.update if bar is not None else None))
     if bar is not None:
         bar.close()
+    exact = [
+        exact_epsilon(r.estimator, r.sketch_size, r.sigma, r.variant, args.delta, todo[0].canary_norm)
+        if r.variant in VARIANTS else r.eps_exact
+        for r in results
+    ]
     print(table(results, exact))
     notes = [f"delta={args.delta}, alpha={args.alpha} (one-sided Clopper-Pearson, alpha/2 per rate)"]
     if todo:

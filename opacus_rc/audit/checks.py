@@ -4,7 +4,7 @@ the field and its accepted values."""
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence, Tuple
+from typing import Any, Callable, Iterable, Sequence, Tuple
 
 
 def check_choices(*fields: Tuple[str, Any, Sequence[Any]]) -> None:
@@ -17,6 +17,14 @@ def check_choices(*fields: Tuple[str, Any, Sequence[Any]]) -> None:
             )
 
 
+def check_fields(config: Any, names: Iterable[str], ok: Callable[[Any], bool], accepted: str) -> None:
+    """``ok(config.name)`` must hold for every name, else ValueError naming ``accepted``."""
+    for name in names:
+        value = getattr(config, name)
+        if not ok(value):
+            raise ValueError(f"{name}={value!r} is invalid; accepted values: {accepted}")
+
+
 def check_ints(config: Any, fields: Iterable[Tuple[str, int]]) -> None:
     """``(name, minimum)`` pairs: ``config.name`` must be an int >= minimum."""
     for name, minimum in fields:
@@ -27,15 +35,9 @@ def check_ints(config: Any, fields: Iterable[Tuple[str, int]]) -> None:
 
 def check_positive(config: Any, names: Iterable[str]) -> None:
     """``config.name`` must be a finite float > 0."""
-    for name in names:
-        value = getattr(config, name)
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"{name}={value!r} is invalid; accepted values: a float > 0")
+    check_fields(config, names, lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v > 0, "a float > 0")
 
 
 def check_unit_interval(config: Any, names: Iterable[str]) -> None:
     """``config.name`` must lie in (0, 1)."""
-    for name in names:
-        value = getattr(config, name)
-        if not 0.0 < value < 1.0:
-            raise ValueError(f"{name}={value!r} is invalid; accepted values: a float in (0, 1)")
+    check_fields(config, names, lambda v: 0.0 < v < 1.0, "a float in (0, 1)")

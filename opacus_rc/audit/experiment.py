@@ -28,12 +28,11 @@ whose QR basis (LAPACK: the first k unit vectors) misses the canary: ``n_hat = 0
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -43,9 +42,6 @@ from ..config import ESTIMATORS, SKETCHINGS
 from ._broken import VARIANTS, broken_sketcher, install_sketcher
 from .checks import check_choices, check_ints, check_positive, check_unit_interval
 from .stats import ThresholdAudit, threshold_audit
-
-logger = logging.getLogger(__name__)
-
 
 class InnerProductLoss(nn.Module):
     """``l_i = sum_{t,j} output_itj * target_itj``: the output gradient is the target.
@@ -176,17 +172,27 @@ def accounted_epsilon(accountant, delta: float) -> float:
     return _cached_epsilon(tuple(_freeze(e) for e in accountant.history), float(delta))
 
 
-@dataclass
-class _Experiment:
-    """The private model, optimizer, criterion and data of one audited configuration."""
+class _Experiment(NamedTuple):
+    """The private model, optimizer, criterion, accountant and data of one audited configuration."""
 
-    engine: object
+    accountant: object
     model: nn.Module
-    weight: nn.Parameter
     optimizer: object
     criterion: object
+    weight: nn.Parameter
     background: Tuple[torch.Tensor, torch.Tensor]
     canaries: Tuple[torch.Tensor, torch.Tensor]
+
+
+class _Reused(nn.Module):
+    """``sum_l layer(x)`` over L uses of one layer in a forward pass."""
+
+    def __init__(self, layer: nn.Module, uses: int) -> None:
+        super().__init__()
+        self.layer, self.uses = layer, uses
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(self.layer(x) for _ in range(self.uses))
 
 
 def _data(config: AuditConfig, gen: torch.Generator):
@@ -210,13 +216,39 @@ def _data(config: AuditConfig, gen: torch.Generator):
     return (xb, yb), (xc, yc)
 
 
-def build_experiment(config: AuditConfig) -> _Experiment:
-    """``make_private(..., clipping="randomized")`` on the audit's model, with the
-    broken sketcher of ``config.variant`` swapped in (honest: none)."""
+def make_private_rc(config, module: nn.Module, loader, reduction: str, seed: int, **options):
+    """``PrivacyEngine(accountant="rc_prv").make_private(..., clipping="randomized")`` on
+    ``module`` with an SGD at ``lr = 0`` and :class:`InnerProductLoss`, the noise and the
+    sketches seeded from ``seed``: the engine, model, optimizer, criterion and loader."""
     from opacus import PrivacyEngine
 
     import opacus_rc  # noqa: F401  (registers clipping="randomized" and "rc_prv")
 
+    engine = PrivacyEngine(accountant="rc_prv")
+    out = engine.make_private(
+        module=module,
+        optimizer=torch.optim.SGD(module.parameters(), lr=0.0),
+        criterion=InnerProductLoss(reduction=reduction),
+        data_loader=loader,
+        noise_multiplier=config.sigma,
+        max_grad_norm=config.max_grad_norm,
+        loss_reduction=reduction,
+        noise_generator=torch.Generator().manual_seed(seed + 1),
+        clipping="randomized",
+        estimator=config.estimator,
+        sketch_size=config.sketch_size,
+        sketch_seed=seed + 2,
+        **options,
+    )
+    # only the two-pass (ghost) path returns a criterion
+    criterion = out[2] if len(out) == 4 else InnerProductLoss(reduction=reduction)
+    return engine, out[0], out[1], criterion, out[-1]
+
+
+def build_experiment(config: AuditConfig, uses: int = 1) -> _Experiment:
+    """``make_private(..., clipping="randomized")`` on the audit's model, with the
+    broken sketcher of ``config.variant`` swapped in (honest: none); ``uses > 1``: the
+    layer applied that many times per pass, by book-keeping."""
     gen = torch.Generator().manual_seed(config.seed)
     d, p, _ = config.shapes
     layer = nn.Linear(d, p, bias=False)
@@ -224,74 +256,63 @@ def build_experiment(config: AuditConfig) -> _Experiment:
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(*background), batch_size=config.background
     )
-    engine = PrivacyEngine(accountant="rc_prv")
-    model, optimizer, criterion, _ = engine.make_private(
-        module=layer,
-        optimizer=torch.optim.SGD(layer.parameters(), lr=0.0),
-        criterion=InnerProductLoss(reduction="sum"),
-        data_loader=loader,
-        noise_multiplier=config.sigma,
-        max_grad_norm=config.max_grad_norm,
-        poisson_sampling=False,
-        loss_reduction="sum",
-        noise_generator=torch.Generator().manual_seed(config.seed + 1),
-        grad_sample_mode="ghost",
-        clipping="randomized",
-        estimator=config.estimator,
-        sketch_size=config.sketch_size,
-        sketching=config.sketching,
-        exact_when_cheaper=False,
-        sketch_seed=config.seed + 2,
+    engine, model, optimizer, criterion, _ = make_private_rc(
+        config, layer if uses == 1 else _Reused(layer, uses), loader, "sum", config.seed,
+        poisson_sampling=False, grad_sample_mode="ghost" if uses == 1 else "hooks",
+        sketching=config.sketching, exact_when_cheaper=False,
     )
     if config.variant != "honest":
         install_sketcher(model, optimizer, broken_sketcher(config.variant, model.sketcher))
-    return _Experiment(engine, model, layer.weight, optimizer, criterion, background, canaries)
+    return _Experiment(engine.accountant, model, optimizer, criterion, layer.weight, background, canaries)
 
 
-def _step(exp: _Experiment, include: np.ndarray) -> torch.Tensor:
-    """One real DP step on D + the included canaries; returns the released gradient."""
+def _batch(exp: _Experiment, include: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor]:
+    """D + the canaries where ``include`` is True."""
     idx = torch.from_numpy(np.flatnonzero(include))
-    x = torch.cat([exp.background[0], exp.canaries[0][idx]])
-    y = torch.cat([exp.background[1], exp.canaries[1][idx]])
-    loss = exp.criterion(exp.model(x), y)
-    loss.backward()
+    return tuple(torch.cat([b, c[idx]]) for b, c in zip(exp.background, exp.canaries))
+
+
+def _released(exp: _Experiment, batches) -> np.ndarray:
+    """One real DP step over the micro-batches ``batches``; the released gradient on the
+    canaries' entries ``W.grad[r, d-1]``."""
+    for x, y in batches:
+        exp.criterion(exp.model(x), y).backward()
     exp.optimizer.step()
     released = exp.weight.grad.detach().clone()
     exp.optimizer.zero_grad()
-    return released
+    return released[: len(exp.canaries[0]), -1].double().numpy()
 
 
-def run_audit(
-    config: AuditConfig, progress: Optional[Callable[[int], None]] = None
-) -> AuditResult:
-    """Audit one configuration: ``config.steps`` real steps, R trials each; the first
-    half of the steps chooses the threshold, the second half gives the bound.
-
-    ``eps_accounted`` is the engine's ``rc_prv`` accountant's epsilon at ``config.delta``
-    after exactly one step (q = 1, this sigma and sketch configuration).
-    """
-    return _run(config, progress, time.perf_counter())
+def result_fields(config, test: ThresholdAudit, eps_accounted: float, trials: int) -> Dict[str, object]:
+    """The :class:`AuditResult` fields that every audit fills alike."""
+    return dict(
+        estimator=config.estimator, sketch_size=config.sketch_size, sigma=float(config.sigma),
+        variant=config.variant, eps_lower=test.eps_lower, eps_accounted=eps_accounted,
+        delta=config.delta, alpha=config.alpha, trials=trials, test=test,
+    )
 
 
-def _run(config: AuditConfig, progress: Optional[Callable[[int], None]], start: float) -> AuditResult:
-    exp = build_experiment(config)
+def run_trials(config, exp: _Experiment, scores_of: Callable, check_history: Callable, progress):
+    """``config.steps`` rounds of R trials: each round includes a random half of the
+    canaries and ``scores_of(include, rng)`` runs its step(s), returning the canaries'
+    released entries; ``check_history`` sees the accountant's history after the first
+    round. The first half of the rounds chooses the threshold, the second half gives the
+    bound. Returns the scores, the inclusions, the history and epsilon after the first
+    round, and the test."""
     rng = np.random.default_rng(config.seed + 3)
-    d, _, _ = config.shapes
     r = config.replicas
     scale = 1.0 / (config.sigma * config.max_grad_norm)
     scores = np.empty((config.steps, r))
     included = np.empty((config.steps, r), dtype=bool)
-    eps_accounted = math.nan
+    eps_accounted, history = math.nan, ()
     for step in range(config.steps):
         include = rng.permutation(r) < r // 2
-        released = _step(exp, include)
-        scores[step] = released[:r, d - 1].double().numpy() * scale
+        scores[step] = scores_of(include, rng) * scale
         included[step] = include
         if step == 0:
-            history = exp.engine.accountant.history
-            if len(history) != 1 or history[0][1] != 1.0 or history[0][2] != 1:
-                raise RuntimeError(f"expected one accounted step at q=1, got {history}")
-            eps_accounted = accounted_epsilon(exp.engine.accountant, config.delta)
+            check_history(exp.accountant.history)
+            history = tuple(exp.accountant.history)
+            eps_accounted = accounted_epsilon(exp.accountant, config.delta)
         if progress is not None:
             progress(1)
     half = config.steps // 2
@@ -304,18 +325,31 @@ def _run(config: AuditConfig, progress: Optional[Callable[[int], None]], start: 
         delta=config.delta,
         alpha=config.alpha,
     )
+    return scores, included, history, eps_accounted, test
+
+
+def _check_one_step(history) -> None:
+    if len(history) != 1 or history[0][1] != 1.0 or history[0][2] != 1:
+        raise RuntimeError(f"expected one accounted step at q=1, got {history}")
+
+
+def run_audit(
+    config: AuditConfig, progress: Optional[Callable[[int], None]] = None
+) -> AuditResult:
+    """Audit one configuration: ``config.steps`` real steps, R trials each; the first
+    half of the steps chooses the threshold, the second half gives the bound.
+
+    ``eps_accounted`` is the engine's ``rc_prv`` accountant's epsilon at ``config.delta``
+    after exactly one step (q = 1, this sigma and sketch configuration).
+    """
+    start = time.perf_counter()
+    exp = build_experiment(config)
+    scores, included, _, eps_accounted, test = run_trials(
+        config, exp, lambda include, _rng: _released(exp, [_batch(exp, include)]), _check_one_step, progress
+    )
     return AuditResult(
-        estimator=config.estimator,
-        sketch_size=config.sketch_size,
-        sigma=float(config.sigma),
-        variant=config.variant,
-        eps_lower=test.eps_lower,
-        eps_accounted=eps_accounted,
+        **result_fields(config, test, eps_accounted, int(scores.size)),
         sketching=config.sketching,
-        delta=config.delta,
-        alpha=config.alpha,
-        trials=int(scores.size),
-        test=test,
         mean_score_in=float(scores[included].mean() * config.sigma),
         seconds=time.perf_counter() - start,
     )

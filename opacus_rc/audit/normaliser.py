@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import time
+from itertools import chain, islice, repeat
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
@@ -45,8 +46,8 @@ from scipy.stats import chi2
 from torch import nn
 
 from ..config import ESTIMATORS
-from .checks import check_choices, check_ints, check_positive, check_unit_interval
-from .experiment import AuditResult, InnerProductLoss, accounted_epsilon
+from .checks import check_choices, check_fields, check_ints, check_positive, check_unit_interval
+from .experiment import AuditResult, accounted_epsilon, make_private_rc, result_fields
 from .stats import threshold_audit
 
 NORMALISER_VARIANTS = ("normaliser_dataset_size", "normaliser_public")
@@ -100,11 +101,10 @@ class NormaliserAuditConfig:
             self,
             (("dataset_size", 3), ("batch_size", 1), ("output_dim", 1), ("steps", 4), ("sketch_size", 1)),
         )
-        if self.batch_size >= self.dataset_size:
-            raise ValueError(
-                f"batch_size={self.batch_size!r} is invalid; accepted values: an int < "
-                f"dataset_size={self.dataset_size} (several batches per epoch)"
-            )
+        check_fields(
+            self, ("batch_size",), lambda v: v < self.dataset_size,
+            f"an int < dataset_size={self.dataset_size} (several batches per epoch)",
+        )
         check_positive(self, ("sigma", "max_grad_norm"))
         check_unit_interval(self, ("delta", "alpha"))
 
@@ -126,36 +126,15 @@ class _Side:
 
 
 def _build(config: NormaliserAuditConfig, n: int, seed: int) -> _Side:
-    from opacus import PrivacyEngine
-
-    import opacus_rc  # noqa: F401  (registers clipping="randomized" and "rc_prv")
-
     torch.manual_seed(seed)
     layer = nn.Linear(1, config.output_dim, bias=False)
     data = torch.utils.data.TensorDataset(torch.zeros(n, 1), torch.ones(n, 1))
     loader = torch.utils.data.DataLoader(
         data, batch_size=config.batch_size, generator=torch.Generator().manual_seed(seed)
     )
-    engine = PrivacyEngine(accountant="rc_prv")
-    ghost = config.grad_sample_mode == "ghost"
-    out = engine.make_private(
-        module=layer,
-        optimizer=torch.optim.SGD(layer.parameters(), lr=0.0),
-        criterion=InnerProductLoss(reduction="mean"),
-        data_loader=loader,
-        noise_multiplier=config.sigma,
-        max_grad_norm=config.max_grad_norm,
-        loss_reduction="mean",
-        noise_generator=torch.Generator().manual_seed(seed + 1),
-        grad_sample_mode=config.grad_sample_mode,
-        clipping="randomized",
-        estimator=config.estimator,
-        sketch_size=config.sketch_size,
-        sketch_seed=seed + 2,
+    engine, model, optimizer, criterion, dp_loader = make_private_rc(
+        config, layer, loader, "mean", seed, grad_sample_mode=config.grad_sample_mode
     )
-    model, optimizer = out[0], out[1]
-    criterion = out[2] if ghost else InnerProductLoss(reduction="mean")
-    dp_loader = out[-1]
     if config.variant == "normaliser_dataset_size":
         # audit-only: Opacus's data-dependent normaliser, as before the fix
         optimizer.expected_batch_size = dataset_size_normaliser(n, config.batch_size)
@@ -170,15 +149,9 @@ def _scores(
     epsilon after the first one (the steps are independent trials of one step)."""
     out = np.empty(steps)
     eps = math.nan
-    batches = iter(side.loader)
-    for step in range(steps):
-        try:
-            x, y = next(batches)
-        except StopIteration:
-            batches = iter(side.loader)
-            x, y = next(batches)
-        loss = side.criterion(side.model(x), y)
-        loss.backward()
+    # epoch after epoch: every pass over the loader draws fresh Poisson batches
+    for step, (x, y) in enumerate(islice(chain.from_iterable(repeat(side.loader)), steps)):
+        side.criterion(side.model(x), y).backward()
         side.optimizer.step()
         out[step] = side.weight.grad.detach().double().norm().item()
         side.optimizer.zero_grad()
@@ -257,23 +230,13 @@ def run_normaliser_audit(
     without = _build(config, n - 1, config.seed + 10)  # D
     scores_in, eps_in = _scores(with_ex, config.steps, config.delta, progress)
     scores_out, eps_out = _scores(without, config.steps, config.delta, progress)
-    eps_accounted = max(eps_in, eps_out)
     half = config.steps // 2
     test = threshold_audit(
         scores_in[:half], scores_out[:half], scores_in[half:], scores_out[half:],
         delta=config.delta, alpha=config.alpha,
     )
     return NormaliserAuditResult(
-        estimator=config.estimator,
-        sketch_size=config.sketch_size,
-        sigma=float(config.sigma),
-        variant=config.variant,
-        eps_lower=test.eps_lower,
-        eps_accounted=eps_accounted,
-        delta=config.delta,
-        alpha=config.alpha,
-        trials=2 * config.steps,
-        test=test,
+        **result_fields(config, test, max(eps_in, eps_out), 2 * config.steps),
         seconds=time.perf_counter() - start,
         normaliser_in=with_ex.normaliser,
         normaliser_out=without.normaliser,

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
 import numpy as np
@@ -58,10 +58,12 @@ import torch
 from torch import nn
 
 from ..config import ESTIMATORS, SKETCHINGS
-from .checks import check_choices, check_ints
-from .experiment import AuditConfig, AuditResult, InnerProductLoss, _data, accounted_epsilon
+from .checks import check_choices, check_fields, check_ints
+from .experiment import (
+    AuditConfig, AuditResult, InnerProductLoss, _batch, _data, _Experiment, _released, accounted_epsilon,
+    build_experiment, result_fields, run_trials,
+)
 from .reference import accumulation_exact_epsilon, composed_sum_epsilon
-from .stats import threshold_audit
 
 PATH_VARIANTS = ("accumulation_canary", "hand_built", "reused_layer")
 
@@ -124,29 +126,14 @@ class PathAuditConfig:
             ("sketching", self.sketching, SKETCHINGS),
         )
         check_ints(self, (("micro_batches", 2), ("episode_steps", 1), ("uses", 2)))
-        if not (isinstance(self.sample_rate, (int, float)) and 0.0 < self.sample_rate <= 1.0):
-            raise ValueError(
-                f"sample_rate={self.sample_rate!r} is invalid; accepted values: a float in (0, 1]"
-            )
+        in_rate = lambda v: isinstance(v, (int, float)) and 0.0 < v <= 1.0  # noqa: E731
+        check_fields(self, ("sample_rate",), in_rate, "a float in (0, 1]")
         _ = self.base  # the shared fields are checked by AuditConfig
 
     @property
     def base(self) -> AuditConfig:
         """The one-step audit's configuration with the same shared fields (shapes, data)."""
-        return AuditConfig(
-            estimator=self.estimator,
-            sketch_size=self.sketch_size,
-            sigma=self.sigma,
-            sketching=self.sketching,
-            steps=self.steps,
-            replicas=self.replicas,
-            delta=self.delta,
-            alpha=self.alpha,
-            seed=self.seed,
-            canary_norm=self.canary_norm,
-            background=self.background,
-            max_grad_norm=self.max_grad_norm,
-        )
+        return AuditConfig(**{f.name: getattr(self, f.name) for f in fields(AuditConfig) if f.name != "variant"})
 
 
 @dataclass
@@ -165,77 +152,24 @@ class PathAuditResult(AuditResult):
     history: tuple = ()
 
 
-def _released(model, criterion, optimizer, weight, batches) -> torch.Tensor:
-    """One logical step over the micro-batches ``batches``; the released gradient."""
-    for x, y in batches:
-        criterion(model(x), y).backward()
-    optimizer.step()
-    released = weight.grad.detach().clone()
-    optimizer.zero_grad()
-    return released
-
-
-class _Reused(nn.Module):
-    """``sum_l layer(x)`` over L uses of one layer in a forward pass."""
-
-    def __init__(self, layer: nn.Module, uses: int) -> None:
-        super().__init__()
-        self.layer, self.uses = layer, uses
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sum(self.layer(x) for _ in range(self.uses))
-
-
 def build_reused(config: PathAuditConfig):
     """Book-keeping ``make_private(..., grad_sample_mode="hooks", sample_rate=q)`` on the
     audit's layer applied ``config.uses`` times per forward pass."""
     return build_accumulation(config, uses=config.uses)
 
 
-def build_accumulation(config: PathAuditConfig, uses: int = 1):
+def build_accumulation(config: PathAuditConfig, uses: int = 1) -> _Experiment:
     """``make_private(..., clipping="randomized", poisson_sampling=False)`` on the audit's
     model, its accountant hook at the audit's own Poisson rate q (the engine's accountant
     records each step's micro-batches); ``uses > 1``: the layer applied that many times
     per pass, by book-keeping."""
-    from opacus import PrivacyEngine
-
-    import opacus_rc  # noqa: F401
-
-    base = config.base
-    d, p, _ = base.shapes
-    layer = nn.Linear(d, p, bias=False)
-    module = layer if uses == 1 else _Reused(layer, uses)
-    background, canaries = _data(base, torch.Generator().manual_seed(config.seed))
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(*background), batch_size=config.background
-    )
-    engine = PrivacyEngine(accountant="rc_prv")
-    out = engine.make_private(
-        module=module,
-        optimizer=torch.optim.SGD(layer.parameters(), lr=0.0),
-        criterion=InnerProductLoss(reduction="sum"),
-        data_loader=loader,
-        noise_multiplier=config.sigma,
-        max_grad_norm=config.max_grad_norm,
-        poisson_sampling=False,
-        loss_reduction="sum",
-        noise_generator=torch.Generator().manual_seed(config.seed + 1),
-        grad_sample_mode="ghost" if uses == 1 else "hooks",
-        clipping="randomized",
-        estimator=config.estimator,
-        sketch_size=config.sketch_size,
-        sketching=config.sketching,
-        exact_when_cheaper=False,
-        sketch_seed=config.seed + 2,
-    )
-    model, optimizer = out[0], out[1]
-    criterion = out[2] if len(out) == 4 else InnerProductLoss(reduction="sum")
+    exp = build_experiment(config.base, uses=uses)
     # the audit samples every micro-batch itself at q (Poisson); the loader is never used
-    optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=config.sample_rate))
-    return engine.accountant, model, optimizer, criterion, layer.weight, background, canaries
+    exp.optimizer.attach_step_hook(exp.accountant.get_optimizer_hook_fn(sample_rate=config.sample_rate))
+    return exp
 
 
-def build_hand_built(config: PathAuditConfig, noise_multiplier: Optional[float] = None):
+def build_hand_built(config: PathAuditConfig, noise_multiplier: Optional[float] = None) -> _Experiment:
     """The grad-sample module, optimizer, criterion and accountant built by hand
     (``noise_multiplier`` overrides ``config.sigma``, e.g. 0 to compare sketches)."""
     import opacus_rc  # noqa: F401
@@ -279,15 +213,7 @@ def build_hand_built(config: PathAuditConfig, noise_multiplier: Optional[float] 
     accountant = RCPRVAccountant()
     optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=1.0))
     criterion = DPLossRandomizedClipping(model, optimizer, InnerProductLoss(reduction="sum"), "sum")
-    return accountant, model, optimizer, criterion, layer.weight, background, canaries
-
-
-def _batch(background, canaries, idx: np.ndarray):
-    t = torch.from_numpy(idx)
-    return (
-        torch.cat([background[0], canaries[0][t]]),
-        torch.cat([background[1], canaries[1][t]]),
-    )
+    return _Experiment(accountant, model, optimizer, criterion, layer.weight, background, canaries)
 
 
 def _check_history(history, config: PathAuditConfig) -> None:
@@ -338,61 +264,29 @@ def run_path_audit(
     config: PathAuditConfig, progress: Optional[Callable[[int], None]] = None
 ) -> PathAuditResult:
     """Audit one side path (see the module docstring)."""
-    return _run(config, progress, time.perf_counter())
-
-
-def _run(config: PathAuditConfig, progress, start: float) -> PathAuditResult:
+    start = time.perf_counter()
     accumulation = config.variant in ("accumulation_canary", "reused_layer")
     micro = _micro_batches(config)
     build = {"accumulation_canary": build_accumulation, "reused_layer": build_reused}.get(
         config.variant, build_hand_built
     )
-    accountant, model, optimizer, criterion, weight, background, canaries = build(config)
-    d, _, _ = config.base.shapes
-    r = config.replicas
-    rng = np.random.default_rng(config.seed + 3)
-    scale = 1.0 / (config.sigma * config.max_grad_norm)
-    scores = np.empty((config.steps, r))
-    included = np.empty((config.steps, r), dtype=bool)
-    copies = np.zeros((config.steps, r))
-    eps_accounted, history = math.nan, ()
-    for step in range(config.steps):
-        include = rng.permutation(r) < r // 2
+    exp = build(config)
+    copies = []
+
+    def scores_of(include: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         if accumulation:
             # every "in" canary joins each micro-batch independently with probability q
-            member = include[None, :] & (rng.random((micro, r)) < config.sample_rate)
-            copies[step] = member.sum(axis=0)
-            released = _released(
-                model, criterion, optimizer, weight,
-                [_batch(background, canaries, np.flatnonzero(row)) for row in member],
-            )
-            total = released[:r, d - 1].double().numpy()
-        else:
-            copies[step] = include * config.episode_steps
-            batch = _batch(background, canaries, np.flatnonzero(include))
-            total = np.zeros(r)
-            for _ in range(config.episode_steps):
-                released = _released(model, criterion, optimizer, weight, [batch])
-                total += released[:r, d - 1].double().numpy()
-            total /= math.sqrt(config.episode_steps)
-        scores[step] = total * scale
-        included[step] = include
-        if step == 0:
-            _check_history(accountant.history, config)
-            history = tuple(accountant.history)
-            eps_accounted = accounted_epsilon(accountant, config.delta)
-        if progress is not None:
-            progress(1)
-    half = config.steps // 2
-    sel, ev = slice(0, half), slice(half, None)
-    test = threshold_audit(
-        scores[sel][included[sel]],
-        scores[sel][~included[sel]],
-        scores[ev][included[ev]],
-        scores[ev][~included[ev]],
-        delta=config.delta,
-        alpha=config.alpha,
+            member = include[None, :] & (rng.random((micro, config.replicas)) < config.sample_rate)
+            copies.append(member.sum(axis=0))
+            return _released(exp, [_batch(exp, row) for row in member])
+        copies.append(include * config.episode_steps)
+        batch = _batch(exp, include)
+        return sum(_released(exp, [batch]) for _ in range(config.episode_steps)) / math.sqrt(config.episode_steps)
+
+    scores, included, history, eps_accounted, test = run_trials(
+        config, exp, scores_of, lambda h: _check_history(h, config), progress
     )
+    copies = np.array(copies, dtype=float)
     if accumulation:
         eps_exact = accumulation_exact_epsilon(
             config.estimator, config.sketch_size, config.sigma, micro,
@@ -406,17 +300,8 @@ def _run(config: PathAuditConfig, progress, start: float) -> PathAuditResult:
         )
         eps_old = math.nan
     return PathAuditResult(
-        estimator=config.estimator,
-        sketch_size=config.sketch_size,
-        sigma=float(config.sigma),
-        variant=config.variant,
-        eps_lower=test.eps_lower,
-        eps_accounted=eps_accounted,
+        **result_fields(config, test, eps_accounted, int(scores.size)),
         sketching=config.sketching,
-        delta=config.delta,
-        alpha=config.alpha,
-        trials=int(scores.size),
-        test=test,
         # mean contribution of an "in" canary per copy, in units of C
         mean_score_in=float(scores[included].sum() * config.sigma / max(copies[included].sum(), 1))
         * (1.0 if accumulation else math.sqrt(config.episode_steps)),
