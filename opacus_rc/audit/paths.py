@@ -84,7 +84,7 @@ class PathAuditConfig:
     """One side-path audit.
 
     Args:
-        variant: ``"accumulation_canary"`` or ``"hand_built"``.
+        variant: one of :data:`PATH_VARIANTS` (``"accumulation_canary"``, ``"hand_built"``, ``"reused_layer"``).
         estimator, sketch_size, sketching: the sketch.
         sigma: noise multiplier.
         steps: logical steps (accumulation) or episodes of ``episode_steps`` steps
