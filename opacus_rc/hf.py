@@ -157,19 +157,15 @@ class PrivacyArguments:
                 "give exactly one; accepted values: target_epsilon a float > 0 (sigma is "
                 "calibrated with rc_prv) or noise_multiplier a float >= 0"
             )
-        if self.target_epsilon is not None and not _positive(self.target_epsilon):
-            raise ValueError(f"target_epsilon={self.target_epsilon!r} is invalid; accepted values: a float > 0")
-        if self.noise_multiplier is not None and not (
-            _real(self.noise_multiplier) and self.noise_multiplier >= 0
-        ):
-            raise ValueError(f"noise_multiplier={self.noise_multiplier!r} is invalid; accepted values: a float >= 0")
-        if self.delta is None or not (_real(self.delta) and 0.0 < self.delta < 1.0):
-            raise ValueError(
-                f"delta={self.delta!r} is invalid; accepted values: a float in (0, 1), e.g. "
-                "1e-5 (below 1 / number of training rows); it is required"
-            )
-        if not _positive(self.max_grad_norm):
-            raise ValueError(f"max_grad_norm={self.max_grad_norm!r} is invalid; accepted values: a float > 0")
+        self._refuse_invalid(
+            ("target_epsilon", self.target_epsilon is None or _positive(self.target_epsilon), "a float > 0"),
+            ("noise_multiplier",
+             self.noise_multiplier is None or (_real(self.noise_multiplier) and self.noise_multiplier >= 0),
+             "a float >= 0"),
+            ("delta", _real(self.delta) and 0.0 < self.delta < 1.0,
+             "a float in (0, 1), e.g. 1e-5 (below 1 / number of training rows); it is required"),
+            ("max_grad_norm", _positive(self.max_grad_norm), "a float > 0"),
+        )
         if self.clipping not in CLIPPINGS:
             raise ValueError(
                 f"clipping={self.clipping!r} is not supported; accepted values: "
@@ -179,13 +175,18 @@ class PrivacyArguments:
             SketchConfig(self.estimator, self.sketch_size, self.sketching)  # validates
         if self.denoise not in DENOISERS:
             raise ValueError(f"denoise={self.denoise!r} is not supported; accepted values: None, 'spectral'")
-        if self.sample_rate is not None and not (_real(self.sample_rate) and 0.0 < self.sample_rate <= 1.0):
-            raise ValueError(f"sample_rate={self.sample_rate!r} is invalid; accepted values: a float in (0, 1] or None")
-        if self.stop_at_epsilon is not None and not _positive(self.stop_at_epsilon):
-            raise ValueError(f"stop_at_epsilon={self.stop_at_epsilon!r} is invalid; accepted values: a float > 0 or None")
-        for name in ("secure_mode", "log_train_loss"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; accepted values: True, False")
+        self._refuse_invalid(
+            ("sample_rate", self.sample_rate is None or (_real(self.sample_rate) and 0.0 < self.sample_rate <= 1.0),
+             "a float in (0, 1] or None"),
+            ("stop_at_epsilon", self.stop_at_epsilon is None or _positive(self.stop_at_epsilon), "a float > 0 or None"),
+            ("secure_mode", isinstance(self.secure_mode, bool), "True, False"),
+            ("log_train_loss", isinstance(self.log_train_loss, bool), "True, False"),
+        )
+
+    def _refuse_invalid(self, *checks: Tuple[str, bool, str]) -> None:
+        for name, ok, accepted in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; accepted values: {accepted}")
 
     @property
     def sketch_config(self) -> Optional[SketchConfig]:
