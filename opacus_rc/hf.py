@@ -88,7 +88,7 @@ from . import integration as _integration  # registers clipping="randomized" and
 PrivacyEngine = getattr(_integration, "PrivacyEngine", None)
 if PrivacyEngine is None:  # an opacus_rc that patches Opacus's engine in place
     from opacus import PrivacyEngine
-from .accounting.accountant import get_noise_multiplier_rc
+from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc, sketch_record
 from .bookkeeping import Record
 from .config import SketchConfig
 from .sketch import entropy_seed
@@ -661,23 +661,26 @@ class DPTrainerMixin:
     def accountant(self):
         return None if self._dp_engine is None else self._dp_engine.accountant
 
+    def _dp_history(self) -> list:
+        acc = self.accountant
+        return acc.history if acc is not None else (self._dp_resumed_history or [])
+
     def privacy_steps(self) -> int:
         """Logical steps charged so far (resumed history included)."""
-        acc = self.accountant
-        history = acc.history if acc is not None else (self._dp_resumed_history or [])
-        return int(sum(entry[2] for entry in history))
+        return int(sum(entry[2] for entry in self._dp_history()))
 
     def get_epsilon(self) -> float:
         """Epsilon spent so far at ``privacy.delta`` (rc_prv)."""
         acc = self.accountant
         if acc is None:
-            if not self._dp_resumed_history:
-                return 0.0
-            from .accounting.accountant import RCPRVAccountant
-
-            acc = RCPRVAccountant()
-            acc.history = list(self._dp_resumed_history)
+            return self._dp_epsilon(self._dp_resumed_history or [])
         return float(acc.get_epsilon(delta=self.privacy.delta))
+
+    def _dp_epsilon(self, history: list) -> float:
+        """Epsilon of ``history`` at ``privacy.delta`` (0 for an empty history)."""
+        probe = RCPRVAccountant()
+        probe.history = list(history)
+        return float(probe.get_epsilon(delta=self.privacy.delta))
 
     # ---- training --------------------------------------------------------------------
     def per_example_loss(self, model: nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
@@ -811,21 +814,16 @@ class DPTrainerMixin:
         budget = self.privacy.stop_at_epsilon
         if budget is None:
             return None
-        acc = self.accountant
-        base = list(acc.history)
-        from .accounting.accountant import RCPRVAccountant, sketch_record
-
-        step = (self._dp_sigma, self.sample_rate, 1, sketch_record(self.privacy.sketch_config))
-        probe = RCPRVAccountant()
+        base = list(self.accountant.history)
+        sigma, q, sketch = self._dp_sigma, self.sample_rate, sketch_record(self.privacy.sketch_config)
 
         def eps_after(extra: int) -> float:
-            probe.history = base + ([(step[0], step[1], extra, step[3])] if extra else [])
-            return probe.get_epsilon(delta=self.privacy.delta) if probe.history else 0.0
+            return self._dp_epsilon(base + ([(sigma, q, extra, sketch)] if extra else []))
 
         done = self.privacy_steps()
         lo, hi = 0, max(1, self.planned_steps())
-        if eps_after(hi) <= budget:
-            return None if hi >= self.planned_steps() else done + hi
+        if eps_after(hi) <= budget:  # hi >= planned_steps(): the plan fits in the budget
+            return None
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if eps_after(mid) <= budget:
@@ -871,11 +869,9 @@ class DPTrainerMixin:
     def privacy_state(self) -> Dict[str, Any]:
         """What a checkpoint keeps of the privacy state: the accountant's history and the
         public parameters; no generator state, no seed."""
-        acc = self.accountant
-        history = acc.history if acc is not None else (self._dp_resumed_history or [])
         return {
             "accountant": "rc_prv",
-            "history": [list(entry) for entry in history],
+            "history": [list(entry) for entry in self._dp_history()],
             "delta": self.privacy.delta,
             "epsilon": self.get_epsilon(),
             "noise_multiplier": self._dp_sigma,
