@@ -83,14 +83,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.optimizers import DPOptimizer
 
-from . import integration as _integration  # registers clipping="randomized" and rc_prv
-
-PrivacyEngine = getattr(_integration, "PrivacyEngine", None)
-if PrivacyEngine is None:  # an opacus_rc that patches Opacus's engine in place
-    from opacus import PrivacyEngine
 from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc, sketch_record
 from .bookkeeping import Record
 from .config import SketchConfig
+from .integration import PrivacyEngine  # registers clipping="randomized" and rc_prv
 from .sketch import entropy_seed
 
 logger = logging.getLogger(__name__)
@@ -205,9 +201,8 @@ _CHECKPOINTING_ACCEPTED = (
 #: ``activation_checkpointing_kwargs`` keys the private Trainer runs: torch's checkpoint form and
 #: options that leave the recomputation a plain replay, and the Trainer's ``every_n_layers``
 _CHECKPOINT_OPTIONS = ("use_reentrant", "preserve_rng_state", "determinism_check", "debug", "early_stop", "every_n_layers")
-_CHECKPOINT_OPTIONS_ACCEPTED = (
-    "use_reentrant=True or False (unset: Hugging Face's non-reentrant default), preserve_rng_state, "
-    "determinism_check, debug, early_stop, every_n_layers"
+_CHECKPOINT_OPTIONS_ACCEPTED = ", ".join(
+    ("use_reentrant=True or False (unset: Hugging Face's non-reentrant default)",) + _CHECKPOINT_OPTIONS[1:]
 )
 
 
@@ -233,13 +228,6 @@ def _recognised_checkpoint_function(func: Any) -> bool:
         and "every_n_layers" not in func.keywords  # the Trainer's key, never torch's
         and _checkpoint_options_error(func.keywords) is None
     )
-
-
-def _checkpointing_supported(privacy: "PrivacyArguments") -> bool:
-    """Activation checkpointing works with randomized clipping: ``make_private`` runs the
-    two passes from the model's output on a checkpointed model
-    (:mod:`opacus_rc.output_passes`) instead of book-keeping."""
-    return privacy.clipping == "randomized"
 
 
 def _real(x: Any) -> bool:
@@ -312,9 +300,7 @@ class _EmptySafeCollator:
         self.collate = collate
 
     def __call__(self, rows):
-        if len(rows) == 0:
-            return {_EMPTY: True}
-        return self.collate(rows)
+        return {_EMPTY: True} if len(rows) == 0 else self.collate(rows)
 
 
 def is_empty_batch(inputs: Any) -> bool:
@@ -436,14 +422,18 @@ class DPTrainerMixin:
                 "TrainingArguments.max_grad_norm: 0, the default 1.0, or the same value"
             )
         args.max_grad_norm = 0.0  # per-example clipping replaces the Trainer's clipping
+        # Activation checkpointing works with randomized clipping: make_private runs the two
+        # passes from the model's output on a checkpointed model (opacus_rc.output_passes).
+        refuse_checkpointing = self.privacy.clipping != "randomized"
+        base = _base_model(self.model)
         checks = [
             (args.fp16, "fp16", "False (use bf16=True: no loss scaling)"),
-            (bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
-             and not _checkpointing_supported(self.privacy),
+            (refuse_checkpointing
+             and (getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)),
              "gradient_checkpointing", _CHECKPOINTING_ACCEPTED),
             (args.n_gpu > 1, "n_gpu (nn.DataParallel)", "one device per process (torchrun)"),
-            (bool(getattr(args, "deepspeed", None)), "deepspeed", "None"),
-            (bool(getattr(args, "fsdp", None)), "fsdp", "'' (no FSDP)"),
+            (getattr(args, "deepspeed", None), "deepspeed", "None"),
+            (getattr(args, "fsdp", None), "fsdp", "'' (no FSDP)"),
             (args.auto_find_batch_size, "auto_find_batch_size", "False (the batch size fixes the public rate)"),
             (args.include_num_input_tokens_seen not in ("no", False, None), "include_num_input_tokens_seen",
              "'no' (token counts of Poisson batches are not private)"),
@@ -453,15 +443,12 @@ class DPTrainerMixin:
             (args.world_size > 1 and args.parallel_mode.value != "distributed", "parallel_mode",
              "'distributed' (one process per device, torchrun)"),
             (getattr(args, "use_liger_kernel", False), "use_liger_kernel", "False (fused kernels read weights outside their modules)"),
+            (refuse_checkpointing and (getattr(base, "is_activation_checkpointing", False)
+                                       or base.__dict__.get("is_gradient_checkpointing", False)),
+             "gradient checkpointing enabled on the model",
+             "model.gradient_checkpointing_disable() " + _CHECKPOINTING_ACCEPTED),
         ]
-        base = _base_model(self.model)
-        checks.append((
-            bool(getattr(base, "is_activation_checkpointing", False) or base.__dict__.get("is_gradient_checkpointing", False))
-            and not _checkpointing_supported(self.privacy),
-            "gradient checkpointing enabled on the model",
-            "model.gradient_checkpointing_disable() " + _CHECKPOINTING_ACCEPTED,
-        ))
-        if bool(getattr(args, "activation_checkpointing", False)) and _checkpointing_supported(self.privacy):
+        if getattr(args, "activation_checkpointing", False) and not refuse_checkpointing:
             # Either form runs as the user set it (recompute.forward_replay tells each
             # replay from the forward pass): reentrant, the hooks capture in the replay;
             # non-reentrant (Hugging Face's default), in the forward pass, not in the replay.
@@ -484,7 +471,7 @@ class DPTrainerMixin:
                 "values: padding_free=False with packing=False, or packing_strategy='wrapped' (each "
                 "packed row is then one privacy unit)"
             )
-        if getattr(args, "loss_type", "nll") not in ("nll",):
+        if getattr(args, "loss_type", "nll") != "nll":
             raise ValueError(f"loss_type={args.loss_type!r} is not supported; accepted values: 'nll'")
         if getattr(args, "activation_offloading", False):
             raise ValueError("activation_offloading=True is not supported; accepted values: False")
@@ -495,7 +482,7 @@ class DPTrainerMixin:
                 "losses and would not use it in training; override per_example_loss(model, inputs) "
                 "(returns one loss per row) instead"
             )
-        if self.train_dataset is not None and isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+        if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             raise ValueError("an IterableDataset train_dataset is not supported: Poisson sampling needs a map-style dataset")
 
     def _dp_check_checkpoint_functions(self) -> None:
@@ -777,8 +764,7 @@ class DPTrainerMixin:
                     p.grad = torch.zeros_like(p)
             return
         for p in optimizer.params:
-            has = getattr(p, "_bk_records", None) or getattr(p, "grad_sample", None) is not None
-            if has:
+            if getattr(p, "_bk_records", None) or getattr(p, "grad_sample", None) is not None:
                 continue
             if p.grad is not None and rows:
                 raise ValueError(
@@ -799,8 +785,7 @@ class DPTrainerMixin:
 
     def _dp_on_train_begin(self) -> None:
         self._dp_micro = 0
-        if self._dp_optimizer is not None:
-            self._dp_optimizer.zero_grad(set_to_none=True)
+        self._dp_after_step()
         self._dp_max_steps = self._dp_budget_steps()
         if self._dp_max_steps is not None and self._dp_max_steps <= self.privacy_steps():
             raise ValueError(
@@ -853,11 +838,8 @@ class DPTrainerMixin:
     def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
         """The Trainer's log without un-noised statistics, with ``epsilon`` (at
         ``privacy.delta``) added at every logging step."""
-        for key in PRIVATE_LOG_KEYS:
+        for key in PRIVATE_LOG_KEYS + (() if self.privacy.log_train_loss else LOSS_LOG_KEYS):
             logs.pop(key, None)
-        if not self.privacy.log_train_loss:
-            for key in LOSS_LOG_KEYS:
-                logs.pop(key, None)
         if self._dp_engine is not None or self._dp_resumed_history:
             logs["epsilon"] = self.get_epsilon()
         metrics = getattr(self, "_metrics", None)  # TRL's per-batch training metrics
@@ -880,16 +862,14 @@ class DPTrainerMixin:
             "privacy": dataclasses.asdict(self.privacy),
         }
 
-    def _dp_write_state(self, output_dir: Optional[str]) -> None:
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
         if output_dir is None or not self.args.should_save:
             return
         os.makedirs(output_dir, exist_ok=True)
         with open(os.path.join(output_dir, DP_STATE_NAME), "w") as f:
             json.dump(self.privacy_state(), f, indent=1)
-
-    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        super().save_model(output_dir, _internal_call)
-        self._dp_write_state(output_dir if output_dir is not None else self.args.output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -903,8 +883,7 @@ class DPTrainerMixin:
             )
         with open(path) as f:
             state = json.load(f)
-        history = [tuple(e[:3]) + (e[3] if len(e) > 3 else None,) for e in state["history"]]
-        history = [(float(s), float(q), int(n), sk) for s, q, n, sk in history]
+        history = [(float(e[0]), float(e[1]), int(e[2]), e[3] if len(e) > 3 else None) for e in state["history"]]
         self._dp_resumed_history = history
         if self._dp_engine is not None:
             self._dp_engine.accountant.history = list(history)
@@ -914,28 +893,21 @@ def _signal_same_draw(optimizer: DPOptimizer) -> None:
     """A skipped step whose next physical batch continues the same Poisson draw (charged
     once, averaged once). Optimizers without ``same_draw=`` (Opacus's flat one, older
     randomized ones) count a skipped step as part of the same logical step anyway."""
-    if "same_draw" in inspect.signature(optimizer.signal_skip_step).parameters:
-        optimizer.signal_skip_step(do_skip=True, same_draw=True)
-    else:
-        optimizer.signal_skip_step(do_skip=True)
+    same_draw = "same_draw" in inspect.signature(optimizer.signal_skip_step).parameters
+    optimizer.signal_skip_step(do_skip=True, **({"same_draw": True} if same_draw else {}))
 
 
 def _zero_sum(p: nn.Parameter):
-    def clipped(c: torch.Tensor, keep=None) -> torch.Tensor:
-        return torch.zeros_like(p)
-
-    return clipped
+    """A ``Record.clipped`` of a parameter the batch did not use: exact zeros."""
+    return lambda c, keep=None: torch.zeros_like(p)
 
 
 def _replaceable_compute_loss() -> Tuple[Any, ...]:
-    known = []
     try:
         from trl import SFTTrainer
-
-        known.append(SFTTrainer.compute_loss)
     except Exception:  # TRL not installed
-        pass
-    return tuple(known)
+        return ()
+    return (SFTTrainer.compute_loss,)
 
 
 class DPTrainer(DPTrainerMixin, Trainer):
