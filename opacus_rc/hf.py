@@ -360,13 +360,11 @@ class _DPCallback(TrainerCallback):
     def __init__(self, trainer: "DPTrainerMixin") -> None:
         self.trainer = trainer
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args, state, control, **kwargs):  # control unchanged: returns None
         self.trainer._dp_on_train_begin()
-        return control
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._dp_after_step()
-        return control
 
     def on_step_end(self, args, state, control, **kwargs):
         limit = self.trainer._dp_max_steps
@@ -536,12 +534,10 @@ class DPTrainerMixin:
             raise ValueError("Trainer: training requires a train_dataset.")
         dataset, collator = self.train_dataset, self.data_collator
         try:
-            import datasets
-
-            is_hf_dataset = isinstance(dataset, datasets.Dataset)
+            from datasets import Dataset as HFDataset
         except ImportError:  # pragma: no cover
-            is_hf_dataset = False
-        if is_hf_dataset:
+            HFDataset = ()
+        if isinstance(dataset, HFDataset):
             dataset = self._remove_unused_columns(dataset, description="Training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="Training")
@@ -599,8 +595,7 @@ class DPTrainerMixin:
         trainable = [q for q in model.parameters() if q.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameter")
-        sigma = self._dp_noise_multiplier()
-        self._dp_sigma = sigma
+        self._dp_sigma = sigma = self._dp_noise_multiplier()
         batch = self.expected_batch_size
         engine = PrivacyEngine(accountant="rc_prv", secure_mode=p.secure_mode)
         if self.args.world_size > 1:
@@ -621,8 +616,7 @@ class DPTrainerMixin:
                 expected_batch_size=batch, sample_rate=self.sample_rate,
             )
         if not p.secure_mode:
-            device = trainable[0].device
-            kwargs["noise_generator"] = torch.Generator(device=device).manual_seed(entropy_seed())
+            kwargs["noise_generator"] = torch.Generator(device=trainable[0].device).manual_seed(entropy_seed())
         if p.denoise is not None:
             kwargs["denoise"] = p.denoise
         was_training = model.training
