@@ -187,9 +187,7 @@ class PrivacyArguments:
     @property
     def sketch_config(self) -> Optional[SketchConfig]:
         """The sketch the accountant charges (None: flat, deterministic clipping)."""
-        if self.clipping != "randomized":
-            return None
-        return SketchConfig(self.estimator, self.sketch_size, self.sketching)
+        return SketchConfig(self.estimator, self.sketch_size, self.sketching) if self.clipping == "randomized" else None
 
 
 _CHECKPOINTING_ACCEPTED = (
@@ -805,10 +803,7 @@ class DPTrainerMixin:
             return None
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if eps_after(mid) <= budget:
-                lo = mid
-            else:
-                hi = mid
+            lo, hi = (mid, hi) if eps_after(mid) <= budget else (lo, mid)
         return done + lo
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
@@ -926,16 +921,14 @@ def private_trainer(trainer_class: Type[Trainer]) -> Type[Trainer]:
         raise ValueError(f"trainer_class={trainer_class!r} is invalid; accepted values: a transformers.Trainer subclass")
     if issubclass(trainer_class, DPTrainerMixin):
         return trainer_class
-    cls = _PRIVATE_CLASSES.get(trainer_class)
-    if cls is None:
-        cls = type(
+    if trainer_class not in _PRIVATE_CLASSES:
+        _PRIVATE_CLASSES[trainer_class] = type(
             f"DP{trainer_class.__name__}",
             (DPTrainerMixin, trainer_class),
             {"__module__": __name__, "_REPLACEABLE_COMPUTE_LOSS": _replaceable_compute_loss(),
              "__doc__": f"Private {trainer_class.__name__} (opacus_rc.hf.private_trainer)."},
         )
-        _PRIVATE_CLASSES[trainer_class] = cls
-    return cls
+    return _PRIVATE_CLASSES[trainer_class]
 
 
 __all__ = [
