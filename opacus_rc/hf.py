@@ -75,7 +75,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 try:
-    import transformers
     from transformers import Trainer, TrainerCallback
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("opacus_rc.hf needs transformers: pip install 'opacus_rc[hf]'") from exc
