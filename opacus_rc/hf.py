@@ -75,7 +75,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 try:
-    import transformers
     from transformers import Trainer, TrainerCallback
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("opacus_rc.hf needs transformers: pip install 'opacus_rc[hf]'") from exc
@@ -83,14 +82,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.optimizers import DPOptimizer
 
-from . import integration as _integration  # registers clipping="randomized" and rc_prv
-
-PrivacyEngine = getattr(_integration, "PrivacyEngine", None)
-if PrivacyEngine is None:  # an opacus_rc that patches Opacus's engine in place
-    from opacus import PrivacyEngine
-from .accounting.accountant import get_noise_multiplier_rc
+from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc, sketch_record
 from .bookkeeping import Record
 from .config import SketchConfig
+from .integration import PrivacyEngine  # registers clipping="randomized" and rc_prv
 from .sketch import entropy_seed
 
 logger = logging.getLogger(__name__)
@@ -157,19 +152,15 @@ class PrivacyArguments:
                 "give exactly one; accepted values: target_epsilon a float > 0 (sigma is "
                 "calibrated with rc_prv) or noise_multiplier a float >= 0"
             )
-        if self.target_epsilon is not None and not _positive(self.target_epsilon):
-            raise ValueError(f"target_epsilon={self.target_epsilon!r} is invalid; accepted values: a float > 0")
-        if self.noise_multiplier is not None and not (
-            _real(self.noise_multiplier) and self.noise_multiplier >= 0
-        ):
-            raise ValueError(f"noise_multiplier={self.noise_multiplier!r} is invalid; accepted values: a float >= 0")
-        if self.delta is None or not (_real(self.delta) and 0.0 < self.delta < 1.0):
-            raise ValueError(
-                f"delta={self.delta!r} is invalid; accepted values: a float in (0, 1), e.g. "
-                "1e-5 (below 1 / number of training rows); it is required"
-            )
-        if not _positive(self.max_grad_norm):
-            raise ValueError(f"max_grad_norm={self.max_grad_norm!r} is invalid; accepted values: a float > 0")
+        self._refuse_invalid(
+            ("target_epsilon", self.target_epsilon is None or _positive(self.target_epsilon), "a float > 0"),
+            ("noise_multiplier",
+             self.noise_multiplier is None or (_real(self.noise_multiplier) and self.noise_multiplier >= 0),
+             "a float >= 0"),
+            ("delta", _real(self.delta) and 0.0 < self.delta < 1.0,
+             "a float in (0, 1), e.g. 1e-5 (below 1 / number of training rows); it is required"),
+            ("max_grad_norm", _positive(self.max_grad_norm), "a float > 0"),
+        )
         if self.clipping not in CLIPPINGS:
             raise ValueError(
                 f"clipping={self.clipping!r} is not supported; accepted values: "
@@ -179,20 +170,23 @@ class PrivacyArguments:
             SketchConfig(self.estimator, self.sketch_size, self.sketching)  # validates
         if self.denoise not in DENOISERS:
             raise ValueError(f"denoise={self.denoise!r} is not supported; accepted values: None, 'spectral'")
-        if self.sample_rate is not None and not (_real(self.sample_rate) and 0.0 < self.sample_rate <= 1.0):
-            raise ValueError(f"sample_rate={self.sample_rate!r} is invalid; accepted values: a float in (0, 1] or None")
-        if self.stop_at_epsilon is not None and not _positive(self.stop_at_epsilon):
-            raise ValueError(f"stop_at_epsilon={self.stop_at_epsilon!r} is invalid; accepted values: a float > 0 or None")
-        for name in ("secure_mode", "log_train_loss"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; accepted values: True, False")
+        self._refuse_invalid(
+            ("sample_rate", self.sample_rate is None or (_real(self.sample_rate) and 0.0 < self.sample_rate <= 1.0),
+             "a float in (0, 1] or None"),
+            ("stop_at_epsilon", self.stop_at_epsilon is None or _positive(self.stop_at_epsilon), "a float > 0 or None"),
+            ("secure_mode", isinstance(self.secure_mode, bool), "True, False"),
+            ("log_train_loss", isinstance(self.log_train_loss, bool), "True, False"),
+        )
+
+    def _refuse_invalid(self, *checks: Tuple[str, bool, str]) -> None:
+        for name, ok, accepted in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; accepted values: {accepted}")
 
     @property
     def sketch_config(self) -> Optional[SketchConfig]:
         """The sketch the accountant charges (None: flat, deterministic clipping)."""
-        if self.clipping != "randomized":
-            return None
-        return SketchConfig(self.estimator, self.sketch_size, self.sketching)
+        return SketchConfig(self.estimator, self.sketch_size, self.sketching) if self.clipping == "randomized" else None
 
 
 _CHECKPOINTING_ACCEPTED = (
@@ -204,9 +198,8 @@ _CHECKPOINTING_ACCEPTED = (
 #: ``activation_checkpointing_kwargs`` keys the private Trainer runs: torch's checkpoint form and
 #: options that leave the recomputation a plain replay, and the Trainer's ``every_n_layers``
 _CHECKPOINT_OPTIONS = ("use_reentrant", "preserve_rng_state", "determinism_check", "debug", "early_stop", "every_n_layers")
-_CHECKPOINT_OPTIONS_ACCEPTED = (
-    "use_reentrant=True or False (unset: Hugging Face's non-reentrant default), preserve_rng_state, "
-    "determinism_check, debug, early_stop, every_n_layers"
+_CHECKPOINT_OPTIONS_ACCEPTED = ", ".join(
+    ("use_reentrant=True or False (unset: Hugging Face's non-reentrant default)",) + _CHECKPOINT_OPTIONS[1:]
 )
 
 
@@ -232,13 +225,6 @@ def _recognised_checkpoint_function(func: Any) -> bool:
         and "every_n_layers" not in func.keywords  # the Trainer's key, never torch's
         and _checkpoint_options_error(func.keywords) is None
     )
-
-
-def _checkpointing_supported(privacy: "PrivacyArguments") -> bool:
-    """Activation checkpointing works with randomized clipping: ``make_private`` runs the
-    two passes from the model's output on a checkpointed model
-    (:mod:`opacus_rc.output_passes`) instead of book-keeping."""
-    return privacy.clipping == "randomized"
 
 
 def _real(x: Any) -> bool:
@@ -311,9 +297,7 @@ class _EmptySafeCollator:
         self.collate = collate
 
     def __call__(self, rows):
-        if len(rows) == 0:
-            return {_EMPTY: True}
-        return self.collate(rows)
+        return {_EMPTY: True} if len(rows) == 0 else self.collate(rows)
 
 
 def is_empty_batch(inputs: Any) -> bool:
@@ -373,13 +357,11 @@ class _DPCallback(TrainerCallback):
     def __init__(self, trainer: "DPTrainerMixin") -> None:
         self.trainer = trainer
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args, state, control, **kwargs):  # control unchanged: returns None
         self.trainer._dp_on_train_begin()
-        return control
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._dp_after_step()
-        return control
 
     def on_step_end(self, args, state, control, **kwargs):
         limit = self.trainer._dp_max_steps
@@ -435,14 +417,18 @@ class DPTrainerMixin:
                 "TrainingArguments.max_grad_norm: 0, the default 1.0, or the same value"
             )
         args.max_grad_norm = 0.0  # per-example clipping replaces the Trainer's clipping
+        # Activation checkpointing works with randomized clipping: make_private runs the two
+        # passes from the model's output on a checkpointed model (opacus_rc.output_passes).
+        refuse_checkpointing = self.privacy.clipping != "randomized"
+        base = _base_model(self.model)
         checks = [
             (args.fp16, "fp16", "False (use bf16=True: no loss scaling)"),
-            (bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
-             and not _checkpointing_supported(self.privacy),
+            (refuse_checkpointing
+             and (getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)),
              "gradient_checkpointing", _CHECKPOINTING_ACCEPTED),
             (args.n_gpu > 1, "n_gpu (nn.DataParallel)", "one device per process (torchrun)"),
-            (bool(getattr(args, "deepspeed", None)), "deepspeed", "None"),
-            (bool(getattr(args, "fsdp", None)), "fsdp", "'' (no FSDP)"),
+            (getattr(args, "deepspeed", None), "deepspeed", "None"),
+            (getattr(args, "fsdp", None), "fsdp", "'' (no FSDP)"),
             (args.auto_find_batch_size, "auto_find_batch_size", "False (the batch size fixes the public rate)"),
             (args.include_num_input_tokens_seen not in ("no", False, None), "include_num_input_tokens_seen",
              "'no' (token counts of Poisson batches are not private)"),
@@ -452,15 +438,12 @@ class DPTrainerMixin:
             (args.world_size > 1 and args.parallel_mode.value != "distributed", "parallel_mode",
              "'distributed' (one process per device, torchrun)"),
             (getattr(args, "use_liger_kernel", False), "use_liger_kernel", "False (fused kernels read weights outside their modules)"),
+            (refuse_checkpointing and (getattr(base, "is_activation_checkpointing", False)
+                                       or base.__dict__.get("is_gradient_checkpointing", False)),
+             "gradient checkpointing enabled on the model",
+             "model.gradient_checkpointing_disable() " + _CHECKPOINTING_ACCEPTED),
         ]
-        base = _base_model(self.model)
-        checks.append((
-            bool(getattr(base, "is_activation_checkpointing", False) or base.__dict__.get("is_gradient_checkpointing", False))
-            and not _checkpointing_supported(self.privacy),
-            "gradient checkpointing enabled on the model",
-            "model.gradient_checkpointing_disable() " + _CHECKPOINTING_ACCEPTED,
-        ))
-        if bool(getattr(args, "activation_checkpointing", False)) and _checkpointing_supported(self.privacy):
+        if getattr(args, "activation_checkpointing", False) and not refuse_checkpointing:
             # Either form runs as the user set it (recompute.forward_replay tells each
             # replay from the forward pass): reentrant, the hooks capture in the replay;
             # non-reentrant (Hugging Face's default), in the forward pass, not in the replay.
@@ -483,7 +466,7 @@ class DPTrainerMixin:
                 "values: padding_free=False with packing=False, or packing_strategy='wrapped' (each "
                 "packed row is then one privacy unit)"
             )
-        if getattr(args, "loss_type", "nll") not in ("nll",):
+        if getattr(args, "loss_type", "nll") != "nll":
             raise ValueError(f"loss_type={args.loss_type!r} is not supported; accepted values: 'nll'")
         if getattr(args, "activation_offloading", False):
             raise ValueError("activation_offloading=True is not supported; accepted values: False")
@@ -494,7 +477,7 @@ class DPTrainerMixin:
                 "losses and would not use it in training; override per_example_loss(model, inputs) "
                 "(returns one loss per row) instead"
             )
-        if self.train_dataset is not None and isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+        if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             raise ValueError("an IterableDataset train_dataset is not supported: Poisson sampling needs a map-style dataset")
 
     def _dp_check_checkpoint_functions(self) -> None:
@@ -548,12 +531,10 @@ class DPTrainerMixin:
             raise ValueError("Trainer: training requires a train_dataset.")
         dataset, collator = self.train_dataset, self.data_collator
         try:
-            import datasets
-
-            is_hf_dataset = isinstance(dataset, datasets.Dataset)
+            from datasets import Dataset as HFDataset
         except ImportError:  # pragma: no cover
-            is_hf_dataset = False
-        if is_hf_dataset:
+            HFDataset = ()
+        if isinstance(dataset, HFDataset):
             dataset = self._remove_unused_columns(dataset, description="Training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="Training")
@@ -611,8 +592,7 @@ class DPTrainerMixin:
         trainable = [q for q in model.parameters() if q.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameter")
-        sigma = self._dp_noise_multiplier()
-        self._dp_sigma = sigma
+        self._dp_sigma = sigma = self._dp_noise_multiplier()
         batch = self.expected_batch_size
         engine = PrivacyEngine(accountant="rc_prv", secure_mode=p.secure_mode)
         if self.args.world_size > 1:
@@ -633,8 +613,7 @@ class DPTrainerMixin:
                 expected_batch_size=batch, sample_rate=self.sample_rate,
             )
         if not p.secure_mode:
-            device = trainable[0].device
-            kwargs["noise_generator"] = torch.Generator(device=device).manual_seed(entropy_seed())
+            kwargs["noise_generator"] = torch.Generator(device=trainable[0].device).manual_seed(entropy_seed())
         if p.denoise is not None:
             kwargs["denoise"] = p.denoise
         was_training = model.training
@@ -660,23 +639,26 @@ class DPTrainerMixin:
     def accountant(self):
         return None if self._dp_engine is None else self._dp_engine.accountant
 
+    def _dp_history(self) -> list:
+        acc = self.accountant
+        return acc.history if acc is not None else (self._dp_resumed_history or [])
+
     def privacy_steps(self) -> int:
         """Logical steps charged so far (resumed history included)."""
-        acc = self.accountant
-        history = acc.history if acc is not None else (self._dp_resumed_history or [])
-        return int(sum(entry[2] for entry in history))
+        return int(sum(entry[2] for entry in self._dp_history()))
 
     def get_epsilon(self) -> float:
         """Epsilon spent so far at ``privacy.delta`` (rc_prv)."""
         acc = self.accountant
         if acc is None:
-            if not self._dp_resumed_history:
-                return 0.0
-            from .accounting.accountant import RCPRVAccountant
-
-            acc = RCPRVAccountant()
-            acc.history = list(self._dp_resumed_history)
+            return self._dp_epsilon(self._dp_resumed_history or [])
         return float(acc.get_epsilon(delta=self.privacy.delta))
+
+    def _dp_epsilon(self, history: list) -> float:
+        """Epsilon of ``history`` at ``privacy.delta`` (0 for an empty history)."""
+        probe = RCPRVAccountant()
+        probe.history = list(history)
+        return float(probe.get_epsilon(delta=self.privacy.delta))
 
     # ---- training --------------------------------------------------------------------
     def per_example_loss(self, model: nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
@@ -773,8 +755,7 @@ class DPTrainerMixin:
                     p.grad = torch.zeros_like(p)
             return
         for p in optimizer.params:
-            has = getattr(p, "_bk_records", None) or getattr(p, "grad_sample", None) is not None
-            if has:
+            if getattr(p, "_bk_records", None) or getattr(p, "grad_sample", None) is not None:
                 continue
             if p.grad is not None and rows:
                 raise ValueError(
@@ -795,8 +776,7 @@ class DPTrainerMixin:
 
     def _dp_on_train_begin(self) -> None:
         self._dp_micro = 0
-        if self._dp_optimizer is not None:
-            self._dp_optimizer.zero_grad(set_to_none=True)
+        self._dp_after_step()
         self._dp_max_steps = self._dp_budget_steps()
         if self._dp_max_steps is not None and self._dp_max_steps <= self.privacy_steps():
             raise ValueError(
@@ -810,27 +790,19 @@ class DPTrainerMixin:
         budget = self.privacy.stop_at_epsilon
         if budget is None:
             return None
-        acc = self.accountant
-        base = list(acc.history)
-        from .accounting.accountant import RCPRVAccountant, sketch_record
-
-        step = (self._dp_sigma, self.sample_rate, 1, sketch_record(self.privacy.sketch_config))
-        probe = RCPRVAccountant()
+        base = list(self.accountant.history)
+        sigma, q, sketch = self._dp_sigma, self.sample_rate, sketch_record(self.privacy.sketch_config)
 
         def eps_after(extra: int) -> float:
-            probe.history = base + ([(step[0], step[1], extra, step[3])] if extra else [])
-            return probe.get_epsilon(delta=self.privacy.delta) if probe.history else 0.0
+            return self._dp_epsilon(base + ([(sigma, q, extra, sketch)] if extra else []))
 
         done = self.privacy_steps()
         lo, hi = 0, max(1, self.planned_steps())
-        if eps_after(hi) <= budget:
-            return None if hi >= self.planned_steps() else done + hi
+        if eps_after(hi) <= budget:  # hi >= planned_steps(): the plan fits in the budget
+            return None
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if eps_after(mid) <= budget:
-                lo = mid
-            else:
-                hi = mid
+            lo, hi = (mid, hi) if eps_after(mid) <= budget else (lo, mid)
         return done + lo
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
@@ -854,11 +826,8 @@ class DPTrainerMixin:
     def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
         """The Trainer's log without un-noised statistics, with ``epsilon`` (at
         ``privacy.delta``) added at every logging step."""
-        for key in PRIVATE_LOG_KEYS:
+        for key in PRIVATE_LOG_KEYS + (() if self.privacy.log_train_loss else LOSS_LOG_KEYS):
             logs.pop(key, None)
-        if not self.privacy.log_train_loss:
-            for key in LOSS_LOG_KEYS:
-                logs.pop(key, None)
         if self._dp_engine is not None or self._dp_resumed_history:
             logs["epsilon"] = self.get_epsilon()
         metrics = getattr(self, "_metrics", None)  # TRL's per-batch training metrics
@@ -870,11 +839,9 @@ class DPTrainerMixin:
     def privacy_state(self) -> Dict[str, Any]:
         """What a checkpoint keeps of the privacy state: the accountant's history and the
         public parameters; no generator state, no seed."""
-        acc = self.accountant
-        history = acc.history if acc is not None else (self._dp_resumed_history or [])
         return {
             "accountant": "rc_prv",
-            "history": [list(entry) for entry in history],
+            "history": [list(entry) for entry in self._dp_history()],
             "delta": self.privacy.delta,
             "epsilon": self.get_epsilon(),
             "noise_multiplier": self._dp_sigma,
@@ -883,16 +850,14 @@ class DPTrainerMixin:
             "privacy": dataclasses.asdict(self.privacy),
         }
 
-    def _dp_write_state(self, output_dir: Optional[str]) -> None:
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
         if output_dir is None or not self.args.should_save:
             return
         os.makedirs(output_dir, exist_ok=True)
         with open(os.path.join(output_dir, DP_STATE_NAME), "w") as f:
             json.dump(self.privacy_state(), f, indent=1)
-
-    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        super().save_model(output_dir, _internal_call)
-        self._dp_write_state(output_dir if output_dir is not None else self.args.output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -906,8 +871,7 @@ class DPTrainerMixin:
             )
         with open(path) as f:
             state = json.load(f)
-        history = [tuple(e[:3]) + (e[3] if len(e) > 3 else None,) for e in state["history"]]
-        history = [(float(s), float(q), int(n), sk) for s, q, n, sk in history]
+        history = [(float(e[0]), float(e[1]), int(e[2]), e[3] if len(e) > 3 else None) for e in state["history"]]
         self._dp_resumed_history = history
         if self._dp_engine is not None:
             self._dp_engine.accountant.history = list(history)
@@ -917,28 +881,21 @@ def _signal_same_draw(optimizer: DPOptimizer) -> None:
     """A skipped step whose next physical batch continues the same Poisson draw (charged
     once, averaged once). Optimizers without ``same_draw=`` (Opacus's flat one, older
     randomized ones) count a skipped step as part of the same logical step anyway."""
-    if "same_draw" in inspect.signature(optimizer.signal_skip_step).parameters:
-        optimizer.signal_skip_step(do_skip=True, same_draw=True)
-    else:
-        optimizer.signal_skip_step(do_skip=True)
+    same_draw = "same_draw" in inspect.signature(optimizer.signal_skip_step).parameters
+    optimizer.signal_skip_step(do_skip=True, **({"same_draw": True} if same_draw else {}))
 
 
 def _zero_sum(p: nn.Parameter):
-    def clipped(c: torch.Tensor, keep=None) -> torch.Tensor:
-        return torch.zeros_like(p)
-
-    return clipped
+    """A ``Record.clipped`` of a parameter the batch did not use: exact zeros."""
+    return lambda c, keep=None: torch.zeros_like(p)
 
 
 def _replaceable_compute_loss() -> Tuple[Any, ...]:
-    known = []
     try:
         from trl import SFTTrainer
-
-        known.append(SFTTrainer.compute_loss)
     except Exception:  # TRL not installed
-        pass
-    return tuple(known)
+        return ()
+    return (SFTTrainer.compute_loss,)
 
 
 class DPTrainer(DPTrainerMixin, Trainer):
@@ -963,16 +920,14 @@ def private_trainer(trainer_class: Type[Trainer]) -> Type[Trainer]:
         raise ValueError(f"trainer_class={trainer_class!r} is invalid; accepted values: a transformers.Trainer subclass")
     if issubclass(trainer_class, DPTrainerMixin):
         return trainer_class
-    cls = _PRIVATE_CLASSES.get(trainer_class)
-    if cls is None:
-        cls = type(
+    if trainer_class not in _PRIVATE_CLASSES:
+        _PRIVATE_CLASSES[trainer_class] = type(
             f"DP{trainer_class.__name__}",
             (DPTrainerMixin, trainer_class),
             {"__module__": __name__, "_REPLACEABLE_COMPUTE_LOSS": _replaceable_compute_loss(),
              "__doc__": f"Private {trainer_class.__name__} (opacus_rc.hf.private_trainer)."},
         )
-        _PRIVATE_CLASSES[trainer_class] = cls
-    return cls
+    return _PRIVATE_CLASSES[trainer_class]
 
 
 __all__ = [
