@@ -253,7 +253,7 @@ class KeyStream:
                 self._encryptor = self._rng._next_cipher()
                 self._left = _MAX_BYTES_PER_NONCE
             n = min(_SUBCHUNK_BYTES, total - offset, self._left)
-            zeros = _ZEROS if n == _SUBCHUNK_BYTES else _ZEROS[:n]
+            zeros = _ZEROS[:n]  # a full slice is _ZEROS itself, no copy
             if total - offset >= n + 31:  # room for any cryptography version's check
                 self._encryptor.update_into(zeros, view[offset:])
             else:

@@ -312,8 +312,7 @@ class SpectralDenoiser:
         if tau is None:
             logger.debug("spectral denoiser: no noised step recorded before this update; skipped")
             return
-        found_inf = getattr(opt, "found_inf", None)
-        if found_inf is not None and bool(found_inf):
+        if bool(getattr(opt, "found_inf", None)):
             # a step refused on the device (non-finite values; opacus_rc.finite): the
             # fused update skips it, and an SVD of NaNs would raise
             logger.debug("spectral denoiser: step refused for a non-finite value; skipped")
@@ -334,7 +333,7 @@ class SpectralDenoiser:
         """Detach from the optimizer (restores ``scale_grad``, removes the hook)."""
         self._handle.remove()
         self.optimizer.scale_grad = self._orig_scale_grad
-        if getattr(self.optimizer, _DENOISER_ATTR, None) is self:
+        if get_spectral_denoiser(self.optimizer) is self:
             delattr(self.optimizer, _DENOISER_ATTR)
 
 
@@ -384,7 +383,7 @@ def attach_spectral_denoiser(
         The :class:`SpectralDenoiser` (its ``stats`` count denoised matrices and time spent;
         ``remove()`` detaches it). Attaching twice to one optimizer is a ValueError.
     """
-    if getattr(optimizer, _DENOISER_ATTR, None) is not None:
+    if get_spectral_denoiser(optimizer) is not None:
         raise ValueError("optimizer already has a spectral denoiser attached; call .remove() first")
     denoiser = SpectralDenoiser(optimizer, params, kappa, svd)
     setattr(optimizer, _DENOISER_ATTR, denoiser)
