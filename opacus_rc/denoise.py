@@ -230,9 +230,7 @@ def _world_size_divisor(optimizer: Any) -> int:
     """Opacus's distributed optimizers add noise on rank 0 only, all-reduce (sum) and, for
     ``loss_reduction="mean"``, divide by the world size."""
     is_distributed = hasattr(optimizer, "reduce_gradients") and hasattr(optimizer, "world_size")
-    if is_distributed and optimizer.loss_reduction == "mean":
-        return int(optimizer.world_size)
-    return 1
+    return int(optimizer.world_size) if is_distributed and optimizer.loss_reduction == "mean" else 1
 
 
 @dataclass
