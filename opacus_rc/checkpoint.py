@@ -18,9 +18,23 @@ import torch
 
 RNG_STATE_KEY = "opacus_rc_rng_state"
 
-
 #: where ``make_private`` leaves the Poisson loader's generator on the engine
 POISSON_GENERATOR_ATTR = "_opacus_rc_poisson_generator"
+
+
+def _sources(module: Any, optimizer: Optional[Any], engine: Any) -> Dict[str, Any]:
+    """The random sources present, by their key in :func:`rng_state` (in save and load order):
+    torch generators (keys ``*_generator``) and objects with ``state_dict``/``load_state_dict``."""
+    sources = {
+        "sketcher": getattr(module, "sketcher", None),
+        "noise_generator": getattr(optimizer, "generator", None),
+        "noise_streams": getattr(optimizer, "noise_streams", None),
+        "poisson_generator": getattr(engine, POISSON_GENERATOR_ATTR, None),
+    }
+    return {
+        key: source for key, source in sources.items()
+        if (isinstance(source, torch.Generator) if key.endswith("_generator") else source is not None)
+    }
 
 
 def rng_state(module: Any, optimizer: Optional[Any], engine: Any = None) -> Dict[str, Any]:
@@ -31,20 +45,10 @@ def rng_state(module: Any, optimizer: Optional[Any], engine: Any = None) -> Dict
             "include_rng_state=True is not available with secure_mode=True: the secure "
             "generator's state is never exported; resume with fresh randomness instead"
         )
-    state: Dict[str, Any] = {}
-    sketcher = getattr(module, "sketcher", None)
-    if sketcher is not None:
-        state["sketcher"] = sketcher.state_dict()
-    generator = getattr(optimizer, "generator", None)
-    if isinstance(generator, torch.Generator):
-        state["noise_generator"] = generator.get_state()
-    streams = getattr(optimizer, "noise_streams", None)
-    if streams is not None:
-        state["noise_streams"] = streams.state_dict()
-    poisson = getattr(engine, POISSON_GENERATOR_ATTR, None)
-    if isinstance(poisson, torch.Generator):
-        state["poisson_generator"] = poisson.get_state()
-    return state
+    return {
+        key: source.get_state() if key.endswith("_generator") else source.state_dict()
+        for key, source in _sources(module, optimizer, engine).items()
+    }
 
 
 def load_rng_state(
@@ -52,18 +56,12 @@ def load_rng_state(
 ) -> None:
     """Restore what :func:`rng_state` saved into ``module``, ``optimizer`` and the
     engine's Poisson generator."""
-    sketcher = getattr(module, "sketcher", None)
-    if "sketcher" in state and sketcher is not None:
-        sketcher.load_state_dict(state["sketcher"])
-    generator = getattr(optimizer, "generator", None)
-    if "noise_generator" in state and isinstance(generator, torch.Generator):
-        generator.set_state(state["noise_generator"])
-    streams = getattr(optimizer, "noise_streams", None)
-    if "noise_streams" in state and streams is not None:
-        streams.load_state_dict(state["noise_streams"])
-    poisson = getattr(engine, POISSON_GENERATOR_ATTR, None)
-    if "poisson_generator" in state and isinstance(poisson, torch.Generator):
-        poisson.set_state(state["poisson_generator"])
+    for key, source in _sources(module, optimizer, engine).items():
+        if key in state:
+            if key.endswith("_generator"):
+                source.set_state(state[key])
+            else:
+                source.load_state_dict(state[key])
 
 
 def with_rng_state(engine: Any, include_rng_state: bool, kwargs: Dict[str, Any]) -> Dict[str, Any]:

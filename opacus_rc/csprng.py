@@ -168,11 +168,9 @@ class CSPRNG:
         (``r cos theta`` and ``r sin theta``), then cast to ``dtype`` on ``device``."""
         shape = _shape(shape)
         n = math.prod(shape)
-        device = torch.device(device)
-        work_device = _work_device(device)
-        out = torch.empty(n, dtype=dtype, device=work_device)
-        chunks = _Chunks(self, 2, (n + 1) // 2, work_device)
-        cos_buf = torch.empty(chunks.chunk, dtype=torch.float64, device=work_device)
+        chunks = _Chunks(self, 2, (n + 1) // 2, torch.device(device))
+        out = torch.empty(n, dtype=dtype, device=chunks.device)
+        cos_buf = torch.empty(chunks.chunk, dtype=torch.float64, device=chunks.device)
         for start, m, u in chunks:  # u = [u | 2 pi v]: m pairs -> outputs 2 start ...
             r = _radius_(u[:m])
             theta = u[m:]
@@ -192,14 +190,12 @@ class CSPRNG:
             return torch.zeros_like(reference)
         if not math.isfinite(std) or std < 0:
             raise ValueError(f"std={std!r} is invalid; accepted values: a finite float >= 0")
-        device = reference.device
-        work_device = _work_device(device)
         n = reference.numel()
-        out = torch.empty(n, dtype=reference.dtype, device=work_device)
+        chunks = _Chunks(self, 4, n, reference.device)
+        out = torch.empty(n, dtype=reference.dtype, device=chunks.device)
         scale = std / math.sqrt(2.0)
         # scale^2 folded into y = -2 scale^2 ln u (r = scale sqrt(-2 ln u)) when safe
         folded = 1e-100 < scale < 1e100
-        chunks = _Chunks(self, 4, n, work_device)
         for start, m, u in chunks:  # u = [u1 | u2 | 2 pi v1 | 2 pi v2]
             r = _radius_(u[: 2 * m], scale**2 if folded else 1.0)
             s = u[2 * m :].sin_()
@@ -208,7 +204,7 @@ class CSPRNG:
             torch.addcmul(s1, s[m:], r[m:], out=dest)  # + r2 sin 2 pi v2, cast once
             if not folded:
                 dest.mul_(scale)
-        return out.reshape(reference.shape).to(device)
+        return out.reshape(reference.shape).to(reference.device)
 
     # ------------------------------------------------------------ no secret leaves
 
@@ -222,20 +218,15 @@ class CSPRNG:
             f"instead; a resumed secure run draws fresh randomness"
         )
 
-    def __reduce_ex__(self, protocol):
+    def __reduce_ex__(self, *_):
         self._refuse("Pickling")
 
-    def __reduce__(self):
-        self._refuse("Pickling")
+    __reduce__ = __getstate__ = __reduce_ex__
 
-    def __getstate__(self):
-        self._refuse("Pickling")
-
-    def __copy__(self):
+    def __copy__(self, *_):
         self._refuse("Copying")
 
-    def __deepcopy__(self, memo):
-        self._refuse("Copying")
+    __deepcopy__ = __copy__
 
     def state_dict(self):
         self._refuse("Saving the state of")
@@ -262,7 +253,7 @@ class KeyStream:
                 self._encryptor = self._rng._next_cipher()
                 self._left = _MAX_BYTES_PER_NONCE
             n = min(_SUBCHUNK_BYTES, total - offset, self._left)
-            zeros = _ZEROS if n == _SUBCHUNK_BYTES else _ZEROS[:n]
+            zeros = _ZEROS[:n]  # a full slice is _ZEROS itself, no copy
             if total - offset >= n + 31:  # room for any cryptography version's check
                 self._encryptor.update_into(zeros, view[offset:])
             else:
@@ -272,16 +263,6 @@ class KeyStream:
 
     def __reduce_ex__(self, protocol):
         raise SecretStateError("Pickling a KeyStream is refused: it holds the CSPRNG key")
-
-
-def _work_device(device: torch.device) -> torch.device:
-    """Where the float64 arithmetic runs: the GPU for CUDA tensors, else the CPU (MPS has
-    no float64)."""
-    return device if device.type == "cuda" else torch.device("cpu")
-
-
-def _chunk(device: torch.device) -> int:
-    return _CUDA_CHUNK if device.type == "cuda" else _CPU_CHUNK
 
 
 def _radius_(u: torch.Tensor, scale_sq: float = 1.0) -> torch.Tensor:
@@ -296,17 +277,21 @@ class _Chunks:
     ``per_output * m`` float64 uniforms ``u`` from fresh keystream: the first half
     ``(k + 1) / 2^53`` in (0, 1] (for radii), the second half ``2 pi k / 2^53`` (angles),
     ``k`` 53 random bits. Buffers are allocated once per call and reused, so the CPU work
-    stays in cache; for CUDA the 53-bit integers are moved and the math runs there."""
+    stays in cache; for CUDA the 53-bit integers are moved and the math runs there.
+    ``device`` is the output's: the float64 work runs on it if it is a GPU, else on the CPU
+    (MPS has no float64)."""
 
     def __init__(self, rng: "CSPRNG", per_output: int, n: int, device: torch.device) -> None:
-        self.rng, self.per_output, self.n, self.device = rng, per_output, n, device
-        self.chunk = max(1, min(_chunk(device), n))
+        cuda = device.type == "cuda"
+        self.per_output, self.n = per_output, n
+        self.device = device if cuda else torch.device("cpu")
+        self.chunk = max(1, min(_CUDA_CHUNK if cuda else _CPU_CHUNK, n))
         words = per_output * self.chunk
         self._buf = bytearray(8 * words)
         self._view = memoryview(self._buf)
         self._words = torch.frombuffer(self._buf, dtype=torch.int64)
-        self._u = torch.empty(words, dtype=torch.float64, device=device)
-        self._eps = torch.tensor(2.0**-53, dtype=torch.float64, device=device)
+        self._u = torch.empty(words, dtype=torch.float64, device=self.device)
+        self._eps = torch.tensor(2.0**-53, dtype=torch.float64, device=self.device)
         self._stream = rng.stream()
 
     def __iter__(self) -> Iterator[Tuple[int, int, torch.Tensor]]:
@@ -315,8 +300,7 @@ class _Chunks:
             words = self.per_output * m
             self._stream.fill_(self._view[: 8 * words])
             k = self._words[:words].bitwise_and_(_MASK53)
-            u = self._u[:words]
-            u.copy_(k)  # exact: k < 2^53
+            u = self._u[:words].copy_(k)  # exact: k < 2^53
             half = words // 2
             torch.add(self._eps, u[:half], alpha=2.0**-53, out=u[:half])  # (k + 1) / 2^53
             u[half:].mul_(_TWO_PI * 2.0**-53)  # 2 pi k / 2^53
@@ -422,10 +406,7 @@ class SecurePoissonSampler(UniformWithReplacementSampler):
     def __iter__(self) -> Iterator[List[int]]:
         for _ in range(self.steps):
             mask = self.rng.bernoulli(self.sample_rate, self.num_samples)
-            local = mask.nonzero().reshape(-1)
-            if self.world_size > 1:
-                local = local * self.world_size + self.rank
-            yield local.tolist()
+            yield (mask.nonzero().reshape(-1) * self.world_size + self.rank).tolist()
 
     def __repr__(self) -> str:
         return (
@@ -433,7 +414,6 @@ class SecurePoissonSampler(UniformWithReplacementSampler):
             f"sample_rate={self.sample_rate}, steps={self.steps}, rank={self.rank}, "
             f"world_size={self.world_size})"
         )
-
 
 
 def loader_settings(data_loader: Any) -> Dict[str, Any]:
@@ -446,6 +426,7 @@ def loader_settings(data_loader: Any) -> Dict[str, Any]:
             "multiprocessing_context", "prefetch_factor", "persistent_workers",
         )
     }
+
 
 class SecureDPDataLoader(DPDataLoader):
     """Opacus's :class:`~opacus.data_loader.DPDataLoader` (Poisson sampling, collate

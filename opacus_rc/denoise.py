@@ -48,26 +48,15 @@ _DENOISER_ATTR = "_opacus_rc_spectral_denoiser"
 # --------------------------------------------------------------------------------------------
 # validation
 # --------------------------------------------------------------------------------------------
-def _check_kappa(kappa: float) -> float:
-    """Return ``kappa`` as a float; ValueError unless it is a finite number > 0."""
-    if isinstance(kappa, bool) or not isinstance(kappa, (int, float)):
-        raise ValueError(f"kappa must be a finite float > 0, got {kappa!r}")
-    kappa = float(kappa)
-    if not math.isfinite(kappa) or kappa <= 0:
-        raise ValueError(f"kappa must be a finite float > 0, got {kappa!r}")
-    return kappa
-
-
-def _check_noise_std(noise_std: float) -> float:
-    """Return ``noise_std`` as a float; ValueError unless it is a finite number >= 0."""
-    if isinstance(noise_std, torch.Tensor) and noise_std.numel() == 1:
-        noise_std = noise_std.item()
-    if isinstance(noise_std, bool) or not isinstance(noise_std, (int, float)):
-        raise ValueError(f"noise_std must be a finite float >= 0, got {noise_std!r}")
-    noise_std = float(noise_std)
-    if not math.isfinite(noise_std) or noise_std < 0:
-        raise ValueError(f"noise_std must be a finite float >= 0, got {noise_std!r}")
-    return noise_std
+def _check_float(name: str, value: Any, zero_allowed: bool) -> float:
+    """``value`` as a float; ValueError unless it is a finite number > 0 (>= 0 if ``zero_allowed``)."""
+    message = f"{name} must be a finite float {'>=' if zero_allowed else '>'} 0, got "
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(message + repr(value))
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_allowed):
+        raise ValueError(message + repr(value))
+    return value
 
 
 def _check_svd(svd: str) -> str:
@@ -144,9 +133,8 @@ def _denoise_stack(
     Matrices that fail the gate, or whose every singular value is at or below the bulk edge
     (possible when kappa < 1), are returned bit-for-bit unchanged.
     """
-    n, m = grads.shape[-2], grads.shape[-1]
-    batch = grads.shape[0]
-    untouched = torch.zeros(batch, dtype=torch.bool, device=grads.device)
+    n, m = grads.shape[-2:]
+    untouched = torch.zeros(grads.shape[0], dtype=torch.bool, device=grads.device)
     if noise_std == 0.0 or grads.numel() == 0:
         return grads.clone(), untouched
     work = grads if grads.dtype in (torch.float32, torch.float64) else grads.float()
@@ -180,15 +168,15 @@ def spectral_denoise_batched(
         svd: "full" (LAPACK/cuSOLVER thin SVD), "lowrank" (randomized truncated SVD grown until it
             reaches the noise edge) or "auto" (lowrank when min(n, m) >= ``LOWRANK_MIN_DIM``).
     """
-    kappa = _check_kappa(kappa)
-    noise_std = _check_noise_std(noise_std)
+    kappa = _check_float("kappa", kappa, zero_allowed=False)
+    if isinstance(noise_std, torch.Tensor) and noise_std.numel() == 1:
+        noise_std = noise_std.item()
+    noise_std = _check_float("noise_std", noise_std, zero_allowed=True)
     _check_svd(svd)
     if not isinstance(grads, torch.Tensor) or grads.ndim < 2:
         raise ValueError("grads must be a tensor of shape (..., n, m) with at least 2 dimensions")
-    lead = grads.shape[:-2]
-    flat = grads.reshape(-1, *grads.shape[-2:])
-    out, _ = _denoise_stack(flat, noise_std, kappa, svd)
-    return out.reshape(*lead, *grads.shape[-2:])
+    out, _ = _denoise_stack(grads.reshape(-1, *grads.shape[-2:]), noise_std, kappa, svd)
+    return out.reshape(grads.shape)
 
 
 def spectral_denoise(
@@ -242,9 +230,7 @@ def _world_size_divisor(optimizer: Any) -> int:
     """Opacus's distributed optimizers add noise on rank 0 only, all-reduce (sum) and, for
     ``loss_reduction="mean"``, divide by the world size."""
     is_distributed = hasattr(optimizer, "reduce_gradients") and hasattr(optimizer, "world_size")
-    if is_distributed and optimizer.loss_reduction == "mean":
-        return int(optimizer.world_size)
-    return 1
+    return int(optimizer.world_size) if is_distributed and optimizer.loss_reduction == "mean" else 1
 
 
 @dataclass
@@ -279,7 +265,7 @@ class SpectralDenoiser:
 
     def __init__(self, optimizer: Any, params: Sequence[torch.nn.Parameter], kappa: float, svd: str):
         _supported_optimizer_check(optimizer)
-        self.kappa = _check_kappa(kappa)
+        self.kappa = _check_float("kappa", kappa, zero_allowed=False)
         self.svd = _check_svd(svd)
         self.optimizer = optimizer
         self.params = self._check_params(optimizer, params)
@@ -324,8 +310,7 @@ class SpectralDenoiser:
         if tau is None:
             logger.debug("spectral denoiser: no noised step recorded before this update; skipped")
             return
-        found_inf = getattr(opt, "found_inf", None)
-        if found_inf is not None and bool(found_inf):
+        if bool(getattr(opt, "found_inf", None)):
             # a step refused on the device (non-finite values; opacus_rc.finite): the
             # fused update skips it, and an SVD of NaNs would raise
             logger.debug("spectral denoiser: step refused for a non-finite value; skipped")
@@ -346,7 +331,7 @@ class SpectralDenoiser:
         """Detach from the optimizer (restores ``scale_grad``, removes the hook)."""
         self._handle.remove()
         self.optimizer.scale_grad = self._orig_scale_grad
-        if getattr(self.optimizer, _DENOISER_ATTR, None) is self:
+        if get_spectral_denoiser(self.optimizer) is self:
             delattr(self.optimizer, _DENOISER_ATTR)
 
 
@@ -357,9 +342,8 @@ def denoise_gradients_(
     batched through one SVD. Reads nothing but ``p.grad`` and the constants. Returns
     (matrices seen, matrices denoised)."""
     groups: Dict[Tuple, List[torch.Tensor]] = defaultdict(list)
-    for p in params:
-        if p.grad is not None and p.grad.ndim == 2:
-            g = p.grad
+    for g in (p.grad for p in params):
+        if g is not None and g.ndim == 2:
             groups[(tuple(g.shape), g.dtype, g.device)].append(g)
     seen = done = 0
     for grads in groups.values():
@@ -397,7 +381,7 @@ def attach_spectral_denoiser(
         The :class:`SpectralDenoiser` (its ``stats`` count denoised matrices and time spent;
         ``remove()`` detaches it). Attaching twice to one optimizer is a ValueError.
     """
-    if getattr(optimizer, _DENOISER_ATTR, None) is not None:
+    if get_spectral_denoiser(optimizer) is not None:
         raise ValueError("optimizer already has a spectral denoiser attached; call .remove() first")
     denoiser = SpectralDenoiser(optimizer, params, kappa, svd)
     setattr(optimizer, _DENOISER_ATTR, denoiser)

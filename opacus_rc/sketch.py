@@ -81,13 +81,11 @@ class DeviceStreams:
     def generator(self, device: Any = "cpu") -> torch.Generator:
         """The generator for ``device`` (made on first use)."""
         key = str(torch.device(device))
-        gen = self._generators.get(key)
-        if gen is None:
+        if key not in self._generators:
             rank = _process_rank() + 1 if self.per_rank else 0
-            gen = torch.Generator(device=key)
-            gen.manual_seed(stream_seed(self.root, self.tag, len(self._generators), rank))
-            self._generators[key] = gen
-        return gen
+            seed = stream_seed(self.root, self.tag, len(self._generators), rank)
+            self._generators[key] = torch.Generator(device=key).manual_seed(seed)
+        return self._generators[key]
 
     def state_dict(self) -> Dict[str, Any]:
         """Root entropy and generator states (secrets: whoever holds them replays the stream)."""
@@ -98,11 +96,9 @@ class DeviceStreams:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.root = np.random.SeedSequence(state["seed"])
-        self._generators = {}
-        for key, gen_state in state["generators"].items():
-            gen = torch.Generator(device=key)
-            gen.set_state(gen_state)
-            self._generators[key] = gen
+        self._generators = {
+            key: torch.Generator(device=key).set_state(gen_state) for key, gen_state in state["generators"].items()
+        }
 
 
 def check_seed(name: str, seed: Any) -> Optional[int]:
@@ -110,15 +106,6 @@ def check_seed(name: str, seed: Any) -> Optional[int]:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"{name}={seed!r} is invalid; accepted values: a non-negative int or None")
     return seed
-
-
-def secure_standard_normal(shape, device="cpu", dtype=torch.float32) -> torch.Tensor:
-    """i.i.d. N(0, 1) entries from :mod:`opacus_rc.csprng` (AES-256-CTR keystream keyed
-    from ``os.urandom``; 53-bit uniforms, Box-Muller in float64). Nothing comes from a
-    pseudo-random generator."""
-    from .csprng import secure_standard_normal as _csprng_normal
-
-    return _csprng_normal(shape, device=device, dtype=dtype)
 
 
 class Sketcher:
@@ -222,11 +209,12 @@ class Sketcher:
         shape = (batch, rows, cols) if self.config.sketching == "per_example" else (rows, cols)
         if torch.device(device).type == "meta":  # shape-only runs (memory/FLOP counting)
             return torch.empty(shape, device=device, dtype=torch.float32)
-        if self.secure_mode:
-            return secure_standard_normal(shape, device).mul_(cols**-0.5)
-        sketch = torch.randn(
-            shape, generator=self.generator(device), device=device, dtype=torch.float32
-        )
+        if self.secure_mode:  # AES-256-CTR keystream keyed from os.urandom, no pseudo-random generator
+            from .csprng import secure_standard_normal
+
+            sketch = secure_standard_normal(shape, device)
+        else:
+            sketch = torch.randn(shape, generator=self.generator(device), device=device, dtype=torch.float32)
         return sketch.mul_(cols**-0.5)
 
     def estimate(
