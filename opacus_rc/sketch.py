@@ -130,8 +130,7 @@ class Sketcher:
                 "sketch_seed must be None when secure_mode=True: secure sketches are "
                 "seeded from os.urandom"
             )
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"sketch_seed={seed!r} is invalid; accepted values: an int or None")
+        check_seed("sketch_seed", seed)
         self.config = config
         self.secure_mode = secure_mode
         # seed None: 128 bits from the OS; the integer is never used as a generator seed

@@ -270,7 +270,8 @@ def test_unchanged_opacus_loop_learns_with_noise(model_factory, estimator):
         ({"sketching": "per_batch"}, "sketching", "'shared', 'per_example'"),
         ({"grad_sample_mode": "ew"}, "grad_sample_mode", "'ghost', 'hooks'"),
         ({"grad_sample_mode": "functorch"}, "grad_sample_mode", "'ghost', 'hooks'"),
-        ({"sketch_seed": "abc"}, "sketch_seed", "an int or None"),
+        ({"sketch_seed": "abc"}, "sketch_seed", "a non-negative int or None"),
+        ({"sketch_seed": -1}, "sketch_seed", "a non-negative int or None"),
     ],
 )
 def test_bad_options_raise_clear_errors(model_factory, kwargs, param, accepted):
