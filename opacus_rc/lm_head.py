@@ -157,10 +157,8 @@ class _FSDPUnit:
         for hook_id, hook in self.post:
             if only_always and hook_id not in layer._forward_hooks_always_called:
                 continue
-            if hook_id in layer._forward_hooks_with_kwargs:
-                result = hook(layer, (hidden,), {}, output)
-            else:
-                result = hook(layer, (hidden,), output)
+            kwargs = ({},) if hook_id in layer._forward_hooks_with_kwargs else ()
+            result = hook(layer, (hidden,), *kwargs, output)
             if result is not None:
                 output = result
         return output
@@ -303,9 +301,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             return grad_hidden, None, None, None, None, None, None
         wants_w, wants_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         if wants_w or wants_b:
-            grad_w, grad_b = _weighted_grads(
-                hidden, weight, bias, target, scale, lse, plan, u, wants_w, wants_b
-            )
+            grad_w, grad_b = _weighted_grads(hidden, weight, bias, target, scale, lse, plan, u, wants_w, wants_b)
         return grad_hidden, grad_w, grad_b, None, None, None, None
 
 
@@ -340,10 +336,7 @@ def _weighted_grads(hidden, weight, bias, target, scale, lse, plan, u, wants_w=T
         if wants_b:
             grad_b += g.sum(dim=(0, 1))
         del g
-    return (
-        None if grad_w is None else grad_w.to(weight.dtype),
-        None if grad_b is None else grad_b.to(bias.dtype),
-    )
+    return tuple(None if g is None else g.to(p.dtype) for g, p in ((grad_w, weight), (grad_b, bias)))
 
 
 @dataclass
@@ -617,11 +610,9 @@ class ChunkedLMHeadLoss(nn.Module):
             labels = torch.cat([labels[:, 1:], pad], dim=1)
         valid = labels != self.ignore_index
         target = torch.where(valid, labels, torch.zeros_like(labels))
+        scale = valid.float()
         if self.loss_reduction == "mean":
-            count = valid.sum(dim=1, keepdim=True).clamp(min=1)
-            scale = valid.float() / count
-        else:
-            scale = valid.float()
+            scale = scale / valid.sum(dim=1, keepdim=True).clamp(min=1)
         return target, scale
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
