@@ -254,7 +254,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         losses = torch.zeros(batch, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(batch, t, dtype=torch.float32, device=hidden.device)
         h1 = torch.empty(batch, t, d, dtype=cd, device=hidden.device) if need_hidden else None
-        acc = _NormAccumulator(norm_spec, hidden, weight, bias) if norm_spec is not None else None
+        acc = _NormAccumulator(norm_spec, hidden, weight) if norm_spec is not None else None
         for s in range(0, t, c):
             a = hidden[:, s : s + c]
             z = _logits(a, weight, bias, cd)
@@ -343,7 +343,7 @@ def _weighted_grads(hidden, weight, bias, target, scale, lse, plan, u, wants_w=T
 class _NormSpec:
     """How the head's per-example norm is computed this pass."""
 
-    how: str  # "exact" | "hutchinson" | "hutchpp" | "tied"
+    how: str  # "exact" | "hutchinson" | "hutchpp" | "tied" | "none" (frozen weight)
     weight: bool  # the weight is trainable
     bias: bool  # the bias is trainable
     sketches: Dict[str, torch.Tensor] = field(default_factory=dict)
@@ -354,23 +354,15 @@ class _NormAccumulator:
     """Per-example sums over blocks: sketched products (B, rows_left, k), the exact output
     gradient (T <= k only), the exact bias gradient (B, V)."""
 
-    def __init__(self, spec: _NormSpec, hidden, weight, bias) -> None:
-        self.spec = spec
-        batch, t, d = hidden.shape
-        self.hidden = hidden
-        dev = hidden.device
+    def __init__(self, spec: _NormSpec, hidden, weight) -> None:
+        self.spec, self.hidden = spec, hidden
+        (batch, t, _), vocab = hidden.shape, weight.shape[0]
         self.out: Dict[str, torch.Tensor] = {}
-        if spec.bias:
-            self.out["bias"] = torch.zeros(batch, weight.shape[0], dtype=torch.float32, device=dev)
-        if spec.weight and spec.how == "exact":
-            self.g_all = torch.empty(batch, t, weight.shape[0], dtype=torch.float32, device=dev)
         self.products: Dict[str, torch.Tensor] = {}
-
-    def _product(self, name: str, a: torch.Tensor, g: torch.Tensor) -> None:
-        sketch = self.spec.sketches[name]
-        left, right = (a.float(), g) if self.spec.side == "output" else (g, a.float())
-        part = torch.matmul(left.transpose(1, 2), torch.matmul(right, sketch))
-        self.products[name] = part if name not in self.products else self.products[name].add_(part)
+        if spec.bias:
+            self.out["bias"] = torch.zeros(batch, vocab, dtype=torch.float32, device=hidden.device)
+        if spec.weight and spec.how == "exact":
+            self.g_all = torch.empty(batch, t, vocab, dtype=torch.float32, device=hidden.device)
 
     def add(self, start: int, a: torch.Tensor, g: torch.Tensor) -> None:
         spec = self.spec
@@ -381,8 +373,10 @@ class _NormAccumulator:
         if spec.how == "exact":
             self.g_all[:, start : start + g.shape[1]] = g
         else:
-            for name in spec.sketches:
-                self._product(name, a, g)
+            left, right = (a.float(), g) if spec.side == "output" else (g, a.float())
+            for name, sketch in spec.sketches.items():
+                part = torch.matmul(left.transpose(1, 2), torch.matmul(right, sketch))
+                self.products[name] = part if name not in self.products else self.products[name].add_(part)
 
     def finish(self, recompute) -> Dict[str, torch.Tensor]:
         """The per-example quantities the backward needs (the rest is dropped):
