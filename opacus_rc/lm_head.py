@@ -272,12 +272,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     h1[:, s : s + c] = torch.matmul(g.to(cd), weight.to(cd))
                 if acc is not None:
                     acc.add(s, a, _as_dtype(g, cd))
-            del z, e  # one block's logits alive at a time (g, e and z share them)
-            g = None
+            z = e = g = None  # one block's logits alive at a time (g, e and z share them)
         if acc is not None:
             plan.kept = acc.finish(lambda: _recomputed_blocks(hidden, weight, bias, target, scale, lse, plan))
-        ctx.plan = plan
-        ctx.h1 = h1
+        ctx.plan, ctx.h1 = plan, h1
         ctx.save_for_backward(hidden, weight, bias, target, scale, lse)
         return losses
 
@@ -445,11 +443,10 @@ def _deliver_norms(plan: _Plan, kept: Dict[str, torch.Tensor], s: torch.Tensor) 
     (:meth:`SketchingMixin._add_tied_use`, the same sketch as the embedding's use)."""
     owner, layer = plan.owner, plan.layer
     contributions: Dict[str, torch.Tensor] = {}
-    if plan.weight.requires_grad:
-        if "proj" in kept:
-            contributions["weight"] = kept["proj"] * s[:, None, None]
-        else:
-            contributions["weight"] = kept["sq"].clamp(min=0).sqrt() * s.abs()
+    if "proj" in kept:  # (kept for a trainable tied weight only)
+        contributions["weight"] = kept["proj"] * s[:, None, None]
+    elif plan.weight.requires_grad:
+        contributions["weight"] = kept["sq"].clamp(min=0).sqrt() * s.abs()
     if plan.bias is not None and plan.bias.requires_grad:
         contributions["bias"] = kept["bias"] * s[:, None]
     fsdp = plan.mode == "fsdp"
