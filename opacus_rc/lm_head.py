@@ -55,10 +55,18 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from .bookkeeping import Record, append_record, keep_rows
+from .bookkeeping import BookkeepingMixin, Record, append_record, keep_rows
 from .estimators import ghost_sq_norms, sketch_side
+from .fsdp import FSDPSketchingMixin
+from .grad_sample import SketchingMixin
 from .recompute import NON_REENTRANT, REENTRANT, forward_replay
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - torch without FSDP2
+    FSDPModule = None
 
 logger = logging.getLogger(__name__)
 
@@ -75,15 +83,6 @@ def recomputing_forward() -> bool:
     return forward_replay() == NON_REENTRANT
 
 
-def _hook_owners(layer: nn.Module):
-    """The objects whose bound methods are ``layer``'s forward hooks (Opacus's
-    grad-sample modules / hooks objects register ``self.capture_activations_hook``)."""
-    for hook in layer._forward_hooks.values():
-        owner = getattr(hook, "__self__", None)
-        if owner is not None and hasattr(owner, "capture_backprops_hook"):
-            yield owner
-
-
 def controlling_module(layer: nn.Module):
     """The randomized-clipping grad-sample module hooked on ``layer`` (None if none): the
     two-pass (``"ghost"``), book-keeping (``"hooks"``) or FSDP2 (``"ghost_fsdp"``) form.
@@ -92,10 +91,11 @@ def controlling_module(layer: nn.Module):
         ValueError: ``layer`` is hooked by another Opacus grad-sample mode (its per-sample
             gradients or norms could not be computed: ``layer.forward`` is never called).
     """
-    from .bookkeeping import BookkeepingMixin
-    from .grad_sample import SketchingMixin
-
-    for owner in _hook_owners(layer):
+    for hook in layer._forward_hooks.values():
+        # Opacus's grad-sample modules / hooks objects register ``self.capture_activations_hook``
+        owner = getattr(hook, "__self__", None)
+        if owner is None or not hasattr(owner, "capture_backprops_hook"):
+            continue
         if isinstance(owner, (SketchingMixin, BookkeepingMixin)):  # FSDPSketchingMixin too
             return owner
         raise ValueError(
@@ -105,23 +105,6 @@ def controlling_module(layer: nn.Module):
             "whose forward it never sees"
         )
     return None
-
-
-def _is_fsdp_owner(owner: Any) -> bool:
-    """``owner`` is the FSDP2 form of randomized clipping (norms kept on the modules)."""
-    if owner is None:
-        return False
-    from .fsdp import FSDPSketchingMixin
-
-    return isinstance(owner, FSDPSketchingMixin)
-
-
-def _is_dtensor(t: Optional[torch.Tensor]) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return False
-    return isinstance(t, DTensor)
 
 
 class _FSDPUnit:
@@ -141,17 +124,13 @@ class _FSDPUnit:
         self.state = layer._get_fsdp_state()
 
         def owned(hook) -> bool:  # a bound method of the state, possibly under functools.wraps
-            while hook is not None:
-                if getattr(hook, "__self__", None) is self.state:
-                    return True
+            while hook is not None and getattr(hook, "__self__", None) is not self.state:
                 hook = getattr(hook, "__wrapped__", None)
-            return False
+            return hook is not None
 
-        def ours(hooks):
-            return [(i, h) for i, h in hooks.items() if owned(h)]
-
-        self.pre = ours(layer._forward_pre_hooks)
-        self.post = ours(layer._forward_hooks)
+        self.pre, self.post = (
+            [(i, h) for i, h in hooks.items() if owned(h)] for hooks in (layer._forward_pre_hooks, layer._forward_hooks)
+        )
         if not (self.pre and self.post):
             raise RuntimeError(
                 f"ChunkedLMHeadLoss: FSDP2's forward hooks on {type(layer).__name__} were not "
@@ -178,10 +157,8 @@ class _FSDPUnit:
         for hook_id, hook in self.post:
             if only_always and hook_id not in layer._forward_hooks_always_called:
                 continue
-            if hook_id in layer._forward_hooks_with_kwargs:
-                result = hook(layer, (hidden,), {}, output)
-            else:
-                result = hook(layer, (hidden,), output)
+            kwargs = ({},) if hook_id in layer._forward_hooks_with_kwargs else ()
+            result = hook(layer, (hidden,), *kwargs, output)
             if result is not None:
                 output = result
         return output
@@ -211,13 +188,11 @@ def _fsdp_unit(layer: nn.Module, owner: Any) -> Optional[_FSDPUnit]:
             ``fully_shard`` unit itself (they belong to an enclosing unit, whose gather
             does not bracket the head's backward passes).
     """
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
+    if FSDPModule is None:  # pragma: no cover - torch without FSDP2
         return None
     if isinstance(layer, FSDPModule):
         return _FSDPUnit(layer)
-    if _is_fsdp_owner(owner) or any(_is_dtensor(p) for p in layer.parameters(recurse=False)):
+    if isinstance(owner, FSDPSketchingMixin) or any(isinstance(p, DTensor) for p in layer.parameters(recurse=False)):
         raise ValueError(
             "ChunkedLMHeadLoss under FSDP2 needs lm_head to be a fully_shard unit itself: "
             "FSDP2Wrapper shards it so; by hand, fully_shard(lm_head) (or "
@@ -262,12 +237,6 @@ def _softmax_grad(p: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) ->
     return p.mul_(scale[..., None])
 
 
-def _output_grad(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``d loss_i / d z`` for a block, in place on the logits ``z``, from the kept
-    log-sum-exp (:func:`_softmax_grad`)."""
-    return _softmax_grad(z.sub_(lse[..., None]).exp_(), target, scale)
-
-
 def _as_dtype(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The output gradient as autograd would hand it to a linear layer run in ``dtype``
     (rounded to half precision under autocast), for float32 arithmetic."""
@@ -285,7 +254,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         losses = torch.zeros(batch, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(batch, t, dtype=torch.float32, device=hidden.device)
         h1 = torch.empty(batch, t, d, dtype=cd, device=hidden.device) if need_hidden else None
-        acc = _NormAccumulator(norm_spec, hidden, weight, bias) if norm_spec is not None else None
+        acc = _NormAccumulator(norm_spec, hidden, weight) if norm_spec is not None else None
         for s in range(0, t, c):
             a = hidden[:, s : s + c]
             z = _logits(a, weight, bias, cd)
@@ -303,12 +272,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     h1[:, s : s + c] = torch.matmul(g.to(cd), weight.to(cd))
                 if acc is not None:
                     acc.add(s, a, _as_dtype(g, cd))
-            del z, e  # one block's logits alive at a time (g, e and z share them)
-            g = None
+            z = e = g = None  # one block's logits alive at a time (g, e and z share them)
         if acc is not None:
             plan.kept = acc.finish(lambda: _recomputed_blocks(hidden, weight, bias, target, scale, lse, plan))
-        ctx.plan = plan
-        ctx.h1 = h1
+        ctx.plan, ctx.h1 = plan, h1
         ctx.save_for_backward(hidden, weight, bias, target, scale, lse)
         return losses
 
@@ -332,9 +299,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             return grad_hidden, None, None, None, None, None, None
         wants_w, wants_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         if wants_w or wants_b:
-            grad_w, grad_b = _weighted_grads(
-                hidden, weight, bias, target, scale, lse, plan, u, wants_w, wants_b
-            )
+            grad_w, grad_b = _weighted_grads(hidden, weight, bias, target, scale, lse, plan, u, wants_w, wants_b)
         return grad_hidden, grad_w, grad_b, None, None, None, None
 
 
@@ -346,7 +311,9 @@ def _recomputed_blocks(hidden, weight, bias, target, scale, lse, plan: _Plan, ro
     for s in range(0, hidden.shape[1], c):
         a = hidden[:, s : s + c]
         weights = scale[:, s : s + c] if rows is None else scale[:, s : s + c] * rows[:, None]
-        g = _output_grad(_logits(a, weight, bias, cd), lse[:, s : s + c], target[:, s : s + c], weights)
+        z = _logits(a, weight, bias, cd).sub_(lse[:, s : s + c, None])  # softmax from the kept log-sum-exp
+        g = _softmax_grad(z.exp_(), target[:, s : s + c], weights)
+        del z
         yield s, a, _as_dtype(g, cd)
         del g  # (callers drop theirs too: one block's logits alive at a time)
 
@@ -367,17 +334,14 @@ def _weighted_grads(hidden, weight, bias, target, scale, lse, plan, u, wants_w=T
         if wants_b:
             grad_b += g.sum(dim=(0, 1))
         del g
-    return (
-        None if grad_w is None else grad_w.to(weight.dtype),
-        None if grad_b is None else grad_b.to(bias.dtype),
-    )
+    return tuple(None if g is None else g.to(p.dtype) for g, p in ((grad_w, weight), (grad_b, bias)))
 
 
 @dataclass
 class _NormSpec:
     """How the head's per-example norm is computed this pass."""
 
-    how: str  # "exact" | "hutchinson" | "hutchpp" | "tied"
+    how: str  # "exact" | "hutchinson" | "hutchpp" | "tied" | "none" (frozen weight)
     weight: bool  # the weight is trainable
     bias: bool  # the bias is trainable
     sketches: Dict[str, torch.Tensor] = field(default_factory=dict)
@@ -388,23 +352,15 @@ class _NormAccumulator:
     """Per-example sums over blocks: sketched products (B, rows_left, k), the exact output
     gradient (T <= k only), the exact bias gradient (B, V)."""
 
-    def __init__(self, spec: _NormSpec, hidden, weight, bias) -> None:
-        self.spec = spec
-        batch, t, d = hidden.shape
-        self.hidden = hidden
-        dev = hidden.device
+    def __init__(self, spec: _NormSpec, hidden, weight) -> None:
+        self.spec, self.hidden = spec, hidden
+        (batch, t, _), vocab = hidden.shape, weight.shape[0]
         self.out: Dict[str, torch.Tensor] = {}
-        if spec.bias:
-            self.out["bias"] = torch.zeros(batch, weight.shape[0], dtype=torch.float32, device=dev)
-        if spec.weight and spec.how == "exact":
-            self.g_all = torch.empty(batch, t, weight.shape[0], dtype=torch.float32, device=dev)
         self.products: Dict[str, torch.Tensor] = {}
-
-    def _product(self, name: str, a: torch.Tensor, g: torch.Tensor) -> None:
-        sketch = self.spec.sketches[name]
-        left, right = (a.float(), g) if self.spec.side == "output" else (g, a.float())
-        part = torch.matmul(left.transpose(1, 2), torch.matmul(right, sketch))
-        self.products[name] = part if name not in self.products else self.products[name].add_(part)
+        if spec.bias:
+            self.out["bias"] = torch.zeros(batch, vocab, dtype=torch.float32, device=hidden.device)
+        if spec.weight and spec.how == "exact":
+            self.g_all = torch.empty(batch, t, vocab, dtype=torch.float32, device=hidden.device)
 
     def add(self, start: int, a: torch.Tensor, g: torch.Tensor) -> None:
         spec = self.spec
@@ -415,8 +371,10 @@ class _NormAccumulator:
         if spec.how == "exact":
             self.g_all[:, start : start + g.shape[1]] = g
         else:
-            for name in spec.sketches:
-                self._product(name, a, g)
+            left, right = (a.float(), g) if spec.side == "output" else (g, a.float())
+            for name, sketch in spec.sketches.items():
+                part = torch.matmul(left.transpose(1, 2), torch.matmul(right, sketch))
+                self.products[name] = part if name not in self.products else self.products[name].add_(part)
 
     def finish(self, recompute) -> Dict[str, torch.Tensor]:
         """The per-example quantities the backward needs (the rest is dropped):
@@ -450,15 +408,6 @@ class _NormAccumulator:
         return out
 
 
-def _per_example_scale(plan: _Plan, u: torch.Tensor) -> torch.Tensor:
-    """The factor of example i's gradient of the loss the norms are taken of: Opacus's
-    hooks multiply the output gradient by the batch size under ``loss_reduction="mean"``
-    (the gradient of ``n * mean_i l_i``: per example, that of ``l_i``)."""
-    if plan.owner.loss_reduction == "mean":
-        return u * u.shape[0]
-    return u
-
-
 def _trainable(layer_params):
     return [p for p in layer_params if p is not None and p.requires_grad]
 
@@ -466,25 +415,23 @@ def _trainable(layer_params):
 def _deliver(plan: _Plan, hidden, target, scale, lse, u) -> None:
     """First backward with the hooks on: hand the head's per-example norms to the
     grad-sample module (``_norm_sample``, a tied running sum, or book-keeping records)."""
-    owner, kept = plan.owner, plan.kept
-    weight, bias = plan.weight, plan.bias
+    owner, kept, weight, bias = plan.owner, plan.kept, plan.weight, plan.bias
     plan.kept = {}
     owner._awaiting_forward = True  # as its backward hooks do: the next forward starts a pass
-    s = _per_example_scale(plan, u)
-    params = _trainable([weight, bias])
-    if plan.mode == "bk":
-        for p in params:
-            p._forward_counter -= 1
-        if weight.requires_grad:
-            sq = kept["sq"] * s.pow(2)
-            clip = _BookkeptHead(hidden, weight, bias, target, scale, lse, plan, s)
-            append_record(weight, Record(sq, clip.weight))
-        if bias is not None and bias.requires_grad:
-            bias_grads = kept["bias"] * s[:, None]
-            clip = _BookkeptHead(hidden, weight, bias, target, scale, lse, plan, s)
-            append_record(bias, Record(bias_grads.pow(2).sum(dim=1), clip.bias))
+    # The factor of example i's gradient of the loss the norms are taken of: Opacus's hooks multiply
+    # the output gradient by n under loss_reduction="mean" (that of n * mean_i l_i: per example, of l_i).
+    s = u * u.shape[0] if owner.loss_reduction == "mean" else u
+    if plan.mode != "bk":
+        _deliver_norms(plan, kept, s)
         return
-    _deliver_norms(plan, kept, s)
+    for p in _trainable([weight, bias]):
+        p._forward_counter -= 1
+    args = (hidden, weight, bias, target, scale, lse, plan, s)
+    if weight.requires_grad:
+        append_record(weight, Record(kept["sq"] * s.pow(2), _bookkept_clip(*args, which=0)))
+    if bias is not None and bias.requires_grad:
+        bias_sq = (kept["bias"] * s[:, None]).pow(2).sum(dim=1)
+        append_record(bias, Record(bias_sq, _bookkept_clip(*args, which=1)))
 
 
 def _deliver_norms(plan: _Plan, kept: Dict[str, torch.Tensor], s: torch.Tensor) -> None:
@@ -496,11 +443,10 @@ def _deliver_norms(plan: _Plan, kept: Dict[str, torch.Tensor], s: torch.Tensor) 
     (:meth:`SketchingMixin._add_tied_use`, the same sketch as the embedding's use)."""
     owner, layer = plan.owner, plan.layer
     contributions: Dict[str, torch.Tensor] = {}
-    if plan.weight.requires_grad:
-        if "proj" in kept:
-            contributions["weight"] = kept["proj"] * s[:, None, None]
-        else:
-            contributions["weight"] = kept["sq"].clamp(min=0).sqrt() * s.abs()
+    if "proj" in kept:  # (kept for a trainable tied weight only)
+        contributions["weight"] = kept["proj"] * s[:, None, None]
+    elif plan.weight.requires_grad:
+        contributions["weight"] = kept["sq"].clamp(min=0).sqrt() * s.abs()
     if plan.bias is not None and plan.bias.requires_grad:
         contributions["bias"] = kept["bias"] * s[:, None]
     fsdp = plan.mode == "fsdp"
@@ -518,29 +464,19 @@ def _deliver_norms(plan: _Plan, kept: Dict[str, torch.Tensor], s: torch.Tensor) 
         p._forward_counter -= 1
 
 
-class _BookkeptHead:
-    """Book-keeping's clipped sums of the head, ``sum_i c_i s_i A_i^T G_i`` and
-    ``sum_i c_i s_i sum_t G_i[t]``, recomputed block by block at ``optimizer.step()``
-    from what the forward kept (A, labels, log-sum-exp), never from a stored (T x V)."""
+def _bookkept_clip(hidden, weight, bias, target, scale, lse, plan, s, which: int):
+    """Book-keeping's clipped sum of the head's weight (``which`` 0), ``sum_i c_i s_i A_i^T G_i``,
+    or bias (1), ``sum_i c_i s_i sum_t G_i[t]``: ``clipped(c, keep=None)`` of a :class:`Record`,
+    recomputed block by block at ``optimizer.step()`` from what the forward kept (A, labels,
+    log-sum-exp), never from a stored (T x V)."""
 
-    def __init__(self, hidden, weight, bias, target, scale, lse, plan, s) -> None:
-        self.args = (hidden, weight, bias, target, scale, lse)
-        self.plan, self.s = plan, s
-
-    def _grads(self, c: torch.Tensor, keep: Optional[torch.Tensor], wants_w: bool, wants_b: bool):
-        hidden, weight, bias, target, scale, lse = self.args
-        rows = c.float() * self.s
-        if keep is not None:  # dropped examples: zero rows, so nothing non-finite reaches the sum
-            hidden, lse = keep_rows(hidden, keep), keep_rows(lse, keep)
-            rows = torch.where(keep, rows, torch.zeros_like(rows))
+    def clipped(c: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # dropped examples: zero rows, so nothing non-finite reaches the sum
+        a, kept_lse, rows = (keep_rows(x, keep) for x in (hidden, lse, c.float() * s))
         with torch.no_grad():
-            return _weighted_grads(hidden, weight, bias, target, scale, lse, self.plan, rows, wants_w, wants_b)
+            return _weighted_grads(a, weight, bias, target, scale, kept_lse, plan, rows, which == 0, which == 1)[which]
 
-    def weight(self, c: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self._grads(c, keep, True, False)[0]
-
-    def bias(self, c: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self._grads(c, keep, False, True)[1]
+    return clipped
 
 
 def _static_ties(owner, layer: nn.Module, weight: nn.Parameter) -> bool:
@@ -555,52 +491,47 @@ def _static_ties(owner, layer: nn.Module, weight: nn.Parameter) -> bool:
     return cache[key]
 
 
-def _norm_spec(owner, layer, weight, bias, batch: int, t: int, d: int, device, tied: Optional[bool] = None) -> _NormSpec:
+def _norm_spec(owner, layer, weight, bias, hidden: torch.Tensor, tied: Optional[bool] = None) -> _NormSpec:
     """How this pass computes the head's norm, mirroring the unchunked path
     (:func:`opacus_rc.norm_samplers.weight_sq_norms`, ``Sketcher.estimate``, the tied
     projection of :func:`opacus_rc.norm_samplers.linear_projection`), so the same
     sketches give the same norms. ``tied``: decided by the caller (FSDP2: the module
     shares a parameter), else from the use counters and the model's modules."""
-    from .bookkeeping import BookkeepingMixin
-
+    (batch, t, d), device = hidden.shape, hidden.device
     sketcher = owner.sketcher
     config = sketcher.config
     k = config.sketch_size
     w_trainable = weight.requires_grad
-    b_trainable = bias is not None and bias.requires_grad
     if tied is None:
         tied = w_trainable and (weight._forward_counter > 1 or _static_ties(owner, layer, weight))
     tied = tied and w_trainable
-    if tied and isinstance(owner, BookkeepingMixin):
-        raise ValueError(
-            "tied weights are not supported by book-keeping (grad_sample_mode='hooks') "
-            "with clipping='randomized'; use grad_sample_mode='ghost'"
-        )
-    if isinstance(owner, BookkeepingMixin) and any(
-        p._forward_counter > 1 for p in _trainable([weight, bias])
-    ):
-        raise ValueError(
-            "ChunkedLMHeadLoss was called more than once in one forward pass under "
-            "book-keeping (grad_sample_mode='hooks'); call it once per batch, or use "
-            "grad_sample_mode='ghost'"
-        )
-    spec = _NormSpec(how="tied", weight=w_trainable, bias=b_trainable)
+    if isinstance(owner, BookkeepingMixin):
+        if tied:
+            raise ValueError(
+                "tied weights are not supported by book-keeping (grad_sample_mode='hooks') "
+                "with clipping='randomized'; use grad_sample_mode='ghost'"
+            )
+        if any(p._forward_counter > 1 for p in _trainable([weight, bias])):
+            raise ValueError(
+                "ChunkedLMHeadLoss was called more than once in one forward pass under "
+                "book-keeping (grad_sample_mode='hooks'); call it once per batch, or use "
+                "grad_sample_mode='ghost'"
+            )
+    spec = _NormSpec(how="tied", weight=w_trainable, bias=bias is not None and bias.requires_grad)
+    vocab = weight.shape[0]
     if not w_trainable:
         spec.how = "none"
-        return spec
-    vocab = weight.shape[0]
-    if tied:  # the weight's row sketch (V x k), shared with the embedding's use
+    elif tied:  # the weight's row sketch (V x k), shared with the embedding's use
         spec.sketches["tail"] = sketcher.gaussian(batch, vocab, k, device, key=weight)
-        return spec
-    if config.exact_when_cheaper and t <= k:
+    elif config.exact_when_cheaper and t <= k:
         spec.how = "exact"
-        return spec
-    spec.side = sketch_side(d, vocab, "auto")
-    rows = vocab if spec.side == "output" else d
-    spec.how = config.estimator
-    spec.sketches["tail"] = sketcher.gaussian(batch, rows, k, device, key=(weight, "tail"))
-    if config.estimator == "hutchpp":
-        spec.sketches["head"] = sketcher.gaussian(batch, rows, k, device, key=(weight, "head"))
+    else:
+        spec.side = sketch_side(d, vocab, "auto")
+        rows = vocab if spec.side == "output" else d
+        spec.how = config.estimator
+        spec.sketches["tail"] = sketcher.gaussian(batch, rows, k, device, key=(weight, "tail"))
+        if config.estimator == "hutchpp":
+            spec.sketches["head"] = sketcher.gaussian(batch, rows, k, device, key=(weight, "head"))
     return spec
 
 
@@ -670,11 +601,9 @@ class ChunkedLMHeadLoss(nn.Module):
             labels = torch.cat([labels[:, 1:], pad], dim=1)
         valid = labels != self.ignore_index
         target = torch.where(valid, labels, torch.zeros_like(labels))
+        scale = valid.float()
         if self.loss_reduction == "mean":
-            count = valid.sum(dim=1, keepdim=True).clamp(min=1)
-            scale = valid.float() / count
-        else:
-            scale = valid.float()
+            scale = scale / valid.sum(dim=1, keepdim=True).clamp(min=1)
         return target, scale
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -724,7 +653,6 @@ class ChunkedLMHeadLoss(nn.Module):
         """The per-sequence losses (B,), registering the pass with ``owner`` when its hooks
         are on (norms in the backward pass)."""
         weight, bias = layer.weight, layer.bias
-        batch, t, d = hidden.shape
         device_type = hidden.device.type
         autocast = torch.amp.is_autocast_available(device_type)
         if autocast and torch.is_autocast_enabled(device_type):
@@ -737,21 +665,19 @@ class ChunkedLMHeadLoss(nn.Module):
         if owner is not None and owner.hooks_enabled and training and _trainable([weight, bias]):
             if forward_replay() is None:  # as its forward hook would (a reentrant replay starts none)
                 owner._start_pass(layer)
-            from .bookkeeping import BookkeepingMixin
-
             plan.owner = owner
-            if _is_fsdp_owner(owner):
+            if isinstance(owner, FSDPSketchingMixin):
                 # FSDP2: parameter objects are swapped (no per-parameter counters); a tied
                 # head counts its uses as the FSDP form's tied hooks do (_capture_tied_activations)
                 plan.mode, plan.tied = "fsdp", id(layer) in owner._tied_modules
                 if plan.tied:
                     owner._count_tied_use(layer)
-                spec = _norm_spec(owner, layer, weight, bias, batch, t, d, hidden.device, tied=plan.tied)
+                spec = _norm_spec(owner, layer, weight, bias, hidden, tied=plan.tied)
             else:
                 plan.mode = "bk" if isinstance(owner, BookkeepingMixin) else "norms"
                 for p in _trainable([weight, bias]):
                     p._forward_counter += 1
-                spec = _norm_spec(owner, layer, weight, bias, batch, t, d, hidden.device)
+                spec = _norm_spec(owner, layer, weight, bias, hidden)
         with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
             return _ChunkedHeadLoss.apply(hidden, weight, bias, target, scale, plan, spec)
 
@@ -763,11 +689,7 @@ def hidden_states(model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
     own forward to run."""
     inner = getattr(model, "_module", model)
     base = getattr(inner, "base_model", None)
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        FSDPModule = ()
-    if isinstance(inner, FSDPModule) and base is not None and base is not inner:
+    if FSDPModule is not None and isinstance(inner, FSDPModule) and base is not None and base is not inner:
         raise ValueError(
             f"hidden_states() would call the base model of an FSDP2 root ({type(inner).__name__}), "
             "skipping the root's forward, which FSDP2 needs: shard a module whose forward "

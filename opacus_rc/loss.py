@@ -15,16 +15,7 @@ from opacus.utils.fast_gradient_clipping_utils import (
     DPTensorFastGradientClipping,
 )
 
-_ARITHMETIC = (
-    "__truediv__",
-    "__mul__",
-    "__rmul__",
-    "__add__",
-    "__radd__",
-    "__sub__",
-    "__rsub__",
-    "__neg__",
-)
+_ARITHMETIC = ("__truediv__", "__mul__", "__rmul__", "__add__", "__radd__", "__sub__", "__rsub__", "__neg__")
 
 
 class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
@@ -61,15 +52,16 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
             optimizer.forget_after_step(self.module)
 
 
+def _randomized(loss: DPTensorFastGradientClipping) -> DPTensorRandomizedClipping:
+    return DPTensorRandomizedClipping(loss.module, loss.optimizer, loss.loss_per_sample, loss.loss_reduction)
+
+
 def _keep_type(name: str):
     """Arithmetic on the loss (``loss / n``, ``w * loss``, ...) keeps this class."""
     base = getattr(DPTensorFastGradientClipping, name)
 
     def op(self, *args):
-        out = base(self, *args)
-        return DPTensorRandomizedClipping(
-            out.module, out.optimizer, out.loss_per_sample, out.loss_reduction
-        )
+        return _randomized(base(self, *args))
 
     op.__name__ = name
     return op
@@ -84,7 +76,4 @@ class DPLossRandomizedClipping(DPLossFastGradientClipping):
     call signature as Opacus's (``criterion(logits, targets, shape=...)``)."""
 
     def __call__(self, *args, shape=None, **kwargs) -> DPTensorRandomizedClipping:
-        loss = super().__call__(*args, shape=shape, **kwargs)
-        return DPTensorRandomizedClipping(
-            loss.module, loss.optimizer, loss.loss_per_sample, loss.loss_reduction
-        )
+        return _randomized(super().__call__(*args, shape=shape, **kwargs))

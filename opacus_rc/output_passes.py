@@ -69,8 +69,8 @@ class OutputPasses:
         self.loss_reduction = loss_reduction
         self._inside = 0
         self._anchor = torch.empty(0, requires_grad=True)
-        target = output_module(grad_sample_module._module)
-        self._handle = target.register_forward_hook(self._wrap_output)
+        self.target = output_module(grad_sample_module._module)
+        self._handle = self.target.register_forward_hook(self._wrap_output)
         grad_sample_module.output_passes = self
 
     def remove(self) -> None:
@@ -92,10 +92,9 @@ class OutputPasses:
             )
 
     def _wrap_output(self, _module: nn.Module, _inputs: Any, output: Any) -> Any:
-        if not (self.module.hooks_enabled and _module.training and torch.is_grad_enabled()):
+        # forward_replay(): activation checkpointing's recomputation, whose original call was wrapped
+        if not (self.module.hooks_enabled and _module.training and torch.is_grad_enabled()) or forward_replay():
             return None
-        if forward_replay() is not None:
-            return None  # activation checkpointing's recomputation: the original call was wrapped
         if isinstance(output, torch.Tensor):
             return self._bounded(output)
         logits = getattr(output, "logits", None)
@@ -115,13 +114,12 @@ class OutputPasses:
 
     def _passes(self, value: torch.Tensor, grad: torch.Tensor) -> None:
         """The two passes for the output ``value`` whose gradient is ``grad``."""
-        n = value.shape[0]
         self._inside += 1
         try:
             with torch.enable_grad():  # autograd runs a Function's backward without grad mode
                 pseudo = (value * grad.detach()).flatten(1).sum(dim=1)
                 if self.loss_reduction == "mean":
-                    pseudo = pseudo * n
+                    pseudo = pseudo * value.shape[0]
                 DPTensorRandomizedClipping(self.module, self.optimizer, pseudo, self.loss_reduction).backward()
         finally:
             self._inside -= 1
@@ -132,7 +130,6 @@ def attach_output_passes(module: Any, optimizer: Any, loss_reduction: str) -> Op
     passes = OutputPasses(module, optimizer, loss_reduction)
     logger.info(
         "randomized clipping: two passes from the output of %s (activation checkpointing: "
-        "book-keeping would keep every linear layer's input until the step)",
-        type(output_module(module._module)).__name__,
+        "book-keeping would keep every linear layer's input until the step)", type(passes.target).__name__,
     )
     return passes
