@@ -182,6 +182,14 @@ def clipped_embedding(
 BOOKKEPT_LAYERS = (nn.Linear, nn.Embedding)
 
 
+def tied_weights_error() -> ValueError:
+    """The refusal of a parameter shared by two book-kept layers (its records would clip each use alone)."""
+    return ValueError(
+        "tied weights are not supported by book-keeping (grad_sample_mode='bookkeeping', or "
+        "its alias 'hooks') with clipping='randomized'; use grad_sample_mode='ghost'"
+    )
+
+
 def _bookkept(module: nn.Module) -> bool:
     """Layers book-kept exactly by type (subclasses, e.g. MultiheadAttention's output
     projection, go through Opacus's per-sample gradients)."""
@@ -204,10 +212,7 @@ class BookkeepingMixin(_SketcherOwner):
         ]
         owners = collections.Counter(id(p) for m in layers for p in m.parameters(recurse=False))
         if any(count > 1 for count in owners.values()):
-            raise ValueError(
-                "tied weights are not supported by book-keeping (grad_sample_mode='hooks') "
-                "with clipping='randomized'; use grad_sample_mode='ghost'"
-            )
+            raise tied_weights_error()
         self._pending_uses: Dict[nn.Module, List[Any]] = {}  # this pass's uses, per layer
         self._recorded_in_pass: set = set()  # layers whose record of this pass is complete
         self._clear_queued = False  # end-of-backward reset of _recorded_in_pass queued

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .bookkeeping import BookkeepingMixin, Record, append_record, keep_rows
+from .bookkeeping import BookkeepingMixin, Record, append_record, keep_rows, tied_weights_error
 from .estimators import ghost_sq_norms, sketch_side
 from .fsdp import FSDPSketchingMixin
 from .grad_sample import SketchingMixin
@@ -507,10 +507,7 @@ def _norm_spec(owner, layer, weight, bias, hidden: torch.Tensor, tied: Optional[
     tied = tied and w_trainable
     if isinstance(owner, BookkeepingMixin):
         if tied:
-            raise ValueError(
-                "tied weights are not supported by book-keeping (grad_sample_mode='hooks') "
-                "with clipping='randomized'; use grad_sample_mode='ghost'"
-            )
+            raise tied_weights_error()
         if any(p._forward_counter > 1 for p in _trainable([weight, bias])):
             raise ValueError(
                 "ChunkedLMHeadLoss was called more than once in one forward pass under "

@@ -147,3 +147,30 @@ def test_linear_subclass_goes_through_exact_per_sample_gradients(model_factory):
     one_pass, _ = run(copy.deepcopy(init), "hooks", x, y)
     for k in two_pass:
         torch.testing.assert_close(one_pass[k], two_pass[k], rtol=1e-4, atol=1e-6)
+
+
+class _TiedLM(nn.Module):
+    """An embedding whose weight is also the output head's (tied weights)."""
+
+    def __init__(self, vocab: int = 11, d: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.emb(x)).mean(dim=1)
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "hooks"])
+def test_tied_weights_are_refused_by_bookkeeping(mode):
+    """Book-keeping keeps one record per layer: a weight shared by two layers would be clipped
+    per use, not as one per-example gradient, so it is refused at make_private."""
+    model = _TiedLM()
+    x = torch.randint(0, 11, (8, 5))
+    with pytest.raises(ValueError, match="tied weights are not supported by book-keeping"):
+        PrivacyEngine(accountant="rc_prv").make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, 0]), batch_size=4),
+            noise_multiplier=1.0, max_grad_norm=1.0, clipping="randomized", grad_sample_mode=mode,
+        )
