@@ -56,7 +56,7 @@ from opacus.optimizers import FSDPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _generate_noise
 from torch import nn
 
-from .grad_sample import SketchingMixin, _saves_inputs, check_norms_cover_batch
+from .grad_sample import SketchingMixin, _saves_inputs, check_norms_cover_batch, unmatched_tied_uses_error
 from .optimizer import RandomizedClippingMixin
 from .norm_samplers import TIED_PROJECTIONS
 from .recompute import late_use_error
@@ -248,11 +248,7 @@ class FSDPSketchingMixin(SketchingMixin):
         pending = [s for s in slots if s._forward_counter != 0 or s._tied_sketch_sum is not None]
         per_param += [(self._module, s._norm_sample) for s in slots if s._norm_sample is not None]
         if pending:  # never clip with part of a tied parameter's norm
-            raise ValueError(
-                "a tied parameter's forward uses and backward hooks do not match (a forward "
-                "pass without its backward pass?): refusing to clip; run forward and backward "
-                "in pairs while the privacy hooks are on"
-            )
+            raise unmatched_tied_uses_error()
         check_norms_cover_batch([(f"a {self._get_module_type(m).__name__}", n) for m, n in per_param])
         if per_param:
             device = per_param[0][1].device

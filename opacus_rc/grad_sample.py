@@ -177,6 +177,16 @@ def _saves_inputs(module: nn.Module) -> bool:
     return requires_grad(module) and module.training and torch.is_grad_enabled()
 
 
+def unmatched_tied_uses_error() -> ValueError:
+    """The refusal of a norm step while a tied parameter's running sum still waits for uses:
+    clipping with part of its per-example gradient would under-estimate the norm."""
+    return ValueError(
+        "a tied parameter's forward uses and backward hooks do not match (a forward "
+        "pass without its backward pass?): refusing to clip; run forward and backward "
+        "in pairs while the privacy hooks are on"
+    )
+
+
 def check_norms_cover_batch(norms: Sequence[Tuple[str, torch.Tensor]]) -> None:
     """Every per-sample norm covers the batch (the most examples any of them covers);
     ``norms`` pairs each with what the error calls the layer or parameter it is of."""
@@ -220,10 +230,13 @@ class SketchingMixin(_SketcherOwner):
             return super().get_norm_sample()
         finally:
             for p in self.trainable_parameters:
-                p._norm_sample = None
+                p._norm_sample = p._tied_sketch_sum = None
 
     def _check_norm_samples(self) -> None:
-        """Every trainable parameter has this pass's per-sample norms, over the batch."""
+        """Every trainable parameter has this pass's per-sample norms, over the batch, and
+        no tied running sum waits for a use (its norm would miss that use)."""
+        if any(getattr(p, "_tied_sketch_sum", None) is not None for p in self.trainable_parameters):
+            raise unmatched_tied_uses_error()
         missing = [name for name, p in trainable_parameters(self._module) if getattr(p, "_norm_sample", None) is None]
         if missing:
             raise missing_per_sample_error(", ".join(repr(n) for n in missing))

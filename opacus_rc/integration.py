@@ -301,7 +301,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
         arguments = _with_opacus_defaults(OpacusPrivacyEngine.make_private_with_epsilon, call)
         options = Options.parse(self, clipping, _plugin_options(locals()), arguments)
         if not options.randomized:
-            return self._run_opacus(super().make_private_with_epsilon, options, arguments, {**call, "clipping": clipping})
+            call["clipping"] = clipping
+            return self._run_opacus(super().make_private_with_epsilon, options, arguments, call)
         # Copied from Opacus's make_private_with_epsilon, which calibrates for its own
         # accountants at 1 / len(loader): rc_prv needs the sketch and the public rate.
         if len(self.accountant) > 0:

@@ -424,7 +424,10 @@ def _deliver(plan: _Plan, hidden, target, scale, lse, u) -> None:
     if plan.mode != "bk":
         _deliver_norms(plan, kept, s)
         return
-    for p in _trainable([weight, bias]):
+    params = _trainable([weight, bias])
+    if any(p._forward_counter != 1 for p in params) or plan.layer in owner._pending_uses:
+        raise _head_used_twice_error(bookkeeping=True)  # a later use: its record would miss it
+    for p in params:
         p._forward_counter -= 1
     args = (hidden, weight, bias, target, scale, lse, plan, s)
     if weight.requires_grad:
@@ -454,14 +457,36 @@ def _deliver_norms(plan: _Plan, kept: Dict[str, torch.Tensor], s: torch.Tensor) 
         for name, contribution in contributions.items():
             owner._add_tied_use(layer, getattr(layer, name), contribution)
         return
+    # an untied head's norm is of this use alone: any other use of the head in the pass
+    # (a use still to come, one already summed as tied, or one already delivered) is refused
+    params = [getattr(layer, name) for name in contributions]
+    used_elsewhere = (
+        getattr(layer, "norm_sample", None) is not None if fsdp
+        else any(p._forward_counter != 1 or getattr(p, "_tied_sketch_sum", None) is not None for p in params)
+    )
+    if used_elsewhere:
+        raise _head_used_twice_error()
     norms = [c if c.dim() == 1 else c.flatten(start_dim=1).norm(2, dim=1) for c in contributions.values()]
     if fsdp:
         layer.norm_sample = norms
         return
-    for name, norm in zip(contributions, norms):
-        p = getattr(layer, name)
+    for p, norm in zip(params, norms):
         p._norm_sample = norm
         p._forward_counter -= 1
+
+
+def _head_used_twice_error(bookkeeping: bool = False) -> ValueError:
+    """The refusal of a second use of the head in one pass whose norm would miss a use."""
+    other = (
+        "any other use of lm_head in the pass is refused under book-keeping"
+        if bookkeeping else "another direct use of lm_head must come before the loss (it is then summed "
+        "with the loss's use, as tied uses are)"
+    )
+    return ValueError(
+        "ChunkedLMHeadLoss was called more than once in one forward pass, or lm_head was also "
+        f"applied directly after it: the head's per-example norm would miss a use. Call the loss "
+        f"once per batch; {other}"
+    )
 
 
 def _bookkept_clip(hidden, weight, bias, target, scale, lse, plan, s, which: int):
@@ -506,14 +531,10 @@ def _norm_spec(owner, layer, weight, bias, hidden: torch.Tensor, tied: Optional[
         tied = w_trainable and (weight._forward_counter > 1 or _static_ties(owner, layer, weight))
     tied = tied and w_trainable
     if isinstance(owner, BookkeepingMixin):
+        if any(p._forward_counter > 1 for p in _trainable([weight, bias])):  # an earlier use
+            raise _head_used_twice_error(bookkeeping=True)
         if tied:
             raise tied_weights_error()
-        if any(p._forward_counter > 1 for p in _trainable([weight, bias])):
-            raise ValueError(
-                "ChunkedLMHeadLoss was called more than once in one forward pass under "
-                "book-keeping (grad_sample_mode='hooks'); call it once per batch, or use "
-                "grad_sample_mode='ghost'"
-            )
     spec = _NormSpec(how="tied", weight=w_trainable, bias=bias is not None and bias.requires_grad)
     vocab = weight.shape[0]
     if not w_trainable:

@@ -548,3 +548,62 @@ def test_output_passes_on_a_checkpointed_model_are_refused_with_the_alternative(
         else:
             head(hidden_states(module, input_ids=x, position_ids=positions), labels).backward()
             opt.step()
+
+
+# --- the head used more than once in a pass --------------------------------------------------
+
+
+def _two_uses_step(model, x, y, order, mode="ghost"):
+    """One noiseless two-pass step whose per-sequence loss uses the head twice: the chunked
+    loss and ``aux = 0.1 mean(head(h)^2)`` (``order``: which comes first; ``"unchunked"``:
+    the cross-entropy through ``model.head`` too). Returns the update by name."""
+    from opacus_rc.loss import DPTensorRandomizedClipping
+
+    model = copy.deepcopy(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    head_loss = ChunkedLMHeadLoss(model.head, block_size=3)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x))
+    module, opt, *_ = PrivacyEngine(accountant="rc_prv").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader,
+        noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False, grad_sample_mode=mode,
+        clipping="randomized", criterion=head_loss, sketch_size=16, sketch_seed=3,
+    )
+    head_loss.reduction = "none"  # per-sequence losses, as Opacus's criterion asks for them
+    hidden = module(x)
+    aux = lambda: 0.1 * model.head(hidden).pow(2).mean(dim=(1, 2))  # noqa: E731
+    if order == "chunked_first":
+        losses = head_loss(hidden, y)
+        losses = losses + aux()
+    elif order == "aux_first":
+        first = aux()
+        losses = first + head_loss(hidden, y)
+    elif order == "chunked_twice":
+        losses = head_loss(hidden, y) + head_loss(hidden, y)
+    else:
+        first = aux()
+        losses = first + per_sequence_ce(model.head(hidden), y)
+    if mode == "ghost":
+        DPTensorRandomizedClipping(module, opt, losses, "mean").backward()
+    else:  # book-keeping: a plain loss
+        losses.mean().backward()
+    opt.step()
+    return {n: before[n] - p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
+@pytest.mark.parametrize("order", ["chunked_twice", "chunked_first"])
+def test_a_second_use_of_the_head_after_the_chunked_loss_is_refused(order, mode):
+    """The chunked loss takes its norm of the head as untied when it runs first: a later use
+    of the head in the pass (a second call, or the head applied directly) would be left out of
+    that norm, an under-estimated norm (two-pass: about 27% too large an update when this
+    ran), so the step is refused; book-keeping refuses any second use."""
+    x, y = batch(4, 8, 24)
+    with pytest.raises(ValueError, match="more than once in one forward pass"):
+        _two_uses_step(TinyLM(), x, y, order, mode)
+
+
+def test_the_head_applied_before_the_chunked_loss_is_a_tied_use():
+    """A direct use of the head before the chunked loss: both uses join one running sum (the
+    same row sketch), as two direct uses of the head do on the unchunked path."""
+    x, y = batch(4, 8, 24)
+    assert_close(_two_uses_step(TinyLM(), x, y, "aux_first"), _two_uses_step(TinyLM(), x, y, "unchunked"))

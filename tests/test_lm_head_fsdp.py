@@ -10,8 +10,9 @@ scenario, each rank saves what it saw).
   hand), losses equal;
 * two micro-batches per rank equal one batch (shared sketches);
 * without privacy, the gradients equal the unchunked head's;
-* a head whose parameters an enclosing unit manages is refused, naming fully_shard, and
-  ``hidden_states()`` on an FSDP2 root (it would skip the root's forward).
+* a head whose parameters an enclosing unit manages is refused, naming fully_shard,
+  ``hidden_states()`` on an FSDP2 root (it would skip the root's forward), and the loss
+  called twice in one forward pass (the second norm would overwrite the first).
 """
 
 import os
@@ -64,7 +65,7 @@ def shard(model: nn.Module, tied: bool, head_unit: bool = True) -> nn.Module:
 
 
 def fsdp_step(rank, *, chunked, vocab, t, tied=False, bias=True, wrap_model=True, micro_batches=1,
-              head_unit=True, **options):
+              head_unit=True, head_calls=1, **options):
     """One noiseless SGD(lr=1) step over 2 ranks; (full parameters after it, the losses of
     this rank's micro-batches)."""
     model = shard((TinyLM if chunked else CausalLM)(vocab=vocab, tied=tied, bias=bias), tied, head_unit)
@@ -85,7 +86,10 @@ def fsdp_step(rank, *, chunked, vocab, t, tied=False, bias=True, wrap_model=True
     for part in torch.chunk(torch.arange(PER_RANK), micro_batches):
         xb, yb = x[mine][part], y[mine][part]
         if chunked:
-            loss = crit(body(xb), yb)
+            hidden = body(xb)
+            loss = crit(hidden, yb)
+            for _ in range(head_calls - 1):
+                loss = loss + crit(hidden, yb)
         else:
             logits = body(xb)
             loss = crit(logits.reshape(-1, vocab), yb.reshape(-1), shape=logits.shape[:2])
@@ -155,6 +159,11 @@ def worker(rank, init_file, out_dir):
     except ValueError as e:
         out["refused"] = str(e)
     out["hidden_states"] = hidden_states_error()
+    try:
+        fsdp_step(rank, chunked=True, head_calls=2, **EXACT)
+        out["called_twice"] = None
+    except ValueError as e:
+        out["called_twice"] = str(e)
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -231,3 +240,10 @@ def test_head_inside_an_enclosing_unit_is_refused(ranks):
 def test_hidden_states_of_an_fsdp_root_is_refused(ranks):
     """hidden_states() would call the base model and skip the FSDP2 root's forward."""
     assert "FSDP2 root" in ranks[0]["hidden_states"]
+
+
+def test_the_loss_called_twice_in_a_pass_is_refused(ranks):
+    """The untied head's norm is its module's ``norm_sample``: a second call in the pass
+    would overwrite the first call's norm (an under-estimated norm), so it is refused."""
+    for r in ranks:
+        assert "more than once in one forward pass" in r["called_twice"]
