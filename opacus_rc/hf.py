@@ -85,7 +85,7 @@ from opacus.optimizers import DPOptimizer
 from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc, sketch_record
 from .bookkeeping import Record
 from .config import SketchConfig
-from .integration import PrivacyEngine  # registers clipping="randomized" and rc_prv
+from .integration import PrivacyEngine, per_rank_normaliser  # registers clipping="randomized" and rc_prv
 from .sketch import entropy_seed
 
 logger = logging.getLogger(__name__)
@@ -623,7 +623,7 @@ class DPTrainerMixin:
         finally:
             model.train(was_training)
         if p.clipping != "randomized":  # Opacus's own normaliser and rate read the placeholder
-            dp_optimizer.expected_batch_size = batch
+            dp_optimizer.expected_batch_size = per_rank_normaliser(batch, self.args.world_size > 1)
             dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=self.sample_rate))
         if self._dp_resumed_history is not None:
             engine.accountant.history = list(self._dp_resumed_history)

@@ -118,6 +118,13 @@ def poisson_generator(data_loader, seed: Optional[int], distributed: bool) -> to
     return DeviceStreams(root, POISSON_STREAM, per_rank=True).generator("cpu")
 
 
+def per_rank_normaliser(batch_size: int, distributed: bool) -> float:
+    """The public normaliser (the expected logical batch size, summed over ranks) as one
+    rank's DP optimizer takes it: Opacus's DDP optimizers average the ranks' sums, so each
+    rank divides by its share ``batch_size / world_size``."""
+    return batch_size / torch.distributed.get_world_size() if distributed else batch_size
+
+
 def denoised_weights(module: nn.Module) -> List[nn.Parameter]:
     """The 2-D weights spectral denoising acts on: trainable ``nn.Linear`` weights
     (LoRA A/B factors included) and Hugging Face ``Conv1D`` weights."""
@@ -446,8 +453,7 @@ class PrivacyEngine(OpacusPrivacyEngine):
         distributed = kwargs.pop("distributed", False)
         # Opacus passes int(len(dataset) / len(loader)), dataset-dependent, divided per
         # rank; the public normaliser is divided as Opacus divides its own.
-        size = options.sampling.batch_size
-        kwargs["expected_batch_size"] = size / torch.distributed.get_world_size() if distributed else size
+        kwargs["expected_batch_size"] = per_rank_normaliser(options.sampling.batch_size, distributed)
         cls = RANDOMIZED_CLASSES[kwargs.pop("grad_sample_mode")][1][distributed]
         kwargs.pop("clipping")
         # Copied from Opacus's _prepare_optimizer, whose get_optimizer_class has no registry.

@@ -1,5 +1,5 @@
 """One rank of the two-process DPTrainer test (tests/test_hf_trainer.py), launched with
-``python -m torch.distributed.run --nproc_per_node 2 tests/hf_trainer_ddp_worker.py OUT SIGMA``
+``python -m torch.distributed.run --nproc_per_node 2 tests/hf_trainer_ddp_worker.py OUT SIGMA CLIPPING``
 (gloo on CPU). Each rank saves what it trained on and where it ended."""
 
 import os
@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_hf_trainer as t  # noqa: E402
 
 
-def main(out: str, sigma: float) -> None:
+def main(out: str, sigma: float, clipping: str) -> None:
     import pathlib
 
     torch.set_num_threads(1)
@@ -22,7 +22,8 @@ def main(out: str, sigma: float) -> None:
         args=t.training_args(pathlib.Path(out), per_device_train_batch_size=t.PER_DEVICE // 2, logging_steps=1),
         train_dataset=t.RowDataset(),
         optimizers=(torch.optim.SGD(model.parameters(), lr=0.5), None),
-        privacy=t.PrivacyArguments(noise_multiplier=sigma, delta=1e-5, max_grad_norm=0.05, sketch_size=32),
+        privacy=t.PrivacyArguments(noise_multiplier=sigma, delta=1e-5, max_grad_norm=0.05, clipping=clipping,
+                                   **({"sketch_size": 32} if clipping == "randomized" else {})),
     )
     trainer.train()
     torch.save(
@@ -39,4 +40,4 @@ def main(out: str, sigma: float) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]))
+    main(sys.argv[1], float(sys.argv[2]), sys.argv[3])

@@ -508,7 +508,7 @@ def test_private_sft_trainer_sigma0_equals_plain_loop(tmp_path):
 # ------------------------------------------------------------------- distributed
 
 
-def run_two_ranks(tmp_path, sigma: float):
+def run_two_ranks(tmp_path, sigma: float, clipping: str = "randomized"):
     import socket
     import subprocess
     import sys
@@ -516,12 +516,12 @@ def run_two_ranks(tmp_path, sigma: float):
     with socket.socket() as sock:  # a free port (torchrun's --master_port 0 waits forever)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    out = tmp_path / f"ddp{sigma}"
+    out = tmp_path / f"ddp{sigma}{clipping}"
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           os.path.join(os.path.dirname(__file__), "hf_trainer_ddp_worker.py"), str(out), str(sigma)]
+           os.path.join(os.path.dirname(__file__), "hf_trainer_ddp_worker.py"), str(out), str(sigma), clipping]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
@@ -533,6 +533,31 @@ def test_two_gloo_ranks_equal_one_process_on_the_union(tmp_path):
     added once (every rank ends with the same parameters) and every rank reports the same
     epsilon, the one-process epsilon of the schedule."""
     ranks = run_two_ranks(tmp_path, 0.0)
+    engine = assert_equals_one_process_on_the_union(ranks)
+    assert ranks[0]["history"] == ranks[1]["history"] == engine.accountant.history
+
+    noisy = run_two_ranks(tmp_path, 1.0)
+    for name, p in noisy[0]["params"].items():
+        assert torch.equal(p, noisy[1]["params"][name]), name
+    assert noisy[0]["epsilon"] == noisy[1]["epsilon"]
+    one = PrivacyEngine(accountant="rc_prv").accountant
+    one.history = [(1.0, Q, 3, noisy[0]["history"][0][3])]
+    assert noisy[0]["epsilon"][-1] == pytest.approx(one.get_epsilon(delta=1e-5))
+
+
+def test_two_gloo_ranks_with_flat_clipping_equal_one_process_on_the_union(tmp_path):
+    """Flat clipping under DPDDP divides by the per-rank share of the public batch size (Opacus
+    averages the ranks' sums): sigma = 0 equals the one-process loop (T = 16 <= k = 32, so the
+    randomized reference clips exactly too). The update was half of it (divided by B, then by
+    the world size) when this was found."""
+    ranks = run_two_ranks(tmp_path, 0.0, clipping="flat")
+    assert_equals_one_process_on_the_union(ranks)
+    assert ranks[0]["history"] == ranks[1]["history"] and ranks[0]["history"][0][3] is None
+
+
+def assert_equals_one_process_on_the_union(ranks):
+    """Both ranks end with the parameters of the plain one-process loop (exact clipping,
+    sigma = 0) over the union of their batches; returns that loop's engine."""
     assert all(r["world_size"] == 2 and r["expected_batch_size"] == B for r in ranks)
     for name, p in ranks[0]["params"].items():
         assert torch.equal(p, ranks[1]["params"][name]), name
@@ -563,15 +588,7 @@ def test_two_gloo_ranks_equal_one_process_on_the_union(tmp_path):
             opt.zero_grad()
     for name, p in reference.named_parameters():
         assert torch.allclose(ranks[0]["params"][name], p, atol=1e-6, rtol=1e-5), name
-    assert ranks[0]["history"] == ranks[1]["history"] == engine.accountant.history
-
-    noisy = run_two_ranks(tmp_path, 1.0)
-    for name, p in noisy[0]["params"].items():
-        assert torch.equal(p, noisy[1]["params"][name]), name
-    assert noisy[0]["epsilon"] == noisy[1]["epsilon"]
-    one = PrivacyEngine(accountant="rc_prv").accountant
-    one.history = [(1.0, Q, 3, noisy[0]["history"][0][3])]
-    assert noisy[0]["epsilon"][-1] == pytest.approx(one.get_epsilon(delta=1e-5))
+    return engine
 
 
 def test_private_sft_trainer_with_peft_config_trains_the_adapters(tmp_path):
