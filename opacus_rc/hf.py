@@ -729,7 +729,9 @@ class DPTrainerMixin:
             rows = int(losses.shape[0])
             losses.mean().backward()
             if self.privacy.log_train_loss:
-                report = losses.detach().sum() / self.expected_batch_size * self.args.gradient_accumulation_steps
+                # the Trainer sums what the accumulation steps return and averages the ranks'
+                # sums: each returns its rows' share of the public batch size
+                report = losses.detach().sum() / per_rank_normaliser(self.expected_batch_size, self.args.world_size > 1)
         if rows or last:
             self._dp_check_records(rows)
         if not last and rows:

@@ -23,6 +23,7 @@ def main(out: str, sigma: float, clipping: str) -> None:
         train_dataset=t.RowDataset(),
         optimizers=(torch.optim.SGD(model.parameters(), lr=0.5), None),
         privacy=t.PrivacyArguments(noise_multiplier=sigma, delta=1e-5, max_grad_norm=0.05, clipping=clipping,
+                                   log_train_loss=clipping == "flat",
                                    **({"sketch_size": 32} if clipping == "randomized" else {})),
     )
     trainer.train()
@@ -32,6 +33,7 @@ def main(out: str, sigma: float, clipping: str) -> None:
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "history": trainer.accountant.history,
             "epsilon": [e.get("epsilon") for e in trainer.state.log_history],
+            "loss": [e.get("loss") for e in trainer.state.log_history if "learning_rate" in e],
             "world_size": trainer.args.world_size,
             "expected_batch_size": trainer.expected_batch_size,
         },

@@ -170,6 +170,31 @@ def test_log_history_has_epsilon_and_no_unnoised_statistic(tmp_path):
     assert trainer.args.max_grad_norm == 0.0  # the Trainer's own clipping is off
 
 
+def test_logged_training_loss_is_the_mean_per_example_loss_of_the_step(tmp_path):
+    """log_train_loss=True: each step's logged loss is the sum of its rows' per-example losses
+    over the public batch size, whatever the accumulation (it was ACCUM times that when found:
+    the Trainer sums what each accumulation step returns)."""
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    trainer = recording(DPTrainer)(
+        model=model, args=training_args(tmp_path, max_steps=2, logging_steps=1), train_dataset=RowDataset(),
+        optimizers=(torch.optim.SGD(model.parameters(), lr=0.0), None),
+        privacy=PrivacyArguments(noise_multiplier=1.0, delta=1e-5, log_train_loss=True),
+    )
+    trainer.train()
+    logged = [entry["loss"] for entry in trainer.state.log_history if "learning_rate" in entry]
+    expected = []
+    with torch.no_grad():
+        for start in range(0, len(trainer.recorded), ACCUM):
+            total = 0.0
+            for batch in (b for b in trainer.recorded[start:start + ACCUM] if b is not None):
+                ids = batch["input_ids"]
+                logits = reference(input_ids=ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids)).logits
+                total += float(per_example_token_loss(logits, batch["labels"], shift=True).sum())
+            expected.append(total / B)
+    assert logged == pytest.approx(expected, rel=1e-4)
+
+
 def test_short_run_lowers_the_loss(tmp_path):
     model = tiny_llama()
     ds = RowDataset()
@@ -533,7 +558,7 @@ def test_two_gloo_ranks_equal_one_process_on_the_union(tmp_path):
     added once (every rank ends with the same parameters) and every rank reports the same
     epsilon, the one-process epsilon of the schedule."""
     ranks = run_two_ranks(tmp_path, 0.0)
-    engine = assert_equals_one_process_on_the_union(ranks)
+    engine, _ = assert_equals_one_process_on_the_union(ranks)
     assert ranks[0]["history"] == ranks[1]["history"] == engine.accountant.history
 
     noisy = run_two_ranks(tmp_path, 1.0)
@@ -549,10 +574,12 @@ def test_two_gloo_ranks_with_flat_clipping_equal_one_process_on_the_union(tmp_pa
     """Flat clipping under DPDDP divides by the per-rank share of the public batch size (Opacus
     averages the ranks' sums): sigma = 0 equals the one-process loop (T = 16 <= k = 32, so the
     randomized reference clips exactly too). The update was half of it (divided by B, then by
-    the world size) when this was found."""
+    the world size) when this was found. The run also logs its training loss."""
     ranks = run_two_ranks(tmp_path, 0.0, clipping="flat")
-    assert_equals_one_process_on_the_union(ranks)
+    _, step_losses = assert_equals_one_process_on_the_union(ranks)
     assert ranks[0]["history"] == ranks[1]["history"] and ranks[0]["history"][0][3] is None
+    # log_train_loss (on in the flat run): the logged loss is the union's, not one rank's share
+    assert ranks[0]["loss"] == ranks[1]["loss"] == pytest.approx(step_losses, rel=1e-4)
 
 
 def assert_equals_one_process_on_the_union(ranks):
@@ -577,18 +604,22 @@ def assert_equals_one_process_on_the_union(ranks):
         poisson_sampling=False, expected_batch_size=B, sample_rate=Q, sketch_size=32,
     )
     reference.train()
+    step_losses = []  # each logical step's summed per-example loss over B
     for step in steps:
+        step_losses.append(0.0)
         for i, batch in enumerate(step):
             ids = batch["input_ids"]
             logits = reference(input_ids=ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids), use_cache=False).logits
-            per_example_token_loss(logits, batch["labels"], shift=True).mean().backward()
+            losses = per_example_token_loss(logits, batch["labels"], shift=True)
+            step_losses[-1] += float(losses.detach().sum()) / B
+            losses.mean().backward()
             if i < len(step) - 1:
                 same_draw(opt)
             opt.step()
             opt.zero_grad()
     for name, p in reference.named_parameters():
         assert torch.allclose(ranks[0]["params"][name], p, atol=1e-6, rtol=1e-5), name
-    return engine
+    return engine, step_losses
 
 
 def test_private_sft_trainer_with_peft_config_trains_the_adapters(tmp_path):
