@@ -83,15 +83,16 @@ from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as D
 from opacus.optimizers import DPOptimizer
 
 from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc, sketch_record
-from .bookkeeping import Record
+from .bookkeeping import BookkeepingClippingMixin, Record
 from .config import SketchConfig
 from .integration import PrivacyEngine, per_rank_normaliser  # registers clipping="randomized" and rc_prv
+from .options import DENOISERS as ENGINE_DENOISERS
 from .sketch import entropy_seed
 
 logger = logging.getLogger(__name__)
 
 CLIPPINGS = ("randomized", "flat")
-DENOISERS = (None, "spectral")
+DENOISERS = (None, *ENGINE_DENOISERS)
 #: file of the privacy state in every checkpoint and saved model folder
 DP_STATE_NAME = "dp_state.json"
 #: keys of the Trainer's (and TRL's) training logs that are statistics of the private
@@ -612,7 +613,9 @@ class DPTrainerMixin:
                 estimator=p.estimator, sketch_size=p.sketch_size, sketching=p.sketching,
                 expected_batch_size=batch, sample_rate=self.sample_rate,
             )
-        if not p.secure_mode:
+        if p.clipping != "randomized" and not p.secure_mode:
+            # Opacus's flat clipping would draw from torch's global generator, which the Trainer's
+            # set_seed seeds; randomized clipping has its own os.urandom streams, one per device
             kwargs["noise_generator"] = torch.Generator(device=trainable[0].device).manual_seed(entropy_seed())
         if p.denoise is not None:
             kwargs["denoise"] = p.denoise
@@ -747,7 +750,7 @@ class DPTrainerMixin:
         gradients) for this batch. A parameter unused by the batch (or an empty batch)
         contributes exact zeros; one with a gradient that no hook saw is refused."""
         optimizer = self._dp_optimizer
-        bookkept = hasattr(optimizer, "_records")
+        bookkept = isinstance(optimizer, BookkeepingClippingMixin)
         if not bookkept and getattr(self._dp_hooks, "output_passes", None) is not None:
             # two passes from the output (checkpointed model): the clipped sum is in p.grad;
             # the boundary refuses a loss it did not see. An empty batch or an unused
@@ -873,7 +876,7 @@ class DPTrainerMixin:
             )
         with open(path) as f:
             state = json.load(f)
-        history = [(float(e[0]), float(e[1]), int(e[2]), e[3] if len(e) > 3 else None) for e in state["history"]]
+        history = [RCPRVAccountant._stored(e) for e in state["history"]]  # records checked
         self._dp_resumed_history = history
         if self._dp_engine is not None:
             self._dp_engine.accountant.history = list(history)
