@@ -37,12 +37,14 @@ logger = logging.getLogger(__name__)
 class _Boundary(torch.autograd.Function):
     """Identity on the output values; its backward runs ``passes(g)`` and returns nothing
     into the model's graph (the anchor is a 0-element leaf that only makes the result
-    require grad)."""
+    require grad). The result is a view of the values, not a copy (a (B, T, V) logits
+    tensor is the largest activation of a long sequence); editing it in place is refused by
+    autograd, so the values the passes differentiate cannot change."""
 
     @staticmethod
     def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, passes: Callable[[torch.Tensor], None]):
         ctx.passes = passes
-        return value.clone()
+        return value.view_as(value)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -117,7 +119,8 @@ class OutputPasses:
         self._inside += 1
         try:
             with torch.enable_grad():  # autograd runs a Function's backward without grad mode
-                pseudo = (value * grad.detach()).flatten(1).sum(dim=1)
+                # <value_i, grad_i> per example, without a (B, T, V) product
+                pseudo = torch.einsum("bn,bn->b", value.flatten(1), grad.detach().flatten(1))
                 if self.loss_reduction == "mean":
                     pseudo = pseudo * value.shape[0]
                 DPTensorRandomizedClipping(self.module, self.optimizer, pseudo, self.loss_reduction).backward()

@@ -141,6 +141,18 @@ def test_loss_that_bypasses_the_output_is_refused():
         logits.logsumexp(-1).mean().backward()
 
 
+def test_the_bounded_output_is_not_a_copy_and_cannot_be_edited_in_place():
+    """The boundary returns a view of the logits (no second (B, T, V) tensor); an in-place
+    edit of it, which would change the values the passes differentiate, is refused."""
+    model = llama()
+    _, (module, opt, _) = private(checkpointed(model))
+    x, _ = tokens()
+    logits = module(input_ids=x, position_ids=torch.arange(T).repeat(B, 1)).logits
+    assert bounded(logits) and logits._base is not None
+    with pytest.raises(RuntimeError, match="modified inplace"):
+        logits.mul_(2.0)
+
+
 def bounded(t: torch.Tensor, depth: int = 3) -> bool:
     """True if the boundary's node is within ``depth`` autograd nodes of ``t``."""
     frontier = [t.grad_fn]
