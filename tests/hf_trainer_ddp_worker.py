@@ -39,6 +39,9 @@ def main(out: str, sigma: float, clipping: str) -> None:
         },
         os.path.join(out, f"rank{os.environ['RANK']}.pt"),
     )
+    # gloo's threads outlive an exit without this, and a rank could abort at teardown
+    # ("terminate called without an active exception") after its results were saved
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
