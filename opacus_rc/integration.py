@@ -236,7 +236,9 @@ class PrivacyEngine(OpacusPrivacyEngine):
                 (or ``seed=``'s sketch stream).
             seed: *randomized*. One non-negative int seeding the noise, the Poisson masks
                 and the sketches (independent streams): a reproducible run, which replays
-                its randomness on resume; None: all from ``os.urandom``.
+                its randomness on resume; None: all from ``os.urandom``. Whoever knows the
+                seed can regenerate the noise and subtract it: the run is not private
+                against them (keep it as secret as the data, or leave it None).
             bookkeeping: *randomized*. None, True or False: with ``"ghost"``, True runs the
                 ghost script by book-keeping (one backward pass); with ``"hooks"``,
                 book-keeping unless the model has activation checkpointing on (then two
