@@ -578,8 +578,9 @@ class ChunkedLMHeadLoss(nn.Module):
         block_size: positions per block (every sequence of the batch at once: a block's
             logits are B x block_size x V floats).
         ignore_index: label ignored in the loss (and in the per-sequence count).
-        reduction: ``"mean"`` or ``"sum"``; also the per-sequence convention (Opacus sets
-            ``reduction="none"`` while it computes per-sample losses).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (the per-sequence losses (B,), each
+            the mean over its tokens); ``"mean"``/``"sum"`` is also the per-sequence
+            convention (Opacus sets ``reduction="none"`` while it computes per-sample losses).
         shift_labels: labels are the inputs' ids (Hugging Face convention) and are shifted
             here.
     """
@@ -600,12 +601,13 @@ class ChunkedLMHeadLoss(nn.Module):
             )
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} is invalid; accepted values: a positive int")
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction={reduction!r} is invalid; accepted values: 'mean', 'sum'")
+        if reduction not in (*REDUCTIONS, "none"):
+            raise ValueError(f"reduction={reduction!r} is invalid; accepted values: 'mean', 'sum', 'none'")
         self.lm_head = lm_head
         self.block_size = block_size
         self.ignore_index = ignore_index
-        self.loss_reduction = reduction  # per-sequence convention (fixed)
+        # per-sequence convention (fixed): "none" returns per-sequence means
+        self.loss_reduction = "mean" if reduction == "none" else reduction
         self.reduction = reduction  # batch reduction; Opacus sets "none" for per-sample losses
         self._forward_reduction = reduction  # the reduction of the last forward (see forward)
         self.shift_labels = shift_labels

@@ -10,8 +10,10 @@ nothing else: every ``_prepare_*`` step of Opacus's ``make_private`` reads the o
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -24,6 +26,8 @@ from .bookkeeping import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, BOOKKEEPING_MO
 from .sketch import check_seed
 
 RANDOMIZED = "randomized"
+#: every clipping mode make_private accepts: Opacus's three and the plugin's
+CLIPPING_MODES = ("flat", "per_layer", "adaptive", RANDOMIZED)
 RC_ACCOUNTANTS = ("rc_prv",)
 RC_GRAD_SAMPLE_MODES = (BOOKKEEPING_MODE, "ghost", "hooks", FSDP_MODE)
 NONFINITE_MODES = ("raise", "skip")
@@ -202,6 +206,36 @@ def _denoise(options: Mapping[str, Any]) -> Optional[Tuple[Tuple[str, Any], ...]
     return tuple(given.items())
 
 
+def _clipping(clipping: Any) -> str:
+    """``clipping=``: one of :data:`CLIPPING_MODES` (the nearest spelling suggested)."""
+    if clipping in CLIPPING_MODES:
+        return clipping
+    near = difflib.get_close_matches(str(clipping), CLIPPING_MODES, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    raise ValueError(
+        f"clipping={clipping!r} is not supported{hint}; accepted values: "
+        f"{', '.join(repr(m) for m in CLIPPING_MODES)}"
+    )
+
+
+def _noise_multiplier(opacus: Mapping[str, Any]) -> None:
+    """``noise_multiplier=`` (when the call gives it): a finite real >= 0. Zero adds no
+    noise, so epsilon is infinite: allowed (a debugging run), with one warning."""
+    if "noise_multiplier" not in opacus:
+        return  # make_private_with_epsilon calibrates it
+    sigma = opacus["noise_multiplier"]
+    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not math.isfinite(sigma) or sigma < 0:
+        raise ValueError(
+            f"noise_multiplier={sigma!r} is invalid; accepted values: a finite real >= 0 "
+            f"(the noise std in units of max_grad_norm)"
+        )
+    if sigma == 0:
+        warnings.warn(
+            "noise_multiplier=0: no noise is added, the run is not private (epsilon = inf)",
+            UserWarning, stacklevel=4,
+        )
+
+
 def _nonfinite(mode: Any, grad_sample_mode: str) -> str:
     """``nonfinite=`` ("raise", the default, or "skip"). "skip" needs book-keeping
     (``grad_sample_mode="hooks"`` after ``bookkeeping=`` was resolved): only there is each
@@ -303,6 +337,8 @@ class Options:
         Raises:
             ValueError: naming the parameter and its accepted values.
         """
+        clipping = _clipping(clipping)
+        _noise_multiplier(opacus)
         denoise = _denoise(options)
         runs, mode = resolve_bookkeeping(
             clipping, options["bookkeeping"], opacus["grad_sample_mode"], opacus.get("module")

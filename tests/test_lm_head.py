@@ -157,7 +157,7 @@ def test_invalid_arguments_raise():
     with pytest.raises(ValueError, match="nn.Linear"):
         ChunkedLMHeadLoss(nn.Embedding(4, 8))
     with pytest.raises(ValueError, match="reduction"):
-        ChunkedLMHeadLoss(nn.Linear(4, 8), reduction="none")
+        ChunkedLMHeadLoss(nn.Linear(4, 8), reduction="avg")
     with pytest.raises(ValueError, match=r"\(B, T, d\)"):
         ChunkedLMHeadLoss(nn.Linear(4, 8))(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long))
 

@@ -242,6 +242,8 @@ class RCPRVAccountant(IAccountant):
         groups = self._groups(default)
         if not groups:
             return 0.0
+        if any(sigma <= 0.0 and q > 0.0 for (sigma, q, _), _ in groups):
+            return math.inf  # a step without noise releases its update: no PRV to build
         if delta_error is None:
             delta_error = delta / 1000.0
         key = (delta, eps_error, delta_error, self.bin_ratio, tuple(groups))

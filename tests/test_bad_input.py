@@ -1,0 +1,83 @@
+"""Bad input refused by the plugin itself, naming the parameter and its accepted values
+(or, where the input is legal but degenerate, said once and clearly)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from opacus import PrivacyEngine
+from torch import nn
+
+from opacus_rc.accounting.accountant import RCPRVAccountant
+from opacus_rc.lm_head import from_causal_lm
+
+
+def make_private(**kwargs):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    engine = PrivacyEngine(accountant="rc_prv")
+    return engine, engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=4), max_grad_norm=1.0, **kwargs,
+    )
+
+
+def test_misspelled_clipping_names_the_parameter_and_the_near_value():
+    with pytest.raises(ValueError, match=r"clipping='randomised'.*did you mean 'randomized'.*'flat'"):
+        make_private(clipping="randomised", noise_multiplier=1.0)
+
+
+@pytest.mark.parametrize("clipping", ["randomized", "flat"])
+@pytest.mark.parametrize("sigma", [-1.0, math.nan, math.inf, "1.0"])
+def test_invalid_noise_multiplier_refused_at_make_private(clipping, sigma):
+    with pytest.raises(ValueError, match="noise_multiplier=.*finite real >= 0"):
+        make_private(clipping=clipping, noise_multiplier=sigma)
+
+
+def test_zero_noise_is_said_once_and_epsilon_is_infinite():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, (module, optimizer, loader) = make_private(clipping="randomized", noise_multiplier=0.0)
+    said = [w for w in caught if "not private" in str(w.message)]
+    assert len(said) == 1 and "noise_multiplier=0" in str(said[0].message)
+    x, y = next(iter(loader))
+    F.cross_entropy(module(x), y).backward()
+    optimizer.step()
+    assert engine.get_epsilon(delta=1e-5) == math.inf
+
+
+@pytest.mark.parametrize("record", [None, {"sketch_size": 32}])
+@pytest.mark.parametrize("q", [0.1, 1.0])
+def test_noiseless_steps_have_infinite_epsilon_at_every_rate(q, record):
+    """sigma = 0 releases the clipped sum itself: epsilon is infinite, also at q = 1
+    (which used to fail with 'math domain error' inside the PRV's log-MGF)."""
+    accountant = RCPRVAccountant()
+    accountant.history = [(0.0, q, 3) if record is None else (0.0, q, 3, record)]
+    assert accountant.get_epsilon(delta=1e-5) == math.inf
+
+
+def test_chunked_head_reduction_none_returns_per_sequence_losses():
+    torch.manual_seed(0)
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(8, 11, bias=False)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    model = Tiny()
+    hidden, ids = torch.randn(3, 5, 8), torch.randint(0, 11, (3, 5))
+    per_sequence = from_causal_lm(model, block_size=2, reduction="none")(hidden, ids)
+    logits = model.lm_head(hidden)[:, :-1]
+    expected = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(dim=1)
+    assert per_sequence.shape == (3,)
+    torch.testing.assert_close(per_sequence, expected)
+    with pytest.raises(ValueError, match="reduction='avg'.*'none'"):
+        from_causal_lm(model, reduction="avg")
