@@ -220,3 +220,16 @@ def test_command_output_contract(capsys):
         assert 0.0 <= r["eps_lower"] and r["eps_accounted"] > 0
     with pytest.raises(SystemExit):
         main(["--sketch-sizes", "8"])  # no default sigma for k = 8
+
+
+def test_table_labels_the_broken_controls():
+    """A flagged control reads 'caught (control)', never 'VIOLATION'; an unflagged control is
+    'MISSED'; only a flagged real variant is a 'VIOLATION'; the legend says so."""
+    from opacus_rc.audit.__main__ import CONTROLS, LEGEND, verdict
+
+    assert {"biased_low", "data_dependent_sketch", "normaliser_dataset_size"} <= set(CONTROLS)
+    assert verdict("biased_low", 3.0, 1.0) == "caught (control)"
+    assert verdict("normaliser_dataset_size", 0.5, 1.0) == "MISSED (control)"
+    assert verdict("honest", 3.0, 1.0) == "VIOLATION"
+    assert verdict("honest", 0.5, 1.0) == "ok"
+    assert "VIOLATION" in LEGEND and "control" in LEGEND
