@@ -109,6 +109,53 @@ def test_bookkeeping_with_unpreserved_rng_state_stays_within_the_bound(mode, use
     assert ACTIVE <= one_example_update(DropoutRegion(use_reentrant, False, frozen), BOOKKEEPING[mode]) <= BOUND
 
 
+# --- DDP (2 gloo ranks): every rank refuses at the first step -------------------------------
+
+
+def ddp_worker(rank, init_file, out_dir):
+    """Both forms in one process group (one spawn: a rank's start-up is most of the cost)."""
+    import os
+
+    import torch.distributed as dist
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    results = {}
+    for use_reentrant in (True, False):
+        torch.manual_seed(0)
+        model = DropoutRegion(use_reentrant, False)
+        x, y = torch.randint(0, VOCAB, (4, T)), torch.randint(0, 2, (4,))
+        module, opt, criterion, _ = PrivacyEngine(accountant="rc_prv").make_private(
+            module=DPDDP(model), optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4),
+            criterion=nn.CrossEntropyLoss(), noise_multiplier=0.0, max_grad_norm=CLIP, poisson_sampling=False,
+            clipping="randomized", grad_sample_mode="ghost", sketch_size=K, sketch_seed=0,
+        )
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        error = None
+        try:
+            criterion(module(x[rank::2]), y[rank::2]).backward()
+            opt.step()
+        except ValueError as e:
+            error = str(e)
+        changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+        results[use_reentrant] = {"error": error, "changed": changed}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ddp_two_pass_refuses_unpreserved_rng_state():
+    """DPDDP, two passes, reentrant and non-reentrant: every rank refuses, nothing is released."""
+    import re
+
+    from .spawn import spawn
+
+    for results in spawn(ddp_worker, 2):
+        for use_reentrant, r in results.items():
+            assert r["error"] is not None and re.search(REFUSAL, r["error"]), (use_reentrant, r["error"])
+            assert not r["changed"], use_reentrant
+
+
 # --- Hugging Face: gradient_checkpointing_kwargs, plain engine and DPTrainer -----------------
 
 transformers = pytest.importorskip("transformers")
