@@ -34,6 +34,7 @@ from .recompute import (
     forward_replay,
     late_use_error,
     missing_per_sample_error,
+    refuse_unpreserved_rng_replay,
     resolve_last,
     save_inputs,
 )
@@ -171,6 +172,13 @@ class _SketcherOwner:
         super().cleanup()
 
 
+def _refuse_unpreserved_rng_replay(_module: nn.Module, _inputs: Any) -> None:
+    """Forward pre-hook of the two-pass method: see :func:`~opacus_rc.recompute.refuse_unpreserved_rng_replay`."""
+    replay = forward_replay()
+    if replay is not None:
+        refuse_unpreserved_rng_replay(replay)
+
+
 def _saves_inputs(module: nn.Module) -> bool:
     """Whether a call of ``module`` has its inputs captured, or would with the hooks on
     (decided alike in a forward and in its checkpoint replay)."""
@@ -215,6 +223,12 @@ class SketchingMixin(_SketcherOwner):
         # The first backward pass only needs output gradients: linear layers compute
         # their weight gradients in the second (clipped) pass only, when hooks are off.
         self._defer_weight_grads(wanted=self._in_second_pass)
+        # Both backward passes recompute a checkpointed region: one that redraws its random
+        # state (preserve_rng_state=False) is refused, checked at every module's call (a
+        # region without trainable layers changes the gradients upstream of it too).
+        self.autograd_grad_sample_hooks.extend(
+            m.register_forward_pre_hook(_refuse_unpreserved_rng_replay) for m in self._module.modules()
+        )
 
     def _in_second_pass(self) -> bool:
         return not self.hooks_enabled

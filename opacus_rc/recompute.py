@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -114,6 +115,62 @@ def forward_replay() -> Optional[str]:
     if torch._C._current_graph_task_id() != -1:
         return _report(REENTRANT)
     return None
+
+
+def _replays_preserving_rng() -> Optional[bool]:
+    """Whether every ``torch.utils.checkpoint`` recomputation running now (nested ones
+    too) restores the random state of its forward (``preserve_rng_state``): False if one
+    does not, True if all do, None if none was found. Read from the replays' frames:
+    ``CheckpointFunction.backward``'s ``ctx`` (``use_reentrant=True``), the
+    ``recompute_fn`` closure (``use_reentrant=False``)."""
+    found = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        preserve = None
+        if code is _REENTRANT_BACKWARD:
+            preserve = getattr(frame.f_locals.get("ctx"), "preserve_rng_state", None)
+        elif code.co_name == "recompute_fn" and code.co_filename == _checkpoint.__file__:
+            preserve = frame.f_locals.get("preserve_rng_state")
+        if preserve is not None:
+            if not preserve:
+                return False
+            found = True
+        frame = frame.f_back
+    return found
+
+
+_REENTRANT_BACKWARD = inspect.unwrap(_checkpoint.CheckpointFunction.backward).__code__
+
+
+def refuse_unpreserved_rng_replay(replay: str) -> None:
+    """Refuse a checkpoint recomputation (``replay``: what :func:`forward_replay` returned)
+    that does not restore its forward's random state, for a method that backpropagates
+    twice: each backward pass recomputes the region with other random draws (dropout
+    masks), and the first pass's clip factors would scale another gradient in the second.
+
+    Raises:
+        ValueError: ``preserve_rng_state=False``, naming the accepted alternatives.
+        RuntimeError: a non-reentrant recomputation whose ``preserve_rng_state`` cannot be
+            read in this PyTorch (fails closed).
+    """
+    preserve = _replays_preserving_rng()
+    if preserve is False:
+        raise ValueError(
+            "activation checkpointing with preserve_rng_state=False is not supported by "
+            "two-pass randomized clipping: each of its two backward passes recomputes the "
+            "checkpointed region with other random draws (e.g. dropout masks), so the clip "
+            "factor from the first pass would scale a different per-example gradient in the "
+            "second, beyond max_grad_norm. Accepted: preserve_rng_state=True (torch's default; "
+            "Hugging Face: leave 'preserve_rng_state' out of gradient_checkpointing_kwargs), or "
+            "book-keeping, one backward pass (make_private(grad_sample_mode='bookkeeping'))"
+        )
+    if preserve is None and replay == NON_REENTRANT:
+        raise RuntimeError(
+            "clipping='randomized' cannot read preserve_rng_state of activation checkpointing's "
+            f"recomputation in torch {torch.__version__}: use book-keeping "
+            "(make_private(grad_sample_mode='bookkeeping')) or checkpoint(..., use_reentrant=True)"
+        )
 
 
 SavedTensorsHooks = Tuple[Callable, Callable]
