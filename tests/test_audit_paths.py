@@ -226,8 +226,8 @@ def test_reentrant_split_stays_below_accountant():
     """The honest step (fresh sketches per physical batch) stays below the hidden-Z charge;
     the canary's mean entry is E Z = E sqrt(4 / chi2_4) = 1.2533 (units of C) within 5
     standard errors of (Var Z + sigma^2) / (trials / 2), Var Z = 2 - 1.2533^2. Measured at
-    the --quick size (400 steps): eps_lower 0.91 (100 steps) fresh, 1.26 with the pre-fix
-    reuse, against 1.62 charged."""
+    the --quick size (400 steps, seed 11): eps_lower 1.006 with fresh sketches; 1.563 with
+    the pre-fix reuse (above the fresh pair's exact 1.528, below the 1.622 charged)."""
     r = run_path_audit(PathAuditConfig(variant="reentrant_split", sketch_size=4, sigma=2.0, micro_batches=4,
                                        sketching="per_example", steps=40, seed=11))
     (sigma, q, steps, record), = r.history
