@@ -105,8 +105,13 @@ class _SketcherOwner:
         return self._steps_taken
 
     def _start_pass(self, module: nn.Module) -> None:
-        """The first hooked layer of a training forward pass starts a sketch pass."""
-        if self._awaiting_forward and self.hooks_enabled and module.training and torch.is_grad_enabled():
+        """The first hooked layer of a training forward pass starts a sketch pass, with
+        gradients on or not: inside a ``checkpoint(use_reentrant=True)`` region the
+        forward runs without them (its replay, in the backward pass, starts none). When
+        every trainable layer sits in such regions (LoRA with a frozen embedding and
+        head), that forward is the only sign of a new physical batch: without a pass
+        there, the next physical batch of the step would reuse the per-example sketches."""
+        if self._awaiting_forward and self.hooks_enabled and module.training:
             self.sketcher.begin_pass()
             self._awaiting_forward = False
             self._on_pass_start()

@@ -5,7 +5,8 @@ as the last line, a JSON list with one object per configuration (keys ``estimato
 The sketch variants (honest, biased_low, data_dependent_sketch) run for every estimator
 and sketch size; the normaliser variants (:mod:`opacus_rc.audit.normaliser`) run once,
 with the first estimator and sketch size, for the two-pass path. The side-path variants
-(:mod:`opacus_rc.audit.paths`: ``accumulation_canary``, ``hand_built``, ``reused_layer``)
+(:mod:`opacus_rc.audit.paths`: ``accumulation_canary``, ``hand_built``, ``reused_layer``,
+``reentrant_split``)
 run once each,
 with the first estimator and their own sketch size and sigma (``PATH_DEFAULTS``)."""
 
@@ -124,7 +125,7 @@ def path_configs(args: argparse.Namespace) -> List[PathAuditConfig]:
             PathAuditConfig(
                 variant=variant,
                 estimator=args.estimators[0],
-                sketching=args.sketching,
+                sketching=options.pop("sketching", args.sketching),  # reentrant_split: per-example
                 steps=_steps(args),
                 replicas=args.replicas,
                 delta=args.delta,
@@ -223,6 +224,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             notes.append(
                 f"reused_layer: one layer applied {PATH_DEFAULTS['reused_layer']['uses']} times per "
                 f"forward pass (book-keeping), one Poisson draw at q={r.sample_rate}"
+            )
+        elif r.variant == "reentrant_split":
+            notes.append(
+                f"reentrant_split: one draw in {r.micro_batches} physical batches, the layer in a "
+                "reentrant checkpoint region, per-example sketches (fresh per physical batch)"
             )
         elif r.variant == "hand_built":
             notes.append(

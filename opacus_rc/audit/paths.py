@@ -44,6 +44,27 @@ score ``W.grad[r, d-1] / (sigma C)``) and its held-out Clopper-Pearson threshold
     (history ``(sigma, q, 1, record)``, ``micro_batches`` 1). One clip factor per use
     would give ``L Z / sigma`` while charging L independent micro-batches: the audit
     finds eps_lower above eps_accounted.
+
+``reentrant_split``
+    One Poisson draw (q = 1) split into ``m`` physical batches of equal size, as
+    BatchMemoryManager splits it (``signal_skip_step(same_draw=True)`` before every
+    physical batch but the last), on the audit's layer run inside
+    ``checkpoint(..., use_reentrant=True)`` (every trainable layer in a reentrant region,
+    as LoRA with a frozen embedding and head), with per-example sketches (always: the
+    variant is about them). Physical batch 1 holds, at index ``b + r`` (after the b
+    background examples), canary r if it is "in", else an example of zero gradient (its
+    clipped contribution is exactly 0: the released step has the distribution of the step
+    without it); batches 2..m hold, at the same index, a companion of canary r: the same
+    output coordinate r, input coordinate ``d - 2`` (released entry ``W.grad[r, d-2]``),
+    always present. With fresh per-example sketches the companions are independent of the
+    canary; had the physical batches reused the first batch's sketches, the m - 1
+    companions would share the canary's Z and reveal it: ``mu_hat = W.grad[r, d-2] /
+    (sigma C (m - 1)) = Z / sigma + N(0, 1 / (m - 1)^2)``. The score is the likelihood
+    ratio statistic of the canary's entry given that estimate, ``mu_hat+ (s - mu_hat+ /
+    2)``, ``s = W.grad[r, d-1] / (sigma C)``, ``mu_hat+ = max(mu_hat, 0)``. Charged one
+    micro-batch at q = 1 with the hidden-Z analysis; ``eps_exact`` is the one-step hidden-Z
+    pair's (the statistic cannot do better while the sketches are fresh), while a revealed
+    Z would allow up to 2.18 at k = 4, sigma = 2 (above the 1.62 charged).
 """
 
 from __future__ import annotations
@@ -65,7 +86,7 @@ from .experiment import (
 )
 from .reference import accumulation_exact_epsilon, composed_sum_epsilon
 
-PATH_VARIANTS = ("accumulation_canary", "hand_built", "reused_layer")
+PATH_VARIANTS = ("accumulation_canary", "hand_built", "reused_layer", "reentrant_split")
 
 #: Per variant: sketch size, sigma and the path's own size. Accumulation: Hutchinson
 #: k = 32, sigma = 1 (the one-step audit's k = 32 row) and q m = 1, where the old q x m
@@ -76,6 +97,9 @@ PATH_DEFAULTS = {
     "accumulation_canary": {"sketch_size": 32, "sigma": 1.0, "micro_batches": 4, "sample_rate": 0.25},
     "hand_built": {"sketch_size": 4, "sigma": 4.0, "episode_steps": 4},
     "reused_layer": {"sketch_size": 32, "sigma": 1.0, "uses": 2, "sample_rate": 0.25},
+    # k = 4, sigma = 2: hidden-Z charge 1.62, a revealed Z up to 2.18 (exact); m = 4
+    # physical batches: 3 companions estimate Z / sigma to 1/3
+    "reentrant_split": {"sketch_size": 4, "sigma": 2.0, "micro_batches": 4, "sketching": "per_example"},
 }
 
 
@@ -90,7 +114,8 @@ class PathAuditConfig:
         steps: logical steps (accumulation) or episodes of ``episode_steps`` steps
             (hand-built); the first half chooses the threshold, the second gives the bound.
         replicas: canaries per step (trials per step or episode).
-        micro_batches: m, micro-batches summed into each step (accumulation).
+        micro_batches: m, micro-batches summed into each step (accumulation); physical
+            batches of the step's one Poisson draw (reentrant split).
         sample_rate: q, each micro-batch's Poisson rate (accumulation, reused layer).
         uses: L, applications of the layer per forward pass (reused layer).
         episode_steps: S, optimizer steps per trial (hand-built).
@@ -264,6 +289,8 @@ def run_path_audit(
     config: PathAuditConfig, progress: Optional[Callable[[int], None]] = None
 ) -> PathAuditResult:
     """Audit one side path (see the module docstring)."""
+    if config.variant == "reentrant_split":
+        return run_reentrant_split_audit(config, progress)
     start = time.perf_counter()
     accumulation = config.variant in ("accumulation_canary", "reused_layer")
     micro = _micro_batches(config)
@@ -311,5 +338,112 @@ def run_path_audit(
         micro_batches=micro,
         sample_rate=config.sample_rate if accumulation else 1.0,
         episode_steps=1 if accumulation else config.episode_steps,
+        history=history,
+    )
+
+
+# --- reentrant_split: the physical batches of one draw under a reentrant checkpoint ---------
+
+
+class _ReentrantRegion(nn.Module):
+    """``checkpoint(layer, x, use_reentrant=True)``: the layer, the only trainable one, runs
+    its forward without gradients and again in the backward pass (its input requires
+    grad, as ``enable_input_require_grads()`` makes it)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.layer, x.detach().requires_grad_(True), use_reentrant=True)
+
+
+def build_reentrant_split(config: PathAuditConfig) -> _Experiment:
+    """``make_private(..., grad_sample_mode="ghost", sketching="per_example")`` on the audit's
+    layer inside a reentrant checkpoint region (the audit's data; :func:`split_step` makes
+    the canaries' companions)."""
+    from .experiment import make_private_rc
+
+    base = config.base
+    d, p, _ = base.shapes
+    layer = nn.Linear(d, p, bias=False)
+    background, canaries = _data(base, torch.Generator().manual_seed(config.seed))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*background), batch_size=config.background)
+    engine, model, optimizer, criterion, _ = make_private_rc(
+        base, _ReentrantRegion(layer), loader, "sum", config.seed,
+        poisson_sampling=False, grad_sample_mode="ghost", sketching="per_example", exact_when_cheaper=False,
+    )
+    return _Experiment(engine.accountant, model, optimizer, criterion, layer.weight, background, canaries)
+
+
+def split_step(exp: _Experiment, include: np.ndarray, physical_batches: int) -> torch.Tensor:
+    """One step of the ``reentrant_split`` audit: one draw in ``physical_batches`` physical
+    batches of equal size (the canaries, or zero-gradient examples where ``include`` is
+    False, in the first; their companions in the others, at the same indices), split as
+    BatchMemoryManager splits; returns the released gradient ``W.grad``."""
+    (xb, yb), (xc, yc) = exp.background, exp.canaries
+    keep = torch.from_numpy(include)[:, None, None]
+    first = (torch.cat([xb, xc * keep]), torch.cat([yb, yc * keep]))
+    # companions: input coordinate d - 2 instead of d - 1, the same output coordinate
+    rest = (torch.cat([xb, xc.roll(-1, dims=-1)]), torch.cat([yb, yc]))
+    for j, (x, y) in enumerate([first] + [rest] * (physical_batches - 1)):
+        exp.criterion(exp.model(x), y).backward()
+        last = j == physical_batches - 1
+        if not last:
+            exp.optimizer.signal_skip_step(do_skip=True, same_draw=True)
+        exp.optimizer.step()
+        if last:
+            released = exp.weight.grad.detach().clone()
+        exp.optimizer.zero_grad()
+    return released
+
+
+def _check_split_history(history, config: PathAuditConfig) -> None:
+    ok = (
+        len(history) == 1 and history[0][:3] == (config.sigma, 1.0, 1) and isinstance(history[0][3], dict)
+        and history[0][3].get("micro_batches", 1) == 1 and history[0][3].get("sketching") == "per_example"
+    )
+    if not ok:
+        raise RuntimeError(
+            f"expected one step at q=1 with micro_batches=1 and per-example sketches in the rc_prv "
+            f"history, got {history}"
+        )
+
+
+def run_reentrant_split_audit(
+    config: PathAuditConfig, progress: Optional[Callable[[int], None]] = None
+) -> PathAuditResult:
+    """The ``reentrant_split`` audit (see the module docstring)."""
+    from .reference import exact_epsilon
+
+    start = time.perf_counter()
+    exp = build_reentrant_split(config)
+    d, m, r = exp.canaries[0].shape[-1], config.micro_batches, config.replicas
+    scale = 1.0 / (config.sigma * config.max_grad_norm)
+    entries = []
+
+    def scores_of(include: np.ndarray, _rng: np.random.Generator) -> np.ndarray:
+        released = split_step(exp, include, m)
+        s = released[:r, d - 1].double().numpy() * scale
+        mu_hat = np.maximum(released[:r, d - 2].double().numpy() * scale / (m - 1), 0.0)
+        entries.append(s)
+        return mu_hat * (s - mu_hat / 2) / scale
+
+    scores, included, history, eps_accounted, test = run_trials(
+        config, exp, scores_of, lambda h: _check_split_history(h, config), progress
+    )
+    entries = np.array(entries)
+    return PathAuditResult(
+        **result_fields(config, test, eps_accounted, int(scores.size)),
+        sketching="per_example",
+        mean_score_in=float(entries[included].mean() * config.sigma),  # E Z, units of C
+        seconds=time.perf_counter() - start,
+        eps_exact=exact_epsilon(
+            config.estimator, config.sketch_size, config.sigma, "honest", config.delta, config.canary_norm
+        ),
+        micro_batches=m,
+        sample_rate=1.0,
         history=history,
     )
