@@ -190,6 +190,9 @@ class PrivacyArguments:
         return SketchConfig(self.estimator, self.sketch_size, self.sketching) if self.clipping == "randomized" else None
 
 
+#: model families whose layers do not keep one row per example (``config.model_type``)
+_REFUSED_MODEL_TYPES = ("opt",)
+
 _CHECKPOINTING_ACCEPTED = (
     "False with clipping='flat' (the recomputed forward would record per-sample activations "
     "twice); with clipping='randomized' it runs as two passes from the model's output"
@@ -338,6 +341,22 @@ def _accepts(model: nn.Module, name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def _row_positions(input_ids: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Per-row position ids of shape (B, T): counted over each row's own tokens (the cumulative
+    sum of its attention mask minus 1, clamped at 0, as Hugging Face's generation does), so a
+    left-padded row has the positions it has alone, whatever the longest row of its batch.
+    Without a mask: ``arange(T)`` for every row (a (1, T) tensor broadcast over the batch has no
+    per-row gradient)."""
+    if mask is None:
+        return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def _left_padded(mask: torch.Tensor) -> bool:
+    """Some row has a padded (0) position before a token (1)."""
+    return bool(((mask[:, :-1] == 0) & (mask[:, 1:] != 0)).any())
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     while isinstance(model, DPDDP):
         model = model.module
@@ -439,6 +458,12 @@ class DPTrainerMixin:
             (args.world_size > 1 and args.parallel_mode.value != "distributed", "parallel_mode",
              "'distributed' (one process per device, torchrun)"),
             (getattr(args, "use_liger_kernel", False), "use_liger_kernel", "False (fused kernels read weights outside their modules)"),
+            (getattr(getattr(base, "config", None), "model_type", None) in _REFUSED_MODEL_TYPES,
+             f"model_type={getattr(getattr(base, 'config', None), 'model_type', None)!r}",
+             "a model family whose layers keep the batch dimension (e.g. GPT-2, Llama); OPT's decoder "
+             "layers flatten batch and sequence before fc1/fc2 (the per-example hooks would see one "
+             "example per token) and its learned positional embedding takes the attention mask as "
+             "its input, not the positions"),
             (refuse_checkpointing and (getattr(base, "is_activation_checkpointing", False)
                                        or base.__dict__.get("is_gradient_checkpointing", False)),
              "gradient checkpointing enabled on the model",
@@ -679,9 +704,18 @@ class DPTrainerMixin:
             )
         input_ids = inputs.get("input_ids")
         inner = _unwrap(model)
-        if input_ids is not None and input_ids.dim() == 2 and "position_ids" not in inputs and _accepts(inner, "position_ids"):
-            # per-row position ids: a (1, T) tensor broadcast over the batch has no per-row gradient
-            inputs["position_ids"] = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        if input_ids is not None and input_ids.dim() == 2 and "position_ids" not in inputs:
+            mask = inputs.get("attention_mask")
+            mask = mask if isinstance(mask, torch.Tensor) and mask.shape == input_ids.shape else None
+            if _accepts(inner, "position_ids"):
+                inputs["position_ids"] = _row_positions(input_ids, mask)
+            elif mask is not None and _left_padded(mask):
+                raise ValueError(
+                    f"left padding with {type(_base_model(inner)).__name__}, whose forward takes no "
+                    "position_ids: a row's positions would depend on the longest other row of its batch "
+                    "(examples would interact); accepted values: padding_side='right' (tokenizer or "
+                    "collator), or a model that takes position_ids"
+                )
         if _accepts(inner, "use_cache") and "use_cache" not in inputs:
             inputs["use_cache"] = False
         outputs = model(**inputs)

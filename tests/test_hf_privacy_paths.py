@@ -1,0 +1,128 @@
+"""opacus_rc.hf measured as an attacker would: at noise 0 with exact norms (every row no longer
+than the sketch size), one example's effect on the released update is bounded by C whatever
+else is in its batch (padding side, model family); a refused step ends the run; the batches
+trained on come from the plugin's Poisson loader whatever the class hierarchy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Trainer,
+    TrainingArguments,
+)
+
+from opacus_rc.hf import DPTrainer, PrivacyArguments, private_trainer  # noqa: E402
+
+VOCAB, PAD = 64, 0
+C = 1e-4  # far below every per-example gradient norm: each example contributes exactly C
+K = 32  # sketch size >= every row length: exact norms
+
+
+def tiny(family: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(
+            vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=2, pad_token_id=PAD,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
+        ))
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD, tie_word_embeddings=False,
+        ))
+    model = OPTForCausalLM(OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=64, word_embed_proj_dim=32, pad_token_id=PAD, dropout=0.0,
+        attention_dropout=0.0, layerdrop=0.0, tie_word_embeddings=False,
+    ))
+    return model
+
+
+def args(tmp_path, **kw) -> TrainingArguments:
+    options = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=1,
+        max_steps=2, logging_steps=1, report_to=[], save_strategy="no", learning_rate=1.0,
+        lr_scheduler_type="constant", use_cpu=True, disable_tqdm=True, seed=0,
+    )
+    options.update(kw)
+    return TrainingArguments(**options)
+
+
+def privacy(**kw) -> PrivacyArguments:
+    return PrivacyArguments(**{"noise_multiplier": 0.0, "delta": 1e-5, "max_grad_norm": C, "sketch_size": K, **kw})
+
+
+def padded(rows, side: str):
+    """A physical batch of token rows padded to the longest (labels -100 on the padding)."""
+    t = max(len(r) for r in rows)
+    ids = torch.full((len(rows), t), PAD)
+    mask = torch.zeros((len(rows), t), dtype=torch.long)
+    for i, r in enumerate(rows):
+        where = slice(t - len(r), t) if side == "left" else slice(0, len(r))
+        ids[i, where], mask[i, where] = torch.tensor(r), 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def released_sum(trainer, rows, side: str) -> torch.Tensor:
+    """The clipped sum the DP optimizer releases for one logical batch (noise 0: the gradient
+    it hands to SGD times the public B); the parameters are put back afterwards."""
+    model, opt = trainer.model, trainer._dp_optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    model.train()
+    batch = padded(rows, side)
+    losses = trainer.per_example_loss(model, batch)
+    losses.mean().backward()
+    trainer._dp_check_records(len(rows))
+    opt.step()
+    out = torch.cat([p.grad.reshape(-1) for p in params]).double() * trainer.expected_batch_size
+    with torch.no_grad():
+        for b, p in zip(before, params):
+            p.copy_(b)
+    opt.zero_grad(set_to_none=True)
+    return out
+
+
+def example_effects(tmp_path, family: str, side: str):
+    """||S(D) - S(D without x)|| / C for every row x of D: three short rows and a long one."""
+    model = tiny(family)
+    trainer = DPTrainer(model=model, args=args(tmp_path, optim="sgd"), train_dataset=list(range(8)), privacy=privacy())
+    trainer.create_optimizer()
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (4, 6, 5, 12)]
+    full = released_sum(trainer, rows, side)
+    return [float((full - released_sum(trainer, rows[:i] + rows[i + 1:], side)).norm()) / C for i in range(len(rows))]
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_one_example_moves_the_released_sum_by_exactly_C_whatever_the_padding(tmp_path, family, side):
+    """Every example's gradient norm is far above C, so adding or removing it changes the clipped
+    sum by exactly C if the other rows' gradients do not depend on it. Left padding used to give
+    every row arange(T) positions, T the longest row of the batch: adding a long row moved the
+    others' positions (3.07 C on GPT-2). Float32 sums of a few C-sized terms: 1e-4 relative."""
+    effects = example_effects(tmp_path, family, side)
+    assert effects == pytest.approx([1.0] * len(effects), abs=1e-4), effects
+
+
+@pytest.mark.parametrize("frozen_positions", [False, True])
+def test_opt_is_refused_by_name(tmp_path, frozen_positions):
+    """OPT's decoder layers flatten batch and sequence before fc1/fc2 (the hooks would see
+    one example per token) and its learned positional embedding takes the attention mask as
+    its input: refused at construction by its model_type (frozen positions or not), before
+    Opacus's hook fails on it ('int' object has no attribute 'detach') or book-keeping on the
+    flattened layers."""
+    model = tiny("opt")
+    model.model.decoder.embed_positions.requires_grad_(not frozen_positions)
+    with pytest.raises(ValueError, match=r"model_type='opt' is not supported.*GPT-2, Llama.*flatten"):
+        DPTrainer(model=model, args=args(tmp_path), train_dataset=list(range(8)), privacy=privacy())
