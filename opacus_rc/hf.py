@@ -381,7 +381,11 @@ class _DPCallback(TrainerCallback):
         self.trainer._dp_on_train_begin()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._dp_check_refused_steps()
         self.trainer._dp_after_step()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._dp_check_refused_steps()
 
     def on_step_end(self, args, state, control, **kwargs):
         limit = self.trainer._dp_max_steps
@@ -808,6 +812,16 @@ class DPTrainerMixin:
                 p._bk_records = [Record(torch.zeros(rows, device=p.device), _zero_sum(p))]
             else:
                 p.grad_sample = torch.zeros(rows, *p.shape, device=p.device, dtype=p.dtype)
+
+    def _dp_check_refused_steps(self) -> None:
+        """Raise the refusal of a step that a fused optimizer skipped on the device
+        (``found_inf``: parameters unchanged, the step charged), before anything computed from
+        the model is logged, evaluated or saved: training must not go on, nor ``train()``
+        return normally, after a data-dependent refusal. Waits for the flag of the step just
+        taken (the Trainer reads its loss on the host at every batch anyway)."""
+        check = getattr(self._dp_optimizer, "check_refused_steps", None)
+        if check is not None:
+            check()
 
     def _dp_after_step(self) -> None:
         if self._dp_optimizer is not None:

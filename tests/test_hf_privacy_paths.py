@@ -17,11 +17,10 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
     OPTConfig,
     OPTForCausalLM,
-    Trainer,
     TrainingArguments,
 )
 
-from opacus_rc.hf import DPTrainer, PrivacyArguments, private_trainer  # noqa: E402
+from opacus_rc.hf import DPTrainer, PrivacyArguments  # noqa: E402
 
 VOCAB, PAD = 64, 0
 C = 1e-4  # far below every per-example gradient norm: each example contributes exactly C
@@ -126,3 +125,51 @@ def test_opt_is_refused_by_name(tmp_path, frozen_positions):
     model.model.decoder.embed_positions.requires_grad_(not frozen_positions)
     with pytest.raises(ValueError, match=r"model_type='opt' is not supported.*GPT-2, Llama.*flatten"):
         DPTrainer(model=model, args=args(tmp_path), train_dataset=list(range(8)), privacy=privacy())
+
+
+# --- item: a step refused on the device by a fused optimizer ends the run ---------------------
+
+
+class Rows(torch.utils.data.Dataset):
+    """16 token rows of length 8 (no padding)."""
+
+    def __init__(self, n: int = 16) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(1, VOCAB, (n, 8), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def nan_at_step(step: int):
+    class NaNAt(DPTrainer):
+        """Every per-example loss is NaN at logical step ``step`` (0-based)."""
+
+        def per_example_loss(self, model, inputs):
+            losses = super().per_example_loss(model, inputs)
+            return losses * float("nan") if self.state.global_step == step else losses
+
+    return NaNAt
+
+
+@pytest.mark.parametrize("last", [True, False])
+def test_a_refused_step_with_a_fused_optimizer_raises_from_train(tmp_path, last):
+    """adamw_torch_fused skips a non-finite step on the device (found_inf): the refusal used
+    to be raised at the next step() only, so a refused LAST step let train() return normally,
+    the step charged and the model unchanged. It is raised right after the step, before the
+    step is logged or saved; the parameters are those before it."""
+    model = tiny("llama")
+    steps = 2
+    refused = steps - 1 if last else 0
+    trainer = nan_at_step(refused)(
+        model=model, args=args(tmp_path, optim="adamw_torch_fused", max_steps=steps, learning_rate=1e-2,
+                               save_strategy="steps", save_steps=1),
+        train_dataset=Rows(), privacy=privacy(sample_rate=0.5),
+    )
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        trainer.train()
+    assert trainer.state.global_step == refused  # neither counted nor followed by another step
+    assert not (tmp_path / "out" / f"checkpoint-{refused + 1}").exists()  # the unchanged model is not saved
