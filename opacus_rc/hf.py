@@ -272,6 +272,7 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
         self.secure_mode = secure_mode
         self.share = len(range(self.rank, self.num_samples, self.world_size))
         self._generator = None if secure_mode else torch.Generator().manual_seed(entropy_seed())
+        self.draws = 0  #: logical steps drawn so far (the loader check: this sampler is iterated)
 
     def __len__(self) -> int:
         return self.steps * self.micro_batches
@@ -286,12 +287,21 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
     def __iter__(self) -> Iterator[List[int]]:
         for _ in range(self.steps):
             local = self._mask().nonzero().reshape(-1)
+            self.draws += 1
             rows = local * self.world_size + self.rank
             for part in torch.tensor_split(rows, self.micro_batches):
                 yield part.tolist()
 
     def __getstate__(self):
         raise TypeError("the Poisson sampler's generator is a secret: it is never pickled or saved")
+
+
+_LOADING_ACCEPTED = (
+    "Customise loading with data_collator= (the collator of each Poisson batch), a transform of "
+    "train_dataset, or TrainingArguments(dataloader_num_workers=, dataloader_pin_memory=); an "
+    "override of get_train_dataloader must return super().get_train_dataloader() unchanged; "
+    "_get_train_sampler is never used"
+)
 
 
 class _EmptySafeCollator:
@@ -424,6 +434,8 @@ class DPTrainerMixin:
         self._dp_ddp: Optional[DPDDP] = None
         self._dp_max_steps: Optional[int] = None
         self._dp_micro = 0
+        self._dp_loader: Optional[DataLoader] = None
+        self._dp_loader_checked = False
         self._dp_sigma: Optional[float] = None
         self._dp_resumed_history: Optional[list] = None
         super().__init__(*args, **kwargs)
@@ -507,6 +519,15 @@ class DPTrainerMixin:
                 "losses and would not use it in training; override per_example_loss(model, inputs) "
                 "(returns one loss per row) instead"
             )
+        mro = type(self).__mro__
+        for cls in mro[:mro.index(Trainer)]:
+            ignored = [name for name in ("get_train_dataloader", "_get_train_sampler") if name in vars(cls)
+                       and (name == "_get_train_sampler" or mro.index(cls) > mro.index(DPTrainerMixin))]
+            if ignored and cls is not DPTrainerMixin:
+                raise ValueError(
+                    f"{cls.__name__}.{ignored[0]} would be ignored: the private Trainer trains on its own "
+                    "Poisson loader (the batches epsilon is computed for). " + _LOADING_ACCEPTED
+                )
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             raise ValueError("an IterableDataset train_dataset is not supported: Poisson sampling needs a map-style dataset")
 
@@ -577,13 +598,40 @@ class DPTrainerMixin:
             world_size=self.args.world_size,
             secure_mode=self.privacy.secure_mode,
         )
-        return DataLoader(
+        self._dp_loader = DataLoader(
             dataset,
             batch_sampler=sampler,
             collate_fn=_EmptySafeCollator(collator),
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
         )
+        return self._dp_loader
+
+    def _dp_check_loader(self) -> None:
+        """At the first physical batch of ``train()``: the loader the training loop iterates is
+        the one :meth:`get_train_dataloader` of this mixin made, its Poisson sampler is being
+        drawn from, at the charged rate, split into the accumulation steps, on this rank's share
+        (a subclass's ``get_train_dataloader`` may return another loader: refused)."""
+        loader = getattr(self.callback_handler, "train_dataloader", None)
+        sampler = getattr(loader, "batch_sampler", None)
+        ok = isinstance(sampler, PoissonAccumulationSampler)
+        why = (
+            "the loader the training loop iterates is not the private Trainer's Poisson loader"
+            if loader is None or loader is not self._dp_loader or not ok
+            else "its Poisson sampler was not drawn from" if sampler.draws == 0
+            else f"its sampler draws at rate {sampler.sample_rate}, not the charged {self.sample_rate}"
+            if sampler.sample_rate != self.sample_rate
+            else "its sampler's split, rank, world size or dataset size differ from the Trainer's"
+            if (sampler.micro_batches, sampler.rank, sampler.world_size, sampler.num_samples)
+            != (self.args.gradient_accumulation_steps, self.args.process_index, self.args.world_size,
+                len(self.train_dataset))
+            else None
+        )
+        if why is not None:
+            raise ValueError(
+                f"{type(self).__name__}: {why} (PoissonAccumulationSampler at the charged rate "
+                f"q={self.sample_rate:.6g}); epsilon holds only for its batches. " + _LOADING_ACCEPTED
+            )
 
     def num_examples(self, dataloader: DataLoader) -> int:
         """The expected number of rows per epoch (public; never ``len(dataset)``)."""
@@ -749,6 +797,9 @@ class DPTrainerMixin:
         optimizer = self._dp_optimizer
         if optimizer is None:
             raise RuntimeError("the private optimizer was not created (train() creates it)")
+        if not self._dp_loader_checked:
+            self._dp_check_loader()
+            self._dp_loader_checked = True
         self._dp_micro += 1
         last = self._dp_micro == self.args.gradient_accumulation_steps
         if last != bool(self.accelerator.sync_gradients):
@@ -829,6 +880,7 @@ class DPTrainerMixin:
 
     def _dp_on_train_begin(self) -> None:
         self._dp_micro = 0
+        self._dp_loader_checked = False
         self._dp_after_step()
         self._dp_max_steps = self._dp_budget_steps()
         if self._dp_max_steps is not None and self._dp_max_steps <= self.privacy_steps():

@@ -17,10 +17,11 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    Trainer,
     TrainingArguments,
 )
 
-from opacus_rc.hf import DPTrainer, PrivacyArguments  # noqa: E402
+from opacus_rc.hf import DPTrainer, PrivacyArguments, private_trainer  # noqa: E402
 
 VOCAB, PAD = 64, 0
 C = 1e-4  # far below every per-example gradient norm: each example contributes exactly C
@@ -173,3 +174,79 @@ def test_a_refused_step_with_a_fused_optimizer_raises_from_train(tmp_path, last)
         trainer.train()
     assert trainer.state.global_step == refused  # neither counted nor followed by another step
     assert not (tmp_path / "out" / f"checkpoint-{refused + 1}").exists()  # the unchanged model is not saved
+
+
+# --- item: the batches come from the plugin's Poisson loader ---------------------------------
+
+
+class ShuffledLoader(DPTrainer):
+    """The ordinary Hugging Face customisation: a loader of fixed shuffled batches."""
+
+    def get_train_dataloader(self):
+        return torch.utils.data.DataLoader(self.train_dataset, batch_size=4, shuffle=True,
+                                           collate_fn=self.data_collator)
+
+
+class WrappedLoader(DPTrainer):
+    """An override that calls super() but hands the loop another loader."""
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        return torch.utils.data.DataLoader(loader.dataset, batch_size=4, collate_fn=loader.collate_fn)
+
+
+class SameLoader(DPTrainer):
+    """An override that returns the plugin's loader (allowed)."""
+
+    def get_train_dataloader(self):
+        self.built = getattr(self, "built", 0) + 1
+        return super().get_train_dataloader()
+
+
+class BaseLoader(Trainer):
+    def get_train_dataloader(self):
+        return torch.utils.data.DataLoader(self.train_dataset, batch_size=4, shuffle=True)
+
+
+class BaseSampler(Trainer):
+    def _get_train_sampler(self, train_dataset=None):
+        return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
+
+class SubclassSampler(DPTrainer):
+    def _get_train_sampler(self, train_dataset=None):
+        return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
+
+def loader_trainer(cls, tmp_path):
+    return cls(model=tiny("llama"), args=args(tmp_path, optim="sgd", learning_rate=1e-2),
+               train_dataset=Rows(), privacy=privacy(sample_rate=0.25))
+
+
+@pytest.mark.parametrize("cls", [ShuffledLoader, WrappedLoader], ids=["shuffled", "wrapped"])
+def test_an_override_of_get_train_dataloader_that_bypasses_the_poisson_loader_is_refused(tmp_path, cls):
+    """Fixed shuffled batches of 4 would be reported with the Poisson epsilon: refused at the
+    first batch, before any update or charge, saying how to customise loading."""
+    trainer = loader_trainer(cls, tmp_path)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(ValueError, match=r"not the private Trainer's Poisson loader.*data_collator=.*super\(\)\.get_train_dataloader\(\)"):
+        trainer.train()
+    assert trainer.privacy_steps() == 0
+    assert all(torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
+
+
+def test_an_override_returning_the_poisson_loader_trains(tmp_path):
+    trainer = loader_trainer(SameLoader, tmp_path)
+    trainer.train()
+    assert trainer.built == 1 and trainer.privacy_steps() == 2
+
+
+@pytest.mark.parametrize("where", ["base_loader", "base_sampler", "subclass_sampler"])
+def test_an_override_the_private_trainer_would_ignore_is_refused(tmp_path, where):
+    """get_train_dataloader on the class given to private_trainer, or _get_train_sampler
+    anywhere, used to be ignored without a word: refused at construction."""
+    cls = {"base_loader": lambda: private_trainer(BaseLoader), "base_sampler": lambda: private_trainer(BaseSampler),
+           "subclass_sampler": lambda: SubclassSampler}[where]()
+    name = "_get_train_sampler" if "sampler" in where else "get_train_dataloader"
+    with pytest.raises(ValueError, match=rf"{name} would be ignored.*data_collator="):
+        loader_trainer(cls, tmp_path)
