@@ -85,6 +85,7 @@ from opacus.optimizers import DPOptimizer
 from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc, sketch_record
 from .bookkeeping import BookkeepingClippingMixin, Record
 from .config import SketchConfig
+from .finite import agree_across_ranks, all_finite
 from .integration import PrivacyEngine, per_rank_normaliser  # registers clipping="randomized" and rc_prv
 from .options import DENOISERS as ENGINE_DENOISERS
 from .sketch import entropy_seed
@@ -863,6 +864,28 @@ class DPTrainerMixin:
                 p._bk_records = [Record(torch.zeros(rows, device=p.device), _zero_sum(p))]
             else:
                 p.grad_sample = torch.zeros(rows, *p.shape, device=p.device, dtype=p.dtype)
+        if not hasattr(optimizer, "note_finite") and rows:
+            self._dp_refuse_non_finite(optimizer)
+
+    def _dp_refuse_non_finite(self, optimizer: DPOptimizer) -> None:
+        """Opacus's flat optimizer has no non-finite check: a NaN/inf per-sample gradient would
+        be clipped to NaN and released (parameters NaN, the step charged). Refused before the
+        batch is clipped (one host synchronisation per batch; agreed across ranks)."""
+        samples: List[Optional[torch.Tensor]] = []
+        for p in optimizer.params:
+            g = getattr(p, "grad_sample", None)
+            samples.extend(g if isinstance(g, list) else [g])
+        ok = all_finite(samples)
+        if ok is None:
+            return
+        if self.args.world_size > 1:
+            ok = agree_across_ranks(ok)
+        if not bool(ok):
+            raise FloatingPointError(
+                "non-finite per-sample gradient in this batch (clipping='flat'): the step is refused "
+                "before it is clipped and noised; parameters and the privacy accountant are unchanged "
+                "by it. A refusal must end the run"
+            )
 
     def _dp_check_refused_steps(self) -> None:
         """Raise the refusal of a step that a fused optimizer skipped on the device

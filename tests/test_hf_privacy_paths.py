@@ -115,6 +115,28 @@ def test_one_example_moves_the_released_sum_by_exactly_C_whatever_the_padding(tm
     assert effects == pytest.approx([1.0] * len(effects), abs=1e-4), effects
 
 
+class NoPositions(torch.nn.Module):
+    """A token model whose forward takes no position_ids (it cannot be given per-row positions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, attention_mask=None):
+        return {"logits": self.head(self.embed(input_ids))}
+
+
+def test_left_padding_without_position_ids_is_refused(tmp_path):
+    """A model that takes no position_ids cannot be given per-row positions: left padding is
+    refused by name, right padding runs."""
+    trainer = DPTrainer(model=NoPositions(), args=args(tmp_path), train_dataset=list(range(8)), privacy=privacy())
+    rows = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    assert trainer.per_example_loss(trainer.model, padded(rows, "right")).shape == (2,)
+    with pytest.raises(ValueError, match=r"left padding with NoPositions.*no position_ids.*padding_side='right'"):
+        trainer.per_example_loss(trainer.model, padded(rows, "left"))
+
+
 @pytest.mark.parametrize("frozen_positions", [False, True])
 def test_opt_is_refused_by_name(tmp_path, frozen_positions):
     """OPT's decoder layers flatten batch and sequence before fc1/fc2 (the hooks would see
@@ -174,6 +196,21 @@ def test_a_refused_step_with_a_fused_optimizer_raises_from_train(tmp_path, last)
         trainer.train()
     assert trainer.state.global_step == refused  # neither counted nor followed by another step
     assert not (tmp_path / "out" / f"checkpoint-{refused + 1}").exists()  # the unchanged model is not saved
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "sgd"])
+def test_a_non_finite_step_with_flat_clipping_is_refused(tmp_path, optim):
+    """Opacus's flat optimizer has no non-finite check: a NaN loss made the parameters NaN,
+    the step charged, and train() returned normally. Refused before the step: parameters
+    finite and as after the previous step, the refused step not charged."""
+    trainer = nan_at_step(1)(
+        model=tiny("llama"), args=args(tmp_path, optim=optim, max_steps=2, learning_rate=1e-2),
+        train_dataset=Rows(), privacy=privacy(clipping="flat", sample_rate=0.5),
+    )
+    with pytest.raises(FloatingPointError, match="non-finite per-sample gradient.*clipping='flat'"):
+        trainer.train()
+    assert all(bool(p.isfinite().all()) for p in trainer.model.parameters())
+    assert trainer.state.global_step == 1 and trainer.privacy_steps() == 1
 
 
 # --- item: the batches come from the plugin's Poisson loader ---------------------------------
