@@ -827,6 +827,8 @@ class DPTrainerMixin:
                 report = losses.detach().sum() / per_rank_normaliser(self.expected_batch_size, self.args.world_size > 1)
         if rows or last:
             self._dp_check_records(rows)
+        if not hasattr(optimizer, "note_finite"):  # every batch, on every rank (an agreement)
+            self._dp_refuse_non_finite(optimizer)
         if not last and rows:
             _signal_same_draw(optimizer)
             optimizer.step()  # clip into the step's sum; no noise, no charge, no update
@@ -864,20 +866,19 @@ class DPTrainerMixin:
                 p._bk_records = [Record(torch.zeros(rows, device=p.device), _zero_sum(p))]
             else:
                 p.grad_sample = torch.zeros(rows, *p.shape, device=p.device, dtype=p.dtype)
-        if not hasattr(optimizer, "note_finite") and rows:
-            self._dp_refuse_non_finite(optimizer)
 
     def _dp_refuse_non_finite(self, optimizer: DPOptimizer) -> None:
         """Opacus's flat optimizer has no non-finite check: a NaN/inf per-sample gradient would
         be clipped to NaN and released (parameters NaN, the step charged). Refused before the
-        batch is clipped (one host synchronisation per batch; agreed across ranks)."""
+        batch is clipped (one host synchronisation per batch; agreed across ranks, so every rank
+        takes part at every batch, empty or not)."""
         samples: List[Optional[torch.Tensor]] = []
         for p in optimizer.params:
             g = getattr(p, "grad_sample", None)
             samples.extend(g if isinstance(g, list) else [g])
         ok = all_finite(samples)
-        if ok is None:
-            return
+        if ok is None:  # an empty batch (or nothing recorded): nothing to refuse here
+            ok = torch.ones((), dtype=torch.bool, device=self.args.device)
         if self.args.world_size > 1:
             ok = agree_across_ranks(ok)
         if not bool(ok):
