@@ -49,9 +49,14 @@ option the package does not recognise (selective checkpointing's ``context_fn``,
 a custom ``_gradient_checkpointing_func``), gradient checkpointing with flat clipping,
 DataParallel, DeepSpeed/FSDP, auto batch size,
 token counting, ``compute_loss_func``/label smoothing/custom ``compute_loss`` (override
-:meth:`DPTrainerMixin.per_example_loss` instead), padding-free batches, and a trainable
+:meth:`DPTrainerMixin.per_example_loss` instead), padding-free batches, a trainable
 parameter whose gradient no hook saw (e.g. a fused LM head reading ``lm_head.weight``
-directly).
+directly), OPT (``model_type='opt'``), left padding with a model that takes no
+``position_ids`` (position ids are otherwise counted per row from the attention mask), a
+``get_train_dataloader`` whose loader is not the Poisson loader (checked at the first batch)
+and one the private Trainer would ignore (on the class given to :func:`private_trainer`, or
+``_get_train_sampler``). A non-finite step raises ``FloatingPointError`` (a fused optimizer's
+device-side refusal right after its step, before anything is logged or saved).
 """
 
 from __future__ import annotations
