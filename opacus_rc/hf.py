@@ -49,9 +49,14 @@ option the package does not recognise (selective checkpointing's ``context_fn``,
 a custom ``_gradient_checkpointing_func``), gradient checkpointing with flat clipping,
 DataParallel, DeepSpeed/FSDP, auto batch size,
 token counting, ``compute_loss_func``/label smoothing/custom ``compute_loss`` (override
-:meth:`DPTrainerMixin.per_example_loss` instead), padding-free batches, and a trainable
+:meth:`DPTrainerMixin.per_example_loss` instead), padding-free batches, a trainable
 parameter whose gradient no hook saw (e.g. a fused LM head reading ``lm_head.weight``
-directly).
+directly), OPT (``model_type='opt'``), left padding with a model that takes no
+``position_ids`` (position ids are otherwise counted per row from the attention mask), a
+``get_train_dataloader`` whose loader is not the Poisson loader (checked at the first batch)
+and one the private Trainer would ignore (on the class given to :func:`private_trainer`, or
+``_get_train_sampler``). A non-finite step raises ``FloatingPointError`` (a fused optimizer's
+device-side refusal right after its step, before anything is logged or saved).
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ from opacus.optimizers import DPOptimizer
 from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc, sketch_record
 from .bookkeeping import BookkeepingClippingMixin, Record
 from .config import SketchConfig
+from .finite import agree_across_ranks, all_finite
 from .integration import PrivacyEngine, per_rank_normaliser  # registers clipping="randomized" and rc_prv
 from .options import DENOISERS as ENGINE_DENOISERS
 from .sketch import entropy_seed
@@ -190,6 +196,9 @@ class PrivacyArguments:
         return SketchConfig(self.estimator, self.sketch_size, self.sketching) if self.clipping == "randomized" else None
 
 
+#: model families whose layers do not keep one row per example (``config.model_type``)
+_REFUSED_MODEL_TYPES = ("opt",)
+
 _CHECKPOINTING_ACCEPTED = (
     "False with clipping='flat' (the recomputed forward would record per-sample activations "
     "twice); with clipping='randomized' it runs as two passes from the model's output"
@@ -269,6 +278,7 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
         self.secure_mode = secure_mode
         self.share = len(range(self.rank, self.num_samples, self.world_size))
         self._generator = None if secure_mode else torch.Generator().manual_seed(entropy_seed())
+        self.draws = 0  #: logical steps drawn so far (the loader check: this sampler is iterated)
 
     def __len__(self) -> int:
         return self.steps * self.micro_batches
@@ -283,12 +293,21 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
     def __iter__(self) -> Iterator[List[int]]:
         for _ in range(self.steps):
             local = self._mask().nonzero().reshape(-1)
+            self.draws += 1
             rows = local * self.world_size + self.rank
             for part in torch.tensor_split(rows, self.micro_batches):
                 yield part.tolist()
 
     def __getstate__(self):
         raise TypeError("the Poisson sampler's generator is a secret: it is never pickled or saved")
+
+
+_LOADING_ACCEPTED = (
+    "Customise loading with data_collator= (the collator of each Poisson batch), a transform of "
+    "train_dataset, or TrainingArguments(dataloader_num_workers=, dataloader_pin_memory=); an "
+    "override of get_train_dataloader must return super().get_train_dataloader() unchanged; "
+    "_get_train_sampler is never used"
+)
 
 
 class _EmptySafeCollator:
@@ -338,6 +357,22 @@ def _accepts(model: nn.Module, name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def _row_positions(input_ids: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Per-row position ids of shape (B, T): counted over each row's own tokens (the cumulative
+    sum of its attention mask minus 1, clamped at 0, as Hugging Face's generation does), so a
+    left-padded row has the positions it has alone, whatever the longest row of its batch.
+    Without a mask: ``arange(T)`` for every row (a (1, T) tensor broadcast over the batch has no
+    per-row gradient)."""
+    if mask is None:
+        return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def _left_padded(mask: torch.Tensor) -> bool:
+    """Some row has a padded (0) position before a token (1)."""
+    return bool(((mask[:, :-1] == 0) & (mask[:, 1:] != 0)).any())
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     while isinstance(model, DPDDP):
         model = model.module
@@ -362,7 +397,11 @@ class _DPCallback(TrainerCallback):
         self.trainer._dp_on_train_begin()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._dp_check_refused_steps()
         self.trainer._dp_after_step()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._dp_check_refused_steps()
 
     def on_step_end(self, args, state, control, **kwargs):
         limit = self.trainer._dp_max_steps
@@ -401,6 +440,8 @@ class DPTrainerMixin:
         self._dp_ddp: Optional[DPDDP] = None
         self._dp_max_steps: Optional[int] = None
         self._dp_micro = 0
+        self._dp_loader: Optional[DataLoader] = None
+        self._dp_loader_checked = False
         self._dp_sigma: Optional[float] = None
         self._dp_resumed_history: Optional[list] = None
         super().__init__(*args, **kwargs)
@@ -439,6 +480,12 @@ class DPTrainerMixin:
             (args.world_size > 1 and args.parallel_mode.value != "distributed", "parallel_mode",
              "'distributed' (one process per device, torchrun)"),
             (getattr(args, "use_liger_kernel", False), "use_liger_kernel", "False (fused kernels read weights outside their modules)"),
+            (getattr(getattr(base, "config", None), "model_type", None) in _REFUSED_MODEL_TYPES,
+             f"model_type={getattr(getattr(base, 'config', None), 'model_type', None)!r}",
+             "a model family whose layers keep the batch dimension (e.g. GPT-2, Llama); OPT's decoder "
+             "layers flatten batch and sequence before fc1/fc2 (the per-example hooks would see one "
+             "example per token) and its learned positional embedding takes the attention mask as "
+             "its input, not the positions"),
             (refuse_checkpointing and (getattr(base, "is_activation_checkpointing", False)
                                        or base.__dict__.get("is_gradient_checkpointing", False)),
              "gradient checkpointing enabled on the model",
@@ -478,6 +525,15 @@ class DPTrainerMixin:
                 "losses and would not use it in training; override per_example_loss(model, inputs) "
                 "(returns one loss per row) instead"
             )
+        mro = type(self).__mro__
+        for cls in mro[:mro.index(Trainer)]:
+            ignored = [name for name in ("get_train_dataloader", "_get_train_sampler") if name in vars(cls)
+                       and (name == "_get_train_sampler" or mro.index(cls) > mro.index(DPTrainerMixin))]
+            if ignored and cls is not DPTrainerMixin:
+                raise ValueError(
+                    f"{cls.__name__}.{ignored[0]} would be ignored: the private Trainer trains on its own "
+                    "Poisson loader (the batches epsilon is computed for). " + _LOADING_ACCEPTED
+                )
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             raise ValueError("an IterableDataset train_dataset is not supported: Poisson sampling needs a map-style dataset")
 
@@ -548,13 +604,40 @@ class DPTrainerMixin:
             world_size=self.args.world_size,
             secure_mode=self.privacy.secure_mode,
         )
-        return DataLoader(
+        self._dp_loader = DataLoader(
             dataset,
             batch_sampler=sampler,
             collate_fn=_EmptySafeCollator(collator),
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
         )
+        return self._dp_loader
+
+    def _dp_check_loader(self) -> None:
+        """At the first physical batch of ``train()``: the loader the training loop iterates is
+        the one :meth:`get_train_dataloader` of this mixin made, its Poisson sampler is being
+        drawn from, at the charged rate, split into the accumulation steps, on this rank's share
+        (a subclass's ``get_train_dataloader`` may return another loader: refused)."""
+        loader = getattr(self.callback_handler, "train_dataloader", None)
+        sampler = getattr(loader, "batch_sampler", None)
+        ok = isinstance(sampler, PoissonAccumulationSampler)
+        why = (
+            "the loader the training loop iterates is not the private Trainer's Poisson loader"
+            if loader is None or loader is not self._dp_loader or not ok
+            else "its Poisson sampler was not drawn from" if sampler.draws == 0
+            else f"its sampler draws at rate {sampler.sample_rate}, not the charged {self.sample_rate}"
+            if sampler.sample_rate != self.sample_rate
+            else "its sampler's split, rank, world size or dataset size differ from the Trainer's"
+            if (sampler.micro_batches, sampler.rank, sampler.world_size, sampler.num_samples)
+            != (self.args.gradient_accumulation_steps, self.args.process_index, self.args.world_size,
+                len(self.train_dataset))
+            else None
+        )
+        if why is not None:
+            raise ValueError(
+                f"{type(self).__name__}: {why} (PoissonAccumulationSampler at the charged rate "
+                f"q={self.sample_rate:.6g}); epsilon holds only for its batches. " + _LOADING_ACCEPTED
+            )
 
     def num_examples(self, dataloader: DataLoader) -> int:
         """The expected number of rows per epoch (public; never ``len(dataset)``)."""
@@ -679,9 +762,18 @@ class DPTrainerMixin:
             )
         input_ids = inputs.get("input_ids")
         inner = _unwrap(model)
-        if input_ids is not None and input_ids.dim() == 2 and "position_ids" not in inputs and _accepts(inner, "position_ids"):
-            # per-row position ids: a (1, T) tensor broadcast over the batch has no per-row gradient
-            inputs["position_ids"] = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        if input_ids is not None and input_ids.dim() == 2 and "position_ids" not in inputs:
+            mask = inputs.get("attention_mask")
+            mask = mask if isinstance(mask, torch.Tensor) and mask.shape == input_ids.shape else None
+            if _accepts(inner, "position_ids"):
+                inputs["position_ids"] = _row_positions(input_ids, mask)
+            elif mask is not None and _left_padded(mask):
+                raise ValueError(
+                    f"left padding with {type(_base_model(inner)).__name__}, whose forward takes no "
+                    "position_ids: a row's positions would depend on the longest other row of its batch "
+                    "(examples would interact); accepted values: padding_side='right' (tokenizer or "
+                    "collator), or a model that takes position_ids"
+                )
         if _accepts(inner, "use_cache") and "use_cache" not in inputs:
             inputs["use_cache"] = False
         outputs = model(**inputs)
@@ -711,6 +803,9 @@ class DPTrainerMixin:
         optimizer = self._dp_optimizer
         if optimizer is None:
             raise RuntimeError("the private optimizer was not created (train() creates it)")
+        if not self._dp_loader_checked:
+            self._dp_check_loader()
+            self._dp_loader_checked = True
         self._dp_micro += 1
         last = self._dp_micro == self.args.gradient_accumulation_steps
         if last != bool(self.accelerator.sync_gradients):
@@ -737,6 +832,8 @@ class DPTrainerMixin:
                 report = losses.detach().sum() / per_rank_normaliser(self.expected_batch_size, self.args.world_size > 1)
         if rows or last:
             self._dp_check_records(rows)
+        if not hasattr(optimizer, "note_finite"):  # every batch, on every rank (an agreement)
+            self._dp_refuse_non_finite(optimizer)
         if not last and rows:
             _signal_same_draw(optimizer)
             optimizer.step()  # clip into the step's sum; no noise, no charge, no update
@@ -775,12 +872,44 @@ class DPTrainerMixin:
             else:
                 p.grad_sample = torch.zeros(rows, *p.shape, device=p.device, dtype=p.dtype)
 
+    def _dp_refuse_non_finite(self, optimizer: DPOptimizer) -> None:
+        """Opacus's flat optimizer has no non-finite check: a NaN/inf per-sample gradient would
+        be clipped to NaN and released (parameters NaN, the step charged). Refused before the
+        batch is clipped (one host synchronisation per batch; agreed across ranks, so every rank
+        takes part at every batch, empty or not)."""
+        samples: List[Optional[torch.Tensor]] = []
+        for p in optimizer.params:
+            g = getattr(p, "grad_sample", None)
+            samples.extend(g if isinstance(g, list) else [g])
+        ok = all_finite(samples)
+        if ok is None:  # an empty batch (or nothing recorded): nothing to refuse here
+            ok = torch.ones((), dtype=torch.bool, device=self.args.device)
+        if self.args.world_size > 1:
+            ok = agree_across_ranks(ok)
+        if not bool(ok):
+            raise FloatingPointError(
+                "non-finite per-sample gradient in this batch (clipping='flat'): the step is refused "
+                "before it is clipped and noised; parameters and the privacy accountant are unchanged "
+                "by it. A refusal must end the run"
+            )
+
+    def _dp_check_refused_steps(self) -> None:
+        """Raise the refusal of a step that a fused optimizer skipped on the device
+        (``found_inf``: parameters unchanged, the step charged), before anything computed from
+        the model is logged, evaluated or saved: training must not go on, nor ``train()``
+        return normally, after a data-dependent refusal. Waits for the flag of the step just
+        taken (the Trainer reads its loss on the host at every batch anyway)."""
+        check = getattr(self._dp_optimizer, "check_refused_steps", None)
+        if check is not None:
+            check()
+
     def _dp_after_step(self) -> None:
         if self._dp_optimizer is not None:
             self._dp_optimizer.zero_grad(set_to_none=True)
 
     def _dp_on_train_begin(self) -> None:
         self._dp_micro = 0
+        self._dp_loader_checked = False
         self._dp_after_step()
         self._dp_max_steps = self._dp_budget_steps()
         if self._dp_max_steps is not None and self._dp_max_steps <= self.privacy_steps():
