@@ -209,7 +209,8 @@ _CHECKPOINTING_ACCEPTED = (
 #: options that leave the recomputation a plain replay, and the Trainer's ``every_n_layers``
 _CHECKPOINT_OPTIONS = ("use_reentrant", "preserve_rng_state", "determinism_check", "debug", "early_stop", "every_n_layers")
 _CHECKPOINT_OPTIONS_ACCEPTED = ", ".join(
-    ("use_reentrant=True or False (unset: Hugging Face's non-reentrant default)",) + _CHECKPOINT_OPTIONS[1:]
+    ("use_reentrant=True or False (unset: Hugging Face's non-reentrant default)",
+     "preserve_rng_state=True (torch's default)") + _CHECKPOINT_OPTIONS[2:]
 )
 
 
@@ -222,6 +223,12 @@ def _checkpoint_options_error(options: Dict[str, Any]) -> Optional[str]:
         return f"the keys {unknown} are not supported"
     if "use_reentrant" in options and not isinstance(options["use_reentrant"], bool):
         return f"use_reentrant={options['use_reentrant']!r} is not a bool"
+    if options.get("preserve_rng_state", True) is not True:
+        return (
+            f"preserve_rng_state={options['preserve_rng_state']!r}: with checkpointing the private "
+            "Trainer runs the two-pass form, whose two backward passes would recompute each region "
+            "with other dropout masks"
+        )
     return None
 
 
@@ -545,9 +552,10 @@ class DPTrainerMixin:
             func = getattr(m, "_gradient_checkpointing_func", None)
             if getattr(m, "gradient_checkpointing", False) is True and func is not None:
                 if not _recognised_checkpoint_function(func):
+                    why = _checkpoint_options_error(getattr(func, "keywords", None) or {})
                     raise ValueError(
                         f"the model's gradient checkpointing function ({func!r} on {type(m).__name__}) is "
-                        "not recognised: the privacy hooks are verified under torch.utils.checkpoint's "
+                        f"not recognised{f' ({why})' if why else ''}: the privacy hooks are verified under torch.utils.checkpoint's "
                         "plain replays only; accepted values: model.gradient_checkpointing_enable("
                         "gradient_checkpointing_kwargs=...) with keys "
                         f"{_CHECKPOINT_OPTIONS_ACCEPTED} (or none), or "
