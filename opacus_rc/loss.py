@@ -28,6 +28,10 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
         synchronisation here (see :mod:`opacus_rc.finite`)."""
         optimizer = self.optimizer
         optimizer._check_cleared()  # before Opacus's own zero_grad between the passes
+        check = getattr(optimizer, "check_clipped_passes", None)
+        if check is not None:  # the earlier sums kept below must be clipped ones
+            check(before_pass=True)
+        mark = getattr(optimizer, "mark_clipped", lambda: None)
         # Clipped sums of earlier micro-batches of this step (Opacus zeroes p.grad
         # between the two passes); nothing to keep on a step's first pass.
         earlier = [
@@ -40,10 +44,12 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
             # Drop whatever this pass left (possibly unclipped) and keep the earlier sums.
             for p, e in zip(optimizer.params, earlier):
                 p.grad = e
+            mark()
             raise
         for p, e in zip(optimizer.params, earlier):
             if e is not None:
                 p.grad = e if p.grad is None else p.grad.add_(e)
+        mark()  # p.grad is now exactly the step's clipped sum so far
         optimizer.backward_passes += 1
         note = getattr(optimizer, "note_finite", None)
         if note is not None:
