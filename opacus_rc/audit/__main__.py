@@ -23,7 +23,7 @@ from ..config import ESTIMATORS, SKETCHINGS
 from ._broken import VARIANTS
 from .experiment import AuditConfig, AuditResult, run_audit
 from .normaliser import NORMALISER_VARIANTS, NormaliserAuditConfig, run_normaliser_audit
-from .paths import PATH_DEFAULTS, PATH_VARIANTS, PathAuditConfig, run_path_audit
+from .paths import FUSED_HEAD_VARIANTS, PATH_DEFAULTS, PATH_VARIANTS, PathAuditConfig, run_path_audit
 from .reference import exact_epsilon
 
 #: Noise multiplier per sketch size: rc_prv's one-step epsilon at delta = 1e-2 is
@@ -204,6 +204,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             notes.append(
                 f"reused_layer: one layer applied {PATH_DEFAULTS['reused_layer']['uses']} times per "
                 f"forward pass (book-keeping), one Poisson draw at q={r.sample_rate}"
+            )
+        elif r.variant in FUSED_HEAD_VARIANTS:
+            notes.append(
+                f"{r.variant}: a loss reading the head's weight outside its module on a checkpointed model: "
+                + (f"refused by the plugin ({r.refusal[:60]}...)" if r.refusal else
+                   f"released (mean canary contribution {r.mean_score_in:.1f} C), charged as one step")
             )
         elif r.variant == "hand_built":
             notes.append(
