@@ -38,8 +38,14 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
             None if p.grad is None or optimizer.backward_passes == 0 else p.grad.detach().clone()
             for p in optimizer.params
         ]
+        if hasattr(optimizer, "_norm_pass_module"):
+            optimizer._norm_pass_module = self.module  # its zero_grad between the passes checks the norm pass
         try:
-            super().backward()
+            try:
+                super().backward()
+            finally:
+                if hasattr(optimizer, "_norm_pass_module"):
+                    optimizer._norm_pass_module = None
         except BaseException:
             # Drop whatever this pass left (possibly unclipped) and keep the earlier sums.
             for p, e in zip(optimizer.params, earlier):

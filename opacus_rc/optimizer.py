@@ -122,6 +122,7 @@ class RandomizedClippingMixin:
         self._clipped_marks: Dict[int, Any] = {}  # per parameter: its gradient as a clipped pass left it
         self._grad_sample_module: Optional[Callable[[], Any]] = None  # weak: see bind_module()
         self._parameter_names: Dict[int, str] = {}
+        self._norm_pass_module: Any = None  # set by the criterion's backward during its norm pass
 
     @property
     def accumulated_iterations(self) -> int:
@@ -192,6 +193,9 @@ class RandomizedClippingMixin:
             )
 
     def zero_grad(self, set_to_none: bool = False) -> None:
+        module = self._norm_pass_module
+        if module is not None:  # Opacus's zero_grad between the two passes: the norm pass is over
+            self._check_norm_pass(module)
         super().zero_grad(set_to_none)
         self._awaiting_zero_grad = False
         self.mark_clipped()  # zeroed in place (or None): a zero contribution
@@ -240,14 +244,45 @@ class RandomizedClippingMixin:
         unclipped = [] if before_pass and self.backward_passes == 0 else [
             p for p in self.params if p.grad is not None and not _marked(self._clipped_marks.get(id(p)), p.grad)
         ]
-        if not (pending or unclipped):
+        # a step with no gradient at all and no clipped pass (main: an internal AttributeError)
+        nothing = not before_pass and self.backward_passes == 0 and all(p.grad is None for p in self.params)
+        if pending or unclipped or nothing:
+            self._refuse_unclipped(unclipped, pending or nothing, module)
+
+    def _check_norm_pass(self, module: Any) -> None:
+        """After the criterion's norm pass: the linear layers of ``module`` compute no
+        parameter gradient in it (:meth:`~opacus_rc.grad_sample.SketchingMixin._defer_weight_grads`),
+        so a changed ``p.grad`` of theirs came from a use outside the module's forward (e.g.
+        ``loss = criterion(model(x), y) + f(F.linear(h, lm_head.weight))``), which the norms
+        miss and the clipped pass would release: refused."""
+        patched = getattr(module, "_patched", ())
+        if not patched:
             return
+        ids = {id(m) for m in patched}
+        # a weight tied to another layer (an embedding) legitimately gets its gradient there
+        elsewhere = {
+            id(p) for m in getattr(module, "_module", module).modules() if id(m) not in ids
+            for p in m.parameters(recurse=False)
+        }
+        unclipped = [
+            p for m in patched for p in m.parameters(recurse=False)
+            if p.requires_grad and id(p) not in elsewhere and p.grad is not None
+            and not _marked(self._clipped_marks.get(id(p)), p.grad)
+        ]
+        if unclipped:
+            self._norm_pass_module = None
+            self._refuse_unclipped(unclipped, False, module, outside=True)
+
+    def _refuse_unclipped(self, unclipped: List[torch.Tensor], pending: bool, module: Any, outside: bool = False) -> None:
         if unclipped:
             what = "the gradient of " + ", ".join(self.describe_parameter(p) for p in unclipped)
-        else:
+        elif pending and self.backward_passes > 0:
             what = "the per-example norms of a backward pass (their clipped pass never ran)"
+        else:
+            what = "the step's update (no clipped pass ran since the last step)"
         output_passes = module is not None and getattr(module, "output_passes", None) is not None
-        error = unclipped_gradient_error(what, self.backward_passes > 0 and not pending, output_passes)
+        ran = outside or (self.backward_passes > 0 and not pending)  # else: no clipped pass at all
+        error = unclipped_gradient_error(what, ran, output_passes)
         self._forget_per_example_values()
         raise error
 

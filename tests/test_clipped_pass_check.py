@@ -138,16 +138,14 @@ def test_fused_head_on_a_checkpointed_model_is_refused(mode, use_reentrant):
 
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("first", ["direct", "logits"])
-def test_fused_head_beside_the_clipped_output_is_refused_or_dropped(use_reentrant, first):
+def test_fused_head_beside_the_clipped_output_is_refused(use_reentrant, first):
     """The loss from the logits (clipped at the boundary) plus a term reading the head's
     weight directly (x100). Autograd runs later-built nodes first: built first
     (``direct``), the extra gradient is added into p.grad after the clipped passes (main:
-    released unclipped); refused at the step. Built after the logits, it reaches p.grad
-    before the passes, which start from zero: dropped, the update is the clipped one
-    (brute force of the logits' loss alone). Never released unclipped."""
+    released unclipped), refused at the step; built after the logits, it reaches p.grad
+    before the passes, whose norm pass finds a linear weight's gradient that its module
+    does not compute (main: dropped by the passes' zero_grad): refused in the backward."""
     model = FusedHeadLM(use_reentrant, head_only=False)  # (head only: refused at the boundary)
-    reference = copy.deepcopy(model)
-    reference.use_reentrant = False  # the oracle's autograd.grad (same values)
     engine, (module, optimizer, _) = private(model, "hooks")
     x, y = data()
     with _hooks_off(module):
@@ -162,15 +160,13 @@ def test_fused_head_beside_the_clipped_output_is_refused_or_dropped(use_reentran
     else:
         logits = module(x)
         term = extra()
-    (token_losses(logits, y).mean() + term).backward()
+    loss = token_losses(logits, y).mean() + term
     if first == "direct":
-        assert_refused(engine, model, module, optimizer, match="'lm_head.weight'")
-        return
-    before = model.lm_head.weight.detach().clone()
-    optimizer.step()
-    want = per_example_clipped_mean(reference, lambda m, xi, yi: token_losses(m(xi), yi).mean(), x, y, C, B)
-    got = (before - model.lm_head.weight.detach()) / LR
-    assert torch.allclose(got, want["lm_head.weight"], rtol=1e-4, atol=1e-7)
+        loss.backward()
+    else:
+        with pytest.raises(ValueError, match="'lm_head.weight'"):
+            loss.backward()
+    assert_refused(engine, model, module, optimizer, match="'lm_head.weight'|no clipped pass ran")
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
@@ -297,3 +293,72 @@ def test_dp_trainer_fused_head_on_a_checkpointed_model_is_refused(tmp_path):
     assert getattr(trainer._dp_hooks, "output_passes", None) is not None  # the checkpointed path
     assert torch.equal(model.lm_head.weight, before)
     assert trainer.accountant.history == []
+
+
+def test_ghost_criterion_plus_a_term_reading_a_weight_outside_its_module_is_refused():
+    """``criterion(model(x), y) + r`` with ``r = F.linear(h, fc2.weight)`` summed: the
+    two-pass loss takes the term into every example's loss, but the hooks' norms miss it
+    and the clipped pass would release ``(sum_i c_i) grad r``, a batch-wide unclipped
+    gradient (main: taken). The linear layers compute no weight gradient in the norm
+    pass, so fc2.weight's gradient there can only come from outside its module: refused
+    in the backward, before the clipped pass, naming it."""
+    x, y = data()
+    y = y[:, 0] % 2
+    model = classifier(trainable_linear=True)
+    engine, (module, optimizer, criterion, _) = private(model, "ghost")
+    h = torch.randn(B, D)
+    before = copy.deepcopy(model.state_dict())
+    loss = criterion(module(x), y) + 100 * F.linear(h, model.fc2.weight).sum()
+    with pytest.raises(ValueError, match="'fc2.weight'.*outside its module"):
+        loss.backward()
+    with pytest.raises(ValueError, match="no clipped pass ran"):  # nothing left to release
+        optimizer.step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert engine.accountant.history == []
+    assert_no_per_example_values(model, module)
+
+
+# --- DDP (2 gloo ranks) ----------------------------------------------------------------------
+
+
+def ddp_plain_backward_worker(rank, init_file, trainable_linear, out_dir):
+    """Ghost mode under DPDDP, each rank a plain loss.backward() on its half: every rank
+    refuses the step (the check is local and the script the same on every rank)."""
+    import os
+
+    import torch.distributed as dist
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    model = classifier(trainable_linear)
+    initial = copy.deepcopy(model.state_dict())
+    engine = PrivacyEngine(accountant="rc_prv")
+    x, y = data()
+    y = y[:, 0] % 2
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=B)
+    module, optimizer, criterion, _ = engine.make_private(
+        module=DPDDP(model), optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR),
+        data_loader=loader, noise_multiplier=0.0, max_grad_norm=C, clipping="randomized",
+        grad_sample_mode="ghost", poisson_sampling=False, criterion=nn.CrossEntropyLoss(),
+    )
+    half = slice(rank * B // 2, (rank + 1) * B // 2)
+    F.cross_entropy(module(x[half]), y[half]).backward()
+    error = ""
+    try:
+        optimizer.step()
+    except ValueError as e:
+        error = str(e)
+    unchanged = all(torch.equal(v, initial[k]) for k, v in model.state_dict().items())
+    left = [n for n, p in model.named_parameters() if getattr(p, "_norm_sample", None) is not None]
+    torch.save({"error": error, "unchanged": unchanged, "history": engine.accountant.history, "left": left},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ddp_ghost_with_a_plain_backward_is_refused_on_every_rank():
+    """Embedding + LayerNorm trainable (main: the raw sum released, 33x the bound)."""
+    from .spawn import spawn
+
+    for r in spawn(ddp_plain_backward_worker, 2, False):
+        assert "criterion returned by make_private" in r["error"]
+        assert r["unchanged"] and r["history"] == [] and r["left"] == []
