@@ -279,6 +279,13 @@ class BookkeepingMixin(_SketcherOwner):
         for param, norm in norms.items():
             append_record(param, Record(norm.pow(2), _clipped_sum(module, param, a, g)))
 
+    def forget_per_example_values(self) -> None:
+        """Drop what a refused step left: the layers' pending uses and the parameters'
+        records (per-example values; they would reach ``torch.save(model)``)."""
+        self._pending_uses.clear()
+        for _, p in trainable_parameters(self._module):
+            p._bk_records = None
+
 
 def append_record(param: nn.Parameter, record: Record) -> None:
     """Keep ``record`` (one backward pass) on ``param`` until the optimizer's step."""
@@ -337,8 +344,14 @@ class BookkeepingClippingMixin:
     def _exact_grad_sample(self, p: torch.nn.Parameter) -> torch.Tensor:
         """Opacus's per-sample gradient of a parameter that is not book-kept."""
         if getattr(p, "grad_sample", None) is None:
-            raise missing_per_sample_error(f"a trainable parameter of shape {tuple(p.shape)}")
+            raise missing_per_sample_error(self.describe_parameter(p))
         return self._get_flat_grad_sample(p)
+
+    def check_clipped_passes(self, *, before_pass: bool = False) -> None:
+        """Book-keeping releases only what it clips itself: :meth:`clip_and_accumulate`
+        builds every sum from the parameter's records or Opacus's per-sample gradients
+        (refusing a parameter with neither), and Opacus's ``add_noise`` replaces
+        ``p.grad``, which is never read (a gradient from outside the hooks is dropped)."""
 
     def _per_sample_sq_norms(self, p: torch.nn.Parameter) -> torch.Tensor:
         records = self._records(p)

@@ -255,10 +255,22 @@ class FSDPSketchingMixin(SketchingMixin):
             norms = torch.stack([n.to(device) for _, n in per_param]).norm(2, dim=0)
         else:
             norms = torch.zeros(0)
-        for module in self.iterate_submodules(self._module):  # not kept past their use
-            module.__dict__.pop("norm_sample", None)
+        self.forget_per_example_values()  # not kept past their use
         self.per_sample_gradient_norms = norms  # checked for finiteness by the optimizer's step
         return norms
+
+    def norm_pass_pending(self) -> bool:
+        """Per-example norms of a backward pass that no clipped pass consumed (on the
+        modules, or in a tied parameter's slot)."""
+        return any(
+            getattr(m, "norm_sample", None) is not None for m in self.iterate_submodules(self._module)
+        ) or any(s._norm_sample is not None or s._tied_sketch_sum is not None for s in self._tied_slots.values())
+
+    def forget_per_example_values(self) -> None:
+        for module in self.iterate_submodules(self._module):
+            module.__dict__.pop("norm_sample", None)
+        for slot in self._tied_slots.values():
+            slot._norm_sample = slot._tied_sketch_sum = None
 
 
 class GradSampleModuleRandomizedClippingFSDP(

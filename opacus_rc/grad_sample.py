@@ -96,6 +96,9 @@ class _SketcherOwner:
         target = getattr(optimizer, "original_optimizer", optimizer)
         self._steps_taken = 0
         self._step_hook = target.register_step_post_hook(self._count_step)
+        bind = getattr(optimizer, "bind_module", None)
+        if bind is not None:  # its steps check and forget this module's per-example norms
+            bind(self)
 
     def _count_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self._steps_taken += 1
@@ -248,8 +251,21 @@ class SketchingMixin(_SketcherOwner):
             self._check_norm_samples()
             return super().get_norm_sample()
         finally:
-            for p in self.trainable_parameters:
-                p._norm_sample = p._tied_sketch_sum = None
+            self.forget_per_example_values()
+
+    def norm_pass_pending(self) -> bool:
+        """True if a backward pass left per-example norms that no clipped pass consumed
+        (a plain ``loss.backward()`` with the hooks on): the optimizer refuses the step."""
+        return any(
+            getattr(p, "_norm_sample", None) is not None or getattr(p, "_tied_sketch_sum", None) is not None
+            for p in self.trainable_parameters
+        )
+
+    def forget_per_example_values(self) -> None:
+        """Drop the per-example norms kept on the parameters (they would reach
+        ``torch.save(model)``)."""
+        for p in self.trainable_parameters:
+            p._norm_sample = p._tied_sketch_sum = None
 
     def _check_norm_samples(self) -> None:
         """Every trainable parameter has this pass's per-sample norms, over the batch, and

@@ -858,11 +858,11 @@ class DPTrainerMixin:
         bookkept = isinstance(optimizer, BookkeepingClippingMixin)
         if not bookkept and getattr(self._dp_hooks, "output_passes", None) is not None:
             # two passes from the output (checkpointed model): the clipped sum is in p.grad;
-            # the boundary refuses a loss it did not see. An empty batch or an unused
-            # parameter contributes zeros.
+            # the step refuses a gradient no clipped pass produced (check_clipped_passes).
+            # An empty batch or an unused parameter contributes zeros.
             for p in optimizer.params:
                 if p.grad is None and getattr(p, "summed_grad", None) is None:
-                    p.grad = torch.zeros_like(p)
+                    optimizer.zero_contribution(p)  # accepted by the step's clipped-pass check
             return
         for p in optimizer.params:
             if getattr(p, "_bk_records", None) or getattr(p, "grad_sample", None) is not None:

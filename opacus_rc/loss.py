@@ -28,22 +28,34 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
         synchronisation here (see :mod:`opacus_rc.finite`)."""
         optimizer = self.optimizer
         optimizer._check_cleared()  # before Opacus's own zero_grad between the passes
+        check = getattr(optimizer, "check_clipped_passes", None)
+        if check is not None:  # the earlier sums kept below must be clipped ones
+            check(before_pass=True)
+        mark = getattr(optimizer, "mark_clipped", lambda: None)
         # Clipped sums of earlier micro-batches of this step (Opacus zeroes p.grad
         # between the two passes); nothing to keep on a step's first pass.
         earlier = [
             None if p.grad is None or optimizer.backward_passes == 0 else p.grad.detach().clone()
             for p in optimizer.params
         ]
+        if hasattr(optimizer, "_norm_pass_module"):
+            optimizer._norm_pass_module = self.module  # its zero_grad between the passes checks the norm pass
         try:
-            super().backward()
+            try:
+                super().backward()
+            finally:
+                if hasattr(optimizer, "_norm_pass_module"):
+                    optimizer._norm_pass_module = None
         except BaseException:
             # Drop whatever this pass left (possibly unclipped) and keep the earlier sums.
             for p, e in zip(optimizer.params, earlier):
                 p.grad = e
+            mark()
             raise
         for p, e in zip(optimizer.params, earlier):
             if e is not None:
                 p.grad = e if p.grad is None else p.grad.add_(e)
+        mark()  # p.grad is now exactly the step's clipped sum so far
         optimizer.backward_passes += 1
         note = getattr(optimizer, "note_finite", None)
         if note is not None:

@@ -34,6 +34,48 @@ _LEGACY_STATE_KEY = "opacus_rc"  # generator states stored by versions up to 0.1
 logger = logging.getLogger(__name__)
 
 
+def _grad_mark(grad: torch.Tensor) -> Any:
+    """What identifies a gradient tensor as it is now: the object and its version
+    counters (a DTensor's and its local shard's; autograd bumps them on every in-place
+    accumulation)."""
+    local = getattr(grad, "_local_tensor", grad)
+    return weakref.ref(grad), grad._version, local._version
+
+
+def _marked(mark: Any, grad: torch.Tensor) -> bool:
+    """``grad`` is the tensor ``mark`` was taken of, unmodified since."""
+    return mark is not None and mark[0]() is grad and mark[1:] == _grad_mark(grad)[1:]
+
+
+def unclipped_gradient_error(what: str, clipped_pass_ran: bool, output_passes: bool) -> ValueError:
+    """The refusal of a step whose gradient did not (all) come through the clipped pass."""
+    if output_passes:
+        cause = (
+            "the loss was not computed from the model's output that the privacy engine clips "
+            "at, or read a trainable weight outside its module's forward (e.g. a fused LM head: "
+            "F.linear(hidden, model.lm_head.weight)): compute the loss from the model's output "
+            "(its logits), or freeze that parameter"
+        )
+    elif not clipped_pass_ran:
+        cause = (
+            "no clipped pass ran: with grad_sample_mode='ghost' (two passes) the loss must come "
+            "from the criterion returned by make_private (model, optimizer, criterion, "
+            "data_loader = engine.make_private(...); loss = criterion(output, target); "
+            "loss.backward()), not from a plain loss.backward()"
+        )
+    else:
+        cause = (
+            "a gradient was added outside the clipped pass: a backward on a loss that is not the "
+            "criterion returned by make_private (loss = criterion(output, target)), or a trainable "
+            "weight read outside its module's forward (e.g. F.linear(hidden, model.lm_head.weight))"
+        )
+    return ValueError(
+        f"optimizer.step() refused: {what} did not come through the clipped pass of this step "
+        f"({cause}). Nothing was released or charged; call optimizer.zero_grad() before the "
+        "next step"
+    )
+
+
 class RandomizedClippingMixin:
     """Adds the sketch parameters an accountant needs to an Opacus optimizer:
     ``sketch_config`` and its ``estimator``, ``sketch_size``, ``sketching``.
@@ -77,6 +119,10 @@ class RandomizedClippingMixin:
         self._draw_splits = 0  # of them, continuations of one Poisson draw (BatchMemoryManager)
         self._awaiting_zero_grad = False  # a real step was taken and zero_grad() not called
         self._holders: "weakref.WeakSet[Any]" = weakref.WeakSet()  # of per-example norms
+        self._clipped_marks: Dict[int, Any] = {}  # per parameter: its gradient as a clipped pass left it
+        self._grad_sample_module: Optional[Callable[[], Any]] = None  # weak: see bind_module()
+        self._parameter_names: Dict[int, str] = {}
+        self._norm_pass_module: Any = None  # set by the criterion's backward during its norm pass
 
     @property
     def accumulated_iterations(self) -> int:
@@ -128,6 +174,7 @@ class RandomizedClippingMixin:
         step is raised first."""
         self._raise_deferred_refusal(wait=False)
         self._check_cleared()
+        self.check_clipped_passes()
         taken = super().pre_step(closure)
         if taken:
             self.backward_passes = self._draw_splits = 0
@@ -146,8 +193,98 @@ class RandomizedClippingMixin:
             )
 
     def zero_grad(self, set_to_none: bool = False) -> None:
+        module = self._norm_pass_module
+        if module is not None:  # Opacus's zero_grad between the two passes: the norm pass is over
+            self._check_norm_pass(module)
         super().zero_grad(set_to_none)
         self._awaiting_zero_grad = False
+        self.mark_clipped()  # zeroed in place (or None): a zero contribution
+
+    # --- every gradient through a clipped pass --------------------------------------------
+
+    def bind_module(self, module: Any) -> None:
+        """The grad-sample module whose passes this optimizer steps (``follow_steps`` calls
+        this): its per-example norms are checked and forgotten with each step, and
+        refusals name its parameters."""
+        self._grad_sample_module = weakref.ref(module)
+        inner = getattr(module, "_module", module)
+        self._parameter_names = {id(p): name for name, p in inner.named_parameters()}
+
+    def _bound_module(self) -> Any:
+        return None if self._grad_sample_module is None else self._grad_sample_module()
+
+    def describe_parameter(self, p: torch.Tensor) -> str:
+        name = self._parameter_names.get(id(p))
+        return f"parameter {name!r}" if name is not None else f"a trainable parameter of shape {tuple(p.shape)}"
+
+    def mark_clipped(self) -> None:
+        """Called by the plugin's clipped pass when it has left in ``p.grad`` exactly the
+        step's clipped sum so far (and by ``zero_grad``): :meth:`check_clipped_passes`
+        accepts these tensors, unmodified, and nothing else."""
+        for p in self.params:
+            if p.grad is not None:
+                self._clipped_marks[id(p)] = _grad_mark(p.grad)
+
+    def zero_contribution(self, p: torch.Tensor) -> None:
+        """``p``'s contribution is exact zeros (a parameter the batch did not use, an
+        empty batch): ``p.grad`` zeros, accepted as clipped."""
+        p.grad = torch.zeros_like(p)
+        self._clipped_marks[id(p)] = _grad_mark(p.grad)
+
+    def check_clipped_passes(self, *, before_pass: bool = False) -> None:
+        """Refuse (ValueError) unless every gradient the step would release came through a
+        clipped pass of the plugin: each ``p.grad`` is the tensor the last clipped pass (or
+        ``zero_grad``) left, unmodified, and no per-example norm waits for its clipped pass
+        (a backward pass with the hooks on that was not the criterion's). Run by every
+        ``step()`` (before anything is accumulated, noised or charged) and, with
+        ``before_pass``, by each clipped pass before it keeps the step's earlier sums. A
+        refusal forgets the per-example values of the pass."""
+        module = self._bound_module()
+        pending = module is not None and bool(getattr(module, "norm_pass_pending", lambda: False)())
+        unclipped = [] if before_pass and self.backward_passes == 0 else [
+            p for p in self.params if p.grad is not None and not _marked(self._clipped_marks.get(id(p)), p.grad)
+        ]
+        # a step with no gradient at all and no clipped pass (main: an internal AttributeError)
+        nothing = not before_pass and self.backward_passes == 0 and all(p.grad is None for p in self.params)
+        if pending or unclipped or nothing:
+            self._refuse_unclipped(unclipped, pending or nothing, module)
+
+    def _check_norm_pass(self, module: Any) -> None:
+        """After the criterion's norm pass: the linear layers of ``module`` compute no
+        parameter gradient in it (:meth:`~opacus_rc.grad_sample.SketchingMixin._defer_weight_grads`),
+        so a changed ``p.grad`` of theirs came from a use outside the module's forward (e.g.
+        ``loss = criterion(model(x), y) + f(F.linear(h, lm_head.weight))``), which the norms
+        miss and the clipped pass would release: refused."""
+        patched = getattr(module, "_patched", ())
+        if not patched:
+            return
+        ids = {id(m) for m in patched}
+        # a weight tied to another layer (an embedding) legitimately gets its gradient there
+        elsewhere = {
+            id(p) for m in getattr(module, "_module", module).modules() if id(m) not in ids
+            for p in m.parameters(recurse=False)
+        }
+        unclipped = [
+            p for m in patched for p in m.parameters(recurse=False)
+            if p.requires_grad and id(p) not in elsewhere and p.grad is not None
+            and not _marked(self._clipped_marks.get(id(p)), p.grad)
+        ]
+        if unclipped:
+            self._norm_pass_module = None
+            self._refuse_unclipped(unclipped, False, module, outside=True)
+
+    def _refuse_unclipped(self, unclipped: List[torch.Tensor], pending: bool, module: Any, outside: bool = False) -> None:
+        if unclipped:
+            what = "the gradient of " + ", ".join(self.describe_parameter(p) for p in unclipped)
+        elif pending and self.backward_passes > 0:
+            what = "the per-example norms of a backward pass (their clipped pass never ran)"
+        else:
+            what = "the step's update (no clipped pass ran since the last step)"
+        output_passes = module is not None and getattr(module, "output_passes", None) is not None
+        ran = outside or (self.backward_passes > 0 and not pending)  # else: no clipped pass at all
+        error = unclipped_gradient_error(what, ran, output_passes)
+        self._forget_per_example_values()
+        raise error
 
     def check_refused_steps(self) -> None:
         """Raise ``FloatingPointError`` if a step was refused on the device and not yet
@@ -215,6 +352,10 @@ class RandomizedClippingMixin:
             holder.per_sample_gradient_norms = None
         for p in self.params:
             p.grad_sample = None  # consumed by clipping (book-keeping's exact layers)
+        module = self._bound_module()
+        forget = getattr(module, "forget_per_example_values", None)
+        if forget is not None:  # norms a refused step left (consumed by a clipped one)
+            forget()
 
     def accumulate(self) -> None:
         """Move the clipped gradient into ``p.summed_grad`` without copying it (Opacus

@@ -244,3 +244,32 @@ def test_quick_audit_includes_the_reentrant_split_variant():
 
     configs = [c for c in path_configs(parse_args(["--quick"])) if c.variant == "reentrant_split"]
     assert len(configs) == 1 and configs[0].sketching == "per_example" and configs[0].micro_batches == 4
+
+
+def test_fused_head_is_refused_and_its_unchecked_control_violates():
+    """``fused_head``: a loss reading the head's weight outside its module (F.linear(h, W))
+    on a checkpointed model (two passes from the output). The plugin refuses the step,
+    naming the weight; nothing is released or charged. The broken control (the
+    clipped-pass check off, as on main before the fix) releases each canary's gradient
+    unclipped: its mean contribution is canary_norm = 100 C (measured 99.99 C; the
+    noise on the mean of 2560 scores is sigma C / sqrt(2560) = 0.02 C), and the threshold
+    test finds eps_lower above the one step it is charged as (5.84 > 2.63 measured, seed 11,
+    20 steps)."""
+    refused = run_path_audit(PathAuditConfig(variant="fused_head", steps=20, seed=11))
+    assert "'head.weight'" in refused.refusal and refused.trials == 0
+    assert refused.eps_lower == refused.eps_accounted == 0.0 and refused.history == ()
+    control = run_path_audit(PathAuditConfig(variant="fused_head_unchecked", steps=20, seed=11))
+    assert control.refusal == "" and control.trials == 20 * 256
+    assert control.mean_score_in == pytest.approx(100.0, abs=0.2)  # unclipped: 100 C, bound 1 C
+    assert control.eps_lower > control.eps_accounted
+
+
+def test_quick_audit_includes_the_fused_head_variants(capsys):
+    from opacus_rc.audit.__main__ import parse_args
+
+    assert {"fused_head", "fused_head_unchecked"} <= set(parse_args(["--quick"]).variants)
+    assert main(["--steps", "4", "--replicas", "16", "--variants", "fused_head", "fused_head_unchecked"]) == 0
+    out = capsys.readouterr().out
+    assert "fused_head: a loss reading the head's weight outside its module on a checkpointed model: refused" in out
+    rows = {r["variant"]: r for r in json.loads(out.strip().splitlines()[-1])}
+    assert rows["fused_head"]["eps_lower"] == 0.0 and rows["fused_head"]["eps_accounted"] == 0.0

@@ -24,7 +24,7 @@ from ..config import ESTIMATORS, SKETCHINGS
 from ._broken import VARIANTS
 from .experiment import AuditConfig, AuditResult, run_audit
 from .normaliser import NORMALISER_VARIANTS, NormaliserAuditConfig, run_normaliser_audit
-from .paths import PATH_DEFAULTS, PATH_VARIANTS, PathAuditConfig, run_path_audit
+from .paths import FUSED_HEAD_VARIANTS, PATH_DEFAULTS, PATH_VARIANTS, PathAuditConfig, run_path_audit
 from .reference import exact_epsilon
 
 #: Noise multiplier per sketch size: rc_prv's one-step epsilon at delta = 1e-2 is
@@ -138,11 +138,11 @@ def path_configs(args: argparse.Namespace) -> List[PathAuditConfig]:
 
 
 #: the deliberately broken controls: the audit must flag them (eps_lower above eps_accounted)
-CONTROLS = (*VARIANTS[1:], "normaliser_dataset_size")
+CONTROLS = (*VARIANTS[1:], "normaliser_dataset_size", "fused_head_unchecked")
 LEGEND = (
     "verdict: 'ok' = the empirical lower bound eps_lower stays below the accounted epsilon; "
     "'caught (control)' = a deliberately broken variant (biased estimate, data-dependent "
-    "sketch, Opacus's dataset-size normaliser) was flagged, as the audit must; a real "
+    "sketch, Opacus's dataset-size normaliser, the unchecked fused head) was flagged, as the audit must; a real "
     "violation would read 'VIOLATION' on a variant that is not a control, and "
     "'MISSED (control)' would mean the audit failed to flag a broken one"
 )
@@ -229,6 +229,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             notes.append(
                 f"reentrant_split: one draw in {r.micro_batches} physical batches, the layer in a "
                 "reentrant checkpoint region, per-example sketches (fresh per physical batch)"
+            )
+        elif r.variant in FUSED_HEAD_VARIANTS:
+            notes.append(
+                f"{r.variant}: a loss reading the head's weight outside its module on a checkpointed model: "
+                + (f"refused by the plugin ({r.refusal[:60]}...)" if r.refusal else
+                   f"released (mean canary contribution {r.mean_score_in:.1f} C), charged as one step")
             )
         elif r.variant == "hand_built":
             notes.append(

@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -291,6 +291,8 @@ def run_path_audit(
     """Audit one side path (see the module docstring)."""
     if config.variant == "reentrant_split":
         return run_reentrant_split_audit(config, progress)
+    if config.variant in FUSED_HEAD_VARIANTS:
+        return run_fused_head_audit(config, progress)
     start = time.perf_counter()
     accumulation = config.variant in ("accumulation_canary", "reused_layer")
     micro = _micro_batches(config)
@@ -445,5 +447,129 @@ def run_reentrant_split_audit(
         ),
         micro_batches=m,
         sample_rate=1.0,
+        history=history,
+    )
+
+
+
+# --- fused_head: a loss that goes around the hooks (checkpointed model) ---------------------
+
+#: ``fused_head``: the plugin's step on a loss that reads the trainable head's weight
+#: outside its module (``F.linear(h, W)``, a TRL-style fused head) on a model with
+#: activation checkpointing (two passes from the output): it must be refused, nothing
+#: released or charged. ``fused_head_unchecked``: the deliberately broken control, the same
+#: step with the optimizer's clipped-pass check switched off (the pre-fix behaviour): the
+#: canary's gradient is released unclipped (``canary_norm`` C) and the threshold test finds
+#: eps_lower far above the one step it is charged as.
+FUSED_HEAD_VARIANTS = ("fused_head", "fused_head_unchecked")
+#: the control's steps at most: its unclipped canary (``canary_norm`` C) is found at any size
+FUSED_HEAD_MAX_STEPS = 40
+PATH_VARIANTS += FUSED_HEAD_VARIANTS
+PATH_DEFAULTS.update({v: {"sketch_size": 32, "sigma": 1.0} for v in FUSED_HEAD_VARIANTS})
+
+
+class _CheckpointedHead(nn.Module):
+    """The audit's layer as the LM head (``get_output_embeddings``) of a model with Hugging
+    Face activation checkpointing on (``gradient_checkpointing``): its input goes through a
+    checkpointed (parameter-free) region, and ``make_private(grad_sample_mode="hooks")``
+    runs two passes from the head's output."""
+
+    def __init__(self, head: nn.Linear) -> None:
+        super().__init__()
+        self.head = head
+        self.gradient_checkpointing = True
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(torch.clone, x, use_reentrant=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(x))
+
+
+@dataclass
+class FusedHeadAuditResult(PathAuditResult):
+    """``refusal``: the plugin's error (``fused_head``; empty when the step ran)."""
+
+    refusal: str = ""
+
+
+def build_fused_head(config: PathAuditConfig) -> _Experiment:
+    """``make_private(..., grad_sample_mode="hooks")`` on :class:`_CheckpointedHead` (two
+    passes from the output); the experiment's criterion is the fused loss
+    ``sum_i <y_i, F.linear(h_i, W)>`` that never calls the head; the control switches the
+    optimizer's clipped-pass check off."""
+    from .experiment import make_private_rc
+
+    base = config.base
+    d, p, _ = base.shapes
+    layer = nn.Linear(d, p, bias=False)
+    background, canaries = _data(base, torch.Generator().manual_seed(config.seed))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*background), batch_size=config.background)
+    engine, model, optimizer, _, _ = make_private_rc(
+        base, _CheckpointedHead(layer), loader, "sum", config.seed, poisson_sampling=False,
+        grad_sample_mode="hooks", sketching=config.sketching, exact_when_cheaper=False,
+    )
+    if getattr(model, "output_passes", None) is None:
+        raise RuntimeError("fused_head: expected the two passes from the output (a checkpointed model)")
+    if config.variant == "fused_head_unchecked":
+        optimizer.check_clipped_passes = lambda **_: None  # the broken control
+    inner = InnerProductLoss(reduction="sum")
+
+    def hidden(x: torch.Tensor) -> torch.Tensor:  # the "model": the head is never called
+        return model._module.hidden(x)
+
+    def fused_loss(h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # TRL-style fused head
+        return inner(torch.nn.functional.linear(h, layer.weight), target)
+
+    return _Experiment(engine.accountant, hidden, optimizer, fused_loss, layer.weight, background, canaries)
+
+
+def run_fused_head_audit(
+    config: PathAuditConfig, progress: Optional[Callable[[int], None]] = None
+) -> FusedHeadAuditResult:
+    """``fused_head``: one step of the fused loss; the plugin must refuse it (ValueError)
+    with nothing released or charged: eps_lower 0, eps_accounted 0, no trial. A step taken
+    instead is audited like the control. ``fused_head_unchecked``: the threshold test over
+    ``config.steps`` steps, charged one step at q = 1 each."""
+    start = time.perf_counter()
+    config = replace(config, steps=min(config.steps, FUSED_HEAD_MAX_STEPS))
+    exp = build_fused_head(config)
+    refusal = ""
+    if config.variant == "fused_head":
+        before = exp.weight.detach().clone()
+        try:
+            _released(exp, [_batch(exp, np.ones(config.replicas, dtype=bool))])
+        except ValueError as error:
+            refusal = str(error)
+        if refusal:
+            if exp.accountant.history or not torch.equal(exp.weight, before):
+                raise RuntimeError("fused_head: the refused step released or charged something")
+            if progress is not None:
+                progress(config.steps)
+            return FusedHeadAuditResult(
+                estimator=config.estimator, sketch_size=config.sketch_size, sigma=float(config.sigma),
+                variant=config.variant, eps_lower=0.0, eps_accounted=0.0, sketching=config.sketching,
+                delta=config.delta, alpha=config.alpha, trials=0,
+                seconds=time.perf_counter() - start, refusal=refusal,
+            )
+        exp = build_fused_head(config)  # the step was taken: audit it (a fresh accountant)
+
+    def check(history) -> None:
+        if len(history) != 1 or history[0][1] != 1.0 or history[0][2] != 1:
+            raise RuntimeError(f"expected one accounted step at q=1, got {history}")
+
+    scores, included, history, eps_accounted, test = run_trials(
+        config, exp, lambda include, _rng: _released(exp, [_batch(exp, include)]), check, progress
+    )
+    return FusedHeadAuditResult(
+        **result_fields(config, test, eps_accounted, int(scores.size)),
+        sketching=config.sketching,
+        mean_score_in=float(scores[included].mean() * config.sigma),
+        seconds=time.perf_counter() - start,
         history=history,
     )

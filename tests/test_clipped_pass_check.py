@@ -1,0 +1,364 @@
+"""Every optimizer step verifies that each trainable parameter's gradient came through a
+clipped pass of the plugin in this step, whatever the path, and refuses otherwise
+(RandomizedClippingMixin.check_clipped_passes).
+
+Attacks measured by the review on main (noise 0, exact norms T <= k):
+
+* a loss reading a trainable weight outside its module (a TRL-style fused head,
+  ``F.linear(h, lm_head.weight)``) on a checkpointed model, only the head trainable: the
+  update was not clipped at all (one example's contribution 19.7 C with make_private,
+  14.3 C with DPTrainer), charged as a normal step;
+* ``grad_sample_mode="ghost"`` with a plain ``loss.backward()`` (criterion unused): with
+  no trainable Linear the update was 33x the bound, with one an internal AttributeError;
+  the per-example norms stayed on the parameters and survived ``torch.save(model)``.
+
+Each refusal is checked with its message (the parameter or the criterion), and that
+nothing was released (parameters unchanged) or charged (empty accountant history), and
+that no per-example value is left on the parameters or the module. The honest scripts
+of the same paths still equal brute-force per-example clipping (noise 0, exact norms).
+"""
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from opacus import PrivacyEngine
+
+from .conftest import SequenceClassifier
+from .oracles import per_example_clipped_mean
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+V, D, T, B, C, LR = 12, 8, 6, 4, 0.1, 1.0  # T = 6 <= k = 32: exact norms
+
+PER_EXAMPLE_ATTRIBUTES = ("_norm_sample", "_tied_sketch_sum", "_bk_records", "grad_sample")
+
+
+class FusedHeadLM(nn.Module):
+    """Embedding -> checkpointed Linear + tanh -> LM head; flagged as Hugging Face
+    checkpointed (``gradient_checkpointing``), so that ``grad_sample_mode="hooks"`` runs
+    two passes from the output of ``get_output_embeddings()``."""
+
+    def __init__(self, use_reentrant: bool, head_only: bool = True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, D)
+        self.body = nn.Linear(D, D)
+        self.lm_head = nn.Linear(D, V, bias=False)
+        self.gradient_checkpointing = True
+        self.use_reentrant = use_reentrant
+        if head_only:
+            for p in [*self.emb.parameters(), *self.body.parameters()]:
+                p.requires_grad_(False)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def hidden(self, x):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # reentrant: no input requires grad
+            return checkpoint(lambda h: torch.tanh(self.body(h)), self.emb(x), use_reentrant=self.use_reentrant)
+
+    def forward(self, x):
+        return self.lm_head(self.hidden(x))
+
+
+def data(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, V, (B, T), generator=g)
+    return x, x.roll(-1, dims=1)
+
+
+def token_losses(logits, y):
+    """(B,) per-example losses: cross-entropy averaged over the sequence."""
+    return F.cross_entropy(logits.reshape(-1, V), y.reshape(-1), reduction="none").view(y.shape).mean(1)
+
+
+def private(model, mode: str):
+    """make_private at noise 0 (the released update is the clipped mean, exactly)."""
+    engine = PrivacyEngine(accountant="rc_prv")
+    params = [p for p in model.parameters() if p.requires_grad]
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data()), batch_size=B)
+    out = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(params, lr=LR), data_loader=loader,
+        noise_multiplier=0.0, max_grad_norm=C, clipping="randomized", grad_sample_mode=mode,
+        poisson_sampling=False, criterion=nn.CrossEntropyLoss(), sketch_size=32,
+    )
+    return engine, out
+
+
+def assert_no_per_example_values(model, module):
+    """Nothing per-example on the parameters (also as torch.save pickles them: a
+    Parameter's Python attributes travel with it) or on the grad-sample module."""
+    buffer = io.BytesIO()
+    torch.save(dict(model.named_parameters()), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for params in (dict(model.named_parameters()), loaded):
+        for name, p in params.items():
+            for attribute in PER_EXAMPLE_ATTRIBUTES:
+                assert getattr(p, attribute, None) is None, (name, attribute)
+    assert not module.norm_pass_pending()
+    assert getattr(module, "_per_sample_gradient_norms", None) is None
+
+
+def assert_refused(engine, model, module, optimizer, match):
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=match):
+        optimizer.step()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name  # nothing released
+    assert engine.accountant.history == []  # nothing charged
+    assert_no_per_example_values(model, module)
+
+
+# --- item 1: a loss reading a trainable weight outside its module, checkpointed model ---
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_fused_head_on_a_checkpointed_model_is_refused(mode, use_reentrant):
+    """F.linear(h, lm_head.weight): no hook and no boundary sees the head; its gradient is
+    the unclipped sum (main: released as if clipped). Refused at the step, naming it."""
+    model = FusedHeadLM(use_reentrant)
+    engine, (module, optimizer, *_) = private(model, mode)
+    x, y = data()
+    logits = F.linear(model.hidden(x), model.lm_head.weight)  # TRL-style fused head
+    token_losses(logits, y).mean().backward()
+    if mode == "hooks":
+        assert getattr(module, "output_passes", None) is not None  # two passes from the output
+    assert_refused(engine, model, module, optimizer, match="'lm_head.weight'")
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("first", ["direct", "logits"])
+def test_fused_head_beside_the_clipped_output_is_refused(use_reentrant, first):
+    """The loss from the logits (clipped at the boundary) plus a term reading the head's
+    weight directly (x100). Autograd runs later-built nodes first: built first
+    (``direct``), the extra gradient is added into p.grad after the clipped passes (main:
+    released unclipped), refused at the step; built after the logits, it reaches p.grad
+    before the passes, whose norm pass finds a linear weight's gradient that its module
+    does not compute (main: dropped by the passes' zero_grad): refused in the backward."""
+    model = FusedHeadLM(use_reentrant, head_only=False)  # (head only: refused at the boundary)
+    engine, (module, optimizer, _) = private(model, "hooks")
+    x, y = data()
+    with _hooks_off(module):
+        h = model.hidden(x).detach()  # the extra term reaches the head's weight only
+
+    def extra():
+        return 100 * token_losses(F.linear(h, model.lm_head.weight), y).mean()
+
+    if first == "direct":
+        term = extra()
+        logits = module(x)
+    else:
+        logits = module(x)
+        term = extra()
+    loss = token_losses(logits, y).mean() + term
+    if first == "direct":
+        loss.backward()
+    else:
+        with pytest.raises(ValueError, match="'lm_head.weight'"):
+            loss.backward()
+    assert_refused(engine, model, module, optimizer, match="'lm_head.weight'|no clipped pass ran")
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_honest_loss_on_a_checkpointed_model_equals_brute_force(use_reentrant):
+    """The same model and data with the loss from the model's output: the step is taken and
+    its update equals brute-force per-example clipping (noise 0, exact norms: the only
+    error is float32 rounding, ~1e-7 relative)."""
+    model = FusedHeadLM(use_reentrant, head_only=False)
+    reference = copy.deepcopy(model)
+    reference.use_reentrant = False  # the oracle's autograd.grad (same values)
+    _, (module, optimizer, _) = private(model, "hooks")
+    x, y = data()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    token_losses(module(x), y).mean().backward()
+    optimizer.step()
+    want = per_example_clipped_mean(reference, lambda m, xi, yi: token_losses(m(xi), yi).mean(), x, y, C, B)
+    for name, start in before.items():
+        got = (start - dict(model.named_parameters())[name].detach()) / LR
+        assert torch.allclose(got, want[name], rtol=1e-4, atol=1e-7), name
+
+
+# --- item 5: ghost mode with a plain loss.backward() --------------------------------------
+
+
+def classifier(trainable_linear: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = SequenceClassifier(vocab=V, d=D, hidden=D)
+    if not trainable_linear:  # embedding and LayerNorm trainable only
+        for p in [*model.fc1.parameters(), *model.fc2.parameters()]:
+            p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("trainable_linear", [False, True], ids=["embedding_layernorm", "with_linear"])
+def test_ghost_with_a_plain_backward_is_refused_naming_the_criterion(trainable_linear):
+    """main: no trainable Linear released the raw gradient sum (33x the bound) and charged
+    it; with a trainable Linear an internal AttributeError. Now: a ValueError naming the
+    criterion; the norms the hooks left are forgotten (not in torch.save(model))."""
+    model = classifier(trainable_linear)
+    engine, (module, optimizer, criterion, _) = private(model, "ghost")
+    x, y = data()
+    F.cross_entropy(module(x), y[:, 0] % 2).backward()  # the criterion is not used
+    # the hooks' per-example norms wait on the parameters for a clipped pass
+    assert all(getattr(p, "_norm_sample", None) is not None for p in model.parameters() if p.requires_grad)
+    assert_refused(engine, model, module, optimizer, match=r"criterion returned by make_private.*criterion\(output, target\)")
+
+
+def test_a_plain_backward_after_the_criterion_is_refused():
+    """The criterion's clipped pass, then a plain backward adding into p.grad: refused at
+    the step; and a clipped pass after such a backward (which would keep the step's
+    earlier sums, raw gradient included) refuses before it runs."""
+    x, y = data()
+    model = classifier(trainable_linear=True)
+    engine, (module, optimizer, criterion, _) = private(model, "ghost")
+    criterion(module(x), y[:, 0] % 2).backward()
+    with _hooks_off(module):
+        F.cross_entropy(module(x), y[:, 0] % 2).backward()
+    assert_refused(engine, model, module, optimizer, match="'emb.weight'.*outside the clipped pass")
+    optimizer.zero_grad()
+    criterion(module(x), y[:, 0] % 2).backward()
+    with _hooks_off(module):
+        F.cross_entropy(module(x), y[:, 0] % 2).backward()
+    with pytest.raises(ValueError, match="'emb.weight'"):
+        criterion(module(x), y[:, 0] % 2).backward()
+    assert engine.accountant.history == []
+
+
+class _hooks_off:
+    def __init__(self, module):
+        self.module = module
+
+    def __enter__(self):
+        self.module.disable_hooks()
+
+    def __exit__(self, *exc):
+        self.module.enable_hooks()
+
+
+def test_ghost_criterion_with_micro_batches_equals_brute_force():
+    """The honest two-pass script with two micro-batches per step (the earlier sum kept
+    across the second pass) is taken and equals brute-force clipping of the union."""
+    x, y = data()
+    y = y[:, 0] % 2
+    model = classifier(trainable_linear=True)
+    reference = copy.deepcopy(model)
+    _, (module, optimizer, criterion, _) = private(model, "ghost")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for rows in (slice(0, 2), slice(2, 4)):
+        criterion(module(x[rows]), y[rows]).backward()
+    optimizer.step()
+    # two accumulated micro-batches: divided by B m (optimizer.accumulated_iterations)
+    want = per_example_clipped_mean(reference, lambda m, xi, yi: F.cross_entropy(m(xi), yi), x, y, C, 2 * B)
+    for name, start in before.items():
+        got = (start - dict(model.named_parameters())[name].detach()) / LR
+        assert torch.allclose(got, want[name], rtol=1e-4, atol=1e-7), name
+
+
+# --- DPTrainer (item 1) ---------------------------------------------------------------------
+
+
+def test_dp_trainer_fused_head_on_a_checkpointed_model_is_refused(tmp_path):
+    """The Trainer form of item 1 (main: 14.3 C for one example, charged normally)."""
+    pytest.importorskip("transformers")
+    from opacus_rc.hf import DPTrainer, PrivacyArguments, per_example_token_loss
+
+    from .test_hf_trainer import RowDataset, tiny_llama, training_args
+
+    class FusedHead(DPTrainer):
+        def per_example_loss(self, model, inputs):
+            hidden = model.model(input_ids=inputs["input_ids"], use_cache=False).last_hidden_state
+            logits = F.linear(hidden, model.lm_head.weight)  # no hook, no boundary sees it
+            return per_example_token_loss(logits, inputs["labels"], shift=True)
+
+    model = tiny_llama()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name == "lm_head.weight")
+    before = model.lm_head.weight.detach().clone()
+    trainer = FusedHead(
+        model=model, args=training_args(tmp_path, max_steps=1, gradient_checkpointing=True),
+        train_dataset=RowDataset(), privacy=PrivacyArguments(noise_multiplier=0.0, delta=1e-5),
+    )
+    with pytest.raises(ValueError, match="'lm_head.weight'.*F.linear"):
+        trainer.train()
+    assert getattr(trainer._dp_hooks, "output_passes", None) is not None  # the checkpointed path
+    assert torch.equal(model.lm_head.weight, before)
+    assert trainer.accountant.history == []
+
+
+def test_ghost_criterion_plus_a_term_reading_a_weight_outside_its_module_is_refused():
+    """``criterion(model(x), y) + r`` with ``r = F.linear(h, fc2.weight)`` summed: the
+    two-pass loss takes the term into every example's loss, but the hooks' norms miss it
+    and the clipped pass would release ``(sum_i c_i) grad r``, a batch-wide unclipped
+    gradient (main: taken). The linear layers compute no weight gradient in the norm
+    pass, so fc2.weight's gradient there can only come from outside its module: refused
+    in the backward, before the clipped pass, naming it."""
+    x, y = data()
+    y = y[:, 0] % 2
+    model = classifier(trainable_linear=True)
+    engine, (module, optimizer, criterion, _) = private(model, "ghost")
+    h = torch.randn(B, D)
+    before = copy.deepcopy(model.state_dict())
+    loss = criterion(module(x), y) + 100 * F.linear(h, model.fc2.weight).sum()
+    with pytest.raises(ValueError, match="'fc2.weight'.*outside its module"):
+        loss.backward()
+    with pytest.raises(ValueError, match="no clipped pass ran"):  # nothing left to release
+        optimizer.step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert engine.accountant.history == []
+    assert_no_per_example_values(model, module)
+
+
+# --- DDP (2 gloo ranks) ----------------------------------------------------------------------
+
+
+def ddp_plain_backward_worker(rank, init_file, trainable_linear, out_dir):
+    """Ghost mode under DPDDP, each rank a plain loss.backward() on its half: every rank
+    refuses the step (the check is local and the script the same on every rank)."""
+    import os
+
+    import torch.distributed as dist
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    model = classifier(trainable_linear)
+    initial = copy.deepcopy(model.state_dict())
+    engine = PrivacyEngine(accountant="rc_prv")
+    x, y = data()
+    y = y[:, 0] % 2
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=B)
+    module, optimizer, criterion, _ = engine.make_private(
+        module=DPDDP(model), optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR),
+        data_loader=loader, noise_multiplier=0.0, max_grad_norm=C, clipping="randomized",
+        grad_sample_mode="ghost", poisson_sampling=False, criterion=nn.CrossEntropyLoss(),
+    )
+    half = slice(rank * B // 2, (rank + 1) * B // 2)
+    F.cross_entropy(module(x[half]), y[half]).backward()
+    error = ""
+    try:
+        optimizer.step()
+    except ValueError as e:
+        error = str(e)
+    unchanged = all(torch.equal(v, initial[k]) for k, v in model.state_dict().items())
+    left = [n for n, p in model.named_parameters() if getattr(p, "_norm_sample", None) is not None]
+    torch.save({"error": error, "unchanged": unchanged, "history": engine.accountant.history, "left": left},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ddp_ghost_with_a_plain_backward_is_refused_on_every_rank():
+    """Embedding + LayerNorm trainable (main: the raw sum released, 33x the bound)."""
+    from .spawn import spawn
+
+    for r in spawn(ddp_plain_backward_worker, 2, False):
+        assert "criterion returned by make_private" in r["error"]
+        assert r["unchanged"] and r["history"] == [] and r["left"] == []
