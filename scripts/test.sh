@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Test suite (sets up .venv first). Extra arguments go to pytest.
+# The fast test suite (sets up .venv first): every privacy-critical and brute-force-equivalence
+# test of one process. The slow rest (gloo ranks, notebooks, benchmarks, long sweeps):
+# scripts/test_slow.sh. Extra arguments go to pytest. Ctrl-C stops the whole run at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-exec .venv/bin/python -m pytest -q "$@"
+exec bash scripts/run_pytest.sh -m "not slow" "$@"

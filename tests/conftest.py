@@ -10,6 +10,33 @@ warnings.filterwarnings("ignore", message="Secure RNG turned off")
 warnings.filterwarnings("ignore", message=".*full_backward_hook.*")
 
 
+#: The slow rest, run by ``bash scripts/test_slow.sh`` (``.ci/run`` runs both suites): test
+#: files that start processes (gloo ranks, notebook kernels), build Hugging Face stacks or run
+#: benchmarks and long sweeps. Every privacy-critical and brute-force-equivalence test of one
+#: process stays in the fast suite (``bash scripts/test.sh``).
+SLOW_FILES = (
+    "test_ddp.py", "test_fsdp.py", "test_lm_head_fsdp.py", "test_notebooks.py", "test_hf_stacks.py",
+    "test_scaling.py", "test_bench.py", "test_checkpointing_bench.py", "test_gpu_bench.py",
+    "test_utility_report.py",
+)
+#: single slow tests of otherwise fast files: multi-process runs (names with "gloo" or "ddp")
+#: and long sweeps (each has a faster sibling in the fast suite)
+SLOW_TESTS = (
+    "gloo", "ddp",
+    "test_randomized_accumulation_matches_independent_pld_on_the_same_bins",  # fast: ..._quadrature_...
+    "test_large_epsilon_and_100k_steps",
+    "test_unchanged_opacus_loop_learns_with_noise[hutchpp]",  # fast: [hutchinson]
+    "test_make_private_with_epsilon_parses_once[flat]",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.name.lower()
+        if item.path.name in SLOW_FILES or any(s in name for s in SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="module")
 def one_intra_op_thread():
     """One intra-op thread for a test module of tiny-tensor loops (the audits, small SVDs), where

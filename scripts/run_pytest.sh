@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# pytest in .venv, stopped as a whole by Ctrl-C. Without this, the notebook client turns a
+# SIGINT into "shut the kernel down", which only fails the running test, and pytest carries on.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+descendants() {  # every process below $1 (notebook kernels run in sessions of their own)
+  local child
+  for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do
+    echo "$child"
+    descendants "$child"
+  done
+}
+stop() {
+  trap - INT TERM
+  echo "interrupted: stopping the test run" >&2
+  local all
+  all="$pid $(descendants "$pid")"
+  kill -TERM $all 2>/dev/null
+  sleep 1
+  kill -KILL $all 2>/dev/null
+  wait "$pid" 2>/dev/null
+  exit 130
+}
+.venv/bin/python -m pytest -q "$@" &
+pid=$!
+trap stop INT TERM
+wait "$pid"
+rc=$?
+trap - INT TERM
+exit $rc
