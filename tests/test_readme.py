@@ -22,9 +22,10 @@ def test_readme_quickstart_runs_as_pasted(tmp_path):
     script.write_text(first_python_block())
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    match = re.search(r"loss (\d+\.\d+), epsilon (\d+\.\d+)", out.stdout)
+    match = re.search(r"accuracy (\d+\.\d+) \(chance: 0.5\), epsilon (\d+\.\d+)", out.stdout)
     assert match, out.stdout
-    loss, epsilon = map(float, match.groups())
-    # the labels are a function of the tokens: below ln 2 = 0.693 (guessing) after 3 epochs
-    assert loss < 0.65, loss
+    accuracy, epsilon = map(float, match.groups())
+    # the classes differ in half their tokens: 48 noisy steps reach 1.00 (measured 3 of 3 runs);
+    # 0.9 is far above chance (0.5 +- 0.016 on 1,024 rows)
+    assert accuracy > 0.9, accuracy
     assert 0.5 < epsilon < 20, epsilon

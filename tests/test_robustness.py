@@ -77,7 +77,8 @@ def test_non_finite_gradient_refuses_the_step(model_factory):
     engine, module, opt, crit, _ = private(model)
     x, y = token_task(n=8, t=40).tensors
     crit(module(x), y).backward()
-    model.fc1.weight.grad[0, 0] = float("inf")  # a fault after clipping
+    model.fc1.weight.grad[0, 0] = float("inf")  # a fault inside the clipped pass
+    opt.mark_clipped()  # ... which then hands the tensor over as its output
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(FloatingPointError, match="non-finite clipped gradient"):
         opt.step()
@@ -291,6 +292,7 @@ def test_secure_mode_draws_sketches_and_noise_from_os_urandom():
             expected_batch_size=1, secure_mode=True,
         )
         p.grad = torch.zeros(2**18)
+        opt.mark_clipped()  # as the plugin's clipped pass does (a hand-set gradient is refused)
         opt.step()
         draws.append(-p.detach().double())  # the update is -noise: N(0, (2 * 0.5)^2)
     assert not torch.equal(draws[0], draws[1])
