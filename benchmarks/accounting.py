@@ -3,11 +3,14 @@
 ``python -m benchmarks.accounting`` prints the time of get_epsilon for 10,000 steps
 and of a full calibration (eps=2, delta=1e-5, q=0.01, 300 steps), deterministic and
 randomized clipping (k=32, shared and per-example sketches), and the ratios to ``prv``.
+get_epsilon is timed ``--reps`` times, the alternatives interleaved; each figure is the
+median (the ratio: the median of the per-repetition ratios), robust to a loaded machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Callable, Tuple
 
@@ -30,6 +33,7 @@ def main() -> None:
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--q", type=float, default=0.01)
     parser.add_argument("--k", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
 
     def prv_eps() -> float:
@@ -45,15 +49,23 @@ def main() -> None:
 
         return run
 
-    ref, t_ref = _timed(prv_eps)
-    print(f"get_epsilon {args.steps} steps: prv eps={ref:.4f} {t_ref:.2f}s")
-    for name, sketch in (
-        ("deterministic", None),
-        ("shared k", {"sketch_size": args.k, "sketching": "shared"}),
-        ("per_example k", {"sketch_size": args.k, "sketching": "per_example"}),
-    ):
-        eps, t = _timed(rc_eps(sketch))
-        print(f"  rc_prv {name:14s} eps={eps:.4f} {t:.2f}s  ratio {t / t_ref:.1f}x")
+    runs = {
+        "prv": prv_eps,
+        "deterministic": rc_eps(None),
+        "shared k": rc_eps({"sketch_size": args.k, "sketching": "shared"}),
+        "per_example k": rc_eps({"sketch_size": args.k, "sketching": "per_example"}),
+    }
+    times = {name: [] for name in runs}
+    eps = {}
+    for _ in range(args.reps):
+        for name, fn in runs.items():
+            eps[name], t = _timed(fn)
+            times[name].append(t)
+    t_ref = statistics.median(times["prv"])
+    print(f"get_epsilon {args.steps} steps (median of {args.reps}): prv eps={eps['prv']:.4f} {t_ref:.2f}s")
+    for name in list(runs)[1:]:
+        ratio = statistics.median(t / r for t, r in zip(times[name], times["prv"]))
+        print(f"  rc_prv {name:14s} eps={eps[name]:.4f} {statistics.median(times[name]):.2f}s  ratio {ratio:.1f}x")
 
     sig, t_ref = _timed(
         lambda: get_noise_multiplier(

@@ -983,7 +983,7 @@ class DPTrainerMixin:
         public parameters; no generator state, no seed."""
         return {
             "accountant": "rc_prv",
-            "history": [list(entry) for entry in self._dp_history()],
+            "history": [list(RCPRVAccountant.stored(entry)) for entry in self._dp_history()],
             "delta": self.privacy.delta,
             "epsilon": self.get_epsilon(),
             "noise_multiplier": self._dp_sigma,
@@ -1013,7 +1013,7 @@ class DPTrainerMixin:
             )
         with open(path) as f:
             state = json.load(f)
-        history = [RCPRVAccountant._stored(e) for e in state["history"]]  # records checked
+        history = [RCPRVAccountant.entry(e) for e in state["history"]]  # records checked
         self._dp_resumed_history = history
         if self._dp_engine is not None:
             self._dp_engine.accountant.history = list(history)

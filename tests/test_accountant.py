@@ -142,7 +142,7 @@ def test_hidden_never_used_for_shared_sketch():
     acc.history[-1] = (*acc.history[-1][:2], T, acc.history[-1][3])
     shared = acc.get_epsilon(DELTA)
     per_ex = rc_eps(32, sketching="per_example", bin_ratio=0.04)
-    assert acc.history[-1][3]["sketching"] == "shared"
+    assert acc.history[-1][3].sketching == "shared"
     assert shared == pytest.approx(rc_eps(32, bin_ratio=0.04), rel=1e-9)
     assert per_ex < shared
 
@@ -194,8 +194,8 @@ def test_hook_reads_sketch_config():
     sigma, q, n, sketch = acc.history[0]
     # two accumulated micro-batches: a multiplicity, not a doubled sample rate
     assert (sigma, q, n) == (1.0, 0.005, 1)
-    assert sketch["micro_batches"] == 2
-    assert sketch["estimator"] == "hutchpp" and sketch["sketch_size"] == 16
+    assert sketch.micro_batches == 2
+    assert sketch.estimator == "hutchpp" and sketch.sketch_size == 16
 
 
 def test_calibration_reproduces_target():

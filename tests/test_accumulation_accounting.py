@@ -108,7 +108,7 @@ def test_one_micro_batch_is_the_usual_step():
     cfg = SketchConfig(sketch_size=32, sketching="per_example")
     acc_one.step(noise_multiplier=1.0, sample_rate=0.01, sketch_config=cfg, micro_batches=1)
     acc_plain.history = [(1.0, 0.01, 1, {"sketch_size": 32, "sketching": "per_example"})]
-    assert acc_one.history[0][3]["micro_batches"] == 1
+    assert acc_one.history[0][3].micro_batches == 1
     assert acc_one.get_epsilon(DELTA) == acc_plain.get_epsilon(DELTA)
 
 

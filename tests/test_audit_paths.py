@@ -60,8 +60,8 @@ def accumulation():
 def test_accumulation_canary_stays_below_accountant(accumulation):
     r = accumulation
     (sigma, q, steps, record), = r.history  # the engine's own record of the step
-    assert (sigma, q, steps) == (1.0, 0.25, 1) and record["micro_batches"] == 4
-    assert record["sketch_size"] == 32 and record["estimator"] == "hutchinson"
+    assert (sigma, q, steps) == (1.0, 0.25, 1) and record.micro_batches == 4
+    assert record.sketch_size == 32 and record.estimator == "hutchinson"
     assert r.trials == 120 * 256
     assert math.isfinite(r.eps_accounted)
     assert r.eps_lower < r.eps_accounted
@@ -99,7 +99,7 @@ def test_hand_built_stays_below_accountant():
     )
     # the hand-attached accountant recorded 4 steps at q = 1 with the sketch
     assert sum(e[2] for e in r.history) == 4
-    assert all(e[:2] == (4.0, 1.0) and e[3]["sketch_size"] == 4 for e in r.history)
+    assert all(e[:2] == (4.0, 1.0) and e[3].sketch_size == 4 for e in r.history)
     assert math.isfinite(r.eps_accounted)
     assert r.eps_lower < r.eps_accounted
     # eps of the sum statistic (Monte Carlo quadrature, ~1e-2), below the accountant's
@@ -147,7 +147,7 @@ def test_hand_built_module_draws_fresh_sketches_per_step(secure_mode):
             assert not torch.allclose(released[a], released[b])
     # the hand-attached accountant saw 3 steps of 2 micro-batches each
     assert sum(e[2] for e in accountant.history) == 3
-    assert all(e[3]["micro_batches"] == 2 for e in accountant.history)
+    assert all(e[3].micro_batches == 2 for e in accountant.history)
 
 
 def test_path_config_errors():
@@ -182,7 +182,7 @@ def test_reused_layer_is_clipped_once_and_charged_once():
     eps_accounted 2.76 (VIOLATION); here eps_lower stays below the accountant."""
     r = run_path_audit(PathAuditConfig(variant="reused_layer", steps=120, seed=11, sample_rate=0.25))
     (sigma, q, steps, record), = r.history
-    assert (sigma, q, steps) == (1.0, 0.25, 1) and record.get("micro_batches", 1) == 1
+    assert (sigma, q, steps) == (1.0, 0.25, 1) and record.micro_batches == 1
     assert r.eps_lower < r.eps_accounted and r.eps_exact < r.eps_accounted
     k = 32
     mean_z = math.sqrt(k / 2) * math.gamma((k - 1) / 2) / math.gamma(k / 2)

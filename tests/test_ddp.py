@@ -52,7 +52,7 @@ def private_step(model, x, y, noise, distributed, mode):
     crit = out[2] if mode == "ghost" else nn.CrossEntropyLoss()  # book-keeping: a plain loss
     crit(module(x), y).backward()
     opt.step()
-    return type(opt).__name__, engine.accountant.history
+    return type(opt).__name__, engine.accountant.state_dict()["history"]  # plain dicts: loads weights_only
 
 
 def worker(rank, init_file, noise, mode, out_dir, model_cls=SequenceClassifier):

@@ -315,7 +315,7 @@ def worker(rank, init_file, out_dir):
     )
     out["epsilon"] = engine.get_epsilon(delta=1e-5)
     out["rc_noisy_secure"] = secure_fsdp_step(rank)
-    out["history"] = list(engine.accountant.history)
+    out["history"] = engine.accountant.state_dict()["history"]  # plain dicts: loads weights_only
     # sketches: shared ones agree across ranks (also seeded from entropy), per-example not
     from opacus.utils.fsdp_utils import FSDP2Wrapper
 

@@ -245,5 +245,5 @@ def test_gradient_accumulation_equals_one_large_batch():
     # same update; the accountant records the two independently sampled micro-batches
     # as a multiplicity at the loader's rate, never as one draw at 2q
     (_, q_one, _, one), (_, q_two, _, two) = engines[0].accountant.history[0], engines[1].accountant.history[0]
-    assert (q_one, one["micro_batches"]) == (1.0, 1)
-    assert (q_two, two["micro_batches"]) == (0.5, 2)
+    assert (q_one, one.micro_batches) == (1.0, 1)
+    assert (q_two, two.micro_batches) == (0.5, 2)

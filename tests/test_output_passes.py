@@ -94,7 +94,7 @@ def test_checkpointed_plain_loss_script_runs_two_passes_and_equals_per_example_c
         assert_updates(model, want)
         opt.zero_grad()
     assert [e[2] for e in engine.accountant.history] == [3]
-    assert engine.accountant.history[0][-1].get("micro_batches", 1) == 1
+    assert engine.accountant.history[0][-1].micro_batches == 1
 
 
 def test_bookkeeping_false_runs_two_passes_without_checkpointing_and_accumulates():
@@ -108,7 +108,7 @@ def test_bookkeeping_false_runs_two_passes_without_checkpointing_and_accumulates
     sequence_loss(module, x2, l2).backward()
     opt.step()
     assert_updates(model, want)
-    assert engine.accountant.history[0][-1]["micro_batches"] == 2
+    assert engine.accountant.history[0][-1].micro_batches == 2
 
 
 def test_loss_computed_inside_the_model_from_labels_is_downstream_of_the_boundary():

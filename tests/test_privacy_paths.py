@@ -225,8 +225,8 @@ def test_accountant_record_after_one_step(mode, micro):
     (sigma, q, steps, record), = engine.accountant.history
     assert (q, steps) == (0.25, 1)
     assert sigma == opt.noise_multiplier and (sigma == 0.7) == (mode != "epsilon")
-    assert record["micro_batches"] == micro
-    assert (record["sketch_size"], record["sketching"], record["estimator"]) == (k, "per_example", "hutchinson")
+    assert record.micro_batches == micro
+    assert (record.sketch_size, record.sketching, record.estimator) == (k, "per_example", "hutchinson")
 
 
 def test_bookkeeping_accumulation_of_linear_only_model_is_charged():
@@ -246,4 +246,4 @@ def test_bookkeeping_accumulation_of_linear_only_model_is_charged():
         nn.functional.cross_entropy(module(x[16 * m : 16 * m + 16]).mean(dim=1), y[16 * m : 16 * m + 16]).backward()
     opt.step()
     (_, q, _, record), = engine.accountant.history
-    assert (q, record["micro_batches"]) == (0.25, 3)
+    assert (q, record.micro_batches) == (0.25, 3)

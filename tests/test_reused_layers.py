@@ -108,7 +108,7 @@ def test_reused_layer_equals_per_example_clipping(model_cls, mode):
     for name, update in want.items():
         torch.testing.assert_close(got[name], update, rtol=1e-4, atol=1e-7, msg=name)
     (record,) = history
-    assert record[-1].get("micro_batches", 1) == 1  # one backward pass, one micro-batch
+    assert record[-1].micro_batches == 1  # one backward pass, one micro-batch
 
 
 def test_weight_used_twice_with_equal_gradients_is_bounded_by_c():
@@ -171,4 +171,4 @@ def test_albert_lora_shared_layers_equal_per_example_clipping(mode):
     got, history = private_update(wrapped, x, y, mode)
     for name, update in want.items():
         torch.testing.assert_close(got[name], update, rtol=1e-4, atol=1e-7, msg=name)
-    assert history[0][-1].get("micro_batches", 1) == 1
+    assert history[0][-1].micro_batches == 1

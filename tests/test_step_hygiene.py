@@ -112,7 +112,7 @@ def test_batch_memory_manager_splits_stay_one_micro_batch(mode):
             opt.zero_grad()
     assert len(engine.accountant.history) == 1
     steps = engine.accountant.history[0][2]
-    assert steps == 4 and engine.accountant.history[0][-1]["micro_batches"] == 1
+    assert steps == 4 and engine.accountant.history[0][-1].micro_batches == 1
 
 
 # --- item 6: empty Poisson batches with every layer kind ---------------------------------

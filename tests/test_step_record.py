@@ -29,12 +29,20 @@ def test_record_is_frozen_hashable_and_reads_every_stored_form():
         StepRecord.of({"sketch_size": 8, "sketching": "other"})
 
 
-def test_equal_steps_merge_and_history_stays_plain_dicts():
+def test_equal_steps_merge_history_holds_records_and_state_dict_plain_dicts():
     acc = RCPRVAccountant()
     for _ in range(3):
         acc.step(noise_multiplier=1.0, sample_rate=0.1, sketch_config=SketchConfig(sketch_size=8))
     (entry,) = acc.history
-    assert entry[2] == 3 and isinstance(entry[3], dict)
+    assert entry[2] == 3 and entry[3] == StepRecord.from_config(SketchConfig(sketch_size=8))
+    assert acc.state_dict()["history"] == [(1.0, 0.1, 3, entry[3].as_dict())]
+    restored = RCPRVAccountant()
+    restored.load_state_dict({"history": [(1.0, 0.1, 3, {"sketch_size": 8}), (1.0, 0.1, 2)],
+                              "mechanism": "rc_prv"})
+    assert [e[3] for e in restored.history] == [StepRecord("hutchinson", 8, "shared"), StepRecord()]
+    with pytest.raises(ValueError, match="sketching"):
+        restored.load_state_dict({"history": [(1.0, 0.1, 3, {"sketch_size": 8, "sketching": "x"})],
+                                  "mechanism": "rc_prv"})
 
 
 def test_both_step_kinds_implement_the_prv_step_interface():

@@ -1,13 +1,15 @@
 """``rc_prv``: an Opacus accountant for DP-SGD with randomized clipping.
 
-History entries are ``(noise_multiplier, sample_rate, steps, record)``. ``record`` is None
-for a deterministic single-batch step or a plain dict: ``estimator``, ``sketch_size``,
-``sketching`` for randomized clipping (absent: deterministic; ``sketch_size`` is k, for
-Hutch++ the residual's count, the only random part the analysis relies on)
-and ``micro_batches`` (m, default 1), the number of independently sampled micro-batches
-summed into the step (gradient accumulation). ``sample_rate`` is always the rate of one
-micro-batch: a step with ``m > 1`` is accounted as the mixture over ``J ~ Bin(m, q)``
-appearances (:mod:`opacus_rc.accounting.multiplicity`), never as one draw at ``q * m``.
+History entries are ``(noise_multiplier, sample_rate, steps, record)`` with a
+:class:`StepRecord`: its sketch (``estimator``, ``sketch_size``, ``sketching``; none:
+deterministic clipping; ``sketch_size`` is k, for Hutch++ the residual's count, the only
+random part the analysis relies on) and ``micro_batches`` (m, default 1), the number of
+independently sampled micro-batches summed into the step (gradient accumulation).
+``sample_rate`` is always the rate of one micro-batch: a step with ``m > 1`` is accounted
+as the mixture over ``J ~ Bin(m, q)`` appearances (:mod:`opacus_rc.accounting.multiplicity`),
+never as one draw at ``q * m``. Records are plain dicts (None for a deterministic
+single-batch step) only in ``state_dict()``, the checkpoint format; ``load_state_dict`` and
+``get_epsilon`` also read a history assigned with dict, None or ``SketchConfig`` records.
 Opacus's ``get_noise_multiplier`` writes 3-tuples ``(sigma, q, steps)``; ``get_epsilon``
 reads those with its sketch keyword arguments.
 """
@@ -23,6 +25,7 @@ from opacus.accountants.accountant import IAccountant
 
 from ..config import ESTIMATORS, SKETCHINGS, SketchConfig
 from .multiplicity import AccumulatedStepPRV, multiplicity_weights
+from .secant import _LogLogSecant
 from .prv import (
     DEFAULT_BIN_RATIO,
     DETERMINISTIC,
@@ -59,8 +62,8 @@ class StepRecord:
     ``sketch_size`` None: deterministic clipping; else randomized clipping with
     ``estimator``, ``sketch_size`` (k; for Hutch++ the residual's count, the only random
     part the analysis relies on) and ``sketching``. ``micro_batches``: m independently
-    sampled micro-batches summed into the step. History entries store it as a plain dict
-    (:meth:`as_dict`, the checkpoint format); :meth:`of` reads any stored form.
+    sampled micro-batches summed into the step. History entries hold it; checkpoints store
+    it as a plain dict (:meth:`as_dict`); :meth:`of` reads any stored form.
     """
 
     estimator: Optional[str] = None
@@ -195,11 +198,11 @@ class RCPRVAccountant(IAccountant):
         ``sample_rate`` each); consecutive identical steps are merged."""
         record = StepRecord.from_config(sketch_config, micro_batches)
         if self.history:
-            sigma, q, n, last = self._entry(self.history[-1])
+            sigma, q, n, last = self.entry(self.history[-1])
             if (sigma, q, last) == (noise_multiplier, sample_rate, record):
-                self.history[-1] = (sigma, q, n + 1, last.as_dict())
+                self.history[-1] = (sigma, q, n + 1, last)
                 return
-        self.history.append((noise_multiplier, sample_rate, 1, record.as_dict()))
+        self.history.append((noise_multiplier, sample_rate, 1, record))
 
     def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
         """Hook for the DP optimizer: like Opacus's, plus ``optim.sketch_config``, and the
@@ -267,14 +270,22 @@ class RCPRVAccountant(IAccountant):
     def mechanism(cls) -> str:
         return MECHANISM
 
+    def state_dict(self, destination: Any = None) -> Any:
+        """Opacus's state, each record a plain dict (:meth:`stored`): loads with
+        ``torch.load(weights_only=True)`` and into the dict-record versions."""
+        state = super().state_dict(destination)
+        state["history"] = [self.stored(e) for e in self.history]
+        return state
+
     def load_state_dict(self, state_dict: Any) -> None:
+        """Loads a state of any version (dict records, 3-tuples), each entry checked."""
         super().load_state_dict(state_dict)
-        self.history = [self._stored(e) for e in self.history]
+        self.history = [self.entry(e) for e in self.history]
         self._cache = {}
 
-    # ---- helpers -----------------------------------------------------------------------
+    # ---- entries -----------------------------------------------------------------------
     @staticmethod
-    def _entry(entry: Sequence[Any], default: Optional[StepRecord] = None) -> Tuple[float, float, int, StepRecord]:
+    def entry(entry: Sequence[Any], default: Optional[StepRecord] = None) -> Tuple[float, float, int, StepRecord]:
         """``(sigma, q, steps, record)`` of a stored entry; a 3-tuple (Opacus's
         ``get_noise_multiplier``) takes ``default``."""
         if len(entry) == 3:
@@ -291,81 +302,19 @@ class RCPRVAccountant(IAccountant):
         return (float(sigma), float(q), int(n), record)
 
     @classmethod
-    def _stored(cls, entry: Sequence[Any]) -> Tuple:
-        sigma, q, n, record = cls._entry(entry)
+    def stored(cls, entry: Sequence[Any]) -> Tuple:
+        """The checkpoint form of an entry: its record as a plain dict (None: deterministic)."""
+        sigma, q, n, record = cls.entry(entry)
         return (sigma, q, n, record.as_dict())
 
     def _groups(self, default: StepRecord) -> List[Tuple[Tuple[float, float, StepRecord], int]]:
         """History merged into ``((sigma, q, record), steps)`` groups."""
         merged: Dict[Tuple[float, float, StepRecord], int] = {}
         for raw in self.history:
-            sigma, q, n, record = self._entry(raw, default)
+            sigma, q, n, record = self.entry(raw, default)
             if n > 0:
                 merged[(sigma, q, record)] = merged.get((sigma, q, record), 0) + n
         return sorted(merged.items(), key=lambda kv: (kv[0][0], kv[0][1], repr(kv[0][2])))
-
-
-class _LogLogSecant:
-    """Root search of a decreasing ``eps(sigma)`` in ``(log sigma, log eps)`` coordinates.
-
-    Keeps a bracket (``lo``: eps above the target, ``hi``: at or below it) and proposes the
-    secant through the last two finite points (slope ``-1`` until there are two: ``eps`` is
-    about ``1/sigma`` for a Gaussian), aimed at the middle of the acceptance window; the
-    proposal is clamped to a factor 4 per step and replaced by the geometric midpoint of the
-    bracket when it falls outside it or the same end moved twice in a row (Illinois-type
-    safeguard), so it never needs more steps than bisection plus a few.
-    """
-
-    def __init__(self, target: float, tol: float, slope: float = -1.0) -> None:
-        self.target, self.tol = target, tol
-        self.aim = math.log(max(target - 0.5 * tol, 0.5 * target))
-        self.lo: Optional[float] = None
-        self.hi: Optional[float] = None
-        self.eps_hi = math.inf
-        self.points: List[Tuple[float, float]] = []
-        self.slope = slope
-        self._last_side = ""
-        self._same_side = 0
-
-    def update(self, sigma: float, eps: float) -> None:
-        side = "hi" if eps <= self.target else "lo"
-        if side == "hi" and (self.hi is None or sigma < self.hi):
-            self.hi, self.eps_hi = sigma, eps
-        if side == "lo" and (self.lo is None or sigma > self.lo):
-            self.lo = sigma
-        self._same_side = self._same_side + 1 if side == self._last_side else 0
-        self._last_side = side
-        if math.isfinite(eps) and eps > 0:
-            self.points.append((math.log(sigma), math.log(eps)))
-            if len(self.points) >= 2:
-                (a0, b0), (a1, b1) = self.points[-2], self.points[-1]
-                if a1 != a0 and (b1 - b0) / (a1 - a0) < 0:
-                    self.slope = (b1 - b0) / (a1 - a0)
-
-    def done(self) -> bool:
-        if self.hi is None:
-            return False
-        if self.target - self.eps_hi <= self.tol:
-            return True
-        return self.lo is not None and self.hi - self.lo <= 1e-6 * self.hi
-
-    def propose(self) -> float:
-        if not self.points:  # only infinite epsilons so far: grow
-            return 2.0 * (self.lo if self.lo is not None else 1.0)
-        a, b = self.points[-1]
-        step = min(max((self.aim - b) / self.slope, -math.log(4.0)), math.log(4.0))
-        guess = math.exp(a + step)
-        if self.lo is not None and self.hi is not None:
-            inside = self.lo < guess < self.hi
-            margin = 1e-3 * (self.hi - self.lo)
-            if not inside or self._same_side >= 2:
-                return math.sqrt(self.lo * self.hi) if self.lo > 0 else 0.5 * self.hi
-            return min(max(guess, self.lo + margin), self.hi - margin)
-        if self.hi is None and self.lo is not None:
-            guess = max(guess, 1.05 * self.lo)
-        if self.lo is None and self.hi is not None:
-            guess = min(guess, 0.95 * self.hi)
-        return guess
 
 
 def get_noise_multiplier_rc(
@@ -400,11 +349,11 @@ def get_noise_multiplier_rc(
         raise ValueError(f"epsilon_tolerance={epsilon_tolerance} must be > 0")
     if steps is None:
         steps = int(epochs / sample_rate)
-    sketch = sketch_record(sketch_config)
+    record = StepRecord.from_config(sketch_config)
     acc = RCPRVAccountant()
 
     def eps_at(sigma: float, err: float) -> float:
-        acc.history = [(sigma, sample_rate, int(steps), sketch)]
+        acc.history = [(sigma, sample_rate, int(steps), record)]
         return acc.get_epsilon(target_delta, eps_error=err)
 
     def search(err: float, tol: float, start: float, slope: float) -> _LogLogSecant:

@@ -69,6 +69,7 @@ score ``W.grad[r, d-1] / (sigma C)``) and its held-out Clopper-Pearson threshold
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, fields, replace
@@ -78,6 +79,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..accounting.accountant import StepRecord
 from ..config import ESTIMATORS, SKETCHINGS
 from .checks import check_choices, check_fields, check_ints
 from .experiment import (
@@ -249,17 +251,17 @@ def _check_history(history, config: PathAuditConfig) -> None:
             len(history) == 1
             and history[0][1] == config.sample_rate
             and history[0][2] == 1
-            and isinstance(history[0][3], dict)
+            and isinstance(history[0][3], StepRecord)
             # reused layer: whatever the step is charged as, the threshold test judges it
-            and (config.variant == "reused_layer" or history[0][3].get("micro_batches", 1) == micro)
+            and (config.variant == "reused_layer" or history[0][3].micro_batches == micro)
         )
         expected = f"one step at q={config.sample_rate} with micro_batches={micro}"
     else:
         # consecutive equal steps are merged into one entry with a step count
         ok = sum(e[2] for e in history) == config.episode_steps and all(
-            e[0] == config.sigma and e[1] == 1.0 and isinstance(e[3], dict)
-            and e[3].get("sketch_size") == config.sketch_size
-            and e[3].get("micro_batches", 1) == 1
+            e[0] == config.sigma and e[1] == 1.0 and isinstance(e[3], StepRecord)
+            and e[3].sketch_size == config.sketch_size
+            and e[3].micro_batches == 1
             for e in history
         )
         expected = f"{config.episode_steps} steps at q=1 with sketch_size={config.sketch_size}"
@@ -272,13 +274,13 @@ def _micro_batches(config: PathAuditConfig) -> int:
     return config.micro_batches if config.variant == "accumulation_canary" else 1
 
 
-def old_charge_epsilon(config: PathAuditConfig, record: dict) -> float:
+def old_charge_epsilon(config: PathAuditConfig, record: StepRecord) -> float:
     """What the pre-fix convention reported for one accumulated step: a single Poisson
     draw at rate ``min(1, q m)`` with the same sketch."""
     from ..accounting.accountant import RCPRVAccountant
 
     accountant = RCPRVAccountant()
-    single = {k: v for k, v in record.items() if k != "micro_batches"}
+    single = dataclasses.replace(record, micro_batches=1)
     accountant.history = [
         (config.sigma, min(1.0, config.sample_rate * config.micro_batches), 1, single)
     ]
