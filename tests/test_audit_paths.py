@@ -219,7 +219,7 @@ def test_reentrant_split_companions_do_not_share_the_canaries_sketches():
         canary, companion = released[:16, d - 1], released[:16, d - 2]
         assert (canary > 0).all() and (companion > 0).all()  # both clipped to C Z > 0
         assert distinct(canary, companion)
-    assert exp.accountant.history[0][3]["micro_batches"] == 1
+    assert exp.accountant.history[0][3].micro_batches == 1
 
 
 def test_reentrant_split_stays_below_accountant():
@@ -231,8 +231,8 @@ def test_reentrant_split_stays_below_accountant():
     r = run_path_audit(PathAuditConfig(variant="reentrant_split", sketch_size=4, sigma=2.0, micro_batches=4,
                                        sketching="per_example", steps=40, seed=11))
     (sigma, q, steps, record), = r.history
-    assert (sigma, q, steps) == (2.0, 1.0, 1) and record["micro_batches"] == 1
-    assert record["sketching"] == "per_example"
+    assert (sigma, q, steps) == (2.0, 1.0, 1) and record.micro_batches == 1
+    assert record.sketching == "per_example"
     assert math.isfinite(r.eps_accounted) and r.eps_exact < r.eps_accounted
     assert r.eps_lower < r.eps_accounted
     se = math.sqrt((2 - 1.2533**2 + r.sigma**2) / (r.trials / 2))

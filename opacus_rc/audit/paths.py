@@ -406,8 +406,8 @@ def split_step(exp: _Experiment, include: np.ndarray, physical_batches: int) -> 
 
 def _check_split_history(history, config: PathAuditConfig) -> None:
     ok = (
-        len(history) == 1 and history[0][:3] == (config.sigma, 1.0, 1) and isinstance(history[0][3], dict)
-        and history[0][3].get("micro_batches", 1) == 1 and history[0][3].get("sketching") == "per_example"
+        len(history) == 1 and history[0][:3] == (config.sigma, 1.0, 1) and isinstance(history[0][3], StepRecord)
+        and history[0][3].micro_batches == 1 and history[0][3].sketching == "per_example"
     )
     if not ok:
         raise RuntimeError(
