@@ -5,7 +5,7 @@ An ordinary Opacus ghost-clipping loop; the only change is
 the memory of the per-sample norm computation against Opacus ghost clipping on the same
 model and batch (bytes counted operator by operator, see examples/profiling.py).
 
-    python examples/demo.py            # T = 1024, batch 16, 60 steps: ~40 s on 2 idle CPU cores
+    python examples/demo.py            # T = 1024, batch 16, 60 steps: about 2 minutes on 2 CPU cores (measured 105 s)
     python examples/demo.py --steps 10 --seq-len 2048
 """
 
