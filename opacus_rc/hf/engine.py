@@ -65,6 +65,16 @@ def budget_steps(
     return lo
 
 
+def public_loader(batch_size: int) -> DataLoader:
+    """The ``data_loader`` make_private is given (it requires one; the Trainer trains on its
+    own Poisson loader, :mod:`opacus_rc.hf.data`): one batch of ``batch_size`` rows, so that
+    Opacus's flat route, which reads the loader, derives the public normaliser from it:
+    ``int(len(dataset) / len(loader)) = B`` exactly (divided by the world size once, by
+    Opacus, under DDP: :func:`opacus_rc.integration.per_rank_normaliser`'s share). The
+    randomized route is given ``B`` and ``q`` as ``expected_batch_size=`` and ``sample_rate=``."""
+    return DataLoader(TensorDataset(torch.zeros(batch_size)), batch_size=batch_size)
+
+
 class Private(NamedTuple):
     """What :func:`make_private` made: the engine, its hooks and DP optimizer, the DPDDP
     module (``None`` in one process) and the noise multiplier."""
@@ -103,10 +113,8 @@ def make_private(
         # backward pass): the distributed DP optimizer sums the clipped sums across ranks
         # after rank 0 alone added the noise. The Trainer runs it instead of DDP.
         ddp = model = DPDDP(model)
-    # make_private needs a loader for its checks; the Trainer's Poisson loader is ours
-    placeholder = DataLoader(TensorDataset(torch.zeros(1)), batch_size=batch_size)
     kwargs: Dict[str, Any] = dict(
-        module=model, optimizer=optimizer, data_loader=placeholder, noise_multiplier=sigma,
+        module=model, optimizer=optimizer, data_loader=public_loader(batch_size), noise_multiplier=sigma,
         max_grad_norm=p.max_grad_norm, clipping=p.clipping, grad_sample_mode="hooks",
         wrap_model=False, poisson_sampling=True, loss_reduction="mean", batch_first=True,
     )
@@ -127,9 +135,16 @@ def make_private(
         hooks, dp_optimizer, _ = engine.make_private(**kwargs)
     finally:
         model.train(was_training)
-    if p.clipping != "randomized":  # Opacus's own normaliser and rate read the placeholder
-        dp_optimizer.expected_batch_size = per_rank_normaliser(batch_size, world_size > 1)
+    if p.clipping != "randomized":
+        # The engine refuses sample_rate= with clipping="flat" (Opacus's route) and Opacus
+        # charges 1 / len(its loader), which cannot be every public q: the accountant's hook
+        # is set to charge q (it replaces Opacus's; the normaliser came from the loader).
         dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
+    if dp_optimizer.expected_batch_size != per_rank_normaliser(batch_size, world_size > 1):
+        raise RuntimeError(
+            f"make_private averages by {dp_optimizer.expected_batch_size!r}, not the public per-rank "
+            f"normaliser {per_rank_normaliser(batch_size, world_size > 1)!r}"
+        )
     if history is not None:
         engine.accountant.history = list(history)
     return Private(engine, hooks, dp_optimizer, ddp, sigma)
@@ -143,4 +158,4 @@ def signal_same_draw(optimizer: DPOptimizer) -> None:
     optimizer.signal_skip_step(do_skip=True, **({"same_draw": True} if same_draw else {}))
 
 
-__all__ = ["Private", "budget_steps", "epsilon", "make_private", "noise_multiplier", "signal_same_draw"]
+__all__ = ["Private", "budget_steps", "epsilon", "make_private", "noise_multiplier", "public_loader", "signal_same_draw"]
