@@ -69,8 +69,9 @@ def public_loader(batch_size: int) -> DataLoader:
     """The ``data_loader`` make_private is given (it requires one; the Trainer trains on its
     own Poisson loader, :mod:`opacus_rc.hf.data`): one batch of ``batch_size`` rows, so that
     Opacus's flat route, which reads the loader, derives the public normaliser from it:
-    ``int(len(dataset) / len(loader)) = B`` exactly (divided by the world size once, by
-    Opacus, under DDP: :func:`opacus_rc.integration.per_rank_normaliser`'s share). The
+    ``int(len(dataset) * (1 / len(loader))) = int(B * 1.0) = B`` exactly (divided by the
+    world size once, by Opacus, under DDP: :func:`opacus_rc.integration.per_rank_normaliser`'s
+    share). The
     randomized route is given ``B`` and ``q`` as ``expected_batch_size=`` and ``sample_rate=``."""
     return DataLoader(TensorDataset(torch.zeros(batch_size)), batch_size=batch_size)
 
