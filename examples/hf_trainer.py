@@ -63,7 +63,11 @@ def build_model(length: int):
     )
     model = LlamaForCausalLM(config)  # random init
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "up_proj"], lora_dropout=0.0)
-    return get_peft_model(model, lora)
+    with warnings.catch_warnings():
+        # PEFT's PeftModel reads transformers' deprecated `is_gradient_checkpointing` (now
+        # `is_activation_checkpointing`); this model has no checkpointing to prepare
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, lora)
 
 
 def main() -> None:

@@ -1,0 +1,108 @@
+"""The privacy options of the private Trainer (:class:`PrivacyArguments`); everything else
+stays in ``TrainingArguments``."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+from ..config import SketchConfig
+from ..options import DENOISERS as ENGINE_DENOISERS
+
+CLIPPINGS = ("randomized", "flat")
+DENOISERS = (None, *ENGINE_DENOISERS)
+
+
+@dataclass
+class PrivacyArguments:
+    """The privacy options of :class:`DPTrainer` (everything else stays in ``TrainingArguments``).
+
+    Args:
+        target_epsilon: calibrate the noise multiplier with ``rc_prv`` so that the planned
+            run (``max_steps``, or ``num_train_epochs`` at the public rate) spends this epsilon
+            at ``delta``. Exactly one of ``target_epsilon`` and ``noise_multiplier``.
+        noise_multiplier: sigma (noise std over ``max_grad_norm``).
+        delta: the delta of every reported epsilon (required).
+        max_grad_norm: the per-example clipping bound C (replaces the Trainer's own
+            ``max_grad_norm``, which would clip the noisy average).
+        clipping: ``"randomized"`` (default: estimated norms, :mod:`opacus_rc`) or ``"flat"``
+            (Opacus's exact per-sample gradients).
+        estimator, sketch_size, sketching: the randomized-clipping sketch (see ``make_private``).
+        denoise: ``None`` or ``"spectral"`` (post-processing of the noisy gradient).
+        secure_mode: noise, sketches and Poisson masks from :mod:`opacus_rc.csprng`.
+        sample_rate: the public Poisson rate; ``None``: ``1 / ceil(len(train_dataset) / B)``
+            (Opacus's ``1 / len(loader)``; it treats the number of batches per epoch as public).
+        stop_at_epsilon: stop training before a step would make epsilon exceed this value.
+        log_train_loss: also log the training loss of the private batches (an un-noised
+            statistic that epsilon does not cover; off by default).
+    """
+
+    target_epsilon: Optional[float] = None
+    noise_multiplier: Optional[float] = None
+    delta: Optional[float] = None
+    max_grad_norm: float = 1.0
+    clipping: str = "randomized"
+    estimator: str = "hutchinson"
+    sketch_size: int = 32
+    sketching: str = "per_example"
+    denoise: Optional[str] = None
+    secure_mode: bool = False
+    sample_rate: Optional[float] = None
+    stop_at_epsilon: Optional[float] = None
+    log_train_loss: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.target_epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError(
+                f"target_epsilon={self.target_epsilon!r}, noise_multiplier={self.noise_multiplier!r}: "
+                "give exactly one; accepted values: target_epsilon a float > 0 (sigma is "
+                "calibrated with rc_prv) or noise_multiplier a float >= 0"
+            )
+        self._refuse_invalid(
+            ("target_epsilon", self.target_epsilon is None or _positive(self.target_epsilon), "a float > 0"),
+            ("noise_multiplier",
+             self.noise_multiplier is None or (_real(self.noise_multiplier) and self.noise_multiplier >= 0),
+             "a float >= 0"),
+            ("delta", _real(self.delta) and 0.0 < self.delta < 1.0,
+             "a float in (0, 1), e.g. 1e-5 (below 1 / number of training rows); it is required"),
+            ("max_grad_norm", _positive(self.max_grad_norm), "a float > 0"),
+        )
+        if self.clipping not in CLIPPINGS:
+            raise ValueError(
+                f"clipping={self.clipping!r} is not supported; accepted values: "
+                f"{', '.join(repr(c) for c in CLIPPINGS)}"
+            )
+        if self.clipping == "randomized":
+            SketchConfig(self.estimator, self.sketch_size, self.sketching)  # validates
+        if self.denoise not in DENOISERS:
+            raise ValueError(f"denoise={self.denoise!r} is not supported; accepted values: None, 'spectral'")
+        self._refuse_invalid(
+            ("sample_rate", self.sample_rate is None or (_real(self.sample_rate) and 0.0 < self.sample_rate <= 1.0),
+             "a float in (0, 1] or None"),
+            ("stop_at_epsilon", self.stop_at_epsilon is None or _positive(self.stop_at_epsilon), "a float > 0 or None"),
+            ("secure_mode", isinstance(self.secure_mode, bool), "True, False"),
+            ("log_train_loss", isinstance(self.log_train_loss, bool), "True, False"),
+        )
+
+    def _refuse_invalid(self, *checks: Tuple[str, bool, str]) -> None:
+        for name, ok, accepted in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; accepted values: {accepted}")
+
+    @property
+    def sketch_config(self) -> Optional[SketchConfig]:
+        """The sketch the accountant charges (None: flat, deterministic clipping)."""
+        return SketchConfig(self.estimator, self.sketch_size, self.sketching) if self.clipping == "randomized" else None
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _positive(x: Any) -> bool:
+    return _real(x) and x > 0
+
+
+__all__ = ["PrivacyArguments", "CLIPPINGS", "DENOISERS"]

@@ -1,0 +1,162 @@
+"""How the private Trainer enters the engine: one :meth:`opacus_rc.PrivacyEngine.make_private`
+call with the Trainer's public sampling (its rate ``q`` and normaliser ``B``), made when the
+Trainer creates its optimizer; the ``rc_prv`` calibration and epsilon the Trainer reports."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Dict, List, NamedTuple, Optional
+
+import torch
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+from opacus.optimizers import DPOptimizer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ..accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
+from ..integration import PrivacyEngine, per_rank_normaliser  # registers clipping="randomized" and rc_prv
+from ..sketch import entropy_seed
+from .arguments import PrivacyArguments
+
+logger = logging.getLogger(__package__)
+
+
+def noise_multiplier(privacy: PrivacyArguments, sample_rate: float, steps: int) -> float:
+    """``privacy.noise_multiplier``, else sigma calibrated with ``rc_prv`` so that ``steps``
+    logical steps at ``sample_rate`` spend ``privacy.target_epsilon`` at ``privacy.delta``."""
+    p = privacy
+    if p.noise_multiplier is not None:
+        return float(p.noise_multiplier)
+    sigma = get_noise_multiplier_rc(
+        target_epsilon=p.target_epsilon,
+        target_delta=p.delta,
+        sample_rate=sample_rate,
+        steps=steps,
+        sketch_config=p.sketch_config,
+    )
+    logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps at q=%.6g", sigma, steps, sample_rate)
+    return sigma
+
+
+def epsilon(history: List[Any], delta: float) -> float:
+    """Epsilon of an ``rc_prv`` history at ``delta`` (0 for an empty history)."""
+    probe = RCPRVAccountant()
+    probe.history = list(history)
+    return float(probe.get_epsilon(delta=delta))
+
+
+def budget_steps(
+    history: List[Any], sigma: float, sample_rate: float, sketch: Any, *, delta: float, budget: float, planned: int
+) -> Optional[int]:
+    """The largest number of further logical steps (sigma, sample rate and sketch record as
+    configured) after ``history`` whose epsilon at ``delta`` stays within ``budget``, by
+    bisection; None when the ``planned`` steps fit in it."""
+
+    def eps_after(extra: int) -> float:
+        return epsilon(history + ([(sigma, sample_rate, extra, sketch)] if extra else []), delta)
+
+    lo, hi = 0, max(1, planned)
+    if eps_after(hi) <= budget:  # hi >= planned: the plan fits in the budget
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if eps_after(mid) <= budget else (lo, mid)
+    return lo
+
+
+def public_loader(batch_size: int) -> DataLoader:
+    """The ``data_loader`` make_private is given (it requires one; the Trainer trains on its
+    own Poisson loader, :mod:`opacus_rc.hf.data`): one batch of ``batch_size`` rows, so that
+    Opacus's flat route, which reads the loader, derives the public normaliser from it:
+    ``int(len(dataset) * (1 / len(loader))) = int(B * 1.0) = B`` exactly (divided by the
+    world size once, by Opacus, under DDP: :func:`opacus_rc.integration.per_rank_normaliser`'s
+    share). The
+    randomized route is given ``B`` and ``q`` as ``expected_batch_size=`` and ``sample_rate=``."""
+    return DataLoader(TensorDataset(torch.zeros(batch_size)), batch_size=batch_size)
+
+
+class Private(NamedTuple):
+    """What :func:`make_private` made: the engine, its hooks and DP optimizer, the DPDDP
+    module (``None`` in one process) and the noise multiplier."""
+
+    engine: PrivacyEngine
+    hooks: Any
+    optimizer: DPOptimizer
+    ddp: Optional[DPDDP]
+    sigma: float
+
+
+def make_private(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    privacy: PrivacyArguments,
+    *,
+    batch_size: int,
+    sample_rate: float,
+    steps: int,
+    world_size: int,
+    history: Optional[List[Any]] = None,
+) -> Private:
+    """The private Trainer's engine: book-keeping hooks (``wrap_model=False``) and a DP
+    optimizer averaging by the public ``batch_size`` (summed over ranks), charging
+    ``sample_rate``, with the noise multiplier of ``privacy`` (calibrated for ``steps``);
+    ``history``: a resumed accountant history."""
+    p = privacy
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    if not trainable:
+        raise ValueError("the model has no trainable parameter")
+    sigma = noise_multiplier(p, sample_rate, steps)
+    engine = PrivacyEngine(accountant="rc_prv", secure_mode=p.secure_mode)
+    ddp = None
+    if world_size > 1:
+        # Opacus's DPDDP (parameters broadcast from rank 0, no gradient all-reduce in the
+        # backward pass): the distributed DP optimizer sums the clipped sums across ranks
+        # after rank 0 alone added the noise. The Trainer runs it instead of DDP.
+        ddp = model = DPDDP(model)
+    kwargs: Dict[str, Any] = dict(
+        module=model, optimizer=optimizer, data_loader=public_loader(batch_size), noise_multiplier=sigma,
+        max_grad_norm=p.max_grad_norm, clipping=p.clipping, grad_sample_mode="hooks",
+        wrap_model=False, poisson_sampling=True, loss_reduction="mean", batch_first=True,
+    )
+    if p.clipping == "randomized":
+        kwargs.update(
+            estimator=p.estimator, sketch_size=p.sketch_size, sketching=p.sketching,
+            expected_batch_size=batch_size, sample_rate=sample_rate,
+        )
+    if p.clipping != "randomized" and not p.secure_mode:
+        # Opacus's flat clipping would draw from torch's global generator, which the Trainer's
+        # set_seed seeds; randomized clipping has its own os.urandom streams, one per device
+        kwargs["noise_generator"] = torch.Generator(device=trainable[0].device).manual_seed(entropy_seed())
+    if p.denoise is not None:
+        kwargs["denoise"] = p.denoise
+    was_training = model.training
+    model.train()  # Opacus validates a module in training mode (evaluate() may have run first)
+    try:
+        hooks, dp_optimizer, _ = engine.make_private(**kwargs)
+    finally:
+        model.train(was_training)
+    if p.clipping != "randomized":
+        # The engine refuses sample_rate= with clipping="flat" (Opacus's route) and Opacus
+        # charges 1 / len(its loader), which cannot be every public q: the accountant's hook
+        # is set to charge q (it replaces Opacus's; the normaliser came from the loader).
+        dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
+    if dp_optimizer.expected_batch_size != per_rank_normaliser(batch_size, world_size > 1):
+        raise RuntimeError(
+            f"make_private averages by {dp_optimizer.expected_batch_size!r}, not the public per-rank "
+            f"normaliser {per_rank_normaliser(batch_size, world_size > 1)!r}"
+        )
+    if history is not None:
+        engine.accountant.history = list(history)
+    return Private(engine, hooks, dp_optimizer, ddp, sigma)
+
+
+def signal_same_draw(optimizer: DPOptimizer) -> None:
+    """A skipped step whose next physical batch continues the same Poisson draw (charged
+    once, averaged once). Optimizers without ``same_draw=`` (Opacus's flat one, older
+    randomized ones) count a skipped step as part of the same logical step anyway."""
+    same_draw = "same_draw" in inspect.signature(optimizer.signal_skip_step).parameters
+    optimizer.signal_skip_step(do_skip=True, **({"same_draw": True} if same_draw else {}))
+
+
+__all__ = ["Private", "budget_steps", "epsilon", "make_private", "noise_multiplier", "public_loader", "signal_same_draw"]

@@ -1,0 +1,396 @@
+"""The private Trainer: :class:`DPTrainerMixin` (the private part of a Trainer),
+:class:`DPTrainer`, :func:`private_trainer`, its callback and its checkpoint state
+(``dp_state.json``). How it makes the Trainer private: :mod:`opacus_rc.hf`."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+from typing import Any, Dict, Optional, Tuple, Type
+
+import torch
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+from opacus.optimizers import DPOptimizer
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback
+
+from ..accounting.accountant import RCPRVAccountant, sketch_record
+from ..integration import PrivacyEngine, per_rank_normaliser
+from .arguments import PrivacyArguments
+from .checks import (
+    DP_STATE_NAME, check_arguments, check_checkpoint_functions, check_loader, check_records, check_setup,
+    refuse_non_finite, replaceable_compute_loss, resumed_history,
+)
+from .data import PoissonAccumulationSampler, is_empty_batch, poisson_loader
+from .engine import budget_steps, epsilon, make_private, signal_same_draw
+from .losses import causal_lm, model_inputs, row_losses
+
+logger = logging.getLogger(__package__)  # "opacus_rc.hf", as before the package
+
+#: keys of the Trainer's (and TRL's) training logs that are statistics of the private
+#: batches before noise (removed); "loss"/"train_loss" stay with log_train_loss=True
+PRIVATE_LOG_KEYS = (
+    "grad_norm", "num_input_tokens_seen", "train_tokens_per_second", "entropy",
+    "mean_token_accuracy", "num_tokens", "aux_loss", "total_flos",
+)
+LOSS_LOG_KEYS = ("loss", "train_loss")
+
+
+class _DPCallback(TrainerCallback):
+    """Runs the DP optimizer's zero_grad after every step and the budget stop."""
+
+    def __init__(self, trainer: "DPTrainerMixin") -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):  # control unchanged: returns None
+        self.trainer._dp_on_train_begin()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._dp_check_refused_steps()
+        self.trainer._dp_after_step()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._dp_check_refused_steps()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        limit = self.trainer._dp_max_steps
+        if limit is not None and self.trainer.privacy_steps() >= limit and not control.should_training_stop:
+            logger.info("stop_at_epsilon: the next step would exceed epsilon=%s; training stops", self.trainer.privacy.stop_at_epsilon)
+            control.should_training_stop = True
+            control.should_log = True
+            if args.save_strategy != "no":
+                control.should_save = True
+        return control
+
+
+class DPTrainerMixin:
+    """The private part of :class:`DPTrainer`; put it first in the bases of a Trainer
+    subclass (:func:`private_trainer` does)."""
+
+    #: compute_loss implementations the mixin knows to replace in training (they reduce the
+    #: batch with num_items_in_batch; per-example losses replace them)
+    _REPLACEABLE_COMPUTE_LOSS: Tuple[Any, ...] = ()
+
+    def __init__(self, *args: Any, privacy: Optional[PrivacyArguments] = None, **kwargs: Any) -> None:
+        check_arguments(privacy, kwargs.get("optimizers", (None, None)))
+        self.privacy = privacy
+        self._dp_engine: Optional[PrivacyEngine] = None
+        self._dp_optimizer: Optional[DPOptimizer] = None
+        self._dp_hooks = None
+        self._dp_ddp: Optional[DPDDP] = None
+        self._dp_max_steps: Optional[int] = None
+        self._dp_micro = 0
+        self._dp_loader: Optional[DataLoader] = None
+        self._dp_loader_checked = False
+        self._dp_sigma: Optional[float] = None
+        self._dp_resumed_history: Optional[list] = None
+        super().__init__(*args, **kwargs)
+        check_setup(self, DPTrainerMixin)
+        self.add_callback(_DPCallback(self))
+
+    # ---- public sizes ----------------------------------------------------------------
+    @property
+    def expected_batch_size(self) -> int:
+        """The public logical batch size B (the normaliser): per-device batch size x
+        accumulation steps x world size."""
+        return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+
+    @property
+    def sample_rate(self) -> float:
+        """The public Poisson rate every logical step samples at and is charged at."""
+        if self.privacy.sample_rate is not None:
+            return float(self.privacy.sample_rate)
+        if self.train_dataset is None:
+            raise ValueError("sample_rate=None needs a train_dataset (or give PrivacyArguments.sample_rate)")
+        return 1.0 / math.ceil(len(self.train_dataset) / self.expected_batch_size)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Logical steps per epoch: ``int(1 / sample_rate)`` (Opacus's Poisson loader)."""
+        return max(1, int(1.0 / self.sample_rate))
+
+    def planned_steps(self) -> int:
+        """The logical steps the run plans (what target_epsilon is calibrated for)."""
+        if self.args.max_steps > 0:
+            return int(self.args.max_steps)
+        return int(math.ceil(self.args.num_train_epochs * self.steps_per_epoch))
+
+    # ---- data ------------------------------------------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        """The Poisson loader (never the Trainer's shuffled loader)."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        dataset, collator = self.train_dataset, self.data_collator
+        try:
+            from datasets import Dataset as HFDataset
+        except ImportError:  # pragma: no cover
+            HFDataset = ()
+        if isinstance(dataset, HFDataset):
+            dataset = self._remove_unused_columns(dataset, description="Training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="Training")
+        self._dp_loader = poisson_loader(
+            dataset, collator, sample_rate=self.sample_rate, micro_batches=self.args.gradient_accumulation_steps,
+            steps=self.steps_per_epoch, rank=self.args.process_index, world_size=self.args.world_size,
+            secure_mode=self.privacy.secure_mode, num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+        return self._dp_loader
+
+    def num_examples(self, dataloader: DataLoader) -> int:
+        """The expected number of rows per epoch (public; never ``len(dataset)``)."""
+        if isinstance(getattr(dataloader, "batch_sampler", None), PoissonAccumulationSampler):
+            return self.steps_per_epoch * self.expected_batch_size
+        return super().num_examples(dataloader)
+
+    # ---- the private optimizer -------------------------------------------------------
+    def create_optimizer(self, model=None):
+        if self._dp_optimizer is not None:
+            return self.optimizer
+        optimizer = super().create_optimizer(model) if self.optimizer is None else self.optimizer
+        if isinstance(optimizer, DPOptimizer):
+            raise ValueError("the optimizer is already a DPOptimizer: pass the plain torch optimizer")
+        self.optimizer = self._dp_make_private(optimizer)
+        return self.optimizer
+
+    def _dp_make_private(self, optimizer: torch.optim.Optimizer) -> DPOptimizer:
+        """The engine at the Trainer's public sampling (:func:`opacus_rc.hf.engine.make_private`)."""
+        check_checkpoint_functions(self.model)
+        private = make_private(
+            self.model, optimizer, self.privacy, batch_size=self.expected_batch_size,
+            sample_rate=self.sample_rate, steps=self.planned_steps(), world_size=self.args.world_size,
+            history=self._dp_resumed_history,
+        )
+        self._dp_engine, self._dp_hooks, self._dp_optimizer = private.engine, private.hooks, private.optimizer
+        self._dp_ddp, self._dp_sigma = private.ddp, private.sigma
+        model = self.model if private.ddp is None else private.ddp
+        self._dp_names = {id(q): n for n, q in model.named_parameters()}
+        return private.optimizer
+
+    @property
+    def privacy_engine(self) -> Optional[PrivacyEngine]:
+        return self._dp_engine
+
+    @property
+    def accountant(self):
+        return None if self._dp_engine is None else self._dp_engine.accountant
+
+    def _dp_history(self) -> list:
+        acc = self.accountant
+        return acc.history if acc is not None else (self._dp_resumed_history or [])
+
+    def privacy_steps(self) -> int:
+        """Logical steps charged so far (resumed history included)."""
+        return int(sum(entry[2] for entry in self._dp_history()))
+
+    def get_epsilon(self) -> float:
+        """Epsilon spent so far at ``privacy.delta`` (rc_prv)."""
+        acc = self.accountant
+        if acc is None:
+            return epsilon(self._dp_resumed_history or [], self.privacy.delta)
+        return float(acc.get_epsilon(delta=self.privacy.delta))
+
+    # ---- training --------------------------------------------------------------------
+    def per_example_loss(self, model: nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
+        """One loss per row of ``inputs`` (shape (B,)). Override for other tasks; every
+        trainable weight must be used through its module's forward (the hooks see it)."""
+        inputs, labels = model_inputs(model, inputs)
+        outputs = model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        return row_losses(logits, labels, self._dp_shifts_labels)
+
+    def _dp_shifts_labels(self) -> bool:
+        shifts = getattr(self, "_loss_shifts_labels", None)
+        if shifts is not None:
+            return bool(shifts)
+        return causal_lm(self.model)
+
+    def training_step(self, model: nn.Module, inputs: Dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        """One physical batch: per-example losses averaged over the realised physical batch
+        (the hooks undo that factor; the update is divided by the public B only), one plain
+        backward, and, except for the last physical batch of the logical step, clipping into
+        the step's sum (BatchMemoryManager's skipped step). ``num_items_in_batch`` is ignored."""
+        optimizer = self._dp_optimizer
+        if optimizer is None:
+            raise RuntimeError("the private optimizer was not created (train() creates it)")
+        if not self._dp_loader_checked:
+            check_loader(self)
+            self._dp_loader_checked = True
+        self._dp_micro += 1
+        last = self._dp_micro == self.args.gradient_accumulation_steps
+        if last != bool(self.accelerator.sync_gradients):
+            raise RuntimeError(
+                "physical batches are out of step with the Trainer's accumulation groups "
+                f"(batch {self._dp_micro} of {self.args.gradient_accumulation_steps})"
+            )
+        model.train()
+        report = torch.zeros((), device=self.args.device)
+        rows = 0
+        if not is_empty_batch(inputs):
+            inputs = self._prepare_inputs(inputs)
+            offload = getattr(self, "maybe_activation_offload_context", None) or contextlib.nullcontext()
+            with self.compute_loss_context_manager(), offload:
+                losses = self.per_example_loss(model, inputs)
+            del inputs
+            if losses.dim() != 1:
+                raise ValueError(f"per_example_loss must return shape (B,); got {tuple(losses.shape)}")
+            rows = int(losses.shape[0])
+            losses.mean().backward()
+            if self.privacy.log_train_loss:
+                # the Trainer sums what the accumulation steps return and averages the ranks'
+                # sums: each returns its rows' share of the public batch size
+                report = losses.detach().sum() / per_rank_normaliser(self.expected_batch_size, self.args.world_size > 1)
+        if rows or last:
+            self._dp_check_records(rows)
+        if not hasattr(optimizer, "note_finite"):  # every batch, on every rank (an agreement)
+            refuse_non_finite(self, optimizer)
+        if not last and rows:
+            signal_same_draw(optimizer)
+            optimizer.step()  # clip into the step's sum; no noise, no charge, no update
+            optimizer.zero_grad(set_to_none=True)
+        if last:
+            self._dp_micro = 0
+        return report
+
+    def _dp_check_records(self, rows: int) -> None:
+        check_records(self, rows)
+
+    def _dp_check_refused_steps(self) -> None:
+        """Raise the refusal of a step that a fused optimizer skipped on the device
+        (``found_inf``: parameters unchanged, the step charged), before anything computed from
+        the model is logged, evaluated or saved: training must not go on, nor ``train()``
+        return normally, after a data-dependent refusal. Waits for the flag of the step just
+        taken (the Trainer reads its loss on the host at every batch anyway)."""
+        check = getattr(self._dp_optimizer, "check_refused_steps", None)
+        if check is not None:
+            check()
+
+    def _dp_after_step(self) -> None:
+        if self._dp_optimizer is not None:
+            self._dp_optimizer.zero_grad(set_to_none=True)
+
+    def _dp_on_train_begin(self) -> None:
+        self._dp_micro = 0
+        self._dp_loader_checked = False
+        self._dp_after_step()
+        self._dp_max_steps = self._dp_budget_steps()
+        if self._dp_max_steps is not None and self._dp_max_steps <= self.privacy_steps():
+            raise ValueError(
+                f"stop_at_epsilon={self.privacy.stop_at_epsilon}: the next step would exceed it "
+                f"(epsilon so far {self.get_epsilon():.4g}); nothing to train"
+            )
+
+    def _dp_budget_steps(self) -> Optional[int]:
+        """The largest total number of logical steps whose epsilon stays within
+        ``stop_at_epsilon`` (steps as configured); None without a budget."""
+        budget = self.privacy.stop_at_epsilon
+        if budget is None:
+            return None
+        further = budget_steps(
+            list(self.accountant.history), self._dp_sigma, self.sample_rate, sketch_record(self.privacy.sketch_config),
+            delta=self.privacy.delta, budget=budget, planned=self.planned_steps(),
+        )
+        return None if further is None else self.privacy_steps() + further
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if training and self._dp_ddp is not None:
+            return self._dp_ddp  # not the Trainer's DDP (it would average un-clipped gradients)
+        return super()._wrap_model(model, training, dataloader)
+
+    # ---- what the Trainer would compute from un-noised values --------------------------
+    def _clip_grad_norm(self, model):
+        return None
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return None  # the norm of the clipped, un-noised sum: never computed or logged
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        return None  # the realised token count is not the normaliser
+
+    def floating_point_ops(self, inputs) -> int:
+        return 0  # a function of the realised batch sizes
+
+    def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
+        """The Trainer's log without un-noised statistics, with ``epsilon`` (at
+        ``privacy.delta``) added at every logging step."""
+        for key in PRIVATE_LOG_KEYS + (() if self.privacy.log_train_loss else LOSS_LOG_KEYS):
+            logs.pop(key, None)
+        if self._dp_engine is not None or self._dp_resumed_history:
+            logs["epsilon"] = self.get_epsilon()
+        metrics = getattr(self, "_metrics", None)  # TRL's per-batch training metrics
+        if isinstance(metrics, dict) and isinstance(metrics.get("train"), dict):
+            metrics["train"].clear()
+        super().log(logs, start_time)
+
+    # ---- checkpoints -----------------------------------------------------------------
+    def privacy_state(self) -> Dict[str, Any]:
+        """What a checkpoint keeps of the privacy state: the accountant's history and the
+        public parameters; no generator state, no seed."""
+        return {
+            "accountant": "rc_prv",
+            "history": [list(RCPRVAccountant.stored(entry)) for entry in self._dp_history()],
+            "delta": self.privacy.delta,
+            "epsilon": self.get_epsilon(),
+            "noise_multiplier": self._dp_sigma,
+            "sample_rate": self.sample_rate if self.train_dataset is not None or self.privacy.sample_rate else None,
+            "expected_batch_size": self.expected_batch_size,
+            "privacy": dataclasses.asdict(self.privacy),
+        }
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if output_dir is None or not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, DP_STATE_NAME), "w") as f:
+            json.dump(self.privacy_state(), f, indent=1)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        history = resumed_history(checkpoint)
+        self._dp_resumed_history = history
+        if self._dp_engine is not None:
+            self._dp_engine.accountant.history = list(history)
+
+
+class DPTrainer(DPTrainerMixin, Trainer):
+    """:class:`transformers.Trainer` trained with DP-SGD (see the module documentation);
+    the privacy options come as ``privacy=PrivacyArguments(...)``."""
+
+
+_PRIVATE_CLASSES: Dict[type, type] = {Trainer: DPTrainer}
+
+
+def private_trainer(trainer_class: Type[Trainer]) -> Type[Trainer]:
+    """A private subclass of ``trainer_class`` (a ``transformers.Trainer`` subclass, e.g.
+    TRL's ``SFTTrainer``): ``private_trainer(SFTTrainer)(..., privacy=PrivacyArguments(...))``.
+
+    In training, the class's ``compute_loss`` is replaced by per-example losses computed
+    through the model's forward (TRL's fused LM head, which reads ``lm_head.weight``
+    outside the module, is not used in training; evaluation keeps the class's own loss).
+    A class with any other custom ``compute_loss`` is refused at construction (override
+    ``per_example_loss`` instead).
+    """
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise ValueError(f"trainer_class={trainer_class!r} is invalid; accepted values: a transformers.Trainer subclass")
+    if issubclass(trainer_class, DPTrainerMixin):
+        return trainer_class
+    if trainer_class not in _PRIVATE_CLASSES:
+        _PRIVATE_CLASSES[trainer_class] = type(
+            f"DP{trainer_class.__name__}",
+            (DPTrainerMixin, trainer_class),
+            {"__module__": __name__, "_REPLACEABLE_COMPUTE_LOSS": replaceable_compute_loss(),
+             "__doc__": f"Private {trainer_class.__name__} (opacus_rc.hf.private_trainer)."},
+        )
+    return _PRIVATE_CLASSES[trainer_class]
+
+
+__all__ = ["DPTrainer", "DPTrainerMixin", "private_trainer", "PRIVATE_LOG_KEYS", "LOSS_LOG_KEYS"]
