@@ -144,7 +144,9 @@ LEGEND = (
     "'caught (control)' = a deliberately broken variant (biased estimate, data-dependent "
     "sketch, Opacus's dataset-size normaliser, the unchecked fused head) was flagged, as the audit must; a real "
     "violation would read 'VIOLATION' on a variant that is not a control, and "
-    "'MISSED (control)' would mean the audit failed to flag a broken one"
+    "'MISSED (control)' means the audit failed to flag a broken one: expected only where the "
+    "control's exact epsilon is barely above the accounted one (Hutch++ k=4 biased_low at the "
+    "--quick size: too few trials); run the full size (no --quick) to flag it"
 )
 
 
