@@ -200,3 +200,50 @@ def test_private_trainer_accumulation_draws_fresh_sketches(form, tmp_path, monke
         )
         trainer.train()
     recorder.assert_fresh(min_batches=4)
+
+
+def _ddp_fresh_sketch_worker(rank, init_file, out_dir):
+    """One rank of a DPDDP run: two logical steps of 12 examples per rank, physical
+    batches of 4 (BatchMemoryManager), every trainable layer in a reentrant region."""
+    import os
+
+    import torch.distributed as dist
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = FrozenEdges("reentrant")
+    patch = pytest.MonkeyPatch()
+    recorder = SketchRecorder(patch, model)
+    data = batches(2, 12, seed=rank)  # each rank its own examples
+    engine, module, opt, criterion, loader = make_private(DPDDP(model), "two_pass", data, batch_size=12)
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=opt) as physical:
+        for x, y in physical:
+            criterion(module(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    patch.undo()
+    torch.save({"records": recorder.records, "history": engine.accountant.state_dict()["history"]},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ddp_batch_memory_manager_draws_fresh_sketches_on_every_rank(monkeypatch):
+    """2 gloo ranks: on each rank no two examples of any physical batch share a sketch,
+    and the ranks' per-example sketches differ from each other's (independent examples)."""
+    from .spawn import spawn
+
+    ranks = spawn(_ddp_fresh_sketch_worker, 2)
+    for r in ranks:
+        recorder = SketchRecorder.__new__(SketchRecorder)
+        recorder.records = r["records"]
+        recorder.assert_fresh(min_batches=6)
+        assert sum(e[2] for e in r["history"]) == 2
+    both = SketchRecorder.__new__(SketchRecorder)
+    # the layers' ids differ between the processes: compare by (order of first use, shape)
+    keys = [sorted({k for _, k, _ in r["records"]}, key=str) for r in ranks]
+    both.records = [
+        (10 * rank + b, (keys[rank].index(k), k[1:]), s)
+        for rank, r in enumerate(ranks) for b, k, s in r["records"]
+    ]
+    both.assert_fresh(min_batches=12)
