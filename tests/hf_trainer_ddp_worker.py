@@ -12,10 +12,34 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_hf_trainer as t  # noqa: E402
 
 
+def refused_last_step(out: str) -> None:
+    """Both ranks: adamw_torch_fused, every per-example loss NaN at the last of 2 steps
+    (tests/test_hf_privacy_paths.py's one-process test, under DDP): train() must raise."""
+    import pathlib
+
+    import test_hf_privacy_paths as h
+
+    trainer = h.nan_at_step(1)(
+        model=h.tiny("llama"), args=h.args(pathlib.Path(out), optim="adamw_torch_fused", max_steps=2,
+                                           learning_rate=1e-2, per_device_train_batch_size=2),
+        train_dataset=h.Rows(), privacy=h.privacy(sample_rate=0.5),
+    )
+    try:
+        trainer.train()
+        raised = ""
+    except FloatingPointError as error:
+        raised = str(error)
+    torch.save({"raised": raised, "global_step": trainer.state.global_step},
+               os.path.join(out, f"rank{os.environ['RANK']}.pt"))
+    torch.distributed.destroy_process_group()
+
+
 def main(out: str, sigma: float, clipping: str) -> None:
     import pathlib
 
     torch.set_num_threads(1)
+    if clipping == "refused_last_step":
+        return refused_last_step(out)
     model = t.tiny_llama(seed=int(os.environ["RANK"]))  # different on purpose: rank 0's is broadcast
     trainer = t.recording(t.DPTrainer)(
         model=model,

@@ -198,6 +198,17 @@ def test_a_refused_step_with_a_fused_optimizer_raises_from_train(tmp_path, last)
     assert not (tmp_path / "out" / f"checkpoint-{refused + 1}").exists()  # the unchanged model is not saved
 
 
+def test_two_gloo_ranks_a_refused_last_step_raises_on_every_rank(tmp_path):
+    """The fused-optimizer refusal of the last step under torchrun --nproc_per_node 2: every
+    rank's train() raises, neither counts the refused step."""
+    from .test_hf_trainer import run_two_ranks
+
+    ranks = run_two_ranks(tmp_path, 0.0, clipping="refused_last_step")
+    for r in ranks:
+        assert "non-finite" in r["raised"], r
+        assert r["global_step"] == 1
+
+
 @pytest.mark.parametrize("optim", ["adamw_torch_fused", "sgd"])
 def test_a_non_finite_step_with_flat_clipping_is_refused(tmp_path, optim):
     """Opacus's flat optimizer has no non-finite check: a NaN loss made the parameters NaN,
