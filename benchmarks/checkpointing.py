@@ -1,7 +1,7 @@
 """Peak memory of one DP step with activation checkpointing, against the context length T.
 
     python -m benchmarks.checkpointing                 # small default: meta device, T = 1K, 2K, 4K (seconds)
-    python -m benchmarks.checkpointing --full --json docs/checkpointing.json --plot docs/checkpointing.png
+    python -m benchmarks.checkpointing --full --json docs/results/checkpointing.json --plot docs/checkpointing.png
     python -m benchmarks.checkpointing --cpu-seq-lens 4096,8192 --cpu-only --json cpu.json   # real CPU run
 
 Model: a Llama-style ``LlamaForCausalLM`` (:class:`~examples.models.llama.LlamaLM`: RMSNorm,

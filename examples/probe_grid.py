@@ -9,8 +9,8 @@ head learning rate, batch size and number of epochs let DP leave the majority cl
 windows, and how far each epsilon can get. The chosen point is then confirmed on the real arms
 (``docs/utility.md``).
 
-    python examples/probe_grid.py --threads 1 --out docs/utility_probe_grid.json   # ~11 min on 1 core
-    python examples/probe_grid.py --report docs/utility_probe_grid.json  # the table only
+    python examples/probe_grid.py --threads 1 --out docs/results/utility_probe_grid.json   # ~11 min on 1 core
+    python examples/probe_grid.py --report docs/results/utility_probe_grid.json  # the table only
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Data (examples/text_data.py, offline packages, scripts/install_data.sh): SMS spa
 and the 2012 convention speeches cut into 512-token windows (split by speech; the privacy unit is
 a window).
 
-    python examples/utility_study.py --out docs/utility_results.json              # the full grid
+    python examples/utility_study.py --out docs/results/utility_results.json              # the full grid
     python examples/utility_study.py --datasets sms --eps 3 --seeds 0 --out r.json # a subset
     SMALL=1 python examples/utility_study.py                                      # CI size, ~1-2 min
 """
