@@ -343,13 +343,20 @@ def run_audit(
     after exactly one step (q = 1, this sigma and sketch configuration).
     """
     start = time.perf_counter()
-    exp = build_experiment(config)
-    scores, included, _, eps_accounted, test = run_trials(
+    fields, _ = one_step_trials(config, build_experiment(config), progress, start)
+    return AuditResult(**fields)
+
+
+def one_step_trials(config: "AuditConfig", exp: "_Experiment", progress: Optional[Callable[[int], None]], start: float):
+    """The threshold test over ``config.steps`` one-step releases of ``exp``, each charged
+    one step at q = 1: the result's fields and the accountant's history."""
+    scores, included, history, eps_accounted, test = run_trials(
         config, exp, lambda include, _rng: _released(exp, [_batch(exp, include)]), _check_one_step, progress
     )
-    return AuditResult(
+    fields = dict(
         **result_fields(config, test, eps_accounted, int(scores.size)),
         sketching=config.sketching,
         mean_score_in=float(scores[included].mean() * config.sigma),
         seconds=time.perf_counter() - start,
     )
+    return fields, history

@@ -84,7 +84,7 @@ from ..config import ESTIMATORS, SKETCHINGS
 from .checks import check_choices, check_fields, check_ints
 from .experiment import (
     AuditConfig, AuditResult, InnerProductLoss, _batch, _data, _Experiment, _released, accounted_epsilon,
-    build_experiment, result_fields, run_trials,
+    build_experiment, one_step_trials, result_fields, run_trials,
 )
 from .reference import accumulation_exact_epsilon, composed_sum_epsilon
 
@@ -364,17 +364,24 @@ class _ReentrantRegion(nn.Module):
         return checkpoint(self.layer, x.detach().requires_grad_(True), use_reentrant=True)
 
 
+def _audit_layer(config: PathAuditConfig):
+    """The audit's bias-free layer (d -> p), its background and canary data (seeded by
+    ``config.seed``) and a loader of one background batch: ``(base, layer, background,
+    canaries, loader)``."""
+    base = config.base
+    d, p, _ = base.shapes
+    background, canaries = _data(base, torch.Generator().manual_seed(config.seed))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*background), batch_size=config.background)
+    return base, nn.Linear(d, p, bias=False), background, canaries, loader
+
+
 def build_reentrant_split(config: PathAuditConfig) -> _Experiment:
     """``make_private(..., grad_sample_mode="ghost", sketching="per_example")`` on the audit's
     layer inside a reentrant checkpoint region (the audit's data; :func:`split_step` makes
     the canaries' companions)."""
     from .experiment import make_private_rc
 
-    base = config.base
-    d, p, _ = base.shapes
-    layer = nn.Linear(d, p, bias=False)
-    background, canaries = _data(base, torch.Generator().manual_seed(config.seed))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*background), batch_size=config.background)
+    base, layer, background, canaries, loader = _audit_layer(config)
     engine, model, optimizer, criterion, _ = make_private_rc(
         base, _ReentrantRegion(layer), loader, "sum", config.seed,
         poisson_sampling=False, grad_sample_mode="ghost", sketching="per_example", exact_when_cheaper=False,
@@ -507,11 +514,7 @@ def build_fused_head(config: PathAuditConfig) -> _Experiment:
     optimizer's clipped-pass check off."""
     from .experiment import make_private_rc
 
-    base = config.base
-    d, p, _ = base.shapes
-    layer = nn.Linear(d, p, bias=False)
-    background, canaries = _data(base, torch.Generator().manual_seed(config.seed))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*background), batch_size=config.background)
+    base, layer, background, canaries, loader = _audit_layer(config)
     engine, model, optimizer, _, _ = make_private_rc(
         base, _CheckpointedHead(layer), loader, "sum", config.seed, poisson_sampling=False,
         grad_sample_mode="hooks", sketching=config.sketching, exact_when_cheaper=False,
@@ -561,17 +564,5 @@ def run_fused_head_audit(
             )
         exp = build_fused_head(config)  # the step was taken: audit it (a fresh accountant)
 
-    def check(history) -> None:
-        if len(history) != 1 or history[0][1] != 1.0 or history[0][2] != 1:
-            raise RuntimeError(f"expected one accounted step at q=1, got {history}")
-
-    scores, included, history, eps_accounted, test = run_trials(
-        config, exp, lambda include, _rng: _released(exp, [_batch(exp, include)]), check, progress
-    )
-    return FusedHeadAuditResult(
-        **result_fields(config, test, eps_accounted, int(scores.size)),
-        sketching=config.sketching,
-        mean_score_in=float(scores[included].mean() * config.sigma),
-        seconds=time.perf_counter() - start,
-        history=history,
-    )
+    fields, history = one_step_trials(config, exp, progress, start)
+    return FusedHeadAuditResult(**fields, history=history)
