@@ -96,7 +96,7 @@ def test_virtual_steps_over_independent_batches_are_charged_as_accumulation(mode
     virtual, charged = updates_and_history(mode, "virtual")
     accumulated, reference = updates_and_history(mode, "accumulate")
     assert charged == reference
-    assert charged[0][-1]["micro_batches"] == 4
+    assert charged[0][-1].micro_batches == 4
     for name, grad in accumulated.items():
         torch.testing.assert_close(virtual[name], grad, msg=name)
 
