@@ -26,7 +26,7 @@ from opacus.optimizers.optimizer import (
 from torch.optim import Optimizer
 
 from .config import SketchConfig
-from .finite import NonFiniteGuard, failed_kinds
+from .finite import OUTSIDE_USE, NonFiniteGuard, failed_kinds
 from .sketch import NOISE_STREAM, DeviceStreams, check_seed
 
 
@@ -148,6 +148,7 @@ class RandomizedClippingMixin:
         self._grad_sample_module: Optional[Callable[[], Any]] = None  # weak: see bind_module()
         self._parameter_names: Dict[int, str] = {}
         self._norm_pass_module: Any = None  # set by the criterion's backward during its norm pass
+        self._outside_flags: List[Any] = []  # (parameters, device flags) of the step's norm passes
 
     @property
     def accumulated_iterations(self) -> int:
@@ -305,6 +306,9 @@ class RandomizedClippingMixin:
             if p.requires_grad and id(p) not in elsewhere and p.grad is not None
             and not _marked(self._clipped_marks.get(id(p)), p.grad)
         ]
+        if unclipped:
+            self._norm_pass_module = None
+            self._refuse_unclipped(unclipped, False, module, outside=True)
         checked, excess = [], []
         for p in self.params:
             noted = getattr(p, "_in_module_grad", None)
@@ -316,12 +320,30 @@ class RandomizedClippingMixin:
                     norms = norms / max(1, norms.shape[0])  # p.grad is of the mean loss
                 excess.append(in_module_excess(p.grad, *noted, norms))
         if excess:
+            # decided on the device with the step's non-finite checks (no host
+            # synchronisation here): refused by step() before anything is released
             excess = torch.stack([e.to(excess[0].device) for e in excess])
-            if bool(excess.any()):  # the check's one host synchronisation
-                unclipped += [p for p, e in zip(checked, excess.tolist()) if e]
-        if unclipped:
-            self._norm_pass_module = None
-            self._refuse_unclipped(unclipped, False, module, outside=True)
+            self._outside_flags.append((checked, excess))
+            self.note_finite(OUTSIDE_USE, torch.where(excess, float("inf"), 0.0))
+
+    def _outside_use_error(self) -> ValueError:
+        """The refusal of a step one of whose norm passes found a parameter's gradient that
+        did not all come from its modules' forward (reads the device flags: a refusal path)."""
+        outside = []
+        for params, flags in self._outside_flags:
+            outside += [p for p, e in zip(params, flags.tolist()) if e and p not in outside]
+        self._outside_flags = []
+        what = "the gradient of " + (
+            ", ".join(self.describe_parameter(p) for p in outside) if outside else "a parameter (on another rank)"
+        )
+        return ValueError(
+            f"optimizer.step() refused: {what} did not come through the clipped pass of this step "
+            "(it was used outside its module's forward as well as inside it, e.g. "
+            "h @ model.emb.weight.T or F.layer_norm(h, ..., weight=model.norm.weight) beside the "
+            "layer itself: the per-example norms miss that use). Use the parameter only through "
+            "its module, or freeze it. Nothing was released or charged; call "
+            "optimizer.zero_grad() before the next step"
+        )
 
     def _refuse_unclipped(self, unclipped: List[torch.Tensor], pending: bool, module: Any, outside: bool = False) -> None:
         if unclipped:
@@ -344,6 +366,13 @@ class RandomizedClippingMixin:
 
     def _raise_deferred_refusal(self, wait: bool) -> None:
         refused = self._nonfinite_guard.arrived_refusal(wait=wait)
+        if refused is not None and OUTSIDE_USE in refused:
+            raise ValueError(
+                "an earlier step was refused on the device: the gradient of a parameter did not "
+                "come through the clipped pass (it was used outside its module's forward as well "
+                "as inside it; parameters and optimizer state were not updated by it; the privacy "
+                "accountant counted it). A refusal must end the run"
+            )
         if refused is not None:
             raise FloatingPointError(
                 f"an earlier step met a non-finite {refused}: it was refused on the device "
@@ -378,6 +407,9 @@ class RandomizedClippingMixin:
             guard.defer(ok, flags)
             return
         if not bool(ok):  # the step's one host synchronisation
+            if OUTSIDE_USE in flags and not bool(flags[OUTSIDE_USE]):
+                raise self._outside_use_error()
+            self._outside_flags = []
             raise FloatingPointError(
                 f"non-finite {failed_kinds(flags)} in this batch: the step is refused "
                 "before noise is added; parameters and the privacy accountant are "
@@ -389,6 +421,7 @@ class RandomizedClippingMixin:
             return super().step(closure)
         finally:  # a device-side refusal flag is for this step only
             self.original_optimizer.__dict__.pop("found_inf", None)
+            self._outside_flags = []
             self._forget_per_example_values()
 
     def forget_after_step(self, holder: Any) -> None:

@@ -373,6 +373,27 @@ def test_ddp_ghost_with_a_plain_backward_is_refused_on_every_rank():
 # norm pass's p.grad is checked against the hooks' in-module batch sum.
 
 
+def test_fused_optimizer_refuses_an_outside_use_on_the_device():
+    """Fused SGD: the outside use is refused on the device (no host synchronisation: the
+    update is skipped, parameters unchanged, the step counted), raised at the next step."""
+    model = OutsideUse("layernorm")
+    engine = PrivacyEngine(accountant="rc_prv")
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*classification_data()), batch_size=B)
+    module, optimizer, criterion, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR, fused=True), data_loader=loader,
+        noise_multiplier=0.0, max_grad_norm=C, clipping="randomized", grad_sample_mode="ghost",
+        poisson_sampling=False, criterion=nn.CrossEntropyLoss(), sketch_size=32,
+    )
+    before = copy.deepcopy(model.state_dict())
+    x, y = classification_data()
+    criterion(module(x), y).backward()
+    optimizer.step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    optimizer.zero_grad()
+    with pytest.raises(ValueError, match="outside its module's forward"):
+        optimizer.check_refused_steps()
+
+
 class OutsideUse(nn.Module):
     """Embedding -> Linear + tanh -> LayerNorm -> Linear, mean-pooled; ``outside`` adds a x100
     term reading one layer's parameters outside its module (``detach=True``: the same values
@@ -416,18 +437,13 @@ def classification_data():
 def test_ghost_criterion_with_a_parameter_also_used_outside_its_module_is_refused(outside, prefix, named, trainable):
     """``loss = criterion(model(x), y)`` whose forward also reads a non-linear parameter
     outside its module: p.grad after the norm pass differs from the hooks' in-module sum,
-    refused in the backward (before the clipped pass), naming it (main: DID NOT RAISE)."""
+    refused by the step (decided on the device with the step's non-finite checks, no host
+    synchronisation of its own), naming it, nothing released or charged (main: DID NOT RAISE)."""
     model = OutsideUse(outside, trainable=prefix if trainable == "layer" else "")
     engine, (module, optimizer, criterion, _) = private(model, "ghost")
     x, y = classification_data()
-    before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match=f"{named}.*outside its module"):
-        criterion(module(x), y).backward()
-    with pytest.raises(ValueError, match="no clipped pass ran"):  # nothing left to release
-        optimizer.step()
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    assert engine.accountant.history == []
-    assert_no_per_example_values(model, module)
+    criterion(module(x), y).backward()  # decided on the device, with the non-finite checks
+    assert_refused(engine, model, module, optimizer, match=f"{named}.*outside its module")
     assert all(getattr(p, "_in_module_grad", None) is None for p in model.parameters())
 
 
@@ -444,15 +460,14 @@ class CheckpointedOutsideUse(OutsideUse):
 
 @pytest.mark.parametrize("outside, prefix, named", OUTSIDE, ids=[o[0] for o in OUTSIDE])
 def test_output_passes_with_a_parameter_also_used_outside_its_module_is_refused(outside, prefix, named):
-    """The same in the output-passes form (the inner norm pass is the criterion's): refused in
-    the backward, nothing released or charged (main: DID NOT RAISE)."""
+    """The same in the output-passes form (the inner norm pass is the criterion's): refused by
+    the step, nothing released or charged (main: DID NOT RAISE)."""
     model = CheckpointedOutsideUse(outside)
     engine, (module, optimizer, _) = private(model, "hooks")
     assert getattr(module, "output_passes", None) is not None
     x, y = classification_data()
-    with pytest.raises(ValueError, match=f"{named}.*outside its module"):
-        F.cross_entropy(module(x), y).backward()
-    assert_refused(engine, model, module, optimizer, match="no clipped pass ran|did not come through")
+    F.cross_entropy(module(x), y).backward()
+    assert_refused(engine, model, module, optimizer, match=f"{named}.*outside its module")
 
 
 @pytest.mark.parametrize("outside, prefix, named", OUTSIDE, ids=[o[0] for o in OUTSIDE])
