@@ -24,8 +24,11 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-#: What the flags watch, in the order a refusal names them.
-KINDS = ("per-sample loss", "per-sample gradient norm", "clipped gradient")
+#: What the flags watch, in the order a refusal names them. The last is not a finiteness
+#: check: the norm pass's in-module gradient check (a parameter used outside its module's
+#: forward), decided with the others, refused as a ValueError.
+OUTSIDE_USE = "in-module gradient"
+KINDS = ("per-sample loss", "per-sample gradient norm", "clipped gradient", OUTSIDE_USE)
 
 
 def all_finite(tensors: Iterable[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:

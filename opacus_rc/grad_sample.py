@@ -221,12 +221,18 @@ class SketchingMixin(_SketcherOwner):
     sketcher (Opacus's hooks look up ``self.NORM_SAMPLERS``)."""
 
     _opacus_options = {"use_ghost_clipping": True}
+    #: the norm pass's in-module gradient sums are noted and checked (not under FSDP2, whose
+    #: reduce-scatter leaves only a shard of the ranks' average in p.grad)
+    _notes_in_module_grads = True
 
     def _setup(self) -> None:
         register_model_layers(self._module)
         self.NORM_SAMPLERS = {
             cls: functools.partial(self._scaled_norms, fn) for cls, fn in RANDOMIZED_NORM_SAMPLERS.items()
         }
+        # Opacus's per-sample gradients of the other layers (hooks or functorch): their batch
+        # sum is noted too (:meth:`note_in_module_grad`)
+        self.GRAD_SAMPLERS = _SummingGradSamplers(self, type(self).GRAD_SAMPLERS)
         self._unscaled_backprops = False
         # The first backward pass only needs output gradients: linear layers compute
         # their weight gradients in the second (clipped) pass only, when hooks are off.
@@ -263,9 +269,39 @@ class SketchingMixin(_SketcherOwner):
 
     def forget_per_example_values(self) -> None:
         """Drop the per-example norms kept on the parameters (they would reach
-        ``torch.save(model)``)."""
+        ``torch.save(model)``), and the norm pass's in-module gradient sums."""
         for p in self.trainable_parameters:
             p._norm_sample = p._tied_sketch_sum = None
+            p._in_module_grad = None
+
+    # --- the in-module gradient of the norm pass (see RandomizedClippingMixin._check_norm_pass)
+
+    def note_in_module_grad(self, param: nn.Parameter, grad_sum: torch.Tensor, dtype: torch.dtype) -> None:
+        """One use of ``param`` inside its module in the norm pass contributed ``grad_sum``
+        (the batch sum of its per-example gradients, in units of ``p.grad``) to the
+        gradient autograd accumulates; ``dtype``: that of the output gradient it came
+        from (the check's tolerance). Kept as the pass's running sum, one
+        parameter-sized tensor, until the check after the norm pass."""
+        if not (self._notes_in_module_grads and self.hooks_enabled and param.requires_grad):
+            return
+        total = getattr(param, "_in_module_grad", None)
+        grad_sum = grad_sum.detach().float()
+        if total is None:
+            param._in_module_grad = (grad_sum, dtype)
+        else:
+            low = dtype if torch.finfo(dtype).eps > torch.finfo(total[1]).eps else total[1]
+            param._in_module_grad = (total[0].add_(grad_sum), low)
+
+    def _backprops_scale(self, module: nn.Module) -> float:
+        """The factor turning a batch sum of the (rearranged) per-example gradients into
+        ``p.grad``'s units: Opacus scales the output gradients by n under "mean"."""
+        n = module.max_batch_len
+        return 1.0 / n if self.loss_reduction == "mean" and n > 0 else 1.0  # (an empty batch: zeros)
+
+    def _note_embedding_use(self, module: nn.Module, activations, backprops: torch.Tensor, scale: float) -> None:
+        if module.weight.requires_grad:
+            grad = embedding_grad_sum(activations[0], backprops, module.num_embeddings, module.padding_idx)
+            self.note_in_module_grad(module.weight, grad.mul_(scale) if scale != 1.0 else grad, backprops.dtype)
 
     def _check_norm_samples(self) -> None:
         """Every trainable parameter has this pass's per-sample norms, over the batch, and
@@ -328,6 +364,8 @@ class SketchingMixin(_SketcherOwner):
 
     def _scaled_norms(self, norm_sampler, module, activations, backprops):
         norms = norm_sampler(module, activations, backprops, self.sketcher)
+        if self._get_module_type(module) is nn.Embedding:  # (backprops unscaled here)
+            self._note_embedding_use(module, activations, backprops, 1.0)
         if self.loss_reduction == "mean":
             norms = {p: n * module.max_batch_len for p, n in norms.items()}
         return norms
@@ -365,6 +403,8 @@ class SketchingMixin(_SketcherOwner):
         )
         for param, contribution in projection(module, activations, backprops, self.sketcher).items():
             self._add_tied_use(module, param, contribution)
+        if layer is nn.Embedding:  # (backprops scaled by n under "mean")
+            self._note_embedding_use(module, activations, backprops, self._backprops_scale(module))
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len
 
@@ -378,6 +418,47 @@ class SketchingMixin(_SketcherOwner):
         if slot._forward_counter == 0:
             slot._norm_sample = slot._tied_sketch_sum.flatten(start_dim=1).norm(2, dim=1)
             slot._tied_sketch_sum = None
+
+
+def embedding_grad_sum(ids: torch.Tensor, g: torch.Tensor, rows: int, padding_idx: Optional[int]) -> torch.Tensor:
+    """The batch gradient of an embedding weight, ``sum_i onehot(ids_i)^T G_i`` (rows x d,
+    float32): one ``index_add`` of the output gradients at the ids (padding row zero, as
+    autograd's embedding backward leaves it)."""
+    g = g.reshape(-1, g.shape[-1])
+    out = torch.zeros(rows, g.shape[-1], dtype=torch.float32, device=g.device)
+    out.index_add_(0, ids.reshape(-1), g.float())
+    if padding_idx is not None:
+        out[padding_idx] = 0
+    return out
+
+
+class _SummingGradSamplers(dict):
+    """Opacus's grad samplers (``GRAD_SAMPLERS``, looked up by the layer's type; a type
+    without one, functorch's ``ft_compute_per_sample_gradient``) whose per-sample gradients'
+    batch sum is handed to ``owner.note_in_module_grad`` during the norm pass: one
+    reduction of the per-sample gradients Opacus computes anyway."""
+
+    def __init__(self, owner: Any, samplers: Dict[Any, Callable]) -> None:
+        super().__init__(samplers)
+        self._owner = owner
+
+    def __contains__(self, layer: Any) -> bool:  # every type: functorch's too
+        return True
+
+    def __getitem__(self, layer: Any) -> Callable:
+        from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+
+        fn = dict.get(self, layer, ft_compute_per_sample_gradient)
+        return functools.partial(self._summed, fn)
+
+    def _summed(self, fn: Callable, module: nn.Module, activations: Any, backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
+        grad_samples = fn(module, activations, backprops)
+        owner = self._owner
+        scale = owner._backprops_scale(module)
+        for param, gs in grad_samples.items():
+            total = gs.sum(dim=0)
+            owner.note_in_module_grad(param, total.mul_(scale) if scale != 1.0 else total, backprops.dtype)
+        return grad_samples
 
 
 class GradSampleHooksRandomizedClipping(

@@ -33,11 +33,18 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
             check(before_pass=True)
         mark = getattr(optimizer, "mark_clipped", lambda: None)
         # Clipped sums of earlier micro-batches of this step (Opacus zeroes p.grad
-        # between the two passes); nothing to keep on a step's first pass.
+        # between the two passes); nothing to keep on a step's first pass. Set aside, not
+        # copied: the norm pass starts from no gradient where p.grad is a clipped sum (or
+        # zero_grad's zeros), so what it leaves in p.grad is its own, checked against the
+        # hooks' in-module sums (RandomizedClippingMixin._check_norm_pass).
         earlier = [
-            None if p.grad is None or optimizer.backward_passes == 0 else p.grad.detach().clone()
+            None if p.grad is None or optimizer.backward_passes == 0 else p.grad.detach()
             for p in optimizer.params
         ]
+        clipped = getattr(optimizer, "is_marked_clipped", lambda p: False)
+        for p in optimizer.params:
+            if p.grad is not None and clipped(p):  # (an unclipped one stays: the norm pass refuses it)
+                p.grad = None
         if hasattr(optimizer, "_norm_pass_module"):
             optimizer._norm_pass_module = self.module  # its zero_grad between the passes checks the norm pass
         try:

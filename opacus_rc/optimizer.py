@@ -26,7 +26,7 @@ from opacus.optimizers.optimizer import (
 from torch.optim import Optimizer
 
 from .config import SketchConfig
-from .finite import NonFiniteGuard, failed_kinds
+from .finite import OUTSIDE_USE, NonFiniteGuard, failed_kinds
 from .sketch import NOISE_STREAM, DeviceStreams, check_seed
 
 
@@ -76,6 +76,31 @@ def unclipped_gradient_error(what: str, clipped_pass_ran: bool, output_passes: b
     )
 
 
+#: Relative tolerance of the norm pass's in-module gradient check, by the dtype of the output
+#: gradients it came from: float32 summation-order differences over up to ~10^6 terms
+#: (B x T) stay below 1e-4 of the scale; half-precision output gradients are rounded once
+#: more by autograd's own layer backward.
+IN_MODULE_RTOL = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def in_module_excess(
+    grad: Optional[torch.Tensor], expected: torch.Tensor, dtype: torch.dtype, per_example: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """Whether autograd's gradient ``grad`` of a parameter (after the norm pass) differs from
+    ``expected``, the batch sum of its in-module gradients (float32), by more than float
+    rounding: ``||grad - expected|| > rtol S`` (:data:`IN_MODULE_RTOL`), with the scale
+    ``S = ||expected|| + ||grad|| + sum_i ||g_i||`` (``per_example``: the examples' norms
+    ``||g_i||`` in ``p.grad``'s units; the batch sum can cancel far below them while the
+    rounding of its terms does not), as a 0-dim bool tensor on the device (no host
+    synchronisation)."""
+    got = torch.zeros_like(expected) if grad is None else grad.detach().float().view_as(expected)
+    rtol = IN_MODULE_RTOL.get(dtype, 2e-2)
+    scale = expected.norm() + got.norm()
+    if per_example is not None:
+        scale = scale + per_example.detach().float().sum().to(scale.device)
+    return (got - expected).norm() > rtol * scale
+
+
 class RandomizedClippingMixin:
     """Adds the sketch parameters an accountant needs to an Opacus optimizer:
     ``sketch_config`` and its ``estimator``, ``sketch_size``, ``sketching``.
@@ -123,6 +148,7 @@ class RandomizedClippingMixin:
         self._grad_sample_module: Optional[Callable[[], Any]] = None  # weak: see bind_module()
         self._parameter_names: Dict[int, str] = {}
         self._norm_pass_module: Any = None  # set by the criterion's backward during its norm pass
+        self._outside_flags: List[Any] = []  # (parameters, device flags) of the step's norm passes
 
     @property
     def accumulated_iterations(self) -> int:
@@ -225,6 +251,10 @@ class RandomizedClippingMixin:
             if p.grad is not None:
                 self._clipped_marks[id(p)] = _grad_mark(p.grad)
 
+    def is_marked_clipped(self, p: torch.Tensor) -> bool:
+        """``p.grad`` is what the last clipped pass (or ``zero_grad``) left, unmodified."""
+        return p.grad is not None and _marked(self._clipped_marks.get(id(p)), p.grad)
+
     def zero_contribution(self, p: torch.Tensor) -> None:
         """``p``'s contribution is exact zeros (a parameter the batch did not use, an
         empty batch): ``p.grad`` zeros, accepted as clipped."""
@@ -250,18 +280,25 @@ class RandomizedClippingMixin:
             self._refuse_unclipped(unclipped, pending or nothing, module)
 
     def _check_norm_pass(self, module: Any) -> None:
-        """After the criterion's norm pass: the linear layers of ``module`` compute no
-        parameter gradient in it (:meth:`~opacus_rc.grad_sample.SketchingMixin._defer_weight_grads`),
-        so a changed ``p.grad`` of theirs came from a use outside the module's forward (e.g.
-        ``loss = criterion(model(x), y) + f(F.linear(h, lm_head.weight))``), which the norms
-        miss and the clipped pass would release: refused."""
+        """After the criterion's norm pass, refuse (before the clipped pass) a parameter whose
+        gradient in it did not all come from its modules' forward, which the norms miss
+        and the clipped pass would release (e.g. ``loss = criterion(model(x), y) +
+        f(F.linear(h, lm_head.weight))``, or ``h @ emb.weight.T`` beside the embedding):
+
+        * the linear layers of ``module`` compute no parameter gradient in it
+          (:meth:`~opacus_rc.grad_sample.SketchingMixin._defer_weight_grads`), so a
+          gradient of theirs came from a use outside the module's forward;
+        * every other parameter whose hooks computed its per-example gradients (an
+          embedding, Opacus's grad samplers: LayerNorm, RMSNorm, biases, ...) has the
+          batch sum of its in-module gradients noted by them
+          (:meth:`~opacus_rc.grad_sample.SketchingMixin.note_in_module_grad`): ``p.grad``
+          must equal it, up to float rounding (:func:`in_module_excess`)."""
         patched = getattr(module, "_patched", ())
-        if not patched:
-            return
         ids = {id(m) for m in patched}
+        inner = getattr(module, "_module", module)
         # a weight tied to another layer (an embedding) legitimately gets its gradient there
         elsewhere = {
-            id(p) for m in getattr(module, "_module", module).modules() if id(m) not in ids
+            id(p) for m in inner.modules() if id(m) not in ids
             for p in m.parameters(recurse=False)
         }
         unclipped = [
@@ -272,6 +309,41 @@ class RandomizedClippingMixin:
         if unclipped:
             self._norm_pass_module = None
             self._refuse_unclipped(unclipped, False, module, outside=True)
+        checked, excess = [], []
+        for p in self.params:
+            noted = getattr(p, "_in_module_grad", None)
+            p._in_module_grad = None
+            if noted is not None:
+                checked.append(p)
+                norms = getattr(p, "_norm_sample", None)  # the pass's per-example norms
+                if norms is not None and getattr(self, "loss_reduction", "mean") == "mean":
+                    norms = norms / max(1, norms.shape[0])  # p.grad is of the mean loss
+                excess.append(in_module_excess(p.grad, *noted, norms))
+        if excess:
+            # decided on the device with the step's non-finite checks (no host
+            # synchronisation here): refused by step() before anything is released
+            excess = torch.stack([e.to(excess[0].device) for e in excess])
+            self._outside_flags.append((checked, excess))
+            self.note_finite(OUTSIDE_USE, torch.where(excess, float("inf"), 0.0))
+
+    def _outside_use_error(self) -> ValueError:
+        """The refusal of a step one of whose norm passes found a parameter's gradient that
+        did not all come from its modules' forward (reads the device flags: a refusal path)."""
+        outside = []
+        for params, flags in self._outside_flags:
+            outside += [p for p, e in zip(params, flags.tolist()) if e and p not in outside]
+        self._outside_flags = []
+        what = "the gradient of " + (
+            ", ".join(self.describe_parameter(p) for p in outside) if outside else "a parameter (on another rank)"
+        )
+        return ValueError(
+            f"optimizer.step() refused: {what} did not come through the clipped pass of this step "
+            "(it was used outside its module's forward as well as inside it, e.g. "
+            "h @ model.emb.weight.T or F.layer_norm(h, ..., weight=model.norm.weight) beside the "
+            "layer itself: the per-example norms miss that use). Use the parameter only through "
+            "its module, or freeze it. Nothing was released or charged; call "
+            "optimizer.zero_grad() before the next step"
+        )
 
     def _refuse_unclipped(self, unclipped: List[torch.Tensor], pending: bool, module: Any, outside: bool = False) -> None:
         if unclipped:
@@ -294,6 +366,13 @@ class RandomizedClippingMixin:
 
     def _raise_deferred_refusal(self, wait: bool) -> None:
         refused = self._nonfinite_guard.arrived_refusal(wait=wait)
+        if refused is not None and OUTSIDE_USE in refused:
+            raise ValueError(
+                "an earlier step was refused on the device: the gradient of a parameter did not "
+                "come through the clipped pass (it was used outside its module's forward as well "
+                "as inside it; parameters and optimizer state were not updated by it; the privacy "
+                "accountant counted it). A refusal must end the run"
+            )
         if refused is not None:
             raise FloatingPointError(
                 f"an earlier step met a non-finite {refused}: it was refused on the device "
@@ -328,6 +407,9 @@ class RandomizedClippingMixin:
             guard.defer(ok, flags)
             return
         if not bool(ok):  # the step's one host synchronisation
+            if OUTSIDE_USE in flags and not bool(flags[OUTSIDE_USE]):
+                raise self._outside_use_error()
+            self._outside_flags = []
             raise FloatingPointError(
                 f"non-finite {failed_kinds(flags)} in this batch: the step is refused "
                 "before noise is added; parameters and the privacy accountant are "
@@ -339,6 +421,7 @@ class RandomizedClippingMixin:
             return super().step(closure)
         finally:  # a device-side refusal flag is for this step only
             self.original_optimizer.__dict__.pop("found_inf", None)
+            self._outside_flags = []
             self._forget_per_example_values()
 
     def forget_after_step(self, holder: Any) -> None:
