@@ -50,7 +50,8 @@ from torch import nn
 from .estimators import as_sequence
 from .grad_sample import _SketcherOwner
 from .norm_samplers import RANDOMIZED_NORM_SAMPLERS
-from .optimizer import RandomizedClippingMixin
+from .finite import OUTSIDE_USE
+from .optimizer import RandomizedClippingMixin, in_module_excess
 from .recompute import is_checkpointed, late_use_error, missing_per_sample_error
 
 # --- Which form a make_private call runs --------------------------------------------------
@@ -378,7 +379,53 @@ class BookkeepingClippingMixin:
                 counts.append(len(p.grad_sample))
         return max(counts)
 
+    def _note_outside_uses(self) -> None:
+        """Book-keeping releases only the sums it builds from its records and Opacus's
+        per-sample gradients, so a use of a parameter outside its modules' forward (``h @
+        emb.weight.T``, ``F.linear(h, W)`` beside the layer) would be dropped from the update:
+        a wrong update, refused instead. Autograd's ``p.grad`` must equal the in-module
+        batch sum (exactly zero for the linear layers, whose gradients book-keeping defers;
+        else up to float rounding (:func:`~opacus_rc.optimizer.in_module_excess`)); decided on the
+        device with the step's non-finite checks. Cost: one unclipped sum per parameter."""
+        module = self._bound_module()
+        deferred = {id(p) for m in getattr(module, "_patched", ()) for p in m.parameters(recurse=False)}
+        mean = getattr(self, "loss_reduction", "mean") == "mean"
+        checked, excess = [], []
+        for p in self.params:
+            records = self._records(p)
+            if p.grad is None or p.grad.is_sparse:
+                continue
+            if id(p) in deferred and not records:
+                continue  # no use of the layer in the step: the "no record" refusal applies
+            if records:
+                parts = [r.clipped(torch.ones_like(r.sq_norms)) for r in records]
+                dtype = min((x.dtype for x in parts), key=lambda t: torch.finfo(t).eps * -1)
+                parts = [x.float().view_as(p) for x in parts]
+                sizes = [r.batch_size for r in records]
+                norms = torch.cat([r.sq_norms for r in records]).float().sqrt()
+            elif isinstance(getattr(p, "grad_sample", None), (torch.Tensor, list)):
+                gs = p.grad_sample if isinstance(p.grad_sample, list) else [p.grad_sample]
+                dtype = min((g.dtype for g in gs), key=lambda t: torch.finfo(t).eps * -1)
+                parts = [g.float().sum(dim=0).view_as(p) for g in gs]
+                sizes = [g.shape[0] for g in gs]
+                norms = torch.cat([g.float().flatten(start_dim=1).norm(dim=1) for g in gs])
+            else:
+                continue
+            if mean:
+                parts = [x / max(1, n) for x, n in zip(parts, sizes)]
+                norms = norms / max(1, max(sizes))
+            checked.append(p)
+            if id(p) in deferred:  # autograd computes none of it: any entry is an outside use
+                excess.append(p.grad.detach().ne(0).any())
+            else:
+                excess.append(in_module_excess(p.grad, sum(parts), dtype, norms))
+        if excess:
+            flags = torch.stack([e.to(excess[0].device) for e in excess])
+            self._outside_flags.append((checked, flags))
+            self.note_finite(OUTSIDE_USE, torch.where(flags, float("inf"), 0.0))
+
     def clip_and_accumulate(self) -> None:
+        self._note_outside_uses()
         # counted before the records are consumed: averaging and the accountant read it
         self.backward_passes += self._passes_recorded()
         sq = torch.stack([self._per_sample_sq_norms(p).float() for p in self.params]).sum(dim=0)
