@@ -386,9 +386,14 @@ class BookkeepingClippingMixin:
         a wrong update, refused instead. Autograd's ``p.grad`` must equal the in-module
         batch sum (exactly zero for the linear layers, whose gradients book-keeping defers;
         else up to float rounding (:func:`~opacus_rc.optimizer.in_module_excess`)); decided on the
-        device with the step's non-finite checks. Cost: one unclipped sum per parameter."""
+        device with the step's non-finite checks. Cost: one unclipped sum per parameter.
+        Not compared: the non-linear parameters of a physical batch after a skipped step
+        with no ``zero_grad()`` between (``p.grad`` then also holds the earlier batch's)."""
         module = self._bound_module()
         deferred = {id(p) for m in getattr(module, "_patched", ()) for p in m.parameters(recurse=False)}
+        # p.grad of the others also holds the passes of an earlier physical batch of the step
+        # (a skipped step) unless zero_grad() came since: compared only when it did
+        fresh, self._grads_since_zero = getattr(self, "_grads_since_zero", True), False
         mean = getattr(self, "loss_reduction", "mean") == "mean"
         checked, excess = [], []
         for p in self.params:
@@ -397,6 +402,8 @@ class BookkeepingClippingMixin:
                 continue
             if id(p) in deferred and not records:
                 continue  # no use of the layer in the step: the "no record" refusal applies
+            if id(p) not in deferred and not fresh:
+                continue
             if records:
                 parts = [r.clipped(torch.ones_like(r.sq_norms)) for r in records]
                 dtype = min((x.dtype for x in parts), key=lambda t: torch.finfo(t).eps * -1)
@@ -468,6 +475,7 @@ class BookkeepingClippingMixin:
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         super().zero_grad(set_to_none)
+        self._grads_since_zero = True  # p.grad holds only the passes recorded from here
         for p in self.params:
             p._bk_records = None
 

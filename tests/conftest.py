@@ -37,6 +37,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture
+def one_blas_thread():
+    """One BLAS thread (numpy's OpenBLAS, via threadpoolctl) and one intra-op torch thread:
+    the last bits of a float reduction depend on the thread count, and the golden tests
+    compare results bit for bit (recorded with one thread)."""
+    from threadpoolctl import threadpool_limits
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with threadpool_limits(limits=1):
+        yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def one_intra_op_thread():
     """One intra-op thread for a test module of tiny-tensor loops (the audits, small SVDs), where

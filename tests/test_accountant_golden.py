@@ -19,6 +19,8 @@ import torch
 from opacus_rc.accounting import RCPRVAccountant, get_noise_multiplier_rc
 from opacus_rc.config import SketchConfig
 
+pytestmark = pytest.mark.usefixtures("one_blas_thread")  # bit-identical: one thread
+
 DELTA = 1e-5
 SHARED8 = SketchConfig(estimator="hutchinson", sketch_size=8, sketching="shared")
 PER_EX32 = SketchConfig(estimator="hutchinson", sketch_size=32, sketching="per_example")

@@ -23,6 +23,8 @@ from opacus_rc.lm_head import ChunkedLMHeadLoss
 
 from .conftest import CheckpointedSequenceClassifier, SequenceClassifier, token_task
 
+pytestmark = pytest.mark.usefixtures("one_blas_thread")  # bit-identical: one thread
+
 GOLDEN = pathlib.Path(__file__).with_name("golden.json")
 T, K = 24, 4  # T > k: every linear layer is sketched
 
