@@ -24,13 +24,16 @@ and sketch streams derived with distinct domain tags), or Opacus's ``noise_gener
 the DataLoader's ``generator=``. A reproducible run replays its randomness on resume.
 
 :func:`install` (run by ``import opacus_rc``) makes ``from opacus import PrivacyEngine``
-give this class. Opacus has no registry of engines or clipping modes, so it replaces three
-names (:data:`PATCHES`; the ``rc_prv`` accountant goes through Opacus's registry);
-:func:`uninstall` restores them.
+give this class and BatchMemoryManager's sampler declare its physical batches one Poisson
+draw. Opacus has no registry of engines or clipping modes, nor a same-draw signal, so it
+replaces four names (:data:`PATCHES`; the ``rc_prv`` accountant goes through Opacus's
+registry); :func:`uninstall` restores every one of them (:data:`ORIGINALS`).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 import logging
 import warnings
@@ -44,6 +47,7 @@ from opacus.accountants import register_accountant
 from opacus.data_loader import DPDataLoader
 from opacus.grad_sample import AbstractGradSampleModule
 from opacus.optimizers import DPOptimizer
+from opacus.utils.batch_memory_manager import BatchSplittingSampler
 from torch import nn
 from torch.utils.data import IterableDataset
 
@@ -68,7 +72,7 @@ from .bookkeeping import (
 )
 from .grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
 from .loss import DPLossRandomizedClipping
-from .optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingOptimizer
+from .optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingMixin, RandomizedClippingOptimizer
 from .options import (  # noqa: F401  (loader_batch_size, loader_rate, public_sampling: public here too)
     RANDOMIZED,
     RC_ACCOUNTANTS,
@@ -479,10 +483,47 @@ class MakePrivateCall:
 # --- install: the patches of Opacus ----------------------------------------------------
 
 
-def _build_plugin_engine(cls, *args, **kwargs):
-    """``__new__`` of Opacus's engine: ``opacus.privacy_engine.PrivacyEngine(...)`` builds
-    this module's :class:`PrivacyEngine`; subclasses of Opacus's stay what they are."""
-    return object.__new__(PrivacyEngine if cls is OpacusPrivacyEngine else cls)
+#: Opacus's own ``__init__`` of its engine and ``__iter__`` of BatchMemoryManager's sampler
+_OPACUS_INIT = OpacusPrivacyEngine.__init__
+_OPACUS_SPLITTING_ITER = BatchSplittingSampler.__iter__
+
+
+@functools.wraps(_OPACUS_INIT)
+def _init_plugin_engine(self, *args: Any, **kwargs: Any) -> None:
+    """``__init__`` of Opacus's engine: ``opacus.privacy_engine.PrivacyEngine(...)`` builds
+    this module's :class:`PrivacyEngine` (the new object becomes one before it is
+    initialised); subclasses of Opacus's, and the plugin's own ``super().__init__()``,
+    run Opacus's ``__init__``. (Not ``__new__``: CPython cannot give a class its
+    original ``__new__`` back once it was replaced, so :func:`uninstall` could not undo it.)"""
+    if type(self) is OpacusPrivacyEngine:
+        self.__class__ = PrivacyEngine
+        PrivacyEngine.__init__(self, *args, **kwargs)
+    else:
+        _OPACUS_INIT(self, *args, **kwargs)
+
+
+class _SameDrawSignals:
+    """The optimizer as a :class:`BatchSplittingSampler` signals it: every skipped step it
+    signals cuts one Poisson draw into physical batches (``same_draw=True``)."""
+
+    def __init__(self, optimizer: RandomizedClippingMixin) -> None:
+        self.optimizer = optimizer
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        self.optimizer.signal_skip_step(do_skip=do_skip, same_draw=do_skip)
+
+
+def _splitting_iter(self: BatchSplittingSampler):
+    """``BatchSplittingSampler.__iter__`` (BatchMemoryManager's physical batches): Opacus's
+    own, on a copy of the sampler whose optimizer, a plugin one, hears its skipped steps
+    as continuations of the same Poisson draw (charged as one micro-batch, see
+    :meth:`~opacus_rc.optimizer.RandomizedClippingMixin.signal_skip_step`). Opacus's
+    optimizers hear what they always did."""
+    if not isinstance(self.optimizer, RandomizedClippingMixin):
+        return _OPACUS_SPLITTING_ITER(self)
+    splitter = copy.copy(self)
+    splitter.optimizer = _SameDrawSignals(self.optimizer)
+    return _OPACUS_SPLITTING_ITER(splitter)
 
 
 #: ``(owner, name, value)``: every name of Opacus that :func:`install` replaces, and why
@@ -494,8 +535,15 @@ PATCHES = (
     (opacus.privacy_engine, "PrivacyEngine", PrivacyEngine),
     # A name bound before `import opacus_rc` (isort's order: `from opacus import
     # PrivacyEngine` above it) still builds the plugin's engine.
-    (OpacusPrivacyEngine, "__new__", staticmethod(_build_plugin_engine)),
+    (OpacusPrivacyEngine, "__init__", _init_plugin_engine),
+    # BatchMemoryManager's sampler signals its optimizer signal_skip_step(do_skip=True),
+    # with no way to say that its physical batches are one Poisson draw: it says so to the
+    # plugin's optimizers (same_draw=True), which charge them as one micro-batch.
+    (BatchSplittingSampler, "__iter__", _splitting_iter),
 )
+
+#: what each of :data:`PATCHES` replaced, as Opacus defines it (read before install)
+ORIGINALS = tuple(vars(owner)[name] for owner, name, _ in PATCHES)
 
 
 def install() -> None:
@@ -507,9 +555,8 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Restore Opacus's names (the accountant stays registered; :class:`PrivacyEngine`
-    itself keeps working)."""
-    opacus.PrivacyEngine = opacus.privacy_engine.PrivacyEngine = OpacusPrivacyEngine
-    if "__new__" in vars(OpacusPrivacyEngine):
-        # object.__new__'s behaviour: CPython does not restore the slot when __new__ is deleted
-        OpacusPrivacyEngine.__new__ = staticmethod(lambda cls, *args, **kwargs: object.__new__(cls))
+    """Undo :func:`install`: every name of :data:`PATCHES` is Opacus's again
+    (:data:`ORIGINALS`; the accountant stays registered; :class:`PrivacyEngine` itself
+    keeps working). :func:`install` makes them the plugin's again."""
+    for (owner, name, _), original in zip(PATCHES, ORIGINALS):
+        setattr(owner, name, original)
