@@ -132,12 +132,46 @@ def test_a_name_bound_before_the_import_builds_the_plugins_engine(probe):
     assert probe["bound_before"] == "opacus_rc.integration"
 
 
-def test_only_the_two_backward_hook_notes_are_silenced(probe):
+def test_import_sets_no_warning_filter(probe):
+    # torch's notes about Opacus's hooks are silenced only inside the plugin's own passes
     assert probe["shown"] == [
+        "Full backward hook is firing when gradients are computed with respect to module "
+        "outputs since no inputs require gradients. See ...",
+        "Using a non-full backward hook when the forward contains multiple autograd Nodes "
+        "is deprecated ...",
         "Using a non-full backward hook when outputs are nested in python data structure",
         "Full backward hook is firing",
         "an unrelated warning",
     ]
+
+
+def test_cleanup_removes_the_step_hook():
+    engine = opacus.PrivacyEngine(accountant="rc_prv")
+    module, optimizer, _ = engine.make_private(
+        **_setup(), noise_multiplier=1.0, max_grad_norm=1.0, clipping="randomized", sketch_size=4,
+    )
+    hooks = optimizer.original_optimizer._optimizer_step_post_hooks
+    assert module._step_hook is not None and module._step_hook.id in hooks
+    module.cleanup()
+    assert module._step_hook is None and not hooks
+
+
+def test_wrapping_leaves_the_norm_sampler_registries_unchanged():
+    transformers = pytest.importorskip("transformers")
+    from opacus_rc import norm_samplers
+
+    before = dict(norm_samplers.RANDOMIZED_NORM_SAMPLERS), dict(norm_samplers.TIED_PROJECTIONS)
+    conv1d = transformers.pytorch_utils.Conv1D
+    model = nn.Sequential(nn.Embedding(32, 8), conv1d(8, 8), nn.Linear(8, 2))
+    engine = opacus.PrivacyEngine(accountant="rc_prv")
+    data = token_task(n=32, t=12)
+    module, _, _, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=8), noise_multiplier=1.0,
+        max_grad_norm=1.0, clipping="randomized", grad_sample_mode="ghost", sketch_size=4,
+    )
+    assert conv1d in module.NORM_SAMPLERS and conv1d in module._third_party_projections
+    assert (dict(norm_samplers.RANDOMIZED_NORM_SAMPLERS), dict(norm_samplers.TIED_PROJECTIONS)) == before
 
 
 # --- the options object -------------------------------------------------------------------
