@@ -4,11 +4,10 @@ for Opacus.
 Importing the package registers the plugin with Opacus: ``opacus.PrivacyEngine`` becomes
 :class:`opacus_rc.PrivacyEngine` (Opacus's engine plus ``clipping="randomized"`` and the
 plugin's options, parsed into :class:`opacus_rc.Options`), the ``"rc_prv"`` accountant and
-the norm samplers are registered, and two torch warnings about backward hooks that say
-nothing a user can act on are silenced; nothing else runs at import.
+the norm samplers are registered, and BatchMemoryManager's sampler declares its physical
+batches one Poisson draw (:data:`opacus_rc.integration.PATCHES`, undone by
+:func:`opacus_rc.integration.uninstall`); nothing else runs at import: no warning filter is set.
 """
-
-import warnings as _warnings
 
 from . import integration as _integration
 from .bookkeeping import DistributedRandomizedClippingBookkeepingOptimizer, RandomizedClippingBookkeepingOptimizer
@@ -22,18 +21,6 @@ from .options import Options
 from .sketch import Sketcher
 
 _integration.install()
-
-# Opacus's grad-sample hooks on a model whose first layer's input needs no gradient (token
-# ids), and on modules whose forward has several autograd nodes: torch's notes about them
-# ask nothing of the user.
-_warnings.filterwarnings(
-    "ignore", message="Full backward hook is firing when gradients are computed with respect to "
-    "module outputs since no inputs require gradients", category=UserWarning,
-)
-_warnings.filterwarnings(
-    "ignore", message="Using a non-full backward hook when the forward contains multiple autograd "
-    "Nodes", category=FutureWarning,
-)
 
 __all__ = [
     "PrivacyEngine",

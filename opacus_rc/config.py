@@ -32,6 +32,8 @@ class SketchConfig:
             Z revealed).
     """
 
+    # The one place of the sketch defaults: make_private's options
+    # (opacus_rc.options.OPTIONS), the accountant's records and the audits read them here.
     estimator: str = "hutchinson"
     sketch_size: int = 32
     sketching: str = "per_example"

@@ -27,7 +27,7 @@ from opacus.utils.module_utils import requires_grad, trainable_parameters
 from torch import nn
 
 from .config import SketchConfig
-from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, register_model_layers
+from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, third_party_layers
 from .recompute import (
     NON_REENTRANT,
     current_saved_tensors_hooks,
@@ -175,6 +175,9 @@ class _SketcherOwner:
                 self._patched.append(m)
 
     def cleanup(self) -> None:
+        if self._step_hook is not None:  # the step clock of follow_steps()
+            self._step_hook.remove()
+            self._step_hook = None
         for m in self._patched:
             m.__dict__.pop("forward", None)
         super().cleanup()
@@ -226,9 +229,10 @@ class SketchingMixin(_SketcherOwner):
     _notes_in_module_grads = True
 
     def _setup(self) -> None:
-        register_model_layers(self._module)
+        samplers, self._third_party_projections = third_party_layers(self._module)  # this module's only
         self.NORM_SAMPLERS = {
-            cls: functools.partial(self._scaled_norms, fn) for cls, fn in RANDOMIZED_NORM_SAMPLERS.items()
+            cls: functools.partial(self._scaled_norms, fn)
+            for cls, fn in {**RANDOMIZED_NORM_SAMPLERS, **samplers}.items()
         }
         # Opacus's per-sample gradients of the other layers (hooks or functorch): their batch
         # sum is noted too (:meth:`note_in_module_grad`)
@@ -390,12 +394,13 @@ class SketchingMixin(_SketcherOwner):
         """A use of tied parameters: their sketched per-sample gradients (one sketch for
         all uses of a parameter) join their running sums (:meth:`_add_tied_use`)."""
         layer = self._get_module_type(module)
-        projection = TIED_PROJECTIONS.get(layer)
+        projections = {**TIED_PROJECTIONS, **self._third_party_projections}
+        projection = projections.get(layer)
         if projection is None:
             raise ValueError(
                 f"parameter tying through {layer.__name__} is not supported with "
                 f"clipping='randomized'; supported layers: "
-                f"{', '.join(c.__name__ for c in TIED_PROJECTIONS)}"
+                f"{', '.join(c.__name__ for c in projections)}"
             )
         activations, backprops = self.rearrange_grad_samples(
             module=module, backprops=forward_output[0].detach(),

@@ -1,13 +1,14 @@
 """The one place that extends Opacus: :class:`PrivacyEngine`, a subclass of Opacus's.
 
 ``make_private(..., clipping="randomized", estimator=..., sketch_size=...)`` parses the
-plugin's options once into a frozen :class:`~opacus_rc.options.Options`, keeps it on the
-engine for the duration of the call and runs Opacus's own ``make_private``, whose
+plugin's options once into a frozen :class:`~opacus_rc.options.Options` and runs Opacus's
+own ``make_private`` on a :class:`MakePrivateCall` of the engine and those options, whose
 ``_prepare_model`` / ``_prepare_optimizer`` / ``_prepare_data_loader`` /
-``_prepare_criterion`` steps this class overrides for the randomized path (the
+``_prepare_criterion`` steps hand them to the engine's randomized steps (the
 randomized grad-sample module, optimizer and criterion; a Poisson loader at the public
 rate with its own generator; the public normaliser). Every other clipping mode goes to
-Opacus unchanged. ``make_private_with_epsilon`` calibrates sigma with the ``rc_prv``
+Opacus unchanged. The options, their defaults and their documentation are spelled once,
+in :data:`opacus_rc.options.OPTIONS`; both signatures are built from it. ``make_private_with_epsilon`` calibrates sigma with the ``rc_prv``
 accountant for the requested sketch; ``save_checkpoint`` / ``load_checkpoint`` keep
 generator states out of checkpoints unless ``include_rng_state=True``;
 ``PrivacyEngine(secure_mode=True, accountant="rc_prv")`` works without torchcsprng
@@ -23,18 +24,20 @@ and sketch streams derived with distinct domain tags), or Opacus's ``noise_gener
 the DataLoader's ``generator=``. A reproducible run replays its randomness on resume.
 
 :func:`install` (run by ``import opacus_rc``) makes ``from opacus import PrivacyEngine``
-give this class. Opacus has no registry of engines or clipping modes, so it replaces three
-names (:data:`PATCHES`; the ``rc_prv`` accountant goes through Opacus's registry);
-:func:`uninstall` restores them.
+give this class and BatchMemoryManager's sampler declare its physical batches one Poisson
+draw. Opacus has no registry of engines or clipping modes, nor a same-draw signal, so it
+replaces four names (:data:`PATCHES`; the ``rc_prv`` accountant goes through Opacus's
+registry); :func:`uninstall` restores every one of them (:data:`ORIGINALS`).
 """
 
 from __future__ import annotations
 
-import contextlib
+import copy
+import functools
 import inspect
 import logging
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import opacus
@@ -44,6 +47,7 @@ from opacus.accountants import register_accountant
 from opacus.data_loader import DPDataLoader
 from opacus.grad_sample import AbstractGradSampleModule
 from opacus.optimizers import DPOptimizer
+from opacus.utils.batch_memory_manager import BatchSplittingSampler
 from torch import nn
 from torch.utils.data import IterableDataset
 
@@ -68,9 +72,8 @@ from .bookkeeping import (
 )
 from .grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
 from .loss import DPLossRandomizedClipping
-from .optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingOptimizer
+from .optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingMixin, RandomizedClippingOptimizer
 from .options import (  # noqa: F401  (loader_batch_size, loader_rate, public_sampling: public here too)
-    DEFAULTS,
     RANDOMIZED,
     RC_ACCOUNTANTS,
     Options,
@@ -78,6 +81,8 @@ from .options import (  # noqa: F401  (loader_batch_size, loader_rate, public_sa
     loader_batch_size,
     loader_rate,
     public_sampling,
+    split_options,
+    with_options,
 )
 from .output_passes import attach_output_passes
 from .sketch import POISSON_STREAM, DeviceStreams
@@ -96,11 +101,6 @@ def _with_opacus_defaults(method: Callable, kwargs: Dict[str, Any]) -> Dict[str,
         if p.default is not inspect.Parameter.empty
     }
     return {**defaults, **kwargs}
-
-
-def _plugin_options(arguments: Dict[str, Any]) -> Dict[str, Any]:
-    """The plugin's keywords (:data:`~opacus_rc.options.DEFAULTS`) among a call's locals."""
-    return {name: arguments[name] for name in DEFAULTS}
 
 
 def poisson_generator(data_loader, seed: Optional[int], distributed: bool) -> torch.Generator:
@@ -174,8 +174,6 @@ class PrivacyEngine(OpacusPrivacyEngine):
             modes then raise Opacus's ImportError at ``make_private``.
     """
 
-    _options: Optional[Options] = None  # the options of the make_private call in progress
-
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False) -> None:
         self._torchcsprng_error: Optional[ImportError] = None
         try:
@@ -192,25 +190,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
 
     # --- the public entry points --------------------------------------------------------
 
-    def make_private(
-        self,
-        *,
-        clipping: str = "flat",
-        estimator: str = "hutchinson",
-        sketch_size: int = 32,
-        sketching: str = "per_example",
-        exact_when_cheaper: bool = True,
-        sketch_seed: Optional[int] = None,
-        seed: Optional[int] = None,
-        bookkeeping: Optional[bool] = None,
-        nonfinite: str = "raise",
-        sample_rate: Optional[float] = None,
-        expected_batch_size: Optional[int] = None,
-        denoise: Optional[str] = None,
-        denoise_kappa: float = 1.1,
-        denoise_svd: str = "full",
-        **kwargs: Any,
-    ):
+    @with_options
+    def make_private(self, *, clipping: str = "flat", **kwargs: Any):
         """Opacus's ``make_private`` (module, optimizer, data_loader, noise_multiplier,
         max_grad_norm, criterion, grad_sample_mode, poisson_sampling, ... as there), plus
         ``clipping="randomized"`` and the plugin's options.
@@ -224,38 +205,7 @@ class PrivacyEngine(OpacusPrivacyEngine):
                 ``grad_sample_mode`` ``"bookkeeping"`` (one backward pass, a plain loss;
                 Opacus's default ``"hooks"`` is its alias, see ``bookkeeping``), ``"ghost"``
                 (two passes) or ``"ghost_fsdp"``).
-            estimator: *randomized*. ``"hutchinson"`` or ``"hutchpp"`` (Hutch++ spends
-                ``sketch_size`` more vectors on an exact head, about 3x the products).
-            sketch_size: *randomized*. k, the number of Gaussian N(0, 1/k) sketch vectors
-                (for Hutch++: of the residual; the accountant uses this count).
-            sketching: *randomized*. ``"per_example"`` (an independent sketch per example;
-                hidden-Z accounting) or ``"shared"`` (one sketch per layer and step).
-            exact_when_cheaper: *randomized*. Compute a linear layer exactly when its
-                sequence length T <= k.
-            sketch_seed: *randomized*. Seed of the sketch generator; None: ``os.urandom``
-                (or ``seed=``'s sketch stream).
-            seed: *randomized*. One non-negative int seeding the noise, the Poisson masks
-                and the sketches (independent streams): a reproducible run, which replays
-                its randomness on resume; None: all from ``os.urandom``. Whoever knows the
-                seed can regenerate the noise and subtract it: the run is not private
-                against them (keep it as secret as the data, or leave it None).
-            bookkeeping: *randomized*. None, True or False: with ``"ghost"``, True runs the
-                ghost script by book-keeping (one backward pass); with ``"hooks"``,
-                book-keeping unless the model has activation checkpointing on (then two
-                passes from the model's output); False forces those two passes. With
-                ``"bookkeeping"``: None or True.
-            nonfinite: *randomized*. ``"raise"`` (a non-finite norm or gradient refuses the
-                step) or ``"skip"`` (book-keeping only: drop that example's contribution,
-                counted in ``optimizer.skipped_examples``, a non-private count).
-            sample_rate: *randomized*. The public Poisson rate the loader samples at and
-                the accountant charges, in (0, 1]; None: ``1 / len(data_loader)``. With
-                ``poisson_sampling=False`` only the loader's own rate is accepted.
-            expected_batch_size: *randomized*. The public normaliser of the averaged
-                update (a positive int, summed over ranks); None: the loader's batch_size.
-            denoise: None or ``"spectral"`` (any clipping mode): SVD shrinkage of the
-                noisy gradient of the linear weights (:mod:`opacus_rc.denoise`).
-            denoise_kappa: the denoiser's gate factor (finite, > 0; needs ``denoise``).
-            denoise_svd: ``"full"``, ``"lowrank"`` or ``"auto"`` (needs ``denoise``).
+            {options}
             **kwargs: Opacus's ``make_private`` arguments.
 
         Returns:
@@ -265,33 +215,14 @@ class PrivacyEngine(OpacusPrivacyEngine):
         Raises:
             ValueError: an invalid option, named with its accepted values.
         """
-        if self._options is not None:  # Opacus's make_private_with_epsilon calling back
-            return super().make_private(clipping=clipping, **kwargs)
+        plugin, kwargs = split_options(kwargs)
         arguments = _with_opacus_defaults(OpacusPrivacyEngine.make_private, kwargs)
-        options = Options.parse(self, clipping, _plugin_options(locals()), arguments)
+        options = Options.parse(self, clipping, plugin, arguments)
         return self._make_private(options, arguments, kwargs)
 
+    @with_options
     def make_private_with_epsilon(
-        self,
-        *,
-        target_epsilon: float,
-        target_delta: float,
-        epochs: int,
-        clipping: str = "flat",
-        estimator: str = "hutchinson",
-        sketch_size: int = 32,
-        sketching: str = "per_example",
-        exact_when_cheaper: bool = True,
-        sketch_seed: Optional[int] = None,
-        seed: Optional[int] = None,
-        bookkeeping: Optional[bool] = None,
-        nonfinite: str = "raise",
-        sample_rate: Optional[float] = None,
-        expected_batch_size: Optional[int] = None,
-        denoise: Optional[str] = None,
-        denoise_kappa: float = 1.1,
-        denoise_svd: str = "full",
-        **kwargs: Any,
+        self, *, target_epsilon: float, target_delta: float, epochs: int, clipping: str = "flat", **kwargs: Any
     ):
         """Opacus's ``make_private_with_epsilon``, with the options of :meth:`make_private`.
 
@@ -301,17 +232,16 @@ class PrivacyEngine(OpacusPrivacyEngine):
 
         Args:
             target_epsilon, target_delta, epochs: as in Opacus.
-            clipping, estimator, sketch_size, sketching, exact_when_cheaper, sketch_seed,
-                seed, bookkeeping, nonfinite, sample_rate, expected_batch_size, denoise,
-                denoise_kappa, denoise_svd: as in :meth:`make_private`.
+            clipping, {option_names}: as in :meth:`make_private`.
             **kwargs: Opacus's ``make_private_with_epsilon`` arguments.
         """
+        plugin, kwargs = split_options(kwargs)
         call = {**kwargs, "target_epsilon": target_epsilon, "target_delta": target_delta, "epochs": epochs}
         arguments = _with_opacus_defaults(OpacusPrivacyEngine.make_private_with_epsilon, call)
-        options = Options.parse(self, clipping, _plugin_options(locals()), arguments)
+        options = Options.parse(self, clipping, plugin, arguments)
         if not options.randomized:
             call["clipping"] = clipping
-            return self._run_opacus(super().make_private_with_epsilon, options, arguments, call)
+            return self._run_opacus(OpacusPrivacyEngine.make_private_with_epsilon, options, arguments, call)
         # Copied from Opacus's make_private_with_epsilon, which calibrates for its own
         # accountants at 1 / len(loader): rc_prv needs the sketch and the public rate.
         if len(self.accountant) > 0:
@@ -344,21 +274,6 @@ class PrivacyEngine(OpacusPrivacyEngine):
 
     # --- one make_private call ----------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _using(self, options: Options) -> Iterator[None]:
-        """``self._options`` for the duration of one call (read by the ``_prepare_*`` steps)."""
-        previous, self._options = self._options, options
-        try:
-            yield
-        finally:
-            self._options = previous
-
-    @property
-    def _randomized(self) -> Optional[Options]:
-        """The options of the randomized make_private call in progress, else None."""
-        options = self._options
-        return options if options is not None and options.randomized else None
-
     def _make_private(self, options: Options, arguments: Dict[str, Any], kwargs: Dict[str, Any]):
         """Opacus's make_private(**kwargs) with ``options``; ``arguments``: ``kwargs`` with
         Opacus's defaults."""
@@ -366,15 +281,15 @@ class PrivacyEngine(OpacusPrivacyEngine):
         if options.randomized:
             call["grad_sample_mode"] = options.grad_sample_mode
             call.update(options.optimizer_kwargs())  # Opacus passes them to the optimizer
-        return self._run_opacus(super().make_private, options, arguments, call)
+        return self._run_opacus(OpacusPrivacyEngine.make_private, options, arguments, call)
 
     def _run_opacus(self, method: Callable, options: Options, arguments: Dict[str, Any], call: Dict[str, Any]):
-        """Opacus's ``method(**call)`` with ``options`` in force for its ``_prepare_*`` steps;
-        its outputs completed for the randomized path and the denoiser."""
+        """Opacus's ``method(**call)`` (its ``make_private`` or ``make_private_with_epsilon``)
+        run as :class:`MakePrivateCall` of this engine and ``options``; its outputs completed
+        for the randomized path and the denoiser."""
         if not options.randomized:
             self._require_torchcsprng(options.clipping)
-        with self._using(options):
-            out = method(**call)
+        out = method(MakePrivateCall(self, options), **call)
         if options.randomized:
             out = self._randomized_outputs(out, options, arguments)
         return self._denoised(out, options, arguments["module"])
@@ -417,15 +332,12 @@ class PrivacyEngine(OpacusPrivacyEngine):
                 "opacus_rc.csprng)"
             ) from self._torchcsprng_error
 
-    # --- Opacus's make_private steps, randomized path -----------------------------------
+    # --- Opacus's make_private steps, randomized path (called by MakePrivateCall) -------
 
-    def _prepare_model(self, module: nn.Module, **kwargs: Any):
+    def _randomized_model(self, options: Options, module: nn.Module, **kwargs: Any):
         """The randomized grad-sample module (two passes, book-keeping or FSDP2; its hooks
         form for ``wrap_model=False``). Opacus builds its own through ``get_gsm_class``,
         which has no registry."""
-        options = self._randomized
-        if options is None:
-            return super()._prepare_model(module, **kwargs)
         self.validate(module=module, optimizer=None, data_loader=None)
         if isinstance(module, AbstractGradSampleModule):
             raise ValueError(
@@ -447,11 +359,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
             **bound,
         )
 
-    def _prepare_optimizer(self, *, optimizer, noise_generator=None, **kwargs: Any) -> DPOptimizer:
+    def _randomized_optimizer(self, options: Options, *, optimizer, noise_generator=None, **kwargs: Any) -> DPOptimizer:
         """The randomized optimizer, averaging by the public normaliser."""
-        options = self._randomized
-        if options is None:
-            return super()._prepare_optimizer(optimizer=optimizer, noise_generator=noise_generator, **kwargs)
         distributed = kwargs.pop("distributed", False)
         # Opacus passes int(len(dataset) / len(loader)), dataset-dependent, divided per
         # rank; the public normaliser is divided as Opacus divides its own.
@@ -464,19 +373,20 @@ class PrivacyEngine(OpacusPrivacyEngine):
         generator = self.secure_rng if self.secure_mode else noise_generator
         return cls(optimizer=optimizer, generator=generator, secure_mode=self.secure_mode, **kwargs)
 
-    def _prepare_data_loader(self, data_loader, *, poisson_sampling: bool, distributed: bool, **kwargs: Any):
-        """Randomized path: the Poisson loader at the public rate with its own generator
+    def _randomized_data_loader(
+        self, options: Options, data_loader, *, poisson_sampling: bool, distributed: bool, **kwargs: Any
+    ):
+        """The Poisson loader at the public rate with its own generator
         (:func:`poisson_generator`), or in secure mode with the CSPRNG's masks; with
         ``poisson_sampling=False`` the loader as given (Opacus)."""
-        options = self._randomized
-        if options is not None and not poisson_sampling and self.secure_rng is None and self.secure_mode:
+        if not poisson_sampling and self.secure_rng is None and self.secure_mode:
             raise ValueError(
                 "poisson_sampling=False is invalid with secure_mode=True without "
                 "torchcsprng: there is no secure generator to shuffle with; accepted "
                 "values: poisson_sampling=True (the sampling rc_prv accounts for)"
             )
-        if options is None or not poisson_sampling:
-            return super()._prepare_data_loader(
+        if not poisson_sampling:
+            return self._prepare_data_loader(
                 data_loader, poisson_sampling=poisson_sampling, distributed=distributed, **kwargs
             )
         if isinstance(data_loader.dataset, IterableDataset):
@@ -509,20 +419,111 @@ class PrivacyEngine(OpacusPrivacyEngine):
                 f"initialize new PrivacyEngine if you're using different dataset."
             )
 
-    def _prepare_criterion(self, *, module, optimizer, criterion, **kwargs: Any):
+    def _randomized_criterion(self, options: Options, *, module, optimizer, criterion, **kwargs: Any):
         """The randomized two-pass criterion, linked to the optimizer."""
-        if self._randomized is None:
-            return super()._prepare_criterion(module=module, optimizer=optimizer, criterion=criterion, **kwargs)
         return DPLossRandomizedClipping(module, optimizer, criterion, kwargs.get("loss_reduction", "mean"))
+
+
+class MakePrivateCall:
+    """One call of Opacus's ``make_private`` (or ``make_private_with_epsilon``) on an
+    engine with the call's parsed :class:`~opacus_rc.options.Options`: how the options
+    reach Opacus's ``_prepare_*`` steps.
+
+    Opacus's ``make_private`` calls ``self._prepare_model(...)``,
+    ``self._prepare_data_loader(...)``, ``self._prepare_optimizer(...)`` and
+    ``self._prepare_criterion(...)`` with fixed arguments and no room for the plugin's
+    (``make_private_with_epsilon`` calls ``self.make_private(...)``). So
+    :meth:`PrivacyEngine._run_opacus` runs Opacus's method with this short-lived object
+    as ``self``, built for the one call and dropped after it: its ``_prepare_*`` steps
+    hand ``options`` explicitly to the engine's randomized steps (``_randomized_model``,
+    ...) when the call is randomized, and to Opacus's own otherwise; its
+    ``make_private`` (Opacus's ``make_private_with_epsilon`` calling back) is Opacus's
+    own, on this object, so the call's keywords are parsed once; every other attribute
+    read or written is the engine's (``accountant``, ``secure_mode``, ``dataset``, ...).
+    The engine stores no options, so there is no state to reset and no re-entry to
+    guard: a nested or concurrent call has its own object.
+    """
+
+    __slots__ = ("engine", "options")
+
+    def __init__(self, engine: PrivacyEngine, options: Options) -> None:
+        object.__setattr__(self, "engine", engine)
+        object.__setattr__(self, "options", options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.engine, name, value)
+
+    def make_private(self, **kwargs: Any):
+        return OpacusPrivacyEngine.make_private(self, **kwargs)
+
+    def _prepare_model(self, module: nn.Module, **kwargs: Any):
+        if self.options.randomized:
+            return self.engine._randomized_model(self.options, module, **kwargs)
+        return self.engine._prepare_model(module, **kwargs)
+
+    def _prepare_data_loader(self, data_loader, **kwargs: Any):
+        if self.options.randomized:
+            return self.engine._randomized_data_loader(self.options, data_loader, **kwargs)
+        return self.engine._prepare_data_loader(data_loader, **kwargs)
+
+    def _prepare_optimizer(self, **kwargs: Any) -> DPOptimizer:
+        if self.options.randomized:
+            return self.engine._randomized_optimizer(self.options, **kwargs)
+        return self.engine._prepare_optimizer(**kwargs)
+
+    def _prepare_criterion(self, **kwargs: Any):
+        if self.options.randomized:
+            return self.engine._randomized_criterion(self.options, **kwargs)
+        return self.engine._prepare_criterion(**kwargs)
 
 
 # --- install: the patches of Opacus ----------------------------------------------------
 
 
-def _build_plugin_engine(cls, *args, **kwargs):
-    """``__new__`` of Opacus's engine: ``opacus.privacy_engine.PrivacyEngine(...)`` builds
-    this module's :class:`PrivacyEngine`; subclasses of Opacus's stay what they are."""
-    return object.__new__(PrivacyEngine if cls is OpacusPrivacyEngine else cls)
+#: Opacus's own ``__init__`` of its engine and ``__iter__`` of BatchMemoryManager's sampler
+_OPACUS_INIT = OpacusPrivacyEngine.__init__
+_OPACUS_SPLITTING_ITER = BatchSplittingSampler.__iter__
+
+
+@functools.wraps(_OPACUS_INIT)
+def _init_plugin_engine(self, *args: Any, **kwargs: Any) -> None:
+    """``__init__`` of Opacus's engine: ``opacus.privacy_engine.PrivacyEngine(...)`` builds
+    this module's :class:`PrivacyEngine` (the new object becomes one before it is
+    initialised); subclasses of Opacus's, and the plugin's own ``super().__init__()``,
+    run Opacus's ``__init__``. (Not ``__new__``: CPython cannot give a class its
+    original ``__new__`` back once it was replaced, so :func:`uninstall` could not undo it.)"""
+    if type(self) is OpacusPrivacyEngine:
+        self.__class__ = PrivacyEngine
+        PrivacyEngine.__init__(self, *args, **kwargs)
+    else:
+        _OPACUS_INIT(self, *args, **kwargs)
+
+
+class _SameDrawSignals:
+    """The optimizer as a :class:`BatchSplittingSampler` signals it: every skipped step it
+    signals cuts one Poisson draw into physical batches (``same_draw=True``)."""
+
+    def __init__(self, optimizer: RandomizedClippingMixin) -> None:
+        self.optimizer = optimizer
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        self.optimizer.signal_skip_step(do_skip=do_skip, same_draw=do_skip)
+
+
+def _splitting_iter(self: BatchSplittingSampler):
+    """``BatchSplittingSampler.__iter__`` (BatchMemoryManager's physical batches): Opacus's
+    own, on a copy of the sampler whose optimizer, a plugin one, hears its skipped steps
+    as continuations of the same Poisson draw (charged as one micro-batch, see
+    :meth:`~opacus_rc.optimizer.RandomizedClippingMixin.signal_skip_step`). Opacus's
+    optimizers hear what they always did."""
+    if not isinstance(self.optimizer, RandomizedClippingMixin):
+        return _OPACUS_SPLITTING_ITER(self)
+    splitter = copy.copy(self)
+    splitter.optimizer = _SameDrawSignals(self.optimizer)
+    return _OPACUS_SPLITTING_ITER(splitter)
 
 
 #: ``(owner, name, value)``: every name of Opacus that :func:`install` replaces, and why
@@ -534,8 +535,15 @@ PATCHES = (
     (opacus.privacy_engine, "PrivacyEngine", PrivacyEngine),
     # A name bound before `import opacus_rc` (isort's order: `from opacus import
     # PrivacyEngine` above it) still builds the plugin's engine.
-    (OpacusPrivacyEngine, "__new__", staticmethod(_build_plugin_engine)),
+    (OpacusPrivacyEngine, "__init__", _init_plugin_engine),
+    # BatchMemoryManager's sampler signals its optimizer signal_skip_step(do_skip=True),
+    # with no way to say that its physical batches are one Poisson draw: it says so to the
+    # plugin's optimizers (same_draw=True), which charge them as one micro-batch.
+    (BatchSplittingSampler, "__iter__", _splitting_iter),
 )
+
+#: what each of :data:`PATCHES` replaced, as Opacus defines it (read before install)
+ORIGINALS = tuple(vars(owner)[name] for owner, name, _ in PATCHES)
 
 
 def install() -> None:
@@ -547,9 +555,8 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Restore Opacus's names (the accountant stays registered; :class:`PrivacyEngine`
-    itself keeps working)."""
-    opacus.PrivacyEngine = opacus.privacy_engine.PrivacyEngine = OpacusPrivacyEngine
-    if "__new__" in vars(OpacusPrivacyEngine):
-        # object.__new__'s behaviour: CPython does not restore the slot when __new__ is deleted
-        OpacusPrivacyEngine.__new__ = staticmethod(lambda cls, *args, **kwargs: object.__new__(cls))
+    """Undo :func:`install`: every name of :data:`PATCHES` is Opacus's again
+    (:data:`ORIGINALS`; the accountant stays registered; :class:`PrivacyEngine` itself
+    keeps working). :func:`install` makes them the plugin's again."""
+    for (owner, name, _), original in zip(PATCHES, ORIGINALS):
+        setattr(owner, name, original)

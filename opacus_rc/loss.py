@@ -15,6 +15,8 @@ from opacus.utils.fast_gradient_clipping_utils import (
     DPTensorFastGradientClipping,
 )
 
+from .recompute import quiet_hook_notes
+
 _ARITHMETIC = ("__truediv__", "__mul__", "__rmul__", "__add__", "__radd__", "__sub__", "__rsub__", "__neg__")
 
 
@@ -49,7 +51,8 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
             optimizer._norm_pass_module = self.module  # its zero_grad between the passes checks the norm pass
         try:
             try:
-                super().backward()
+                with quiet_hook_notes():
+                    super().backward()
             finally:
                 if hasattr(optimizer, "_norm_pass_module"):
                     optimizer._norm_pass_module = None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Dict, List, Sequence, Type, Union
+from typing import Callable, Dict, List, Sequence, Tuple, Type, Union
 
 import torch
 from torch import nn
@@ -174,12 +174,19 @@ def embedding_projection(layer, activations, backprops, sketcher):
 conv1d_projection = functools.partial(_weight_projection, transposed=True)
 
 
-def register_model_layers(model: nn.Module) -> None:
-    """Register norm samplers for third-party layer types found in ``model`` (without
-    importing their libraries): Hugging Face ``Conv1D``."""
+def third_party_layers(model: nn.Module) -> Tuple[Dict[Type[nn.Module], NormSampler], Dict[Type[nn.Module], Projection]]:
+    """The norm samplers and tied projections of third-party layer types found in
+    ``model`` (without importing their libraries): Hugging Face ``Conv1D``, unless
+    registered. For that model's grad-sample module only: the registries
+    (:data:`RANDOMIZED_NORM_SAMPLERS`, :data:`TIED_PROJECTIONS`) are not changed."""
+    samplers: Dict[Type[nn.Module], NormSampler] = {}
+    projections: Dict[Type[nn.Module], Projection] = {}
     for module in model.modules():
         cls = type(module)
         if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers"):
             # Same norms as nn.Linear: the (d x p) weight's gradient is A^T G.
-            RANDOMIZED_NORM_SAMPLERS.setdefault(cls, linear_norm_sample)
-            TIED_PROJECTIONS.setdefault(cls, conv1d_projection)
+            if cls not in RANDOMIZED_NORM_SAMPLERS:
+                samplers[cls] = linear_norm_sample
+            if cls not in TIED_PROJECTIONS:
+                projections[cls] = conv1d_projection
+    return samplers, projections

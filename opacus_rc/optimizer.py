@@ -9,7 +9,6 @@ the ``rc_prv`` accountant reads in its step hook.
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
@@ -17,7 +16,6 @@ import numpy as np
 import torch
 
 from opacus.optimizers import DistributedDPOptimizerFastGradientClipping, DPOptimizerFastGradientClipping
-from opacus.utils.batch_memory_manager import BatchSplittingSampler
 from opacus.optimizers.optimizer import (
     _check_processed_flag,
     _generate_noise,
@@ -168,11 +166,12 @@ class RandomizedClippingMixin:
 
         ``same_draw=True`` declares that the next physical batch continues the same
         Poisson draw as this one (each example at most once in the logical batch), so the
-        two are charged as one micro-batch; Opacus's BatchMemoryManager is recognised as
-        such a splitter. Any other skipped step accumulates an independent micro-batch and
+        two are charged as one micro-batch; Opacus's BatchMemoryManager declares it
+        (``import opacus_rc`` makes its ``BatchSplittingSampler`` signal
+        ``same_draw=True``: :data:`opacus_rc.integration.PATCHES`). Any other skipped step accumulates an independent micro-batch and
         is charged as accumulation (:attr:`accumulated_iterations`).
         """
-        if do_skip and (same_draw or isinstance(sys._getframe(1).f_locals.get("self"), BatchSplittingSampler)):
+        if do_skip and same_draw:
             self._draw_splits += 1
         super().signal_skip_step(do_skip)
 

@@ -11,11 +11,14 @@ nothing else: every ``_prepare_*`` step of Opacus's ``make_private`` reads the o
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 import numbers
+import textwrap
 import warnings
-from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from torch.utils.data.distributed import DistributedSampler
 
@@ -33,24 +36,134 @@ RC_GRAD_SAMPLE_MODES = (BOOKKEEPING_MODE, "ghost", "hooks", FSDP_MODE)
 NONFINITE_MODES = ("raise", "skip")
 DENOISERS = ("spectral",)
 
-#: the plugin's keywords of make_private and their defaults (a keyword at its default is
-#: the same as not giving it)
-DEFAULTS: Mapping[str, Any] = {
-    "estimator": "hutchinson",
-    "sketch_size": 32,
-    "sketching": "per_example",
-    "exact_when_cheaper": True,
-    "sketch_seed": None,
-    "seed": None,
-    "bookkeeping": None,
-    "nonfinite": "raise",
-    "sample_rate": None,
-    "expected_batch_size": None,
-    "denoise": None,
-    "denoise_kappa": DEFAULT_KAPPA,
-    "denoise_svd": "full",
-}
-SKETCH_OPTIONS = ("estimator", "sketch_size", "sketching", "exact_when_cheaper")
+
+@dataclass(frozen=True)
+class Option:
+    """One keyword of the plugin's ``make_private``: its name, default, annotation (as
+    shown by ``inspect.signature``) and the text of its ``Args`` entry."""
+
+    name: str
+    default: Any
+    annotation: str
+    doc: str
+
+    def parameter(self) -> inspect.Parameter:
+        """The keyword-only parameter of the public signatures."""
+        return inspect.Parameter(
+            self.name, inspect.Parameter.KEYWORD_ONLY, default=self.default, annotation=self.annotation
+        )
+
+
+_SKETCH = SketchConfig()  # the sketch defaults: SketchConfig's fields, the one place they are
+
+#: The plugin's keywords of make_private and make_private_with_epsilon: the only place
+#: they, their defaults and their documentation are spelled (both signatures and both
+#: docstrings are built from it, see :func:`plugin_signature`). A keyword at its
+#: default is the same as not giving it.
+OPTIONS: Tuple[Option, ...] = (
+    Option("estimator", _SKETCH.estimator, "str", (
+        "*randomized*. ``\"hutchinson\"`` or ``\"hutchpp\"`` (Hutch++ spends\n"
+        "``sketch_size`` more vectors on an exact head, about 3x the products)."
+    )),
+    Option("sketch_size", _SKETCH.sketch_size, "int", (
+        "*randomized*. k, the number of Gaussian N(0, 1/k) sketch vectors\n"
+        "(for Hutch++: of the residual; the accountant uses this count)."
+    )),
+    Option("sketching", _SKETCH.sketching, "str", (
+        "*randomized*. ``\"per_example\"`` (an independent sketch per example;\n"
+        "hidden-Z accounting) or ``\"shared\"`` (one sketch per layer and step)."
+    )),
+    Option("exact_when_cheaper", _SKETCH.exact_when_cheaper, "bool", (
+        "*randomized*. Compute a linear layer exactly when its\n"
+        "sequence length T <= k."
+    )),
+    Option("sketch_seed", None, "Optional[int]", (
+        "*randomized*. Seed of the sketch generator; None: ``os.urandom``\n"
+        "(or ``seed=``'s sketch stream)."
+    )),
+    Option("seed", None, "Optional[int]", (
+        "*randomized*. One non-negative int seeding the noise, the Poisson masks\n"
+        "and the sketches (independent streams): a reproducible run, which replays\n"
+        "its randomness on resume; None: all from ``os.urandom``. Whoever knows the\n"
+        "seed can regenerate the noise and subtract it: the run is not private\n"
+        "against them (keep it as secret as the data, or leave it None)."
+    )),
+    Option("bookkeeping", None, "Optional[bool]", (
+        "*randomized*. None, True or False: with ``\"ghost\"``, True runs the\n"
+        "ghost script by book-keeping (one backward pass); with ``\"hooks\"``,\n"
+        "book-keeping unless the model has activation checkpointing on (then two\n"
+        "passes from the model's output); False forces those two passes. With\n"
+        "``\"bookkeeping\"``: None or True."
+    )),
+    Option("nonfinite", "raise", "str", (
+        "*randomized*. ``\"raise\"`` (a non-finite norm or gradient refuses the\n"
+        "step) or ``\"skip\"`` (book-keeping only: drop that example's contribution,\n"
+        "counted in ``optimizer.skipped_examples``, a non-private count)."
+    )),
+    Option("sample_rate", None, "Optional[float]", (
+        "*randomized*. The public Poisson rate the loader samples at and\n"
+        "the accountant charges, in (0, 1]; None: ``1 / len(data_loader)``. With\n"
+        "``poisson_sampling=False`` only the loader's own rate is accepted."
+    )),
+    Option("expected_batch_size", None, "Optional[int]", (
+        "*randomized*. The public normaliser of the averaged\n"
+        "update (a positive int, summed over ranks); None: the loader's batch_size."
+    )),
+    Option("denoise", None, "Optional[str]", (
+        "None or ``\"spectral\"`` (any clipping mode): SVD shrinkage of the\n"
+        "noisy gradient of the linear weights (:mod:`opacus_rc.denoise`)."
+    )),
+    Option("denoise_kappa", DEFAULT_KAPPA, "float", (
+        "the denoiser's gate factor (finite, > 0; needs ``denoise``)."
+    )),
+    Option("denoise_svd", "full", "str", (
+        "``\"full\"``, ``\"lowrank\"`` or ``\"auto\"`` (needs ``denoise``)."
+    )),
+)
+#: name -> default of :data:`OPTIONS`
+DEFAULTS: Mapping[str, Any] = MappingProxyType({o.name: o.default for o in OPTIONS})
+
+
+def split_options(kwargs: Mapping[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """A call's keywords ``kwargs`` split into the plugin's (every one of :data:`OPTIONS`,
+    at its default when not given) and the rest (Opacus's)."""
+    plugin = {o.name: kwargs.get(o.name, o.default) for o in OPTIONS}
+    return plugin, {k: v for k, v in kwargs.items() if k not in DEFAULTS}
+
+
+def with_options(method: Callable) -> Callable:
+    """``method`` (keyword-only parameters, then ``**kwargs``, which carries the plugin's
+    keywords) shown with the plugin's options, from :data:`OPTIONS`: its
+    ``__signature__`` gets them as keyword-only parameters before ``**kwargs``; in its
+    docstring a line ``{options}`` becomes their ``Args`` entries and ``{option_names}``
+    their names (wrapped at the line's indentation)."""
+    signature = inspect.signature(method)
+    parameters = list(signature.parameters.values())
+    parameters[-1:-1] = [o.parameter() for o in OPTIONS]
+    method.__signature__ = signature.replace(parameters=parameters)
+    lines = []
+    for line in method.__doc__.splitlines():
+        indent = line[: len(line) - len(line.lstrip())]
+        if line.strip() == "{options}":
+            for o in OPTIONS:
+                first, *rest = o.doc.splitlines()
+                lines.append(f"{indent}{o.name}: {first}")
+                lines.extend(f"{indent}    {text}" for text in rest)
+        elif "{option_names}" in line:
+            head, tail = line.split("{option_names}")
+            names = textwrap.wrap(
+                ", ".join(o.name for o in OPTIONS) + tail, width=88 - len(indent) - 4,
+                initial_indent=head.lstrip(), subsequent_indent="    ",
+            )
+            lines.extend(indent + text for text in names)
+        else:
+            lines.append(line)
+    method.__doc__ = "\n".join(lines)
+    return method
+
+
+#: the keywords that make the SketchConfig (its fields, in order)
+SKETCH_OPTIONS = tuple(f.name for f in fields(SketchConfig))
 #: make_private keywords fixing the public normaliser and sample rate (randomized only)
 SAMPLING_OPTIONS = ("expected_batch_size", "sample_rate")
 #: keywords that only apply with clipping="randomized" (bookkeeping has its own message)
@@ -385,6 +498,6 @@ def check_randomized_setup(engine: Any, grad_sample_mode: str) -> None:
 
 __all__ = [
     "Options", "PublicSampling", "public_sampling", "loader_rate", "loader_batch_size",
-    "check_randomized_setup", "DEFAULTS", "RANDOMIZED", "BOOKKEEPING", "BOOKKEEPING_WITH_CRITERION",
+    "check_randomized_setup", "DEFAULTS", "OPTIONS", "Option", "split_options", "with_options", "RANDOMIZED", "BOOKKEEPING", "BOOKKEEPING_WITH_CRITERION",
     "OUTPUT_PASSES", "TWO_PASS",
 ]

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import contextlib
 import sys
-from typing import Callable, List, Optional, Sequence, Tuple
+import warnings
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils.checkpoint as _checkpoint
@@ -47,6 +49,24 @@ _RECOMPUTATION_HOOK = getattr(_checkpoint, "_recomputation_hook", None)
 
 logger = logging.getLogger(__name__)
 _reported: set = set()
+
+
+@contextlib.contextmanager
+def quiet_hook_notes() -> Iterator[None]:
+    """Within: torch's two notes about Opacus's grad-sample hooks that ask nothing of the
+    user are not shown (a model whose first layer's input needs no gradient, token ids; a
+    module whose forward has several autograd nodes). Local to the plugin's own backward
+    passes: ``import opacus_rc`` sets no process-wide filter."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="Full backward hook is firing when gradients are computed with respect to "
+            "module outputs since no inputs require gradients", category=UserWarning,
+        )
+        warnings.filterwarnings(
+            "ignore", message="Using a non-full backward hook when the forward contains multiple autograd "
+            "Nodes", category=FutureWarning,
+        )
+        yield
 
 
 def _report(kind: str) -> str:

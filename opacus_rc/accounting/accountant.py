@@ -98,7 +98,7 @@ class StepRecord:
         count = raw.get("sketch_size", raw.get("accounting_sketch_count"))
         if count is None:
             return cls(micro_batches=m)  # deterministic clipping
-        est, kind = raw.get("estimator", "hutchinson"), raw.get("sketching", UNNAMED_SKETCHING)
+        est, kind = raw.get("estimator", SketchConfig.estimator), raw.get("sketching", UNNAMED_SKETCHING)
         if est not in ESTIMATORS or kind not in SKETCHINGS:
             raise ValueError(
                 f"sketch record {raw!r}: estimator must be one of {ESTIMATORS}, "
@@ -132,8 +132,8 @@ def sketch_record(
     deterministic clipping) and its number of accumulated micro-batches."""
     if sketch_config is None and (estimator is not None or sketch_size is not None):
         sketch_config = SketchConfig(
-            estimator=estimator or "hutchinson",
-            sketch_size=32 if sketch_size is None else sketch_size,
+            estimator=estimator or SketchConfig.estimator,
+            sketch_size=SketchConfig.sketch_size if sketch_size is None else sketch_size,
             sketching=sketching,
         )
     return StepRecord.from_config(sketch_config, micro_batches).as_dict()

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import ESTIMATORS, SKETCHINGS
+from ..config import ESTIMATORS, SKETCHINGS, SketchConfig
 from ._broken import VARIANTS, broken_sketcher, install_sketcher
 from .checks import check_choices, check_ints, check_positive, check_unit_interval
 from .stats import ThresholdAudit, threshold_audit
@@ -85,8 +85,8 @@ class AuditConfig:
         max_grad_norm: C.
     """
 
-    estimator: str = "hutchinson"
-    sketch_size: int = 32
+    estimator: str = SketchConfig.estimator
+    sketch_size: int = SketchConfig.sketch_size
     sigma: float = 1.0
     variant: str = "honest"
     sketching: str = "shared"

@@ -45,7 +45,7 @@ import torch
 from scipy.stats import chi2
 from torch import nn
 
-from ..config import ESTIMATORS
+from ..config import ESTIMATORS, SketchConfig
 from .checks import check_choices, check_fields, check_ints, check_positive, check_unit_interval
 from .experiment import AuditResult, accounted_epsilon, make_private_rc, result_fields
 from .stats import threshold_audit
@@ -84,8 +84,8 @@ class NormaliserAuditConfig:
     sigma: float = 1.0
     steps: int = 400
     grad_sample_mode: str = "ghost"
-    estimator: str = "hutchinson"
-    sketch_size: int = 32
+    estimator: str = SketchConfig.estimator
+    sketch_size: int = SketchConfig.sketch_size
     delta: float = 1e-2
     alpha: float = 0.05
     seed: int = 0

@@ -80,7 +80,7 @@ import torch
 from torch import nn
 
 from ..accounting.accountant import StepRecord
-from ..config import ESTIMATORS, SKETCHINGS
+from ..config import ESTIMATORS, SKETCHINGS, SketchConfig
 from .checks import check_choices, check_fields, check_ints
 from .experiment import (
     AuditConfig, AuditResult, InnerProductLoss, _batch, _data, _Experiment, _released, accounted_epsilon,
@@ -128,8 +128,8 @@ class PathAuditConfig:
     """
 
     variant: str = "accumulation_canary"
-    estimator: str = "hutchinson"
-    sketch_size: int = 32
+    estimator: str = SketchConfig.estimator
+    sketch_size: int = SketchConfig.sketch_size
     sigma: float = 1.0
     sketching: str = "shared"
     steps: int = 200
@@ -201,7 +201,6 @@ def build_hand_built(config: PathAuditConfig, noise_multiplier: Optional[float] 
     (``noise_multiplier`` overrides ``config.sigma``, e.g. 0 to compare sketches)."""
     import opacus_rc  # noqa: F401
     from ..accounting.accountant import RCPRVAccountant
-    from ..config import SketchConfig
     from ..grad_sample import GradSampleModuleRandomizedClipping
     from ..loss import DPLossRandomizedClipping
     from ..optimizer import RandomizedClippingOptimizer
