@@ -44,9 +44,9 @@ class PrivacyArguments:
     delta: Optional[float] = None
     max_grad_norm: float = 1.0
     clipping: str = "randomized"
-    estimator: str = "hutchinson"
-    sketch_size: int = 32
-    sketching: str = "per_example"
+    estimator: str = SketchConfig.estimator
+    sketch_size: int = SketchConfig.sketch_size
+    sketching: str = SketchConfig.sketching
     denoise: Optional[str] = None
     secure_mode: bool = False
     sample_rate: Optional[float] = None
