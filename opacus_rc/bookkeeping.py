@@ -285,14 +285,14 @@ class BookkeepingMixin(_SketcherOwner):
         records (per-example values; they would reach ``torch.save(model)``)."""
         self._pending_uses.clear()
         for _, p in trainable_parameters(self._module):
-            p._bk_records = None
+            p._bookkeeping_records = None
 
 
 def append_record(param: nn.Parameter, record: Record) -> None:
     """Keep ``record`` (one backward pass) on ``param`` until the optimizer's step."""
-    records = getattr(param, "_bk_records", None) or []
+    records = getattr(param, "_bookkeeping_records", None) or []
     records.append(record)
-    param._bk_records = records
+    param._bookkeeping_records = records
 
 
 def concatenate_uses(module: nn.Module, uses: List[Any]) -> Any:
@@ -340,7 +340,7 @@ class BookkeepingClippingMixin:
 
     @staticmethod
     def _records(p: torch.nn.Parameter):
-        return getattr(p, "_bk_records", None)
+        return getattr(p, "_bookkeeping_records", None)
 
     def _exact_grad_sample(self, p: torch.nn.Parameter) -> torch.Tensor:
         """Opacus's per-sample gradient of a parameter that is not book-kept."""
@@ -452,7 +452,7 @@ class BookkeepingClippingMixin:
                     part = r.clipped(clip[rows], kept).to(p.dtype).view_as(p)
                     grad = part if grad is None else grad + part
                     start += r.batch_size
-                p._bk_records = None
+                p._bookkeeping_records = None
             else:
                 gs = keep_rows(self._exact_grad_sample(p).to(p.dtype), keep)
                 grad = torch.einsum("i,i...", clip.to(gs), gs)
@@ -477,7 +477,7 @@ class BookkeepingClippingMixin:
         super().zero_grad(set_to_none)
         self._grads_since_zero = True  # p.grad holds only the passes recorded from here
         for p in self.params:
-            p._bk_records = None
+            p._bookkeeping_records = None
 
 
 class RandomizedClippingBookkeepingOptimizer(

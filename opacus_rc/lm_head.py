@@ -18,7 +18,7 @@ replaces the head and the loss: it takes the final hidden states (B, T, d) and t
   the weight (vocabulary side; the input side ``G_b^T (A_b P)`` when d > V, as
   :func:`opacus_rc.estimators.sketch_side` chooses), exact (ghost formula) when T <= k;
 * backward with upstream ``u`` (B,): the body's gradient ``u_i H_i``; the head's norms
-  (first pass of the two-pass form) or a book-keeping record (one-pass form), or, when the
+  (first pass of the two-pass form) or a book-keeping record (the book-keeping form), or, when the
   weight gradient is wanted (second pass, plain training), ``sum_i u_i A_i^T G_i`` block
   by block, recomputing each block's logits from A, W and the kept log-sum-exp.
 
@@ -209,7 +209,7 @@ class _Plan:
     block_size: int
     compute_dtype: torch.dtype
     owner: Any = None
-    mode: str = "plain"  # "plain" | "norms" (two-pass, first pass) | "bk" (book-keeping) | "fsdp"
+    mode: str = "plain"  # "plain" | "norms" (two-pass, first pass) | "bookkeeping" | "fsdp"
     kept: Dict[str, Any] = field(default_factory=dict)  # per-example sums for the norms
     delivered: bool = False
     # the head's parameters themselves (saved tensors unpack as other tensor objects
@@ -421,7 +421,7 @@ def _deliver(plan: _Plan, hidden, target, scale, lse, u) -> None:
     # The factor of example i's gradient of the loss the norms are taken of: Opacus's hooks multiply
     # the output gradient by n under loss_reduction="mean" (that of n * mean_i l_i: per example, of l_i).
     s = u * u.shape[0] if owner.loss_reduction == "mean" else u
-    if plan.mode != "bk":
+    if plan.mode != "bookkeeping":
         _deliver_norms(plan, kept, s)
         return
     params = _trainable([weight, bias])
@@ -694,7 +694,7 @@ class ChunkedLMHeadLoss(nn.Module):
                     owner._count_tied_use(layer)
                 spec = _norm_spec(owner, layer, weight, bias, hidden, tied=plan.tied)
             else:
-                plan.mode = "bk" if isinstance(owner, BookkeepingMixin) else "norms"
+                plan.mode = "bookkeeping" if isinstance(owner, BookkeepingMixin) else "norms"
                 for p in _trainable([weight, bias]):
                     p._forward_counter += 1
                 spec = _norm_spec(owner, layer, weight, bias, hidden)

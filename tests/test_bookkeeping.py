@@ -55,10 +55,10 @@ def test_bookkeeping_equals_two_pass(model_factory, estimator, sketching):
     x, y = token_task(n=16, t=48).tensors
     init = model_factory(seed=5)
     two_pass, out_g = run(copy.deepcopy(init), "ghost", x, y, steps=2, estimator=estimator, sketching=sketching)
-    one_pass, out_h = run(copy.deepcopy(init), "hooks", x, y, steps=2, estimator=estimator, sketching=sketching)
+    bookkept, out_h = run(copy.deepcopy(init), "hooks", x, y, steps=2, estimator=estimator, sketching=sketching)
     assert len(out_g) == 4 and len(out_h) == 3  # Opacus's return shapes per mode
     for k in two_pass:
-        torch.testing.assert_close(one_pass[k], two_pass[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(bookkept[k], two_pass[k], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("arch", ["decoder", "llama"])
@@ -76,9 +76,9 @@ def test_bookkeeping_lm_equals_two_pass(arch):
     seq = markov_text(8, 40, 64)
     x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
     two_pass, _ = run(copy.deepcopy(model), "ghost", x, y, lm=True)
-    one_pass, _ = run(copy.deepcopy(model), "hooks", x, y, lm=True)
+    bookkept, _ = run(copy.deepcopy(model), "hooks", x, y, lm=True)
     for k in two_pass:
-        torch.testing.assert_close(one_pass[k], two_pass[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(bookkept[k], two_pass[k], rtol=1e-4, atol=1e-6)
 
 
 def test_bookkeeping_skips_weight_gradients_in_backward(model_factory):
@@ -144,9 +144,9 @@ def test_linear_subclass_goes_through_exact_per_sample_gradients(model_factory):
     sub.load_state_dict(init.fc2.state_dict())
     init.fc2 = sub
     two_pass, _ = run(copy.deepcopy(init), "ghost", x, y)
-    one_pass, _ = run(copy.deepcopy(init), "hooks", x, y)
+    bookkept, _ = run(copy.deepcopy(init), "hooks", x, y)
     for k in two_pass:
-        torch.testing.assert_close(one_pass[k], two_pass[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(bookkept[k], two_pass[k], rtol=1e-4, atol=1e-6)
 
 
 class _TiedLM(nn.Module):

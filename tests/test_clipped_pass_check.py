@@ -37,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 V, D, T, B, C, LR = 12, 8, 6, 4, 0.1, 1.0  # T = 6 <= k = 32: exact norms
 
-PER_EXAMPLE_ATTRIBUTES = ("_norm_sample", "_tied_sketch_sum", "_bk_records", "grad_sample")
+PER_EXAMPLE_ATTRIBUTES = ("_norm_sample", "_tied_sketch_sum", "_bookkeeping_records", "grad_sample")
 
 
 class FusedHeadLM(nn.Module):

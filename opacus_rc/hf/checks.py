@@ -251,7 +251,7 @@ def check_records(trainer: Trainer, rows: int) -> None:
                 optimizer.zero_contribution(p)  # accepted by the step's clipped-pass check
         return
     for p in optimizer.params:
-        if getattr(p, "_bk_records", None) or getattr(p, "grad_sample", None) is not None:
+        if getattr(p, "_bookkeeping_records", None) or getattr(p, "grad_sample", None) is not None:
             continue
         if p.grad is not None and rows:
             raise ValueError(
@@ -262,7 +262,7 @@ def check_records(trainer: Trainer, rows: int) -> None:
                 "the parameter"
             )
         if bookkept:
-            p._bk_records = [Record(torch.zeros(rows, device=p.device), _zero_sum(p))]
+            p._bookkeeping_records = [Record(torch.zeros(rows, device=p.device), _zero_sum(p))]
         else:
             p.grad_sample = torch.zeros(rows, *p.shape, device=p.device, dtype=p.dtype)
 

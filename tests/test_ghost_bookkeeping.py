@@ -51,7 +51,7 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize("estimator", ["hutchinson", "hutchpp"])
-def test_one_pass_equals_two_pass(model_factory, estimator):
+def test_ghost_bookkeeping_equals_two_pass(model_factory, estimator):
     x, y = token_task(n=16, t=48).tensors
     init = model_factory(seed=5)
     two, opt2, _, _ = ghost_script(copy.deepcopy(init), x, y, steps=2, estimator=estimator)
@@ -62,7 +62,7 @@ def test_one_pass_equals_two_pass(model_factory, estimator):
     assert_same(one, two)
 
 
-def test_one_pass_lm_with_ignored_labels_equals_two_pass():
+def test_ghost_bookkeeping_lm_with_ignored_labels_equals_two_pass():
     """Per-sequence privacy unit through ``shape=``, ``-100`` labels excluded per sequence."""
     torch.manual_seed(0)
     model = TinyDecoder(vocab=64, d_model=32, n_layers=1, n_heads=2, max_len=64)
@@ -74,7 +74,7 @@ def test_one_pass_lm_with_ignored_labels_equals_two_pass():
     assert_same(one, two)
 
 
-def test_one_pass_accumulates_micro_batches_and_accounts_alike(model_factory):
+def test_ghost_bookkeeping_accumulates_micro_batches_and_accounts_alike(model_factory):
     x, y = token_task(n=16, t=48).tensors
     init = model_factory(seed=2)
     two, _, _, e2 = ghost_script(copy.deepcopy(init), x, y, micro=2)
