@@ -81,3 +81,26 @@ def test_chunked_head_reduction_none_returns_per_sequence_losses():
     torch.testing.assert_close(per_sequence, expected)
     with pytest.raises(ValueError, match="reduction='avg'.*'none'"):
         from_causal_lm(model, reduction="avg")
+
+
+@pytest.mark.parametrize("sigma", [-1.0, math.nan])
+def test_privacy_arguments_refuse_an_invalid_noise_multiplier(sigma):
+    from opacus_rc.hf import PrivacyArguments
+
+    with pytest.raises(ValueError, match="noise_multiplier=.*accepted values"):
+        PrivacyArguments(noise_multiplier=sigma, delta=1e-5)
+
+
+def test_dp_trainer_at_full_batch_without_noise_reports_infinite_epsilon(tmp_path):
+    """sample_rate=1.0 with noise 0 used to crash at the end of train() ('math domain error'
+    in the PRV's log-MGF): epsilon is infinite, logged as such."""
+    from opacus_rc.hf import DPTrainer, PrivacyArguments
+
+    from .test_hf_trainer import RowDataset, tiny_llama, training_args
+
+    trainer = DPTrainer(
+        model=tiny_llama(), args=training_args(tmp_path, max_steps=1), train_dataset=RowDataset(8),
+        privacy=PrivacyArguments(noise_multiplier=0.0, delta=1e-5, sample_rate=1.0, sketch_size=4),
+    )
+    trainer.train()
+    assert trainer.get_epsilon() == math.inf
