@@ -34,12 +34,31 @@ def refused_last_step(out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def shuffled_loader(out: str) -> None:
+    """Both ranks: a DPTrainer subclass whose get_train_dataloader returns fixed shuffled
+    batches (tests/test_hf_privacy_paths.py's one-process test, under DDP): refused."""
+    import pathlib
+
+    import test_hf_privacy_paths as h
+
+    trainer = h.loader_trainer(h.ShuffledLoader, pathlib.Path(out))
+    try:
+        trainer.train()
+        raised = ""
+    except ValueError as error:
+        raised = str(error)
+    torch.save({"raised": raised, "steps": trainer.privacy_steps()}, os.path.join(out, f"rank{os.environ['RANK']}.pt"))
+    torch.distributed.destroy_process_group()
+
+
 def main(out: str, sigma: float, clipping: str) -> None:
     import pathlib
 
     torch.set_num_threads(1)
     if clipping == "refused_last_step":
         return refused_last_step(out)
+    if clipping == "shuffled_loader":
+        return shuffled_loader(out)
     model = t.tiny_llama(seed=int(os.environ["RANK"]))  # different on purpose: rank 0's is broadcast
     trainer = t.recording(t.DPTrainer)(
         model=model,

@@ -283,6 +283,16 @@ def test_an_override_of_get_train_dataloader_that_bypasses_the_poisson_loader_is
     assert all(torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
 
 
+def test_two_gloo_ranks_an_override_bypassing_the_poisson_loader_is_refused(tmp_path):
+    """The same refusal under torchrun --nproc_per_node 2: every rank refuses at its first
+    batch, no step charged."""
+    from .test_hf_trainer import run_two_ranks
+
+    for r in run_two_ranks(tmp_path, 0.0, clipping="shuffled_loader"):
+        assert "not the private Trainer's Poisson loader" in r["raised"], r
+        assert r["steps"] == 0
+
+
 def test_an_override_returning_the_poisson_loader_trains(tmp_path):
     trainer = loader_trainer(SameLoader, tmp_path)
     trainer.train()
