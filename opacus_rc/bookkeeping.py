@@ -48,7 +48,7 @@ from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 
 from .estimators import as_sequence
-from .grad_sample import _SketcherOwner
+from .grad_sample import _SketcherOwner, coarsest_dtype
 from .norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from .finite import OUTSIDE_USE
 from .optimizer import RandomizedClippingMixin, in_module_excess
@@ -406,13 +406,13 @@ class BookkeepingClippingMixin:
                 continue
             if records:
                 parts = [r.clipped(torch.ones_like(r.sq_norms)) for r in records]
-                dtype = min((x.dtype for x in parts), key=lambda t: torch.finfo(t).eps * -1)
+                dtype = coarsest_dtype(x.dtype for x in parts)
                 parts = [x.float().view_as(p) for x in parts]
                 sizes = [r.batch_size for r in records]
                 norms = torch.cat([r.sq_norms for r in records]).float().sqrt()
             elif isinstance(getattr(p, "grad_sample", None), (torch.Tensor, list)):
                 gs = p.grad_sample if isinstance(p.grad_sample, list) else [p.grad_sample]
-                dtype = min((g.dtype for g in gs), key=lambda t: torch.finfo(t).eps * -1)
+                dtype = coarsest_dtype(g.dtype for g in gs)
                 parts = [g.float().sum(dim=0).view_as(p) for g in gs]
                 sizes = [g.shape[0] for g in gs]
                 norms = torch.cat([g.float().flatten(start_dim=1).norm(dim=1) for g in gs])

@@ -293,8 +293,7 @@ class SketchingMixin(_SketcherOwner):
         if total is None:
             param._in_module_grad = (grad_sum, dtype)
         else:
-            low = dtype if torch.finfo(dtype).eps > torch.finfo(total[1]).eps else total[1]
-            param._in_module_grad = (total[0].add_(grad_sum), low)
+            param._in_module_grad = (total[0].add_(grad_sum), coarsest_dtype((dtype, total[1])))
 
     def _backprops_scale(self, module: nn.Module) -> float:
         """The factor turning a batch sum of the (rearranged) per-example gradients into
@@ -423,6 +422,12 @@ class SketchingMixin(_SketcherOwner):
         if slot._forward_counter == 0:
             slot._norm_sample = slot._tied_sketch_sum.flatten(start_dim=1).norm(2, dim=1)
             slot._tied_sketch_sum = None
+
+
+def coarsest_dtype(dtypes: Any) -> torch.dtype:
+    """The least precise of ``dtypes`` (the largest machine epsilon): the outside-use
+    check's tolerance follows it."""
+    return max(dtypes, key=lambda t: torch.finfo(t).eps)
 
 
 def embedding_grad_sum(ids: torch.Tensor, g: torch.Tensor, rows: int, padding_idx: Optional[int]) -> torch.Tensor:

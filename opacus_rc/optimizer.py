@@ -147,6 +147,7 @@ class RandomizedClippingMixin:
         self._parameter_names: Dict[int, str] = {}
         self._norm_pass_module: Any = None  # set by the criterion's backward during its norm pass
         self._outside_flags: List[Any] = []  # (parameters, device flags) of the step's norm passes
+        self._elsewhere_cache: Any = None  # (module, ids): see _used_elsewhere()
 
     @property
     def accumulated_iterations(self) -> int:
@@ -293,13 +294,7 @@ class RandomizedClippingMixin:
           (:meth:`~opacus_rc.grad_sample.SketchingMixin.note_in_module_grad`): ``p.grad``
           must equal it, up to float rounding (:func:`in_module_excess`)."""
         patched = getattr(module, "_patched", ())
-        ids = {id(m) for m in patched}
-        inner = getattr(module, "_module", module)
-        # a weight tied to another layer (an embedding) legitimately gets its gradient there
-        elsewhere = {
-            id(p) for m in inner.modules() if id(m) not in ids
-            for p in m.parameters(recurse=False)
-        }
+        elsewhere = self._used_elsewhere(module, patched)
         unclipped = [
             p for m in patched for p in m.parameters(recurse=False)
             if p.requires_grad and id(p) not in elsewhere and p.grad is not None
@@ -324,6 +319,18 @@ class RandomizedClippingMixin:
             excess = torch.stack([e.to(excess[0].device) for e in excess])
             self._outside_flags.append((checked, excess))
             self.note_finite(OUTSIDE_USE, torch.where(excess, float("inf"), 0.0))
+
+    def _used_elsewhere(self, module: Any, patched: Any) -> set:
+        """Ids of the parameters also owned by a layer that is not a deferred linear one (a
+        weight tied to an embedding legitimately gets its gradient there); the model does
+        not change during training: computed once per grad-sample module."""
+        cached = self._elsewhere_cache
+        if cached is None or cached[0] is not module:
+            ids = {id(m) for m in patched}
+            inner = getattr(module, "_module", module)
+            found = {id(p) for m in inner.modules() if id(m) not in ids for p in m.parameters(recurse=False)}
+            cached = self._elsewhere_cache = (module, found)
+        return cached[1]
 
     def _outside_use_error(self) -> ValueError:
         """The refusal of a step one of whose norm passes found a parameter's gradient that
