@@ -386,7 +386,7 @@ class BookkeepingClippingMixin:
         a wrong update, refused instead. Autograd's ``p.grad`` must equal the in-module
         batch sum (exactly zero for the linear layers, whose gradients book-keeping defers;
         else up to float rounding (:func:`~opacus_rc.optimizer.in_module_excess`)); decided on the
-        device with the step's non-finite checks. Cost: one unclipped sum per parameter.
+        device with the step's non-finite checks. Cost: one unclipped sum per non-linear parameter.
         Not compared: the non-linear parameters of a physical batch after a skipped step
         with no ``zero_grad()`` between (``p.grad`` then also holds the earlier batch's)."""
         module = self._bound_module()
@@ -394,42 +394,48 @@ class BookkeepingClippingMixin:
         # p.grad of the others also holds the passes of an earlier physical batch of the step
         # (a skipped step) unless zero_grad() came since: compared only when it did
         fresh, self._grads_since_zero = getattr(self, "_grads_since_zero", True), False
-        mean = getattr(self, "loss_reduction", "mean") == "mean"
         checked, excess = [], []
         for p in self.params:
-            records = self._records(p)
             if p.grad is None or p.grad.is_sparse:
                 continue
-            if id(p) in deferred and not records:
-                continue  # no use of the layer in the step: the "no record" refusal applies
-            if id(p) not in deferred and not fresh:
-                continue
-            if records:
-                parts = [r.clipped(torch.ones_like(r.sq_norms)) for r in records]
-                dtype = coarsest_dtype(x.dtype for x in parts)
-                parts = [x.float().view_as(p) for x in parts]
-                sizes = [r.batch_size for r in records]
-                norms = torch.cat([r.sq_norms for r in records]).float().sqrt()
-            elif isinstance(getattr(p, "grad_sample", None), (torch.Tensor, list)):
-                gs = p.grad_sample if isinstance(p.grad_sample, list) else [p.grad_sample]
-                dtype = coarsest_dtype(g.dtype for g in gs)
-                parts = [g.float().sum(dim=0).view_as(p) for g in gs]
-                sizes = [g.shape[0] for g in gs]
-                norms = torch.cat([g.float().flatten(start_dim=1).norm(dim=1) for g in gs])
-            else:
-                continue
-            if mean:
-                parts = [x / max(1, n) for x, n in zip(parts, sizes)]
-                norms = norms / max(1, max(sizes))
-            checked.append(p)
-            if id(p) in deferred:  # autograd computes none of it: any entry is an outside use
-                excess.append(p.grad.detach().ne(0).any())
-            else:
-                excess.append(in_module_excess(p.grad, sum(parts), dtype, norms))
+            if id(p) in deferred:
+                if self._records(p):  # autograd computes none of it: any entry is an outside use
+                    checked.append(p)
+                    excess.append(p.grad.detach().ne(0).any())
+                continue  # (no record: the step's "no record" refusal applies)
+            expected = self._in_module_sum(p) if fresh else None
+            if expected is not None:
+                checked.append(p)
+                excess.append(in_module_excess(p.grad, *expected))
         if excess:
             flags = torch.stack([e.to(excess[0].device) for e in excess])
             self._outside_flags.append((checked, flags))
             self.note_finite(OUTSIDE_USE, torch.where(flags, float("inf"), 0.0))
+
+    def _in_module_sum(self, p: torch.nn.Parameter):
+        """``(sum, dtype, norms)`` of a parameter that is not deferred: the unclipped batch
+        sum of its in-module gradients in ``p.grad``'s units (from its records or Opacus's
+        per-sample gradients), their coarsest dtype and the per-example norms; None when
+        the step has neither."""
+        records = self._records(p)
+        if records:
+            parts = [r.clipped(torch.ones_like(r.sq_norms)) for r in records]
+            dtype = coarsest_dtype(x.dtype for x in parts)
+            sizes = [r.batch_size for r in records]
+            norms = torch.cat([r.sq_norms for r in records]).float().sqrt()
+        elif isinstance(getattr(p, "grad_sample", None), (torch.Tensor, list)):
+            gs = p.grad_sample if isinstance(p.grad_sample, list) else [p.grad_sample]
+            dtype = coarsest_dtype(g.dtype for g in gs)
+            parts = [g.float().sum(dim=0) for g in gs]
+            sizes = [g.shape[0] for g in gs]
+            norms = torch.cat([g.float().flatten(start_dim=1).norm(dim=1) for g in gs])
+        else:
+            return None
+        parts = [x.float().view_as(p) for x in parts]
+        if getattr(self, "loss_reduction", "mean") == "mean":
+            parts = [x / max(1, n) for x, n in zip(parts, sizes)]
+            norms = norms / max(1, max(sizes))
+        return sum(parts), dtype, norms
 
     def clip_and_accumulate(self) -> None:
         self._note_outside_uses()
