@@ -1,18 +1,24 @@
 """Golden run of every randomized form: the released parameters after a few seeded steps and
-the epsilon are bit-identical to those recorded (a refactoring must change neither).
+the epsilon equal those recorded (a refactoring must change neither).
 
-``seed=`` makes noise, Poisson masks and sketches reproducible; one intra-op thread makes
-the float reductions reproducible. Recording (only when a change is *meant* to alter the
-numbers, and said so in the commit):  python -m tests.test_golden --write
+``seed=`` makes noise, Poisson masks and sketches reproducible, so the same code gives the
+same draws on every machine. Epsilon (numpy/scipy, one BLAS thread) is compared bit for
+bit. The parameters are compared to float rounding: the CPU's matmul kernels differ
+between machines (an AMD and an Intel host give different last bits for the same code,
+which a hash of the bytes turned into a failure), so the test allows |diff| <= 1e-5 +
+1e-4 |recorded| per entry. A behaviour change moves them by far more: one example more or
+less, a different clip factor, noise or sketch changes an entry by the order of
+lr * sigma * C / B = 0.5 * 0.7 * 0.5 / 16 ~ 1e-2. Recording (only when a change is *meant*
+to alter the numbers, and said so in the commit):  python -m tests.test_golden --write
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 import torch
 from opacus import PrivacyEngine
@@ -105,10 +111,9 @@ def run_form(name: str, steps: int = 3) -> dict:
                 done += 1
                 if done == steps:
                     break
-        digest = hashlib.sha256()
-        for p in model.parameters():
-            digest.update(p.detach().contiguous().numpy().tobytes())
-        return {"parameters_sha256": digest.hexdigest(), "epsilon": float(engine.get_epsilon(1e-5)).hex()}
+        values = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        return {"parameters": [float(f"{v:.9g}") for v in values.tolist()],
+                "epsilon": float(engine.get_epsilon(1e-5)).hex()}
     finally:
         torch.set_num_threads(threads)
 
@@ -118,14 +123,15 @@ def recorded() -> dict:
 
 
 @pytest.mark.parametrize("name", sorted(FORMS))
-def test_form_is_bit_identical_to_the_golden_run(name):
-    assert run_form(name) == recorded()[name], (
-        f"{name}: the released parameters or epsilon changed; if the change is meant, record "
-        "it with python -m tests.test_golden --write and say why in the commit"
-    )
+def test_form_equals_the_golden_run(name):
+    got, golden = run_form(name), recorded()[name]
+    hint = (f"{name}: the released parameters or epsilon changed; if the change is meant, record "
+            "it with python -m tests.test_golden --write and say why in the commit")
+    assert got["epsilon"] == golden["epsilon"], hint
+    np.testing.assert_allclose(got["parameters"], golden["parameters"], rtol=1e-4, atol=1e-5, err_msg=hint)
 
 
 if __name__ == "__main__":
     if "--write" in sys.argv:
-        GOLDEN.write_text(json.dumps({name: run_form(name) for name in sorted(FORMS)}, indent=1) + "\n")
+        GOLDEN.write_text(json.dumps({name: run_form(name) for name in sorted(FORMS)}) + "\n")
         print(f"wrote {GOLDEN}")
