@@ -54,25 +54,10 @@ from torch.utils.data import IterableDataset
 from . import checkpoint
 from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
 from .csprng import SecureDPDataLoader, loader_settings
-from .fsdp import (
-    FSDP_MODE,
-    FSDPRandomizedClippingOptimizer,
-    GradSampleHooksRandomizedClippingFSDP,
-    GradSampleModuleRandomizedClippingFSDP,
-    check_fsdp_mode,
-)
-from .bookkeeping import (
-    BOOKKEEPING_WITH_CRITERION,
-    OUTPUT_PASSES,
-    DistributedRandomizedClippingBookkeepingOptimizer,
-    GradSampleHooksBookkeeping,
-    GradSampleModuleBookkeeping,
-    RandomizedClippingBookkeepingOptimizer,
-    with_criterion,
-)
-from .grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
+from .forms import FORMS
+from .fsdp import check_fsdp_mode
 from .loss import DPLossRandomizedClipping
-from .optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingMixin, RandomizedClippingOptimizer
+from .optimizer import RandomizedClippingMixin
 from .options import (  # noqa: F401  (loader_batch_size, loader_rate, public_sampling: public here too)
     RANDOMIZED,
     RC_ACCOUNTANTS,
@@ -84,7 +69,6 @@ from .options import (  # noqa: F401  (loader_batch_size, loader_rate, public_sa
     split_options,
     with_options,
 )
-from .output_passes import attach_output_passes
 from .sketch import POISSON_STREAM, DeviceStreams
 
 logger = logging.getLogger(__name__)
@@ -135,25 +119,6 @@ def denoised_weights(module: nn.Module) -> List[nn.Parameter]:
         and m.weight.requires_grad
         and m.weight.dim() == 2
     ]
-
-
-#: Per grad-sample mode of a randomized call (``"hooks"``: book-keeping): the grad-sample
-#: module (wrapping form, ``wrap_model=False`` hooks form) and the optimizer (one process,
-#: DDP), as Opacus's ``get_gsm_class`` / ``get_optimizer_class`` pick its own.
-RANDOMIZED_CLASSES = {
-    "ghost": (
-        (GradSampleModuleRandomizedClipping, GradSampleHooksRandomizedClipping),
-        (RandomizedClippingOptimizer, DistributedRandomizedClippingOptimizer),
-    ),
-    "hooks": (
-        (GradSampleModuleBookkeeping, GradSampleHooksBookkeeping),
-        (RandomizedClippingBookkeepingOptimizer, DistributedRandomizedClippingBookkeepingOptimizer),
-    ),
-    FSDP_MODE: (
-        (GradSampleModuleRandomizedClippingFSDP, GradSampleHooksRandomizedClippingFSDP),
-        (FSDPRandomizedClippingOptimizer, FSDPRandomizedClippingOptimizer),
-    ),
-}
 
 
 class PrivacyEngine(OpacusPrivacyEngine):
@@ -296,7 +261,7 @@ class PrivacyEngine(OpacusPrivacyEngine):
 
     def _randomized_outputs(self, out, options: Options, arguments: Dict[str, Any]):
         """Opacus's outputs of a randomized call, charged at the public rate and in the
-        form the script expects (:mod:`opacus_rc.bookkeeping`, :mod:`opacus_rc.output_passes`)."""
+        form the script expects (the form's ``outputs``, :mod:`opacus_rc.forms`)."""
         sampling: PublicSampling = options.sampling
         out[0].follow_steps(out[1])  # fresh sketches after every step the optimizer takes
         # Opacus charged 1 / len(its DPDataLoader); charge the public rate instead.
@@ -305,13 +270,7 @@ class PrivacyEngine(OpacusPrivacyEngine):
             "randomized clipping: public normaliser %d, sample rate %.6g", sampling.batch_size,
             sampling.sample_rate,
         )
-        if options.runs == OUTPUT_PASSES:  # a plain-loss script on a checkpointed model
-            module, optimizer, _, data_loader = out
-            attach_output_passes(module, optimizer, arguments["loss_reduction"])
-            return module, optimizer, data_loader
-        if options.runs == BOOKKEEPING_WITH_CRITERION:
-            return with_criterion(out, arguments["criterion"], arguments["loss_reduction"])
-        return out
+        return FORMS[options.runs].outputs(out, arguments)
 
     @staticmethod
     def _denoised(out, options: Options, module: nn.Module):
@@ -335,28 +294,25 @@ class PrivacyEngine(OpacusPrivacyEngine):
     # --- Opacus's make_private steps, randomized path (called by MakePrivateCall) -------
 
     def _randomized_model(self, options: Options, module: nn.Module, **kwargs: Any):
-        """The randomized grad-sample module (two passes, book-keeping or FSDP2; its hooks
-        form for ``wrap_model=False``). Opacus builds its own through ``get_gsm_class``,
-        which has no registry."""
+        """The form's grad-sample module (:data:`opacus_rc.forms.FORMS`; its hooks form for
+        ``wrap_model=False``). Opacus builds its own through ``get_gsm_class``, which has
+        no registry."""
         self.validate(module=module, optimizer=None, data_loader=None)
         if isinstance(module, AbstractGradSampleModule):
             raise ValueError(
                 "clipping='randomized' needs a plain nn.Module; got an already wrapped "
                 f"{type(module).__name__}"
             )
-        mode = kwargs["grad_sample_mode"]
-        check_fsdp_mode(module, mode)  # FSDP2: ghost_fsdp only
-        wrapping, hooks = RANDOMIZED_CLASSES[mode][0]
-        # book-keeping clips after the pass, in the optimizer: its module takes no bound
-        bound = {} if mode == "hooks" else {"max_grad_norm": kwargs["max_grad_norm"]}
-        return (wrapping if kwargs["wrap_model"] else hooks)(
+        check_fsdp_mode(module, kwargs["grad_sample_mode"])  # FSDP2: ghost_fsdp only
+        return FORMS[options.runs].build_module(
             module,
+            kwargs["wrap_model"],
+            kwargs["max_grad_norm"],
             batch_first=kwargs["batch_first"],
             loss_reduction=kwargs["loss_reduction"],
             sketch_config=options.sketch,
             sketch_seed=options.sketch_seed,
             secure_mode=self.secure_mode,
-            **bound,
         )
 
     def _randomized_optimizer(self, options: Options, *, optimizer, noise_generator=None, **kwargs: Any) -> DPOptimizer:
@@ -365,7 +321,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
         # Opacus passes int(len(dataset) / len(loader)), dataset-dependent, divided per
         # rank; the public normaliser is divided as Opacus divides its own.
         kwargs["expected_batch_size"] = per_rank_normaliser(options.sampling.batch_size, distributed)
-        cls = RANDOMIZED_CLASSES[kwargs.pop("grad_sample_mode")][1][distributed]
+        kwargs.pop("grad_sample_mode")
+        cls = FORMS[options.runs].optimizer_class(distributed)
         kwargs.pop("clipping")
         # Copied from Opacus's _prepare_optimizer, whose get_optimizer_class has no registry.
         if isinstance(optimizer, DPOptimizer):
@@ -517,10 +474,21 @@ def _splitting_iter(self: BatchSplittingSampler):
     """``BatchSplittingSampler.__iter__`` (BatchMemoryManager's physical batches): Opacus's
     own, on a copy of the sampler whose optimizer, a plugin one, hears its skipped steps
     as continuations of the same Poisson draw (charged as one micro-batch, see
-    :meth:`~opacus_rc.optimizer.RandomizedClippingMixin.signal_skip_step`). Opacus's
-    optimizers hear what they always did."""
+    :meth:`~opacus_rc.optimizer.RandomizedClippingMixin.signal_skip_step`). Over a loader
+    that is split already (the per-example form's), its own batches and signals, unsplit
+    again: two splitters would each signal the end of a draw. Opacus's optimizers hear
+    what they always did."""
     if not isinstance(self.optimizer, RandomizedClippingMixin):
         return _OPACUS_SPLITTING_ITER(self)
+    if isinstance(self.sampler, BatchSplittingSampler):  # over a loader that splits already
+        if self.sampler.max_batch_size > self.max_batch_size:
+            raise ValueError(
+                f"BatchMemoryManager(max_physical_batch_size={self.max_batch_size}) over a loader "
+                f"already split into physical batches of up to {self.sampler.max_batch_size}: "
+                "give the unsplit Poisson loader, or a max_physical_batch_size of at least "
+                f"{self.sampler.max_batch_size}"
+            )
+        return iter(self.sampler)  # its batches fit; it signals the draws itself
     splitter = copy.copy(self)
     splitter.optimizer = _SameDrawSignals(self.optimizer)
     return _OPACUS_SPLITTING_ITER(splitter)

@@ -25,7 +25,8 @@ from torch.utils.data.distributed import DistributedSampler
 from .config import SketchConfig
 from .denoise import DEFAULT_KAPPA
 from .fsdp import FSDP_MODE
-from .bookkeeping import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, BOOKKEEPING_MODE, OUTPUT_PASSES, TWO_PASS, resolve_bookkeeping
+from .bookkeeping import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, BOOKKEEPING_MODE, OUTPUT_PASSES, TWO_PASS
+from .forms import FORMS, PER_EXAMPLE, resolve_form
 from .sketch import check_seed
 
 RANDOMIZED = "randomized"
@@ -95,9 +96,17 @@ OPTIONS: Tuple[Option, ...] = (
         "passes from the model's output); False forces those two passes. With\n"
         "``\"bookkeeping\"``: None or True."
     )),
+    Option("per_example_backward", None, "Optional[bool]", (
+        "*randomized*. None, True or False: True runs one example per backward\n"
+        "pass with exact flat clipping of its whole gradient (no sketch; charged as\n"
+        "Opacus's ``prv``; the returned loader yields one example per physical\n"
+        "batch). None (default) does so when the data loader's ``batch_size`` is 1;\n"
+        "False never (:mod:`opacus_rc.forms`)."
+    )),
     Option("nonfinite", "raise", "str", (
         "*randomized*. ``\"raise\"`` (a non-finite norm or gradient refuses the\n"
-        "step) or ``\"skip\"`` (book-keeping only: drop that example's contribution,\n"
+        "step) or ``\"skip\"`` (book-keeping and the per-example form only: drop\n"
+        "that example's contribution,\n"
         "counted in ``optimizer.skipped_examples``, a non-private count)."
     )),
     Option("sample_rate", None, "Optional[float]", (
@@ -349,17 +358,17 @@ def _noise_multiplier(opacus: Mapping[str, Any]) -> None:
         )
 
 
-def _nonfinite(mode: Any, grad_sample_mode: str) -> str:
+def _nonfinite(mode: Any, grad_sample_mode: str, runs: str) -> str:
     """``nonfinite=`` ("raise", the default, or "skip"). "skip" needs book-keeping
-    (``grad_sample_mode="hooks"`` after ``bookkeeping=`` was resolved): only there is each
-    example's contribution assembled on its own, so a non-finite one can be dropped before
-    the sum; the two-pass backward sums them inside autograd."""
+    (``grad_sample_mode="hooks"`` after ``bookkeeping=`` was resolved) or the per-example
+    form: only there is each example's contribution assembled on its own, so a non-finite
+    one can be dropped before the sum; the two-pass backward sums them inside autograd."""
     if mode not in NONFINITE_MODES:
         raise ValueError(
             f"nonfinite={mode!r} is not supported; accepted values: "
             f"{', '.join(repr(m) for m in NONFINITE_MODES)}"
         )
-    if mode == "skip" and grad_sample_mode != "hooks":
+    if mode == "skip" and grad_sample_mode != "hooks" and runs != PER_EXAMPLE:
         raise ValueError(
             "nonfinite='skip' needs book-keeping: use grad_sample_mode='bookkeeping' (or its "
             "aliases 'hooks', 'ghost' with bookkeeping=True); the two-pass backward cannot drop one example's "
@@ -406,10 +415,10 @@ class Options:
         clipping: the clipping mode (``"randomized"`` or one of Opacus's).
         grad_sample_mode: the grad-sample mode the call builds (``bookkeeping=`` may
             switch the requested one, see :func:`opacus_rc.bookkeeping.resolve_bookkeeping`).
-        runs: what the randomized call runs: ``TWO_PASS``, ``BOOKKEEPING``,
-            ``BOOKKEEPING_WITH_CRITERION`` or ``OUTPUT_PASSES`` (:mod:`opacus_rc.bookkeeping`).
+        runs: the form the randomized call runs, a key of :data:`opacus_rc.forms.FORMS`.
         denoise: keyword arguments of the spectral denoiser, or None (no denoising).
-        sketch: the :class:`~opacus_rc.config.SketchConfig` (randomized only, else None).
+        sketch: the :class:`~opacus_rc.config.SketchConfig` (a sketched randomized form only,
+            else None: exact clipping).
         sketch_seed: the sketches' seed (``sketch_seed=``, else ``seed=``).
         seed: ``seed=``, root of the noise and Poisson streams (None: ``os.urandom``).
         nonfinite: ``"raise"`` or ``"skip"``.
@@ -453,8 +462,9 @@ class Options:
         clipping = _clipping(clipping)
         _noise_multiplier(opacus)
         denoise = _denoise(options)
-        runs, mode = resolve_bookkeeping(
-            clipping, options["bookkeeping"], opacus["grad_sample_mode"], opacus.get("module")
+        runs, mode = resolve_form(
+            clipping, options["bookkeeping"], options["per_example_backward"], opacus["grad_sample_mode"],
+            opacus.get("module"), opacus.get("data_loader"),
         )
         if clipping != RANDOMIZED:
             given = [k for k in RANDOMIZED_ONLY if _given(options, k)]
@@ -464,8 +474,8 @@ class Options:
                 )
             return cls(clipping=clipping, grad_sample_mode=mode, denoise=denoise)
         check_randomized_setup(engine, mode)
-        sketch = SketchConfig(**{k: options[k] for k in SKETCH_OPTIONS})
-        nonfinite = _nonfinite(options["nonfinite"], mode)
+        sketch = None if FORMS[runs].exact else SketchConfig(**{k: options[k] for k in SKETCH_OPTIONS})
+        nonfinite = _nonfinite(options["nonfinite"], mode, runs)
         seed = _seed(options["seed"], options, opacus, engine.secure_mode)
         # From the loader as the user built it: Opacus's DPDataLoader has no batch_size.
         sampling = public_sampling(

@@ -74,7 +74,7 @@ def one_example_update(model: nn.Module, options: dict, seed: int = 0) -> float:
         module=model, optimizer=torch.optim.SGD(params, lr=1.0),
         data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=1),
         criterion=nn.CrossEntropyLoss(), noise_multiplier=0.0, max_grad_norm=CLIP, poisson_sampling=False,
-        clipping="randomized", sketch_size=K, sketch_seed=0, **options,
+        clipping="randomized", sketch_size=K, sketch_seed=0, per_example_backward=False, **options,
     )
     module = out[0] if isinstance(out[0], nn.Module) else model
     before = [p.detach().clone() for p in params]

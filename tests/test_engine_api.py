@@ -23,7 +23,7 @@ from .conftest import token_task
 
 OPTIONS = (
     "estimator", "sketch_size", "sketching", "exact_when_cheaper", "sketch_seed", "seed",
-    "bookkeeping", "denoise", "denoise_kappa", "denoise_svd", "nonfinite", "sample_rate",
+    "bookkeeping", "per_example_backward", "denoise", "denoise_kappa", "denoise_svd", "nonfinite", "sample_rate",
     "expected_batch_size",
 )
 ENTRY_POINTS = ("make_private", "make_private_with_epsilon")

@@ -132,7 +132,7 @@ def test_weight_used_twice_with_equal_gradients_is_bounded_by_c():
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
         data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=1),
         noise_multiplier=0.0, max_grad_norm=1e-3, poisson_sampling=False, clipping="randomized",
-        loss_reduction="sum",
+        loss_reduction="sum", per_example_backward=False,  # the sketched forms' bookkeeping
     )
     module(x).sum().backward()
     opt.step()

@@ -29,7 +29,7 @@ def private(model, *, data=None, batch_size=8, poisson=False, noise=0.5, seed=0,
         grad_sample_mode="ghost",
         clipping="randomized",
         noise_generator=torch.Generator().manual_seed(seed + 100),
-        **{"sketch_size": 8, "sketch_seed": seed, **options},
+        **{"sketch_size": 8, "sketch_seed": seed, "per_example_backward": False, **options},
     )
     return engine, module, opt, crit, loader
 

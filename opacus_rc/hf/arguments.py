@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 from ..config import SketchConfig
+from ..forms import per_example_chosen
 from ..options import DENOISERS as ENGINE_DENOISERS
 
 CLIPPINGS = ("randomized", "flat")
@@ -30,6 +31,10 @@ class PrivacyArguments:
         clipping: ``"randomized"`` (default: estimated norms, :mod:`opacus_rc`) or ``"flat"``
             (Opacus's exact per-sample gradients).
         estimator, sketch_size, sketching: the randomized-clipping sketch (see ``make_private``).
+        per_example_backward: ``None`` (default: when ``per_device_train_batch_size`` is 1),
+            True or False: each physical batch runs one row at a time, one backward pass per
+            example, with exact flat clipping of its whole gradient (randomized only; no
+            sketch, charged as Opacus's ``prv``; memory of one row plus the clipped sum).
         denoise: ``None`` or ``"spectral"`` (post-processing of the noisy gradient).
         secure_mode: noise, sketches and Poisson masks from :mod:`opacus_rc.csprng`.
         sample_rate: the public Poisson rate; ``None``: ``1 / ceil(len(train_dataset) / B)``
@@ -47,6 +52,7 @@ class PrivacyArguments:
     estimator: str = SketchConfig.estimator
     sketch_size: int = SketchConfig.sketch_size
     sketching: str = SketchConfig.sketching
+    per_example_backward: Optional[bool] = None
     denoise: Optional[str] = None
     secure_mode: bool = False
     sample_rate: Optional[float] = None
@@ -84,6 +90,10 @@ class PrivacyArguments:
             ("stop_at_epsilon", self.stop_at_epsilon is None or _positive(self.stop_at_epsilon), "a float > 0 or None"),
             ("secure_mode", isinstance(self.secure_mode, bool), "True, False"),
             ("log_train_loss", isinstance(self.log_train_loss, bool), "True, False"),
+            ("per_example_backward",
+             self.per_example_backward is None or isinstance(self.per_example_backward, bool)
+             and (self.clipping == "randomized" or not self.per_example_backward),
+             "None, True, False (True with clipping='randomized' only)"),
         )
 
     def _refuse_invalid(self, *checks: Tuple[str, bool, str]) -> None:
@@ -91,10 +101,15 @@ class PrivacyArguments:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid; accepted values: {accepted}")
 
-    @property
-    def sketch_config(self) -> Optional[SketchConfig]:
-        """The sketch the accountant charges (None: flat, deterministic clipping)."""
-        return SketchConfig(self.estimator, self.sketch_size, self.sketching) if self.clipping == "randomized" else None
+    def per_example(self, physical_batch_size: int) -> bool:
+        """Whether training runs the per-example form (:func:`opacus_rc.forms.per_example_chosen`)."""
+        return self.clipping == "randomized" and per_example_chosen(self.per_example_backward, physical_batch_size)
+
+    def sketch_config(self, physical_batch_size: int) -> Optional[SketchConfig]:
+        """The sketch the accountant charges (None: exact clipping, flat or per-example)."""
+        if self.clipping != "randomized" or self.per_example(physical_batch_size):
+            return None
+        return SketchConfig(self.estimator, self.sketch_size, self.sketching)
 
 
 def _real(x: Any) -> bool:

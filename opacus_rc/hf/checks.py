@@ -22,6 +22,7 @@ from transformers import Trainer
 from ..accounting.accountant import RCPRVAccountant
 from ..bookkeeping import BookkeepingClippingMixin, Record
 from ..finite import agree_across_ranks, all_finite
+from ..forms.per_example import PerExampleOptimizerMixin
 from .arguments import PrivacyArguments
 from .data import PoissonAccumulationSampler
 from .losses import _base_model
@@ -241,6 +242,8 @@ def check_records(trainer: Trainer, rows: int) -> None:
     gradients) for this batch. A parameter unused by the batch (or an empty batch)
     contributes exact zeros; one with a gradient that no hook saw is refused."""
     optimizer = trainer._dp_optimizer
+    if isinstance(optimizer, PerExampleOptimizerMixin):
+        return  # each row's whole gradient was clipped exactly; its step checks the rest
     bookkept = isinstance(optimizer, BookkeepingClippingMixin)
     if not bookkept and getattr(trainer._dp_hooks, "output_passes", None) is not None:
         # two passes from the output (checkpointed model): the clipped sum is in p.grad;

@@ -4,7 +4,7 @@ becoming a marker batch (:func:`is_empty_batch`)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -82,6 +82,19 @@ def is_empty_batch(inputs: Any) -> bool:
     return isinstance(inputs, dict) and inputs.get(_EMPTY, False) is True
 
 
+def one_row_batches(inputs: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """A collated batch as batches of one row each: every tensor with the batch's rows along
+    dimension 0 sliced, everything else kept (the per-example form's physical batch)."""
+    rows = next((v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
+
+    def row(value: Any, i: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+            return value[i:i + 1]
+        return value
+
+    return [{k: row(v, i) for k, v in inputs.items()} for i in range(rows)]
+
+
 def poisson_loader(
     dataset: Dataset, collator: Callable, *, num_workers: int, pin_memory: bool, **sampler: Any
 ) -> DataLoader:
@@ -97,4 +110,4 @@ def poisson_loader(
     )
 
 
-__all__ = ["PoissonAccumulationSampler", "is_empty_batch", "poisson_loader"]
+__all__ = ["PoissonAccumulationSampler", "is_empty_batch", "one_row_batches", "poisson_loader"]

@@ -22,9 +22,10 @@ from .arguments import PrivacyArguments
 logger = logging.getLogger(__package__)
 
 
-def noise_multiplier(privacy: PrivacyArguments, sample_rate: float, steps: int) -> float:
+def noise_multiplier(privacy: PrivacyArguments, sample_rate: float, steps: int, physical_batch_size: int) -> float:
     """``privacy.noise_multiplier``, else sigma calibrated with ``rc_prv`` so that ``steps``
-    logical steps at ``sample_rate`` spend ``privacy.target_epsilon`` at ``privacy.delta``."""
+    logical steps at ``sample_rate`` spend ``privacy.target_epsilon`` at ``privacy.delta``
+    (with the form's sketch: none for the per-example form)."""
     p = privacy
     if p.noise_multiplier is not None:
         return float(p.noise_multiplier)
@@ -33,7 +34,7 @@ def noise_multiplier(privacy: PrivacyArguments, sample_rate: float, steps: int) 
         target_delta=p.delta,
         sample_rate=sample_rate,
         steps=steps,
-        sketch_config=p.sketch_config,
+        sketch_config=p.sketch_config(physical_batch_size),
     )
     logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps at q=%.6g", sigma, steps, sample_rate)
     return sigma
@@ -96,9 +97,11 @@ def make_private(
     sample_rate: float,
     steps: int,
     world_size: int,
+    physical_batch_size: int,
     history: Optional[List[Any]] = None,
 ) -> Private:
-    """The private Trainer's engine: book-keeping hooks (``wrap_model=False``) and a DP
+    """The private Trainer's engine: book-keeping hooks (``wrap_model=False``; the
+    per-example form's when ``privacy.per_example(physical_batch_size)``) and a DP
     optimizer averaging by the public ``batch_size`` (summed over ranks), charging
     ``sample_rate``, with the noise multiplier of ``privacy`` (calibrated for ``steps``);
     ``history``: a resumed accountant history."""
@@ -106,7 +109,7 @@ def make_private(
     trainable = [q for q in model.parameters() if q.requires_grad]
     if not trainable:
         raise ValueError("the model has no trainable parameter")
-    sigma = noise_multiplier(p, sample_rate, steps)
+    sigma = noise_multiplier(p, sample_rate, steps, physical_batch_size)
     engine = PrivacyEngine(accountant="rc_prv", secure_mode=p.secure_mode)
     ddp = None
     if world_size > 1:
@@ -123,6 +126,7 @@ def make_private(
         kwargs.update(
             estimator=p.estimator, sketch_size=p.sketch_size, sketching=p.sketching,
             expected_batch_size=batch_size, sample_rate=sample_rate,
+            per_example_backward=p.per_example(physical_batch_size),
         )
     if p.clipping != "randomized" and not p.secure_mode:
         # Opacus's flat clipping would draw from torch's global generator, which the Trainer's

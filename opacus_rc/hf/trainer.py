@@ -26,7 +26,8 @@ from .checks import (
     DP_STATE_NAME, check_arguments, check_checkpoint_functions, check_loader, check_records, check_setup,
     refuse_non_finite, replaceable_compute_loss, resumed_history,
 )
-from .data import PoissonAccumulationSampler, is_empty_batch, poisson_loader
+from ..forms.per_example import PerExampleOptimizerMixin
+from .data import PoissonAccumulationSampler, is_empty_batch, one_row_batches, poisson_loader
 from .engine import budget_steps, epsilon, make_private, signal_same_draw
 from .losses import causal_lm, model_inputs, row_losses
 
@@ -164,7 +165,7 @@ class DPTrainerMixin:
         private = make_private(
             self.model, optimizer, self.privacy, batch_size=self.expected_batch_size,
             sample_rate=self.sample_rate, steps=self.planned_steps(), world_size=self.args.world_size,
-            history=self._dp_resumed_history,
+            physical_batch_size=self.args.per_device_train_batch_size, history=self._dp_resumed_history,
         )
         self._dp_engine, self._dp_hooks, self._dp_optimizer = private.engine, private.hooks, private.optimizer
         self._dp_ddp, self._dp_sigma = private.ddp, private.sigma
@@ -233,18 +234,21 @@ class DPTrainerMixin:
         rows = 0
         if not is_empty_batch(inputs):
             inputs = self._prepare_inputs(inputs)
-            offload = getattr(self, "maybe_activation_offload_context", None) or contextlib.nullcontext()
-            with self.compute_loss_context_manager(), offload:
-                losses = self.per_example_loss(model, inputs)
+            per_example = isinstance(optimizer, PerExampleOptimizerMixin)
+            batches = one_row_batches(inputs) if per_example else [inputs]
             del inputs
-            if losses.dim() != 1:
-                raise ValueError(f"per_example_loss must return shape (B,); got {tuple(losses.shape)}")
-            rows = int(losses.shape[0])
-            losses.mean().backward()
+            total = torch.zeros((), device=self.args.device)
+            with self._dp_hooks.one_physical_batch() if per_example else contextlib.nullcontext():
+                for batch in batches:  # the per-example form: one row, one backward pass each
+                    losses = self._dp_losses(model, batch)
+                    rows += int(losses.shape[0])
+                    losses.mean().backward()
+                    total = total + losses.detach().sum()
+            del batches
             if self.privacy.log_train_loss:
                 # the Trainer sums what the accumulation steps return and averages the ranks'
                 # sums: each returns its rows' share of the public batch size
-                report = losses.detach().sum() / per_rank_normaliser(self.expected_batch_size, self.args.world_size > 1)
+                report = total / per_rank_normaliser(self.expected_batch_size, self.args.world_size > 1)
         if rows or last:
             self._dp_check_records(rows)
         if not hasattr(optimizer, "note_finite"):  # every batch, on every rank (an agreement)
@@ -256,6 +260,15 @@ class DPTrainerMixin:
         if last:
             self._dp_micro = 0
         return report
+
+    def _dp_losses(self, model: nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
+        """``per_example_loss`` under the Trainer's loss context, checked to be one per row."""
+        offload = getattr(self, "maybe_activation_offload_context", None) or contextlib.nullcontext()
+        with self.compute_loss_context_manager(), offload:
+            losses = self.per_example_loss(model, inputs)
+        if losses.dim() != 1:
+            raise ValueError(f"per_example_loss must return shape (B,); got {tuple(losses.shape)}")
+        return losses
 
     def _dp_check_records(self, rows: int) -> None:
         check_records(self, rows)
@@ -292,7 +305,7 @@ class DPTrainerMixin:
         if budget is None:
             return None
         further = budget_steps(
-            list(self.accountant.history), self._dp_sigma, self.sample_rate, sketch_record(self.privacy.sketch_config),
+            list(self.accountant.history), self._dp_sigma, self.sample_rate, sketch_record(self.privacy.sketch_config(self.args.per_device_train_batch_size)),
             delta=self.privacy.delta, budget=budget, planned=self.planned_steps(),
         )
         return None if further is None else self.privacy_steps() + further

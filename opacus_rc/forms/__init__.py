@@ -1,0 +1,219 @@
+"""The table of clipping forms: what a ``make_private(..., clipping="randomized")`` call runs.
+
+A form is one :class:`Form` entry of :data:`FORMS`: its grad-sample module (wrapping and
+``wrap_model=False`` hooks form), its DP optimizer (one process, DDP), whether the module
+takes the clipping bound, whether its steps are exact clipping (no sketch: the
+``rc_prv`` accountant charges Opacus's ``prv``), and how Opacus's outputs become what the
+script expects. The engine looks the form up here; :func:`resolve_form` is the one
+decision rule.
+
+========================== ============================================================
+form                       what runs
+========================== ============================================================
+``two_pass``               ghost criterion: sketched norms, then the clipped pass
+``bookkeeping``            one backward pass; clipped sums assembled after it
+``bookkeeping_with_criterion`` book-keeping behind a ghost script's criterion
+``output_passes``          two passes from the model's output (plain loss, checkpointed)
+``ghost_fsdp``             two passes under FSDP2
+``per_example``            one example per backward pass: exact flat clipping
+========================== ============================================================
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+from torch import nn
+
+from ..bookkeeping import (
+    BOOKKEEPING,
+    BOOKKEEPING_MODE,
+    BOOKKEEPING_WITH_CRITERION,
+    OUTPUT_PASSES,
+    TWO_PASS,
+    DistributedRandomizedClippingBookkeepingOptimizer,
+    GradSampleHooksBookkeeping,
+    GradSampleModuleBookkeeping,
+    RandomizedClippingBookkeepingOptimizer,
+    resolve_bookkeeping,
+    with_criterion,
+)
+from ..fsdp import (
+    FSDP_MODE,
+    FSDPRandomizedClippingOptimizer,
+    GradSampleHooksRandomizedClippingFSDP,
+    GradSampleModuleRandomizedClippingFSDP,
+)
+from ..grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
+from ..optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingOptimizer
+from ..output_passes import attach_output_passes
+from .per_example import (
+    PER_EXAMPLE,
+    DistributedPerExampleOptimizer,
+    PerExampleHooks,
+    PerExampleModule,
+    PerExampleOptimizer,
+    check_supported,
+)
+
+logger = logging.getLogger(__name__)
+
+#: the option that chooses (or refuses) the per-example form
+PER_EXAMPLE_OPTION = "per_example_backward"
+
+
+def _as_returned(out: Tuple, arguments: Mapping[str, Any]) -> Tuple:
+    return out
+
+
+def _with_output_passes(out: Tuple, arguments: Mapping[str, Any]) -> Tuple:
+    module, optimizer, _, data_loader = out  # a plain-loss script: no criterion returned
+    attach_output_passes(module, optimizer, arguments["loss_reduction"])
+    return module, optimizer, data_loader
+
+
+def _with_bookkeeping_criterion(out: Tuple, arguments: Mapping[str, Any]) -> Tuple:
+    return with_criterion(out, arguments["criterion"], arguments["loss_reduction"])
+
+
+def _one_example_per_batch(out: Tuple, arguments: Mapping[str, Any]) -> Tuple:
+    """The loader split into physical batches of one example (each Poisson draw one
+    logical step, as BatchMemoryManager's); a ghost script's criterion is its own."""
+    from opacus.utils.batch_memory_manager import wrap_data_loader
+
+    *head, data_loader = out
+    optimizer = head[1]
+    if len(head) == 3:
+        head[2] = arguments["criterion"]  # the plain criterion: each backward is one example's
+    return (*head, wrap_data_loader(data_loader=data_loader, max_batch_size=1, optimizer=optimizer))
+
+
+@dataclass(frozen=True)
+class Form:
+    """One clipping form of the plugin.
+
+    Attributes:
+        name: its key in :data:`FORMS`.
+        modules: grad-sample classes, ``(wrapping, hooks)`` (``wrap_model`` True / False).
+        optimizers: DP optimizer classes, ``(one process, DDP)``.
+        takes_bound: the module clips (gets ``max_grad_norm``); else the optimizer does.
+        exact: exact per-example norms (no sketch; charged as Opacus's ``prv``).
+        outputs: Opacus's ``make_private`` outputs -> what the script gets.
+    """
+
+    name: str
+    modules: Tuple[type, type]
+    optimizers: Tuple[type, type]
+    takes_bound: bool = True
+    exact: bool = False
+    outputs: Callable[[Tuple, Mapping[str, Any]], Tuple] = _as_returned
+
+    def build_module(self, module: nn.Module, wrap_model: bool, max_grad_norm: float, **kwargs: Any) -> Any:
+        """The form's grad-sample module on ``module`` (``kwargs``: batch_first,
+        loss_reduction, sketch_config, sketch_seed, secure_mode)."""
+        bound = {"max_grad_norm": max_grad_norm} if self.takes_bound else {}
+        return self.modules[0 if wrap_model else 1](module, **kwargs, **bound)
+
+    def optimizer_class(self, distributed: bool) -> type:
+        return self.optimizers[1 if distributed else 0]
+
+
+_TWO_PASS_CLASSES = dict(
+    modules=(GradSampleModuleRandomizedClipping, GradSampleHooksRandomizedClipping),
+    optimizers=(RandomizedClippingOptimizer, DistributedRandomizedClippingOptimizer),
+)
+_BOOKKEEPING_CLASSES = dict(
+    modules=(GradSampleModuleBookkeeping, GradSampleHooksBookkeeping),
+    optimizers=(RandomizedClippingBookkeepingOptimizer, DistributedRandomizedClippingBookkeepingOptimizer),
+    takes_bound=False,  # it clips after the pass, in the optimizer
+)
+
+#: Every form, by name.
+FORMS: Dict[str, Form] = {
+    form.name: form
+    for form in (
+        Form(TWO_PASS, **_TWO_PASS_CLASSES),
+        Form(OUTPUT_PASSES, **_TWO_PASS_CLASSES, outputs=_with_output_passes),
+        Form(BOOKKEEPING, **_BOOKKEEPING_CLASSES),
+        Form(BOOKKEEPING_WITH_CRITERION, **_BOOKKEEPING_CLASSES, outputs=_with_bookkeeping_criterion),
+        Form(
+            FSDP_MODE,
+            modules=(GradSampleModuleRandomizedClippingFSDP, GradSampleHooksRandomizedClippingFSDP),
+            optimizers=(FSDPRandomizedClippingOptimizer, FSDPRandomizedClippingOptimizer),
+        ),
+        Form(
+            PER_EXAMPLE,
+            modules=(PerExampleModule, PerExampleHooks),
+            optimizers=(PerExampleOptimizer, DistributedPerExampleOptimizer),
+            exact=True,
+            outputs=_one_example_per_batch,
+        ),
+    )
+}
+
+_logged_automatic = False
+
+
+def per_example_chosen(option: Optional[bool], physical_batch_size: Optional[int]) -> bool:
+    """Whether a call runs the per-example form: ``per_example_backward`` when given, else
+    when a physical batch holds one example (there exact clipping costs one reduction over
+    ``p.grad``, less than any sketch). The physical batch: the data loader's ``batch_size``
+    (``make_private``), ``per_device_train_batch_size`` (the private Trainer)."""
+    return option if option is not None else physical_batch_size == 1
+
+
+def resolve_form(
+    clipping: str,
+    bookkeeping: Any,
+    per_example: Any,
+    grad_sample_mode: str,
+    module: Optional[nn.Module],
+    data_loader: Any,
+) -> Tuple[str, str]:
+    """The form a ``make_private`` call runs and the (Opacus) grad-sample mode of its
+    module; the one decision rule:
+
+    * ``per_example_backward=True``: the per-example form, for any batch size (the
+      returned loader yields one example per physical batch);
+    * ``None`` (default) with a loader of ``batch_size=1`` (a physical batch of one; the
+      private Trainer: ``per_device_train_batch_size=1``) and neither ``bookkeeping=`` nor
+      ``ghost_fsdp``: the per-example form, logged once (exact clipping is cheaper there
+      than any estimate);
+    * otherwise book-keeping or two passes (:func:`opacus_rc.bookkeeping.resolve_bookkeeping`).
+
+    Raises:
+        ValueError: naming the parameter and its accepted values.
+    """
+    if per_example is not None and not isinstance(per_example, bool):
+        raise ValueError(f"{PER_EXAMPLE_OPTION}={per_example!r} is invalid; accepted values: None, True, False")
+    if clipping != "randomized" and per_example is not None:
+        raise ValueError(f"{PER_EXAMPLE_OPTION}={per_example!r} only applies with clipping='randomized'; got clipping={clipping!r}")
+    automatic = (
+        per_example is None and clipping == "randomized" and bookkeeping is None
+        and grad_sample_mode != FSDP_MODE and per_example_chosen(None, getattr(data_loader, "batch_size", None))
+    )
+    if not (per_example or automatic):
+        runs, mode = resolve_bookkeeping(clipping, bookkeeping, grad_sample_mode, module)
+        return (FSDP_MODE if mode == FSDP_MODE else runs), mode
+    if bookkeeping is not None or grad_sample_mode not in ("hooks", "ghost", BOOKKEEPING_MODE):
+        raise ValueError(
+            f"{PER_EXAMPLE_OPTION}=True runs one example per backward pass; it does not combine "
+            f"with bookkeeping={bookkeeping!r}, grad_sample_mode={grad_sample_mode!r}; accepted "
+            "values with it: bookkeeping=None and grad_sample_mode 'hooks', 'bookkeeping' or 'ghost'"
+        )
+    if module is not None:
+        check_supported(module)
+    if automatic:
+        global _logged_automatic
+        if not _logged_automatic:
+            logger.info(
+                "physical batches of one example: exact clipping, one backward pass per example "
+                "(the per-example form; %s=False chooses a sketched form)", PER_EXAMPLE_OPTION,
+            )
+            _logged_automatic = True
+    return PER_EXAMPLE, "ghost" if grad_sample_mode == "ghost" else "hooks"
+
+
+__all__ = ["Form", "FORMS", "PER_EXAMPLE", "PER_EXAMPLE_OPTION", "resolve_form", "per_example_chosen"]

@@ -1,0 +1,352 @@
+"""One example per backward pass: exact flat clipping at the cost of non-private training.
+
+When a backward pass holds one example, its gradient *is* that example's per-sample
+gradient, so exact clipping needs no grad sampler, no sketch, no envelope and no second
+pass: one norm over ``p.grad`` of every trainable parameter (any layer type)::
+
+    g_i = grad of loss(x_i),   c_i = min(1, C / (||g_i|| + 1e-6)),   S += c_i g_i  (float32)
+
+and at the logical step Opacus's ``(S + N(0, sigma^2 C^2)) / B`` (B: the public
+normaliser). Memory: one example's activations plus ``S``, one gradient-sized buffer over
+non-private accumulation, whatever the size of the Poisson draw.
+
+:class:`PerExampleHooks` (and its wrapping form :class:`PerExampleModule`) enforces the
+premise: every outermost forward pass of the model with gradients on takes one example
+(a batch of 0 or 1 along the batch dimension, else ``ValueError`` at the forward), and
+every backward pass reaches exactly the one forward since the last clip (else the step is
+refused: two examples in one backward, or the graph of an earlier example run again).
+The clip runs when the backward pass ends, from a callback queued by the gradient of the
+forward's output. :class:`PerExampleOptimizer` then releases ``S`` like Opacus's DP
+optimizer; the ``rc_prv`` accountant charges these steps as exact clipping (Opacus's
+``prv`` for the same sigma, rate and steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from opacus.grad_sample.gsm_base import AbstractGradSampleHooks, AbstractGradSampleModule
+from opacus.optimizers import DistributedDPOptimizerFastGradientClipping, DPOptimizerFastGradientClipping
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._pytree import tree_leaves
+
+from ..fsdp import _contains_fsdp
+from ..optimizer import RandomizedClippingMixin
+from ..recompute import forward_replay
+
+#: the name of this form in the table of forms (:mod:`opacus_rc.forms`)
+PER_EXAMPLE = "per_example"
+#: Opacus's guard against a zero norm in the clip factor
+_EPS = 1e-6
+
+
+def examples_in(args: Any, kwargs: Dict[str, Any], batch_first: bool) -> Optional[int]:
+    """The batch size of a forward call: the batch dimension of its first tensor argument
+    (positional first, then keyword), None when no argument is a tensor with one."""
+    dim = 0 if batch_first else 1
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > dim:
+            return int(value.shape[dim])
+    return None
+
+
+def batch_error(n: Optional[int]) -> ValueError:
+    got = "no tensor argument to read it from" if n is None else f"a batch of {n}"
+    return ValueError(
+        f"the per-example form clips one example per backward pass; the model's forward got {got}. "
+        "Iterate the data loader make_private returned (it yields one example per physical "
+        "batch), BatchMemoryManager(max_physical_batch_size=1), or DPTrainer; or choose another "
+        "form: make_private(..., per_example_backward=False)"
+    )
+
+
+class PerExampleClipping:
+    """The per-example form's clipping, attached to the model ``m`` (Opacus's hooks-object
+    interface: ``forbid_grad_accumulation``, ``remove_hooks``, ``cleanup``).
+
+    Args:
+        max_grad_norm: the clipping bound C.
+        batch_first: the batch dimension of the forward's tensors (Opacus's meaning).
+    """
+
+    def _setup_clipping(self, max_grad_norm: float) -> None:
+        check_supported(self._module)
+        self.max_grad_norm = float(max_grad_norm)
+        self.hooks_enabled = True
+        seen, self._params = set(), []
+        for p in self._module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self._params.append(p)
+        self._forwards = 0  # outermost training forwards since the last clip
+        self._examples = 0  # their examples (0 or 1 each)
+        self._forward_ids: List[int] = []  # their sequence numbers
+        self._reached: set = set()  # forwards whose output this backward pass reached
+        self._next_id = 0
+        self._depth: List[bool] = []  # per open forward call: whether it is an outermost one
+        self._queued = False
+        self._refusal: Optional[str] = None
+        self._grouped: Optional[List[bool]] = None  # see one_physical_batch()
+        self._optimizer: Optional[Any] = None
+        self._handles = []
+        for module in self._module.modules():
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
+
+    # --- Opacus's hooks-object interface --------------------------------------------------
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def follow_steps(self, optimizer: Any) -> None:
+        """Clip for ``optimizer`` (``make_private`` links them; call it once for objects
+        built by hand): every backward pass's clipped gradient joins its next ``step()``."""
+        self._optimizer = weakref.ref(optimizer)
+        bind = getattr(optimizer, "bind_module", None)
+        if bind is not None:
+            bind(self)
+
+    def forget_per_example_values(self) -> None:
+        """Drop what a refused step left (forward counts)."""
+        self._forwards = self._examples = 0
+        self._forward_ids.clear()
+        self._reached.clear()
+
+    # --- what the optimizer reads -----------------------------------------------------------
+
+    def take_refusal(self) -> Optional[str]:
+        """Why the clipped sums cannot be released (None: they can); reported once."""
+        refusal, self._refusal = self._refusal, None
+        return refusal
+
+    @contextlib.contextmanager
+    def one_physical_batch(self) -> Iterator[None]:
+        """The backward passes inside are the examples of one physical batch (DPTrainer
+        runs a physical batch one row at a time): one micro-batch of the Poisson draw."""
+        self._grouped = []
+        try:
+            yield
+        finally:
+            ran, self._grouped = bool(self._grouped), None
+            optimizer = self._bound_optimizer()
+            if ran and optimizer is not None:
+                optimizer.backward_passes += 1
+
+    # --- the forward passes ------------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Dict[str, Any]) -> None:
+        if self._depth or not self.hooks_enabled or not torch.is_grad_enabled() or forward_replay() is not None:
+            self._depth.append(False)  # inside a counted forward, untracked, or a replay
+            return
+        n = examples_in(args, kwargs, self.batch_first)
+        if n is None or n > 1:
+            self._depth.append(False)
+            raise batch_error(n)
+        self._release_zeroed_grads()
+        self._depth.append(True)
+        self._forwards += 1
+        self._examples += n
+        self._forward_ids.append(self._next_id)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        outermost = self._depth.pop() if self._depth else False
+        if not outermost:
+            return
+        forward_id, self._next_id = self._next_id, self._next_id + 1
+        for leaf in tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(self._output_gradient_hook(forward_id))
+
+    def _output_gradient_hook(self, forward_id: int):
+        def hook(_grad: torch.Tensor) -> None:
+            self._reached.add(forward_id)
+            if not self._queued:  # the backward pass that reached the model's output
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._clip)
+
+        return hook
+
+    def _release_zeroed_grads(self) -> None:
+        """Gradients left in ``p.grad`` since the last clip: the zeros of ``zero_grad``
+        (dropped) or a gradient that did not come through a clip (refused at the step)."""
+        optimizer = self._bound_optimizer()
+        for p in self._params:
+            if p.grad is None:
+                continue
+            if optimizer is None or not optimizer.is_marked_clipped(p):  # only zero_grad marks here
+                self._refuse(
+                    f"a gradient of {_describe(optimizer, p)} was added outside a clipped backward pass"
+                )
+            p.grad = None
+
+    # --- the clip, when a backward pass ends -------------------------------------------------
+
+    def _clip(self) -> None:
+        """``S += min(1, C / (||g|| + 1e-6)) g`` for the gradient ``g`` of the one example
+        of the backward pass that just ended (every trainable parameter's ``p.grad``)."""
+        self._queued = False
+        grads = [(p, p.grad) for p in self._params if p.grad is not None]
+        for p, _ in grads:
+            p.grad = None
+        forwards, examples, ids, reached = self._forwards, self._examples, self._forward_ids, self._reached
+        self._forwards = self._examples = 0
+        self._forward_ids, self._reached = [], set()
+        optimizer = self._bound_optimizer()
+        if optimizer is None:
+            return self._refuse("no optimizer follows this module (call module.follow_steps(optimizer))")
+        if forwards != 1 or reached != set(ids):
+            return self._refuse(
+                f"one backward pass reached {len(reached)} forward passes of the model "
+                f"({forwards} since the last clip): each backward pass must hold one example"
+            )
+        if self._grouped is not None:
+            self._grouped.append(True)
+        else:
+            optimizer.backward_passes += 1
+        if examples == 0 or not grads:  # an empty batch: a zero contribution
+            return
+        norm = torch.linalg.vector_norm(
+            torch.stack(torch._foreach_norm([g for _, g in grads], dtype=torch.float32))
+        )
+        factor = (self.max_grad_norm / (norm + _EPS)).clamp(max=1.0)
+        if optimizer.nonfinite == "skip":
+            finite = torch.isfinite(norm)
+            factor = torch.where(finite, factor, torch.zeros_like(factor))
+            optimizer.note_skipped(~finite)
+            for _, g in grads:
+                torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
+        else:
+            optimizer.note_finite("per-sample gradient norm", norm)
+        optimizer.add_clipped(grads, factor)
+
+    def _refuse(self, why: str) -> None:
+        self._refusal = self._refusal or why
+        self.forget_per_example_values()
+
+    def _bound_optimizer(self) -> Optional[Any]:
+        return None if self._optimizer is None else self._optimizer()
+
+
+def _describe(optimizer: Any, p: torch.Tensor) -> str:
+    describe = getattr(optimizer, "describe_parameter", None)
+    return describe(p) if describe is not None else f"a parameter of shape {tuple(p.shape)}"
+
+
+def check_supported(module: nn.Module) -> None:
+    """Refuse models the per-example form cannot clip exactly: torch's DDP (its backward
+    pass averages one rank's example with the others' before the clip: use Opacus's
+    DPDDP) and FSDP2 (a sharded gradient's norm needs every rank's shard)."""
+    if isinstance(module, DDP):
+        raise ValueError(
+            "the per-example form needs Opacus's DifferentiallyPrivateDistributedDataParallel, "
+            "not torch's DistributedDataParallel: DDP's backward pass averages one rank's example "
+            "with the other ranks' before it is clipped"
+        )
+    if _contains_fsdp(module):
+        raise ValueError(
+            "the per-example form does not support FSDP2: a sharded gradient's exact norm needs "
+            "every rank's shard before the clip; use grad_sample_mode='ghost_fsdp' with "
+            "per_example_backward=False"
+        )
+
+
+class PerExampleHooks(PerExampleClipping, AbstractGradSampleHooks):
+    """Hooks (``wrap_model=False``) form of the per-example form."""
+
+    def __init__(self, m: nn.Module, *, batch_first: bool = True, loss_reduction: str = "mean",
+                 max_grad_norm: float, **_sketch: Any) -> None:
+        AbstractGradSampleHooks.__init__(self, m, batch_first=batch_first, loss_reduction=loss_reduction)
+        self._setup_clipping(max_grad_norm)
+
+
+class PerExampleModule(PerExampleClipping, AbstractGradSampleModule):
+    """Wrapping (``wrap_model=True``) form of the per-example form."""
+
+    def __init__(self, m: nn.Module, *, batch_first: bool = True, loss_reduction: str = "mean",
+                 max_grad_norm: float, **_sketch: Any) -> None:
+        AbstractGradSampleModule.__init__(self, m, batch_first=batch_first, loss_reduction=loss_reduction)
+        self._setup_clipping(max_grad_norm)
+
+
+class PerExampleOptimizerMixin(RandomizedClippingMixin):
+    """Releases the per-example form's clipped sums: Opacus's noise and averaging on
+    ``S`` (``sketch_config`` None: the accountant charges exact clipping)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        kwargs["sketch_config"] = None
+        super().__init__(optimizer, **kwargs)
+
+    def note_skipped(self, dropped: torch.Tensor) -> None:
+        """Count an example dropped for a non-finite norm (``nonfinite="skip"``; on the device)."""
+        dropped = dropped.to(torch.int64)
+        self._skipped = dropped if self._skipped is None else self._skipped + dropped
+
+    def check_clipped_passes(self, *, before_pass: bool = False) -> None:
+        """Refuse the step when a backward pass broke the premise (two examples in it, no
+        optimizer followed) or a gradient did not come through a clip."""
+        module = self._bound_module()
+        refusal = None if module is None else module.take_refusal()
+        unclipped = [p for p in self.params if p.grad is not None and not self.is_marked_clipped(p)]
+        if module is None:
+            refusal = "the model is not followed by this optimizer (call module.follow_steps(optimizer))"
+        if refusal is None and unclipped:
+            refusal = "the gradient of " + ", ".join(self.describe_parameter(p) for p in unclipped) + (
+                " did not come through a clipped backward pass (set by hand, or its backward pass "
+                "never reached the model's output)"
+            )
+        if refusal is not None:
+            self._forget_per_example_values()
+            for p in self.params:  # the step's clipped sums so far: never released
+                p.summed_grad = None
+            raise ValueError(
+                f"optimizer.step() refused: {refusal}. Nothing was released or charged; call "
+                "optimizer.zero_grad() before the next step"
+            )
+
+    def add_clipped(self, grads: List[Any], factor: torch.Tensor) -> None:
+        """``p.summed_grad += factor * g`` (float32) for each ``(p, g)`` of one example's
+        gradient: the step's one running sum (the first example's gradient buffer becomes
+        it, in place)."""
+        for p, g in grads:
+            if p.summed_grad is None:
+                p.summed_grad = (g if g.dtype == torch.float32 else g.float()).mul_(factor)
+            else:
+                p.summed_grad.addcmul_(g, factor)
+
+    def accumulate(self) -> None:
+        """The running sums are ``p.summed_grad`` already; a parameter no example reached
+        contributes zeros."""
+        for p in self.params:
+            p.grad = None  # zero_grad's zeros, if any
+            if p.summed_grad is None:
+                p.summed_grad = torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
+
+    def add_noise(self) -> None:
+        """Opacus's noise on the float32 sum; ``p.grad`` in the parameter's dtype."""
+        super().add_noise()
+        for p in self.params:
+            if p.grad is not None and p.grad.dtype != p.dtype:
+                p.grad = p.grad.to(p.dtype)
+
+
+class PerExampleOptimizer(PerExampleOptimizerMixin, DPOptimizerFastGradientClipping):
+    """The per-example form's DP optimizer (one process)."""
+
+
+class DistributedPerExampleOptimizer(PerExampleOptimizerMixin, DistributedDPOptimizerFastGradientClipping):
+    """DDP (Opacus's DPDDP): each rank clips its own examples; the clipped sums are
+    all-reduced once per logical step, after rank 0 alone added the noise (Opacus)."""
+
+    _refusals_across_ranks = True
+
+
+__all__ = [
+    "PER_EXAMPLE", "PerExampleHooks", "PerExampleModule", "PerExampleOptimizer",
+    "DistributedPerExampleOptimizer", "check_supported", "examples_in",
+]

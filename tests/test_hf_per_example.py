@@ -1,0 +1,90 @@
+"""The private Trainer in the per-example form (one row per backward pass, exact clipping):
+taken automatically at ``per_device_train_batch_size=1`` (Hugging Face's long-context
+recipe), or with ``PrivacyArguments(per_example_backward=True)`` for larger physical
+batches, run one row at a time. At sigma = 0 the update equals brute-force per-example
+clipping of the recorded rows (:func:`tests.oracles.per_example_clipped_mean`: autograd on
+each row alone, then SGD), with gradient checkpointing in both forms too; the steps are
+charged as exact clipping (Opacus's ``prv``). Tolerance: float32 summation order (1e-6)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from opacus.accountants import PRVAccountant
+
+from opacus_rc.forms.per_example import PerExampleOptimizer
+from opacus_rc.hf import DPTrainer, PrivacyArguments, per_example_token_loss
+
+from .oracles import per_example_clipped_mean
+from .test_hf_trainer import RowDataset, recording, tiny_llama, training_args
+
+C, LR = 0.05, 0.5
+
+
+def row_loss(model, ids, labels):
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    return per_example_token_loss(logits, labels, shift=True).mean()
+
+
+def brute_force(model, recorded, accumulation: int, normaliser: int) -> None:
+    """SGD on ``model`` with the brute-force clipped mean of every logical step's rows."""
+    for start in range(0, len(recorded), accumulation):
+        batches = [b for b in recorded[start:start + accumulation] if b is not None]
+        ids = [r for b in batches for r in b["input_ids"]]
+        labels = [r for b in batches for r in b["labels"]]
+        update = per_example_clipped_mean(model, row_loss, ids, labels, C, normaliser)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p -= LR * update[name]
+
+
+def train(tmp_path, per_device: int, accumulation: int, privacy=None, **args):
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    trainer = recording(DPTrainer)(
+        model=model,
+        args=training_args(tmp_path, per_device_train_batch_size=per_device,
+                           gradient_accumulation_steps=accumulation, **args),
+        train_dataset=RowDataset(), optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None),
+        privacy=PrivacyArguments(noise_multiplier=0.0, delta=1e-5, max_grad_norm=C, **(privacy or {})),
+    )
+    trainer.train()
+    return model, reference, trainer
+
+
+@pytest.mark.parametrize("per_device, accumulation, privacy, args", [
+    (1, 8, None, {}),  # automatic at a physical batch of one
+    (4, 2, {"per_example_backward": True}, {}),
+    (2, 4, {"per_example_backward": True}, {"gradient_checkpointing": True}),
+    (2, 4, {"per_example_backward": True},
+     {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}),
+], ids=["batch1-auto", "batch4", "checkpointed", "checkpointed-reentrant"])
+def test_equals_brute_force_per_example_clipping(tmp_path, per_device, accumulation, privacy, args):
+    model, reference, trainer = train(tmp_path, per_device, accumulation, privacy, **args)
+    assert isinstance(trainer._dp_optimizer, PerExampleOptimizer)
+    if args.get("gradient_checkpointing"):
+        reference.gradient_checkpointing_disable()
+    brute_force(reference, trainer.recorded, accumulation, per_device * accumulation)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    history = trainer.accountant.history
+    assert all(record.estimator is None and record.micro_batches == 1 for *_, record in history)
+    prv = PRVAccountant()
+    prv.history = [(0.7, 0.25, 3)]
+    probe = type(trainer.accountant)()
+    probe.history = [(0.7, 0.25, 3, history[0][3])]
+    assert probe.get_epsilon(1e-5) == pytest.approx(prv.get_epsilon(1e-5), rel=2e-2)
+
+
+def test_per_example_backward_false_keeps_the_sketched_form(tmp_path):
+    _, _, trainer = train(tmp_path, 1, 8, {"per_example_backward": False})
+    assert not isinstance(trainer._dp_optimizer, PerExampleOptimizer)
+    assert trainer.accountant.history[0][3].estimator == "hutchinson"
+
+
+def test_refused_with_flat_clipping():
+    with pytest.raises(ValueError, match="per_example_backward"):
+        PrivacyArguments(noise_multiplier=1.0, delta=1e-5, clipping="flat", per_example_backward=True)

@@ -1,0 +1,378 @@
+"""The per-example form (one example per backward pass, exact flat clipping).
+
+At sigma = 0 its update equals brute-force per-example clipping (:func:`tests.oracles.
+per_example_clipped_mean`: autograd on each example alone, no hook) in every set-up it
+claims: plain and hooks modules, a Poisson draw of any size, activation checkpointing in
+both forms, tied weights, layers no grad sampler knows, a frozen body with a trainable
+adapter, the chunked LM head as a plain loss, bf16 autocast, BatchMemoryManager on top,
+accumulation and nonfinite="skip". Tolerances: float32 summation order only (1e-6
+absolute on updates of order 1e-2), bf16 autocast 2e-2 relative (bf16's 8-bit mantissa
+in both the oracle and the form, rounded in different orders).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from opacus import PrivacyEngine
+from opacus.accountants import PRVAccountant
+from opacus.utils.batch_memory_manager import BatchMemoryManager
+from torch import nn
+
+import opacus_rc  # noqa: F401
+from opacus_rc.forms import PER_EXAMPLE
+from opacus_rc.forms.per_example import PerExampleHooks, PerExampleModule, PerExampleOptimizer
+from opacus_rc.lm_head import ChunkedLMHeadLoss
+
+from .conftest import CheckpointedSequenceClassifier, SequenceClassifier, token_task
+from .oracles import per_example_clipped_mean
+
+C, B, N = 0.05, 8, 48
+
+
+def _ce(model, x, y):
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def private(model, data, *, noise=0.0, batch_size=B, **options):
+    engine = PrivacyEngine(accountant="rc_prv")
+    out = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=batch_size), noise_multiplier=noise,
+        max_grad_norm=C, clipping="randomized", seed=5, **options,
+    )
+    return engine, out
+
+
+def one_logical_step(module, optimizer, loader, loss_of):
+    """Iterate the loader until a step is taken; returns the examples it used."""
+    xs, ys = [], []
+    for x, y in loader:
+        assert len(x) <= 1, "the per-example form's loader yields one example per batch"
+        xs += list(x)
+        ys += list(y)
+        loss_of(module, x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if not optimizer._is_last_step_skipped:
+            return xs, ys
+    raise AssertionError("no step was taken")
+
+
+def check_update(make_model, data, loss_of=_ce, tol=dict(rtol=1e-5, atol=1e-6), make_reference=None, **options):
+    model, reference = make_model(), (make_reference or make_model)()
+    reference.load_state_dict(model.state_dict())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine, out = private(model, data, **options)
+    module = out[0] if isinstance(out[0], nn.Module) else model  # wrap_model=False: the model itself
+    optimizer, loader = out[1], out[-1]
+    assert isinstance(optimizer, PerExampleOptimizer)
+    xs, ys = one_logical_step(module, optimizer, loader, loss_of)
+    assert xs, "the draw was empty: pick another seed"
+    want = per_example_clipped_mean(reference, loss_of, xs, ys, C, B)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(before[name] - p.detach(), want[name], **tol, msg=name)
+    return engine, out
+
+
+def seeded(cls, **kwargs):
+    def make():
+        torch.manual_seed(0)
+        return cls(**kwargs)
+
+    return make
+
+
+@pytest.mark.parametrize("wrap_model", [True, False])
+def test_update_equals_brute_force_per_example_clipping(wrap_model):
+    engine, out = check_update(seeded(SequenceClassifier), token_task(n=N), per_example_backward=True,
+                               wrap_model=wrap_model)
+    assert isinstance(out[0], PerExampleModule if wrap_model else PerExampleHooks)
+    (sigma, q, steps, record), = engine.accountant.history
+    assert (sigma, q, steps, record.micro_batches) == (0.0, B / N, 1, 1)  # one draw: one micro-batch
+    assert record.estimator is None  # exact clipping
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_both_forms(use_reentrant):
+    # the oracle's autograd.grad cannot run a reentrant checkpoint: it runs the same
+    # parameters without checkpointing
+    check_update(seeded(CheckpointedSequenceClassifier, use_reentrant=use_reentrant), token_task(n=N),
+                 make_reference=seeded(SequenceClassifier), per_example_backward=True)
+
+
+class TiedConvModel(nn.Module):
+    """A tied embedding / output projection, a Conv1d and a custom layer with a raw
+    parameter (no grad sampler knows it): nothing but autograd is needed."""
+
+    def __init__(self, vocab=32, d=8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.conv = nn.Conv1d(d, d, 3, padding=1)
+        self.scale = nn.Parameter(torch.ones(d))
+        self.out = nn.Linear(d, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x):
+        h = self.conv(self.emb(x).transpose(1, 2)).transpose(1, 2)
+        return self.out(torch.tanh(h) * self.scale).mean(dim=1)
+
+
+def test_tied_weights_conv_and_unknown_layers():
+    data = token_task(n=N)
+    labels = torch.randint(0, 32, (N,), generator=torch.Generator().manual_seed(1))
+    check_update(seeded(TiedConvModel), torch.utils.data.TensorDataset(data.tensors[0], labels),
+                 per_example_backward=True)
+
+
+def test_frozen_body_with_a_trainable_adapter():
+    def make():
+        torch.manual_seed(0)
+        model = SequenceClassifier()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.fc2.weight.requires_grad_(True)  # the adapter (LoRA-like: only it trains)
+        return model
+
+    check_update(make, token_task(n=N), per_example_backward=True)
+
+
+class HeadModel(nn.Module):
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.body = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x):
+        return torch.tanh(self.body(self.emb(x)))
+
+
+def test_chunked_head_as_a_plain_loss():
+    torch.manual_seed(0)
+
+    def loss_of(model, x, _y):
+        inner = getattr(model, "_module", model)
+        return ChunkedLMHeadLoss(inner.head, block_size=8)(model(x), x)
+
+    check_update(seeded(HeadModel), token_task(n=N), loss_of, per_example_backward=True)
+
+
+def test_bf16_autocast():
+    def loss_of(model, x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _ce(model, x, y).float()
+
+    check_update(seeded(SequenceClassifier), token_task(n=N), loss_of, tol=dict(rtol=2e-2, atol=2e-4),
+                 per_example_backward=True)
+
+
+def test_automatic_with_a_physical_batch_of_one(caplog):
+    caplog.set_level(logging.INFO, logger="opacus_rc.forms")
+    import opacus_rc.forms as forms
+
+    forms._logged_automatic = False
+    model = seeded(SequenceClassifier)()
+    _, out = private(model, token_task(n=N), batch_size=1)
+    assert isinstance(out[1], PerExampleOptimizer)
+    assert "per-example form" in caplog.text
+    _, out = private(seeded(SequenceClassifier)(), token_task(n=N), batch_size=1, per_example_backward=False)
+    assert not isinstance(out[1], PerExampleOptimizer)
+    _, out = private(seeded(SequenceClassifier)(), token_task(n=N), batch_size=2)
+    assert not isinstance(out[1], PerExampleOptimizer)
+
+
+def test_ghost_script_gets_a_plain_criterion():
+    model = seeded(SequenceClassifier)()
+    _, out = private(model, token_task(n=N), per_example_backward=True, grad_sample_mode="ghost",
+                     criterion=nn.CrossEntropyLoss())
+    assert len(out) == 4 and type(out[2]) is nn.CrossEntropyLoss
+
+
+def test_batch_memory_manager_on_top_and_accumulation():
+    """BatchMemoryManager over the per-example loader changes nothing (one draw, one
+    micro-batch); two draws accumulated into one step are charged as two micro-batches."""
+    model = seeded(SequenceClassifier)()
+    engine, (module, optimizer, loader) = private(model, token_task(n=N), per_example_backward=True)
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer) as managed:
+        one_logical_step(module, optimizer, managed, _ce)
+    assert engine.accountant.history[-1][3].micro_batches == 1
+    x, y = token_task(n=2).tensors
+    for i in range(2):  # two independent single-example draws, one step
+        _ce(module, x[i:i + 1], y[i:i + 1]).backward()
+    optimizer.step()
+    assert engine.accountant.history[-1][3].micro_batches == 2
+
+
+def test_epsilon_equals_opacus_prv_and_calibration_is_smaller():
+    model = seeded(SequenceClassifier)()
+    engine, (module, optimizer, loader) = private(model, token_task(n=N), noise=1.1, per_example_backward=True)
+    for _ in range(3):
+        one_logical_step(module, optimizer, loader, _ce)
+    prv = PRVAccountant()
+    prv.history = [(1.1, B / N, 3)]
+    assert engine.get_epsilon(1e-5) == pytest.approx(prv.get_epsilon(1e-5), rel=2e-2)
+    assert _calibrated(True) < _calibrated(False)  # exact clipping: no noise premium
+
+
+def _calibrated(exact: bool) -> float:
+    e = PrivacyEngine(accountant="rc_prv")
+    m = seeded(SequenceClassifier)()
+    out = e.make_private_with_epsilon(
+        module=m, optimizer=torch.optim.SGD(m.parameters(), lr=1.0),
+        data_loader=torch.utils.data.DataLoader(token_task(n=N), batch_size=B), target_epsilon=3.0,
+        target_delta=1e-5, epochs=2, max_grad_norm=C, clipping="randomized", per_example_backward=exact,
+    )
+    return out[1].noise_multiplier
+
+
+def test_noise_std_is_sigma_c():
+    """A parameter no example reaches gets noise only: its update is N(0, (sigma C / B)^2)
+    per entry; with n = 65,536 entries the sample std is within 5 / sqrt(2n) = 1.4% of it."""
+
+    class Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(4, 2)
+            self.unused = nn.Parameter(torch.zeros(256, 256))
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    model = Wide()
+    data = torch.utils.data.TensorDataset(torch.randn(N, 4), torch.randint(0, 2, (N,)))
+    _, (module, optimizer, loader) = private(model, data, noise=2.0, per_example_backward=True)
+    one_logical_step(module, optimizer, loader, _ce)
+    std = float(model.unused.detach().std())
+    assert std == pytest.approx(2.0 * C / B, rel=5 / math.sqrt(2 * 65536))
+
+
+def test_memory_of_a_step_is_independent_of_the_draw():
+    """Gradient bytes held (``p.grad``, the running sum ``summed_grad``), counted after
+    every backward pass and step of a draw: the peak is the same for a draw of 2 examples
+    and one of 24, two float32 gradient-sized buffers (the example's gradient and the
+    sum: one over non-private accumulation); a draw of 1 holds one."""
+    model = seeded(SequenceClassifier)()
+    _, (module, optimizer, loader) = private(model, token_task(n=N), per_example_backward=True)
+    x, y = token_task(n=24).tensors
+    params = sum(p.numel() for p in model.parameters())
+
+    def held() -> int:  # bytes of distinct buffers (the noisy p.grad is the sum's buffer)
+        buffers = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for p in model.parameters()
+                   for t in (p.grad, getattr(p, "summed_grad", None)) if t is not None}
+        return sum(buffers.values())
+
+    def peak(size: int) -> int:
+        most = 0
+        for i in range(size):
+            loss = _ce(module, x[i:i + 1], y[i:i + 1])
+            loss.register_hook(lambda g: None)
+            loss.backward()
+            most = max(most, held())
+            optimizer.signal_skip_step(do_skip=i < size - 1, same_draw=True)
+            optimizer.step()
+            most = max(most, held())
+            optimizer.zero_grad()
+        return most
+
+    assert peak(1) == 4 * params
+    assert peak(2) == peak(24) <= 2 * 4 * params
+
+
+def test_nonfinite_skip_drops_the_example():
+    model = seeded(SequenceClassifier)()
+    reference = seeded(SequenceClassifier)()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _, (module, optimizer, _) = private(model, token_task(n=N), per_example_backward=True, nonfinite="skip")
+    x, y = token_task(n=3).tensors
+    for i in range(3):
+        loss = _ce(module, x[i:i + 1], y[i:i + 1])
+        (loss * float("inf") if i == 1 else loss).backward()
+        optimizer.signal_skip_step(do_skip=i < 2, same_draw=True)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert optimizer.skipped_examples == 1
+    want = per_example_clipped_mean(reference, _ce, [x[0], x[2]], [y[0], y[2]], C, B)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(before[name] - p.detach(), want[name], rtol=1e-5, atol=1e-6)
+
+
+# --- refusals: a backward pass that is not one example's --------------------------------
+
+
+def _made():
+    model = seeded(SequenceClassifier)()
+    _, (module, optimizer, _) = private(model, token_task(n=N), per_example_backward=True)
+    x, y = token_task(n=4).tensors
+    return model, module, optimizer, x, y
+
+
+def test_a_batch_of_two_is_refused_at_the_forward():
+    _, module, _, x, y = _made()
+    with pytest.raises(ValueError, match="one example per backward pass.*a batch of 2"):
+        module(x[:2])
+
+
+def test_two_examples_in_one_backward_are_refused():
+    model, module, optimizer, x, y = _made()
+    before = [p.detach().clone() for p in model.parameters()]
+    (_ce(module, x[:1], y[:1]) + _ce(module, x[1:2], y[1:2])).backward()
+    with pytest.raises(ValueError, match="each backward pass must hold one example"):
+        optimizer.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_an_earlier_graph_run_again_is_refused():
+    _, module, optimizer, x, y = _made()
+    first = _ce(module, x[:1], y[:1])
+    first.backward(retain_graph=True)
+    _ce(module, x[1:2], y[1:2])  # a new forward, then the old graph again
+    first.backward()
+    with pytest.raises(ValueError, match="one example"):
+        optimizer.step()
+
+
+def test_a_gradient_set_by_hand_is_refused():
+    model, module, optimizer, x, y = _made()
+    _ce(module, x[:1], y[:1]).backward()
+    model.fc1.weight.grad = torch.ones_like(model.fc1.weight)
+    with pytest.raises(ValueError, match="fc1.weight"):
+        optimizer.step()
+
+
+def test_torch_ddp_and_other_options_are_refused():
+    model = seeded(SequenceClassifier)()
+    with pytest.raises(ValueError, match="per_example_backward.*bookkeeping"):
+        private(model, token_task(n=N), per_example_backward=True, bookkeeping=True)
+    with pytest.raises(ValueError, match="per_example_backward=1 is invalid"):
+        private(model, token_task(n=N), per_example_backward=1)
+    engine = PrivacyEngine(accountant="prv")
+    with pytest.raises(ValueError, match="only applies with clipping='randomized'"):
+        engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=torch.utils.data.DataLoader(token_task(n=N), batch_size=B), noise_multiplier=1.0,
+            max_grad_norm=C, per_example_backward=True,
+        )
+
+
+def test_secure_mode():
+    model = seeded(SequenceClassifier)()
+    engine = PrivacyEngine(accountant="rc_prv", secure_mode=True)
+    module, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=torch.utils.data.DataLoader(token_task(n=N), batch_size=B), noise_multiplier=1.0,
+        max_grad_norm=C, clipping="randomized", per_example_backward=True,
+    )
+    one_logical_step(module, optimizer, loader, _ce)
+    assert len(engine.accountant.history) == 1
+
+
+def test_form_is_in_the_table():
+    from opacus_rc.forms import FORMS
+
+    assert FORMS[PER_EXAMPLE].exact and not any(f.exact for n, f in FORMS.items() if n != PER_EXAMPLE)
