@@ -376,3 +376,34 @@ def test_form_is_in_the_table():
     from opacus_rc.forms import FORMS
 
     assert FORMS[PER_EXAMPLE].exact and not any(f.exact for n, f in FORMS.items() if n != PER_EXAMPLE)
+
+
+def test_empty_batches_contribute_zero_with_or_without_backward():
+    """An empty Poisson draw's batch: its forward (the mean loss is NaN) and backward leave
+    no contribution; an empty forward without backward changes nothing either."""
+    model, module, optimizer, x, y = _made()
+    reference = seeded(SequenceClassifier)()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _ce(module, x[:0], y[:0]).backward()  # empty, backward
+    optimizer.signal_skip_step(do_skip=True, same_draw=True)  # the same draw continues
+    optimizer.step()
+    module(x[:0])  # empty, no backward
+    _ce(module, x[:1], y[:1]).backward()
+    optimizer.step()
+    want = per_example_clipped_mean(reference, _ce, [x[0]], [y[0]], C, B)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(before[name] - p.detach(), want[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_second_example_in_any_batched_argument_is_refused():
+    _, module, _, x, _ = _made()
+    with pytest.raises(ValueError, match="a batch of 2"):
+        module(x[:1], mask=torch.ones(2, x.shape[1]))  # the batch of a later 2-D argument
+
+
+def test_a_forward_without_backward_then_another_example_is_refused():
+    _, module, optimizer, x, y = _made()
+    module(x[:1])  # its graph is dropped, but its example was counted
+    _ce(module, x[1:2], y[1:2]).backward()
+    with pytest.raises(ValueError, match="held 2 examples"):
+        optimizer.step()

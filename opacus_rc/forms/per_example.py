@@ -13,8 +13,9 @@ non-private accumulation, whatever the size of the Poisson draw.
 :class:`PerExampleHooks` (and its wrapping form :class:`PerExampleModule`) enforces the
 premise: every outermost forward pass of the model with gradients on takes one example
 (a batch of 0 or 1 along the batch dimension, else ``ValueError`` at the forward), and
-every backward pass reaches exactly the one forward since the last clip (else the step is
-refused: two examples in one backward, or the graph of an earlier example run again).
+every backward pass holds at most one example's forwards since the last clip and reaches
+no earlier one (else the step is refused: two examples in one backward, or the graph of an
+already clipped example run again); an empty batch's gradient is dropped.
 The clip runs when the backward pass ends, from a callback queued by the gradient of the
 forward's output. :class:`PerExampleOptimizer` then releases ``S`` like Opacus's DP
 optimizer; the ``rc_prv`` accountant charges these steps as exact clipping (Opacus's
@@ -45,13 +46,15 @@ _EPS = 1e-6
 
 
 def examples_in(args: Any, kwargs: Dict[str, Any], batch_first: bool) -> Optional[int]:
-    """The batch size of a forward call: the batch dimension of its first tensor argument
-    (positional first, then keyword), None when no argument is a tensor with one."""
+    """The batch size of a forward call: the largest batch dimension among its first tensor
+    argument (positional first, then keyword) and its tensors of two or more dimensions
+    (ids, masks, positions, embeddings: a 1-D ``cache_position`` is not batched); None
+    when no argument is a tensor with a batch dimension."""
     dim = 0 if batch_first else 1
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.dim() > dim:
-            return int(value.shape[dim])
-    return None
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > dim]
+    if not tensors:
+        return None
+    return max(int(t.shape[dim]) for t in tensors if t is tensors[0] or t.dim() >= 2)
 
 
 def batch_error(n: Optional[int]) -> ValueError:
@@ -82,8 +85,7 @@ class PerExampleClipping:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 self._params.append(p)
-        self._forwards = 0  # outermost training forwards since the last clip
-        self._examples = 0  # their examples (0 or 1 each)
+        self._examples = 0  # examples of the outermost forwards since the last clip (0 or 1 each)
         self._forward_ids: List[int] = []  # their sequence numbers
         self._reached: set = set()  # forwards whose output this backward pass reached
         self._next_id = 0
@@ -114,7 +116,7 @@ class PerExampleClipping:
 
     def forget_per_example_values(self) -> None:
         """Drop what a refused step left (forward counts)."""
-        self._forwards = self._examples = 0
+        self._examples = 0
         self._forward_ids.clear()
         self._reached.clear()
 
@@ -150,7 +152,6 @@ class PerExampleClipping:
             raise batch_error(n)
         self._release_zeroed_grads()
         self._depth.append(True)
-        self._forwards += 1
         self._examples += n
         self._forward_ids.append(self._next_id)
 
@@ -194,16 +195,17 @@ class PerExampleClipping:
         grads = [(p, p.grad) for p in self._params if p.grad is not None]
         for p, _ in grads:
             p.grad = None
-        forwards, examples, ids, reached = self._forwards, self._examples, self._forward_ids, self._reached
-        self._forwards = self._examples = 0
+        examples, ids, reached = self._examples, self._forward_ids, self._reached
+        self._examples = 0
         self._forward_ids, self._reached = [], set()
         optimizer = self._bound_optimizer()
         if optimizer is None:
             return self._refuse("no optimizer follows this module (call module.follow_steps(optimizer))")
-        if forwards != 1 or reached != set(ids):
+        if examples > 1 or not reached <= set(ids):
             return self._refuse(
-                f"one backward pass reached {len(reached)} forward passes of the model "
-                f"({forwards} since the last clip): each backward pass must hold one example"
+                f"a backward pass held {examples} examples' forward passes since the last clip"
+                + ("" if reached <= set(ids) else ", and reached the graph of an earlier, clipped one")
+                + ": each backward pass must hold one example"
             )
         if self._grouped is not None:
             self._grouped.append(True)
