@@ -88,3 +88,34 @@ def test_per_example_backward_false_keeps_the_sketched_form(tmp_path):
 def test_refused_with_flat_clipping():
     with pytest.raises(ValueError, match="per_example_backward"):
         PrivacyArguments(noise_multiplier=1.0, delta=1e-5, clipping="flat", per_example_backward=True)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_chunked_head_with_checkpointing_in_the_per_example_form(tmp_path, reentrant):
+    """lm_head_block_size: the loss through ChunkedLMHeadLoss (4 positions a block), with
+    gradient checkpointing on; equals brute force on the model's own logits."""
+    model, reference, trainer = train(
+        tmp_path, 1, 8, {"lm_head_block_size": 4}, gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+    )
+    reference.gradient_checkpointing_disable()
+    brute_force(reference, trainer.recorded, 8, 8)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_chunked_head_with_checkpointing_by_bookkeeping(tmp_path):
+    """A sketched form with the chunked head and checkpointing on: book-keeping (the
+    refusal of the two passes from the output does not reach the Trainer); it trains."""
+    model, reference, trainer = train(
+        tmp_path, 4, 2, {"lm_head_block_size": 4, "per_example_backward": False}, gradient_checkpointing=True,
+    )
+    assert type(trainer._dp_optimizer).__name__ == "RandomizedClippingBookkeepingOptimizer"
+    moved = [not torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters())]
+    assert all(moved) and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_lm_head_block_size_is_validated():
+    for bad in (0, True, 2.5):
+        with pytest.raises(ValueError, match="lm_head_block_size"):
+            PrivacyArguments(noise_multiplier=1.0, delta=1e-5, lm_head_block_size=bad)

@@ -35,6 +35,11 @@ class PrivacyArguments:
             True or False: each physical batch runs one row at a time, one backward pass per
             example, with exact flat clipping of its whole gradient (randomized only; no
             sketch, charged as Opacus's ``prv``; memory of one row plus the clipped sum).
+        lm_head_block_size: ``None`` (default: the model's own logits) or the positions per
+            block of the chunked LM head (:class:`~opacus_rc.lm_head.ChunkedLMHeadLoss`;
+            causal LMs): the training loss never materialises the (T x V) logits. Works with
+            gradient checkpointing on, in the per-example form and otherwise by book-keeping
+            (randomized only).
         denoise: ``None`` or ``"spectral"`` (post-processing of the noisy gradient).
         secure_mode: noise, sketches and Poisson masks from :mod:`opacus_rc.csprng`.
         sample_rate: the public Poisson rate; ``None``: ``1 / ceil(len(train_dataset) / B)``
@@ -53,6 +58,7 @@ class PrivacyArguments:
     sketch_size: int = SketchConfig.sketch_size
     sketching: str = SketchConfig.sketching
     per_example_backward: Optional[bool] = None
+    lm_head_block_size: Optional[int] = None
     denoise: Optional[str] = None
     secure_mode: bool = False
     sample_rate: Optional[float] = None
@@ -94,6 +100,11 @@ class PrivacyArguments:
              self.per_example_backward is None or isinstance(self.per_example_backward, bool)
              and (self.clipping == "randomized" or not self.per_example_backward),
              "None, True, False (True with clipping='randomized' only)"),
+            ("lm_head_block_size",
+             self.lm_head_block_size is None or isinstance(self.lm_head_block_size, int)
+             and not isinstance(self.lm_head_block_size, bool) and self.lm_head_block_size > 0
+             and self.clipping == "randomized",
+             "None or a positive int (with clipping='randomized' only)"),
         )
 
     def _refuse_invalid(self, *checks: Tuple[str, bool, str]) -> None:

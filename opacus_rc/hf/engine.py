@@ -128,6 +128,8 @@ def make_private(
             expected_batch_size=batch_size, sample_rate=sample_rate,
             per_example_backward=p.per_example(physical_batch_size),
         )
+        if p.lm_head_block_size is not None and not p.per_example(physical_batch_size):
+            kwargs["bookkeeping"] = True  # the chunked head's norms: one pass, checkpointed or not
     if p.clipping != "randomized" and not p.secure_mode:
         # Opacus's flat clipping would draw from torch's global generator, which the Trainer's
         # set_seed seeds; randomized clipping has its own os.urandom streams, one per device

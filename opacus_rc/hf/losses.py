@@ -79,6 +79,26 @@ def row_losses(logits: torch.Tensor, labels: torch.Tensor, shift: Callable[[], b
     )
 
 
+def chunked_head_losses(model: nn.Module, inputs: Dict[str, Any], labels: torch.Tensor, *,
+                        block_size: int, shift: bool) -> torch.Tensor:
+    """Per-row losses of a causal LM through :class:`~opacus_rc.lm_head.ChunkedLMHeadLoss`:
+    the decoder's hidden states (``get_decoder()``; PEFT adapters included) and the LM head
+    ``block_size`` positions at a time, so the (T x V) logits are never materialised."""
+    from ..lm_head import ChunkedLMHeadLoss
+
+    inner = _unwrap(model)
+    get_decoder = getattr(inner, "get_decoder", None)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if not callable(get_decoder) or not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"lm_head_block_size needs a causal LM with get_decoder() and an nn.Linear output "
+            f"embedding; {type(_base_model(inner)).__name__} has not; accepted values: None"
+        )
+    hidden = get_decoder()(**inputs).last_hidden_state
+    loss = ChunkedLMHeadLoss(head, block_size, shift_labels=shift, reduction="none")
+    return loss(hidden, labels)
+
+
 def causal_lm(model: nn.Module) -> bool:
     """The model (its base model for PEFT) is a causal language model: labels are shifted."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -122,4 +142,7 @@ def _base_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-__all__ = ["per_example_token_loss", "per_example_sequence_loss", "model_inputs", "row_losses", "causal_lm"]
+__all__ = [
+    "per_example_token_loss", "per_example_sequence_loss", "model_inputs", "row_losses", "causal_lm",
+    "chunked_head_losses",
+]

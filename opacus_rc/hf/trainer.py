@@ -29,7 +29,7 @@ from .checks import (
 from ..forms.per_example import PerExampleOptimizerMixin
 from .data import PoissonAccumulationSampler, is_empty_batch, one_row_batches, poisson_loader
 from .engine import budget_steps, epsilon, make_private, signal_same_draw
-from .losses import causal_lm, model_inputs, row_losses
+from .losses import causal_lm, chunked_head_losses, model_inputs, row_losses
 
 logger = logging.getLogger(__package__)  # "opacus_rc.hf", as before the package
 
@@ -201,6 +201,9 @@ class DPTrainerMixin:
         """One loss per row of ``inputs`` (shape (B,)). Override for other tasks; every
         trainable weight must be used through its module's forward (the hooks see it)."""
         inputs, labels = model_inputs(model, inputs)
+        block = self.privacy.lm_head_block_size
+        if block is not None:
+            return chunked_head_losses(model, inputs, labels, block_size=block, shift=self._dp_shifts_labels())
         outputs = model(**inputs)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         return row_losses(logits, labels, self._dp_shifts_labels)
