@@ -37,7 +37,13 @@ MODES: Dict[str, dict] = {
     "ghost_bookkeeping": dict(grad_sample_mode="ghost", bookkeeping=True),
     "hooks_object": dict(grad_sample_mode="ghost", wrap_model=False),
     "bookkeeping_hooks_object": dict(grad_sample_mode="hooks", wrap_model=False),
+    "per_example": dict(per_example_backward=True),  # one example per backward pass, exact
+    "per_example_hooks_object": dict(per_example_backward=True, wrap_model=False),
 }
+#: the forms that sketch and keep per-layer state (the per-example form has neither: plain
+#: autograd's gradient of each example, which also leaves a reentrant region without a grad
+#: input untrained, as in non-private training)
+SKETCHED_MODES = [m for m in MODES if not m.startswith("per_example")]
 
 
 # --- models ---------------------------------------------------------------------------
@@ -185,10 +191,15 @@ def private_steps(model: nn.Module, forward: Callable, data, mode: str, **option
     criterion = out[2] if len(out) == 4 else None
     names = {id(p): n for n, p in model.named_parameters()}
     history = []
+    one_at_a_time = bool(settings.get("per_example_backward"))
     for x, y in data:
-        private_loss(criterion, forward(module, x), y).backward()
-        opt.step()
-        opt.zero_grad()
+        parts = [(x[i:i + 1], y[i:i + 1]) for i in range(len(x))] if one_at_a_time else [(x, y)]
+        for j, (xj, yj) in enumerate(parts):  # the per-example form: one example per backward
+            private_loss(criterion, forward(module, xj), yj).backward()
+            if j < len(parts) - 1:
+                opt.signal_skip_step(do_skip=True, same_draw=True)
+            opt.step()
+            opt.zero_grad()
         leftovers = [
             type(m).__name__ for m in model.modules()
             if getattr(m, "activations", None) or hasattr(m, "max_batch_len")
@@ -273,7 +284,7 @@ class _PassCounter:
 
 
 @pytest.mark.parametrize("sketching", ["shared", "per_example"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", SKETCHED_MODES)
 @pytest.mark.parametrize("form", ["hf_reentrant", "hf_non_reentrant"])
 def test_sketched_update_unchanged_by_checkpointing(mode, form, sketching, monkeypatch):
     """T > k: same sketch seed, same update with and without checkpointing; one sketch
@@ -315,7 +326,7 @@ def test_tied_embedding_one_sketch_per_step(mode, form, monkeypatch):
 # --- what cannot be computed is refused ----------------------------------------------
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", SKETCHED_MODES)
 def test_reentrant_region_without_grad_input_is_refused(mode):
     """checkpoint(use_reentrant=True) on a region whose input does not require grad (a
     frozen embedding in front): torch differentiates nothing inside it; the step is
