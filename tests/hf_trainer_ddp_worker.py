@@ -1,5 +1,7 @@
 """One rank of the two-process DPTrainer test (tests/test_hf_trainer.py), launched with
 ``python -m torch.distributed.run --nproc_per_node 2 tests/hf_trainer_ddp_worker.py OUT SIGMA CLIPPING``
+(CLIPPING: "randomized", "flat", "per_example" (randomized, one row per backward pass), or a
+refusal scenario)
 (gloo on CPU). Each rank saves what it trained on and where it ended."""
 
 import os
@@ -65,9 +67,10 @@ def main(out: str, sigma: float, clipping: str) -> None:
         args=t.training_args(pathlib.Path(out), per_device_train_batch_size=t.PER_DEVICE // 2, logging_steps=1),
         train_dataset=t.RowDataset(),
         optimizers=(torch.optim.SGD(model.parameters(), lr=0.5), None),
-        privacy=t.PrivacyArguments(noise_multiplier=sigma, delta=1e-5, max_grad_norm=0.05, clipping=clipping,
-                                   log_train_loss=clipping == "flat",
-                                   **({"sketch_size": 32} if clipping == "randomized" else {})),
+        privacy=t.PrivacyArguments(
+            noise_multiplier=sigma, delta=1e-5, max_grad_norm=0.05, log_train_loss=clipping == "flat",
+            **({"clipping": "randomized", "per_example_backward": True} if clipping == "per_example"
+               else {"clipping": clipping, **({"sketch_size": 32} if clipping == "randomized" else {})})),
     )
     trainer.train()
     torch.save(

@@ -119,3 +119,58 @@ def test_lm_head_block_size_is_validated():
     for bad in (0, True, 2.5):
         with pytest.raises(ValueError, match="lm_head_block_size"):
             PrivacyArguments(noise_multiplier=1.0, delta=1e-5, lm_head_block_size=bad)
+
+
+def test_two_gloo_ranks_per_example_equal_one_process_on_the_union(tmp_path):
+    """torchrun --nproc_per_node 2, one row per backward pass on each rank (DPDDP: no
+    all-reduce before the clip), sigma = 0: both ranks end with the one-process exact update
+    on the union of their batches; charged as exact clipping."""
+    from .test_hf_trainer import assert_equals_one_process_on_the_union, run_two_ranks
+
+    ranks = run_two_ranks(tmp_path, 0.0, clipping="per_example")
+    assert_equals_one_process_on_the_union(ranks)
+    assert ranks[0]["history"] == ranks[1]["history"]
+    assert ranks[0]["history"][0][3].estimator is None
+
+
+def test_private_sft_trainer_at_a_physical_batch_of_one(tmp_path):
+    """TRL's SFTTrainer (its defaults: bf16 autocast, non-reentrant gradient checkpointing)
+    at per_device_train_batch_size=1: the per-example form, automatically; the update equals
+    brute force on the recorded rows (padding and masks as collated; the oracle's loss is the
+    Trainer's per-row loss under the same bf16 autocast), up to bf16 rounding (2% of the update)."""
+    trl = pytest.importorskip("trl")
+    from opacus_rc.hf import private_trainer
+
+    from .test_hf_trainer import char_tokenizer, sft_dataset
+
+    model = tiny_llama()
+    reference, initial = copy.deepcopy(model), copy.deepcopy(model)
+    config = trl.SFTConfig(
+        output_dir=str(tmp_path / "sft"), per_device_train_batch_size=1, gradient_accumulation_steps=8,
+        max_steps=2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+        lr_scheduler_type="constant",
+    )
+    trainer = recording(private_trainer(trl.SFTTrainer))(
+        model=model, args=config, train_dataset=sft_dataset(), processing_class=char_tokenizer(),
+        optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None),
+        privacy=PrivacyArguments(noise_multiplier=0.0, delta=1e-5, max_grad_norm=C),
+    )
+    trainer.train()
+    assert isinstance(trainer._dp_optimizer, PerExampleOptimizer)
+    reference.gradient_checkpointing_disable()
+
+    def loss_of(m, row, _):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return trainer.per_example_loss(m, row).mean()
+
+    for start in range(0, len(trainer.recorded), 8):
+        rows = [{k: v[i:i + 1] for k, v in b.items()} for b in trainer.recorded[start:start + 8] if b is not None
+                for i in range(len(b["input_ids"]))]
+        index = torch.arange(len(rows))  # the oracle takes tensors: row i is index i
+        update = per_example_clipped_mean(reference, lambda m, i, y: loss_of(m, rows[int(i)], y), index,
+                                          index, C, 8)
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                p -= LR * update[name]
+    for (name, p), q, p0 in zip(model.named_parameters(), reference.parameters(), initial.parameters()):
+        assert (p - q).norm() <= 0.02 * (q - p0).norm() + 1e-7, name
