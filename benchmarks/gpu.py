@@ -66,10 +66,13 @@ logger = logging.getLogger(__name__)
 PLAIN_MODES = ("nonprivate", "opacus_hooks", "opacus_ghost", "randomized", "randomized_bk")
 #: the checkpointed modes in the order they run at each T: the chunked head first, Opacus
 #: ghost (out of memory at the longest T) last
-CKPT_MODES = ("nonprivate_ckpt_chunked", "randomized_ckpt_chunked", "nonprivate_ckpt", "randomized_ckpt",
-              "opacus_ghost_ckpt")
+CKPT_MODES = ("nonprivate_ckpt_chunked", "randomized_ckpt_chunked", "per_example_ckpt_chunked", "nonprivate_ckpt",
+              "randomized_ckpt", "per_example_ckpt", "opacus_ghost_ckpt")
 #: the modes with the chunked LM head (opacus_rc.lm_head.ChunkedLMHeadLoss)
-CHUNKED_MODES = ("nonprivate_ckpt_chunked", "randomized_ckpt_chunked")
+CHUNKED_MODES = ("nonprivate_ckpt_chunked", "randomized_ckpt_chunked", "per_example_ckpt_chunked")
+#: the per-example form (one sequence per backward pass, exact clipping; the chunked head a
+#: plain loss): make_private(..., per_example_backward=True)
+PER_EXAMPLE_MODES = ("per_example_ckpt_chunked", "per_example_ckpt")
 MODES = PLAIN_MODES + CKPT_MODES
 #: positions per block of the chunked head on the full shape (one block's logits: 1024 x
 #: 128,256 float32, 0.5 GB)
@@ -80,7 +83,8 @@ TINY = dict(vocab=512, d=64, layers=2, heads=4, kv_heads=2, ffn=128, seq_lens=(6
             block_size=32)  # several blocks at T = 128
 #: the grad-sample mode each private mode runs with
 GRAD_SAMPLE_MODE = {"opacus_hooks": "hooks", "opacus_ghost": "ghost", "randomized": "ghost", "randomized_bk": "hooks",
-                    "opacus_ghost_ckpt": "ghost", "randomized_ckpt": "hooks", "randomized_ckpt_chunked": "ghost"}
+                    "opacus_ghost_ckpt": "ghost", "randomized_ckpt": "hooks", "randomized_ckpt_chunked": "ghost",
+                    "per_example_ckpt_chunked": "hooks", "per_example_ckpt": "hooks"}
 
 
 def enable_reentrant_checkpointing(model: nn.Module) -> None:
@@ -135,9 +139,10 @@ class Runner:
 
         import opacus_rc  # noqa: F401  registers clipping="randomized" and accountant="rc_prv"
 
-        randomized = mode.startswith("randomized")
+        randomized = mode.startswith(("randomized", "per_example"))
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(batch.cpu()), batch_size=len(batch))
-        extra = {"clipping": "randomized", "sketch_size": 32} if randomized else {}
+        # batch 1 would choose the per-example form by itself: the sketched modes ask for theirs
+        extra = {"clipping": "randomized", "sketch_size": 32, "per_example_backward": mode in PER_EXAMPLE_MODES} if randomized else {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = PrivacyEngine(accountant="rc_prv" if randomized else "prv").make_private(

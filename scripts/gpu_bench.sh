@@ -3,9 +3,10 @@
 # T in {4096, 16384, 65536}, batch 1, bf16 autocast: non-private, Opacus hooks, Opacus ghost,
 # randomized two-pass and randomized book-keeping; with reentrant activation checkpointing at
 # T in {16384, 65536, 131072}: the chunked LM head (opacus_rc.lm_head.ChunkedLMHeadLoss,
-# block 1024, no T x vocab logits) non-private and randomized two-pass, then non-private,
-# randomized (default mode) and Opacus ghost (last: out of memory at 131072 by the model of
-# docs/scaling.md); JSON with the median step time and
+# block 1024, no T x vocab logits) non-private, randomized two-pass and the per-example form
+# (one sequence per backward pass, exact clipping, the head a plain loss), then non-private,
+# randomized (book-keeping), the per-example form and Opacus ghost (last: out of memory at
+# 131072 by the model of docs/scaling.md); JSON with the median step time and
 # torch.cuda.max_memory_allocated per mode (out-of-memory recorded as such).
 #   bash scripts/gpu_bench.sh [--out gpu_bench.json]      # one large GPU, about 10 minutes
 #   bash scripts/gpu_bench.sh --device cpu --tiny         # CI: the same code paths on CPU

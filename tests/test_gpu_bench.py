@@ -27,7 +27,7 @@ def test_tiny_cpu_form_runs_every_mode(tmp_path):
     assert {r["mode"] for r in results} == {
         "nonprivate", "opacus_hooks", "opacus_ghost", "randomized", "randomized_bk",
         "nonprivate_ckpt", "opacus_ghost_ckpt", "randomized_ckpt",
-        "nonprivate_ckpt_chunked", "randomized_ckpt_chunked",
+        "nonprivate_ckpt_chunked", "randomized_ckpt_chunked", "per_example_ckpt_chunked", "per_example_ckpt",
     }
     assert {r["seq_len"] for r in results} == {64, 128}
     assert all(r["status"] == "ok" and r["median_step_s"] > 0 for r in results)
@@ -35,17 +35,19 @@ def test_tiny_cpu_form_runs_every_mode(tmp_path):
     from benchmarks import gpu
 
     assert {r["mode"] for r in ckpt} == set(gpu.CKPT_MODES)
-    assert len(ckpt) == 5 and all(r["checkpointing"] == "reentrant" and r["seq_len"] == 128 for r in ckpt)
+    assert len(ckpt) == 7 and all(r["checkpointing"] == "reentrant" and r["seq_len"] == 128 for r in ckpt)
     by_mode = {r["mode"]: r["syncing_ops_per_step"] for r in ckpt}
     assert by_mode["randomized_ckpt"] == by_mode["nonprivate_ckpt"], by_mode
     assert by_mode["randomized_ckpt_chunked"] == by_mode["nonprivate_ckpt_chunked"] == by_mode["nonprivate_ckpt"]
+    # the per-example form: its clip is one norm over p.grad, decided on the device
+    assert by_mode["per_example_ckpt"] == by_mode["per_example_ckpt_chunked"] == by_mode["nonprivate_ckpt"]
     rec = {r["mode"]: r for r in ckpt}
     assert record["chunked_head"]["block_size"] == 32
-    for mode in ("nonprivate_ckpt_chunked", "randomized_ckpt_chunked"):
+    for mode in gpu.CHUNKED_MODES:
         assert rec[mode]["head"] == "chunked" and rec[mode]["block_size"] == 32
         # the same model and tokens: the chunked head's loss is the whole head's (bf16 rounding)
         assert rec[mode]["warmup_loss"] == pytest.approx(rec["nonprivate_ckpt"]["warmup_loss"], rel=1e-2)
-    assert all(rec[m]["head"] == "whole" for m in ("nonprivate_ckpt", "randomized_ckpt", "opacus_ghost_ckpt"))
+    assert all(rec[m]["head"] == "whole" for m in ("nonprivate_ckpt", "randomized_ckpt", "per_example_ckpt", "opacus_ghost_ckpt"))
     # randomized clipping adds no operation that makes the host wait: its modes see
     # exactly the syncing operations of non-private training (the model's own)
     for t in (64, 128):
@@ -61,7 +63,7 @@ def test_schedule_and_time_prediction():
     assert {m for t, m in order if t == 131072} == set(gpu.CKPT_MODES)
     # at the longest T the chunked head runs first, Opacus ghost (out of memory there) last
     at_longest = [m for t, m in order if t == 131072]
-    assert at_longest[:2] == list(gpu.CHUNKED_MODES) and at_longest[-1] == "opacus_ghost_ckpt"
+    assert at_longest[:3] == list(gpu.CHUNKED_MODES) and at_longest[-1] == "opacus_ghost_ckpt"
     assert {m for t, m in order if t == 4096} == set(gpu.PLAIN_MODES)
     assert len(order) == 3 * len(gpu.PLAIN_MODES) + 3 * len(gpu.CKPT_MODES)
     assert gpu.predicted_seconds(None, 131072, 3) == 0.0
