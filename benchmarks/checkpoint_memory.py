@@ -92,7 +92,7 @@ def run_case(mode: str, form: str, layers: int, seq: int, batch: int = 8) -> Dic
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
         criterion=nn.CrossEntropyLoss(), noise_multiplier=1.0, max_grad_norm=1.0,
         poisson_sampling=False, grad_sample_mode=mode, clipping="randomized",
-        sketch_size=32, sketch_seed=0,
+        sketch_size=32, sketch_seed=0, per_example_backward=False,  # the sketched forms, at any batch
     )
     module, opt = out[0], out[1]
     positions = torch.arange(seq).repeat(batch, 1)

@@ -219,7 +219,7 @@ def markdown(rows: List[Row], longest: Dict[Tuple[str, float], int], shape: Deco
 #: grad_sample_mode="ghost"), randomized book-keeping
 CHUNKED_HEAD_FORMS = ("plain", "two_pass", "bookkeeping")
 #: the form of the chunked head each checkpointed method runs (Opacus ghost cannot use it)
-CKPT_HEAD_FORM = {"nonprivate": "plain", "randomized": "two_pass", "bookkeeping": "bookkeeping"}
+CKPT_HEAD_FORM = {"nonprivate": "plain", "randomized": "two_pass", "bookkeeping": "bookkeeping", "per_example": "plain"}
 
 
 def chunked_head_terms(batch: int, seq_len: int, d: int, vocab: int, block_size: int = 1024, *,
@@ -364,9 +364,13 @@ def validation_markdown(rows: Sequence[Dict]) -> str:
 # ------------------------------------------------------------------------------------------
 #: methods of the checkpointed tables: non-private, Opacus ghost, randomized clipping in its
 #: two-pass form (the randomized default under checkpointing), and book-keeping (stated apart)
-CKPT_METHODS = ("nonprivate", "ghost", "randomized", "bookkeeping")
-#: the norm computation each method runs (benchmarks.scaling.norm_peak_bytes)
-CKPT_NORM = {"nonprivate": None, "ghost": "ghost", "randomized": "hutchinson", "bookkeeping": "hutchinson"}
+CKPT_METHODS = ("nonprivate", "ghost", "randomized", "bookkeeping", "per_example")
+#: the norm computation each method runs (benchmarks.scaling.norm_peak_bytes); the
+#: per-example form (one sequence per backward pass) computes none: one norm over p.grad
+CKPT_NORM = {"nonprivate": None, "ghost": "ghost", "randomized": "hutchinson", "bookkeeping": "hutchinson",
+             "per_example": None}
+#: methods that do not run under FSDP2 (the per-example form refuses it)
+ONE_GPU_METHODS = ("per_example",)
 
 
 @dataclass(frozen=True)
@@ -413,7 +417,10 @@ def checkpointed_terms(shape: DecoderShape, seq_len: int, gpus: int, method: str
       until ``optimizer.step()``: :func:`record_elements` per token and layer, plus the
       head's input and output gradient (d + vocab); checkpointing does not shrink them;
     * ``norm``: the method's largest per-layer norm computation (counted: ghost's T x T
-      matrices, the sketch's B k (d + p) and chunks).
+      matrices, the sketch's B k (d + p) and chunks);
+    * ``running_sum`` (the per-example form): the float32 clipped sum, 4 bytes per
+      parameter, alive next to the example's gradient (in ``state``); otherwise its step
+      is non-private's.
 
     The peak (:func:`checkpointed_step_bytes`) is the persistent terms plus the larger of
     the head phase and the layer phase.
@@ -468,6 +475,7 @@ def checkpointed_terms(shape: DecoderShape, seq_len: int, gpus: int, method: str
         "norm": norm_bytes,
         "chunked_head_kept": head_kept,
         "chunked_head_phase": head_phase,
+        "running_sum": 4 * shape.params() if method == "per_example" else 0,
     }
 
 
@@ -479,7 +487,8 @@ def checkpointed_step_bytes(terms: Dict[str, int], method: str) -> int:
     layer's input and output gradient, so it adds the logits (T x vocab) or the rest of the
     recomputed layer (``bookkeeping_rest``), the larger. With the chunked head its kept
     tensors count throughout and its block phase replaces the logits."""
-    base = terms["state"] + terms["buffers"] + terms["kept_inputs"] + terms["norm"] + terms["chunked_head_kept"]
+    base = (terms["state"] + terms["buffers"] + terms["kept_inputs"] + terms["norm"] + terms["chunked_head_kept"]
+            + terms.get("running_sum", 0))
     if method == "bookkeeping":
         return base + terms["records"] + max(terms["head"] // 2 + terms["chunked_head_phase"],
                                              terms["bookkeeping_rest"])
@@ -496,7 +505,7 @@ def binding_terms(terms: Dict[str, int], method: str) -> List[Tuple[str, int]]:
         phase = {head: terms["head"] // 2 + terms["chunked_head_phase"], "layer_phase": terms["bookkeeping_rest"]}
     names = {"state": terms["state"], "buffers": terms["buffers"], "kept_inputs": terms["kept_inputs"],
              "norm": terms["norm"], "records": terms["records"], "chunked_head_kept": terms["chunked_head_kept"],
-             **phase}
+             "running_sum": terms.get("running_sum", 0), **phase}
     return sorted(((k, v) for k, v in names.items() if v), key=lambda kv: -kv[1])
 
 
@@ -546,7 +555,7 @@ TERM_NAMES = {"state": "state", "buffers": "buffers", "kept_inputs": "kept layer
               "recomputed_layer": "recomputed layer", "head": "logits + gradient",
               "layer_phase": "recomputed layer (+ retained loss tensor)", "norm": "norm term",
               "records": "book-keeping records", "chunked_head_kept": "chunked head's kept A, H",
-              "head_block": "chunked head's block"}
+              "head_block": "chunked head's block", "running_sum": "running clipped sum"}
 
 
 def _records_cell(x: Dict[str, int]) -> str:
@@ -617,11 +626,14 @@ def checkpointed_tables(seq_lens: Sequence[int], budgets: Sequence[float], head:
                         block_size: int = 1024, with_rows: bool = True, limit: int = 1 << 18):
     """Rows at ``seq_lens`` and the longest T (at most ``limit``) per budget for every setup
     and method; the binding terms are those of the first T past the longest (1024 more)."""
-    rows = [ckpt_row(s, m, t, head, block_size) for s in SETUPS for t in seq_lens for m in CKPT_METHODS] \
+    def methods(s: Setup) -> List[str]:
+        return [m for m in CKPT_METHODS if s.gpus == 1 or m not in ONE_GPU_METHODS]
+
+    rows = [ckpt_row(s, m, t, head, block_size) for s in SETUPS for t in seq_lens for m in methods(s)] \
         if with_rows else []
     longest = {}
     for s in SETUPS:
-        for m in CKPT_METHODS:
+        for m in methods(s):
             for b in budgets:
                 t = longest_fitting_ckpt(s, m, b, head=head, block_size=block_size, limit=limit)
                 past = ckpt_row(s, m, t + 1024, head, block_size)

@@ -273,7 +273,7 @@ def make_trainer(
     )
     extra: Dict[str, Any] = (
         {"clipping": "randomized", "sketch_size": sketch_size, "estimator": estimator, "sketch_seed": 0,
-         "sketching": sketching}
+         "sketching": sketching, "per_example_backward": False}  # batch 1 would choose the per-example form
         if randomized
         else {}
     )

@@ -238,7 +238,7 @@ def make_private_rc(config, module: nn.Module, loader, reduction: str, seed: int
         estimator=config.estimator,
         sketch_size=config.sketch_size,
         sketch_seed=seed + 2,
-        **options,
+        **{"per_example_backward": False, **options},  # the sketched forms, even with one background example
     )
     # only the two-pass (ghost) path returns a criterion
     criterion = out[2] if len(out) == 4 else InnerProductLoss(reduction=reduction)
