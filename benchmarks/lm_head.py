@@ -28,10 +28,14 @@ from torch import nn
 
 from examples.profiling import PeakAllocationCounter
 from opacus_rc.config import SketchConfig
-from opacus_rc.bookkeeping import DPLossBookkeeping, GradSampleModuleBookkeeping, RandomizedClippingBookkeepingOptimizer
+from opacus_rc.forms.bookkeeping import (
+    DPLossBookkeeping,
+    GradSampleModuleBookkeeping,
+    RandomizedClippingBookkeepingOptimizer,
+)
+from opacus_rc.forms.two_pass import DPLossRandomizedClipping
 from opacus_rc.grad_sample import GradSampleModuleRandomizedClipping
 from opacus_rc.lm_head import ChunkedLMHeadLoss
-from opacus_rc.loss import DPLossRandomizedClipping
 from opacus_rc.optimizer import RandomizedClippingOptimizer
 
 FORMS = ("ghost", "hooks")

@@ -9,7 +9,7 @@ is one row, the privacy unit), full fine-tuning in bf16 autocast (SFTConfig's de
     python examples/trl_sft.py --steps 30
 
 ``SFTConfig`` defaults to gradient checkpointing: it runs in Hugging Face's non-reentrant form,
-as two passes from the model's output (opacus_rc/output_passes.py). In training the per-example
+as two passes from the model's output (opacus_rc/forms/output_passes.py). In training the per-example
 losses are computed through the model's forward (TRL's fused LM head reads ``lm_head.weight`` outside its module,
 which no per-example hook would see); evaluation keeps TRL's own loss.
 

@@ -10,9 +10,9 @@ batches one Poisson draw (:data:`opacus_rc.integration.PATCHES`, undone by
 """
 
 from . import integration as _integration
-from .bookkeeping import DistributedRandomizedClippingBookkeepingOptimizer, RandomizedClippingBookkeepingOptimizer
 from .config import SketchConfig
 from .estimators import hutchinson_sq_norms, hutchpp_sq_norms
+from .forms.bookkeeping import DistributedRandomizedClippingBookkeepingOptimizer, RandomizedClippingBookkeepingOptimizer
 from .grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
 from .integration import PrivacyEngine
 from .norm_samplers import register_randomized_norm_sampler

@@ -339,7 +339,7 @@ class SketchingMixin(_SketcherOwner):
         batch_first: bool,
     ) -> None:
         self._awaiting_forward = True  # the next forward starts a new pass
-        passes = getattr(self, "output_passes", None)  # plain-loss scripts: opacus_rc.output_passes
+        passes = getattr(self, "output_passes", None)  # plain-loss scripts: opacus_rc.forms.output_passes
         if passes is not None and self.hooks_enabled:
             passes.check_inside(module)
         if self.hooks_enabled and self._is_tied_use(module):

@@ -55,8 +55,8 @@ from . import checkpoint
 from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
 from .csprng import SecureDPDataLoader, loader_settings
 from .forms import FORMS
-from .fsdp import check_fsdp_mode
-from .loss import DPLossRandomizedClipping
+from .forms.fsdp import check_fsdp_mode
+from .forms.two_pass import DPLossRandomizedClipping
 from .optimizer import RandomizedClippingMixin
 from .options import (  # noqa: F401  (loader_batch_size, loader_rate, public_sampling: public here too)
     RANDOMIZED,

@@ -33,7 +33,7 @@ parameters; ``lm_head.forward`` itself is never called), so it works with
 ``wrap_model=True`` and ``False`` and needs no registration. A head under any other
 Opacus grad-sample mode raises a ``ValueError``.
 
-FSDP2 (``grad_sample_mode="ghost_fsdp"``, :mod:`opacus_rc.fsdp`): ``lm_head`` must be its own
+FSDP2 (``grad_sample_mode="ghost_fsdp"``, :mod:`opacus_rc.forms.fsdp`): ``lm_head`` must be its own
 ``fully_shard`` unit (``FSDP2Wrapper`` makes it one) or share one with its tied embedding
 (``fully_shard([embedding, lm_head])``). The unit's own forward hooks run around the chunked
 computation as ``lm_head(hidden)`` would run them (:class:`_FSDPUnit`): the weight is
@@ -57,9 +57,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .bookkeeping import BookkeepingMixin, Record, append_record, keep_rows, tied_weights_error
 from .estimators import ghost_sq_norms, sketch_side
-from .fsdp import FSDPSketchingMixin
+from .forms.bookkeeping import BookkeepingMixin, Record, append_record, keep_rows, tied_weights_error
+from .forms.fsdp import FSDPSketchingMixin
 from .grad_sample import SketchingMixin
 from .recompute import NON_REENTRANT, REENTRANT, forward_replay
 

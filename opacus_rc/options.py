@@ -3,7 +3,7 @@
 :meth:`opacus_rc.PrivacyEngine.make_private` (and ``make_private_with_epsilon``) take the
 plugin's keywords next to Opacus's; :meth:`Options.parse` validates all of them in one
 place, with error messages that name the parameter and its accepted values, and resolves
-what the call runs (book-keeping or two passes, :mod:`opacus_rc.bookkeeping`), its public
+what the call runs (book-keeping or two passes, :mod:`opacus_rc.forms.bookkeeping`), its public
 normaliser and sample rate (:func:`public_sampling`) and its seeds. The engine then reads
 nothing else: every ``_prepare_*`` step of Opacus's ``make_private`` reads the one object.
 """
@@ -24,9 +24,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .config import SketchConfig
 from .denoise import DEFAULT_KAPPA
-from .fsdp import FSDP_MODE
-from .bookkeeping import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, BOOKKEEPING_MODE, OUTPUT_PASSES, TWO_PASS
 from .forms import FORMS, PER_EXAMPLE, resolve_form
+from .forms.bookkeeping import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, BOOKKEEPING_MODE, OUTPUT_PASSES, TWO_PASS
+from .forms.fsdp import FSDP_MODE
 from .sketch import check_seed
 
 RANDOMIZED = "randomized"
@@ -414,7 +414,7 @@ class Options:
     Attributes:
         clipping: the clipping mode (``"randomized"`` or one of Opacus's).
         grad_sample_mode: the grad-sample mode the call builds (``bookkeeping=`` may
-            switch the requested one, see :func:`opacus_rc.bookkeeping.resolve_bookkeeping`).
+            switch the requested one, see :func:`opacus_rc.forms.bookkeeping.resolve_bookkeeping`).
         runs: the form the randomized call runs, a key of :data:`opacus_rc.forms.FORMS`.
         denoise: keyword arguments of the spectral denoiser, or None (no denoising).
         sketch: the :class:`~opacus_rc.config.SketchConfig` (a sketched randomized form only,

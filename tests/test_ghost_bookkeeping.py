@@ -10,7 +10,7 @@ from opacus import PrivacyEngine
 from torch import nn
 
 from examples.models import TinyDecoder, markov_text
-from opacus_rc.bookkeeping import DPLossBookkeeping
+from opacus_rc.forms.bookkeeping import DPLossBookkeeping
 
 from .conftest import token_task
 

@@ -18,6 +18,18 @@ def test_package_holds_the_runtime_only():
     assert 'include = ["opacus_rc*"]' in (ROOT / "pyproject.toml").read_text()
 
 
+def test_each_clipping_form_is_one_module_under_forms():
+    """opacus_rc/forms/ holds the table of forms and one module per form; no module of a
+    form stays at the package's top level (grad_sample.py, the base of the sketched forms,
+    does)."""
+    forms = ROOT / "opacus_rc" / "forms"
+    for name in ("__init__.py", "two_pass.py", "bookkeeping.py", "output_passes.py", "fsdp.py", "per_example.py"):
+        assert (forms / name).is_file(), name
+    for gone in ("bookkeeping.py", "output_passes.py", "fsdp.py", "loss.py", "per_example.py", "two_pass.py"):
+        assert not (ROOT / "opacus_rc" / gone).exists(), gone
+    assert (ROOT / "opacus_rc" / "grad_sample.py").is_file()
+
+
 def test_no_thread_count_changes_in_library_code():
     """Only an entry point's ``if __name__ == "__main__"`` block may call set_num_threads."""
     for path in (ROOT / "opacus_rc").rglob("*.py"):

@@ -503,7 +503,7 @@ def test_peft_lora_with_frozen_head_equals_unchunked(mode):
 def test_fsdp_grad_sample_module_controls_the_head_which_must_be_its_own_unit():
     """The FSDP2 form is accepted (tests/test_lm_head_fsdp.py runs it on 2 ranks); a head
     that is not a fully_shard unit itself is refused under it, naming fully_shard."""
-    from opacus_rc.fsdp import FSDPSketchingMixin
+    from opacus_rc.forms.fsdp import FSDPSketchingMixin
     from opacus_rc.lm_head import _fsdp_unit, controlling_module
 
     class Fake(FSDPSketchingMixin):
@@ -524,7 +524,7 @@ def test_fsdp_grad_sample_module_controls_the_head_which_must_be_its_own_unit():
 
 def test_output_passes_on_a_checkpointed_model_are_refused_with_the_alternative():
     """A plain-loss script on a checkpointed Hugging Face model runs two passes from the LM
-    head's output (opacus_rc.output_passes, issue 22), which the chunked head never
+    head's output (opacus_rc.forms.output_passes, issue 22), which the chunked head never
     produces: refused at the head's forward, naming grad_sample_mode='bookkeeping'; that
     works."""
     hf = pytest.importorskip("tests.test_hf_stacks")
@@ -557,7 +557,7 @@ def _two_uses_step(model, x, y, order, mode="ghost"):
     """One noiseless two-pass step whose per-sequence loss uses the head twice: the chunked
     loss and ``aux = 0.1 mean(head(h)^2)`` (``order``: which comes first; ``"unchunked"``:
     the cross-entropy through ``model.head`` too). Returns the update by name."""
-    from opacus_rc.loss import DPTensorRandomizedClipping
+    from opacus_rc.forms.two_pass import DPTensorRandomizedClipping
 
     model = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

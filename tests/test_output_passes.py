@@ -1,5 +1,5 @@
 """Plain-loss scripts (``grad_sample_mode="hooks"``) on a checkpointed model run the two
-passes from the model's output (:mod:`opacus_rc.output_passes`): book-keeping would keep
+passes from the model's output (:mod:`opacus_rc.forms.output_passes`): book-keeping would keep
 every linear layer's input and output gradient, the memory checkpointing frees.
 
 With exact norms (T <= k) and no noise the update equals brute-force per-example clipping
@@ -14,8 +14,8 @@ import torch
 from opacus import PrivacyEngine
 from torch import nn
 
+from opacus_rc.forms.output_passes import OutputPasses
 from opacus_rc.optimizer import RandomizedClippingOptimizer
-from opacus_rc.output_passes import OutputPasses
 
 from .oracles import per_example_clipped_mean
 
@@ -186,7 +186,7 @@ def test_bookkeeping_mode_name_is_book_keeping_also_on_a_checkpointed_model(spel
     ``bookkeeping=True`` run one backward pass (the book-keeping optimizer, a 3-tuple) on a
     checkpointed model, equal to brute-force per-example clipping; plain ``"hooks"`` there
     runs the output passes (the test above)."""
-    from opacus_rc.bookkeeping import RandomizedClippingBookkeepingOptimizer
+    from opacus_rc.forms.bookkeeping import RandomizedClippingBookkeepingOptimizer
 
     model = llama()
     reference = copy.deepcopy(model)

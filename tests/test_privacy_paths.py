@@ -16,8 +16,8 @@ from opacus_rc import (
     RandomizedClippingOptimizer,
     SketchConfig,
 )
-from opacus_rc.bookkeeping import GradSampleModuleBookkeeping
-from opacus_rc.loss import DPLossRandomizedClipping
+from opacus_rc.forms.bookkeeping import GradSampleModuleBookkeeping
+from opacus_rc.forms.two_pass import DPLossRandomizedClipping
 from opacus_rc.sketch import Sketcher
 
 from .conftest import SequenceClassifier, distinct, token_task

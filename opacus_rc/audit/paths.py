@@ -25,7 +25,7 @@ score ``W.grad[r, d-1] / (sigma C)``) and its held-out Clopper-Pearson threshold
     The step is built by hand, as for secure mode without ``make_private``:
     :class:`~opacus_rc.grad_sample.GradSampleModuleRandomizedClipping`,
     :class:`~opacus_rc.optimizer.RandomizedClippingOptimizer`,
-    :class:`~opacus_rc.loss.DPLossRandomizedClipping` and an
+    :class:`~opacus_rc.forms.two_pass.DPLossRandomizedClipping` and an
     :class:`~opacus_rc.accounting.accountant.RCPRVAccountant` attached by
     ``optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=1.0))``.
     One trial is an *episode* of S steps on the same batch (q = 1): a random half of the
@@ -202,7 +202,7 @@ def build_hand_built(config: PathAuditConfig, noise_multiplier: Optional[float] 
     import opacus_rc  # noqa: F401
     from ..accounting.accountant import RCPRVAccountant
     from ..grad_sample import GradSampleModuleRandomizedClipping
-    from ..loss import DPLossRandomizedClipping
+    from ..forms.two_pass import DPLossRandomizedClipping
     from ..optimizer import RandomizedClippingOptimizer
 
     base = config.base

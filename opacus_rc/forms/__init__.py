@@ -5,7 +5,11 @@ A form is one :class:`Form` entry of :data:`FORMS`: its grad-sample module (wrap
 takes the clipping bound, whether its steps are exact clipping (no sketch: the
 ``rc_prv`` accountant charges Opacus's ``prv``), and how Opacus's outputs become what the
 script expects. The engine looks the form up here; :func:`resolve_form` is the one
-decision rule.
+decision rule. Each form is one module of this package: :mod:`.two_pass` (the ghost
+criterion; its module and optimizer are the shared sketched base,
+:mod:`opacus_rc.grad_sample` and :mod:`opacus_rc.optimizer`), :mod:`.bookkeeping` (both
+book-keeping forms and the mode names), :mod:`.output_passes`, :mod:`.fsdp` and
+:mod:`.per_example`.
 
 ========================== ============================================================
 form                       what runs
@@ -27,7 +31,9 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from torch import nn
 
-from ..bookkeeping import (
+from ..grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
+from ..optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingOptimizer
+from .bookkeeping import (
     BOOKKEEPING,
     BOOKKEEPING_MODE,
     BOOKKEEPING_WITH_CRITERION,
@@ -40,15 +46,13 @@ from ..bookkeeping import (
     resolve_bookkeeping,
     with_criterion,
 )
-from ..fsdp import (
+from .fsdp import (
     FSDP_MODE,
     FSDPRandomizedClippingOptimizer,
     GradSampleHooksRandomizedClippingFSDP,
     GradSampleModuleRandomizedClippingFSDP,
 )
-from ..grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
-from ..optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingOptimizer
-from ..output_passes import attach_output_passes
+from .output_passes import attach_output_passes
 from .per_example import (
     PER_EXAMPLE,
     DistributedPerExampleOptimizer,
@@ -181,7 +185,7 @@ def resolve_form(
       private Trainer: ``per_device_train_batch_size=1``) and neither ``bookkeeping=`` nor
       ``ghost_fsdp``: the per-example form, logged once (exact clipping is cheaper there
       than any estimate);
-    * otherwise book-keeping or two passes (:func:`opacus_rc.bookkeeping.resolve_bookkeeping`).
+    * otherwise book-keeping or two passes (:func:`opacus_rc.forms.bookkeeping.resolve_bookkeeping`).
 
     Raises:
         ValueError: naming the parameter and its accepted values.

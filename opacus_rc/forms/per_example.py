@@ -35,9 +35,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_leaves
 
-from ..fsdp import _contains_fsdp
 from ..optimizer import RandomizedClippingMixin
 from ..recompute import forward_replay
+from .fsdp import _contains_fsdp
 
 #: the name of this form in the table of forms (:mod:`opacus_rc.forms`)
 PER_EXAMPLE = "per_example"

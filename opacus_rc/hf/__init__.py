@@ -40,7 +40,7 @@ the guarantee or crash):
 Gradient checkpointing (``gradient_checkpointing=True``, or a model on which
 ``gradient_checkpointing_enable()`` was called) runs in the form the user chose, reentrant or
 non-reentrant (Hugging Face's default), as two passes from the model's output
-(:mod:`opacus_rc.output_passes`; :mod:`opacus_rc.recompute` tells the recomputation from the
+(:mod:`opacus_rc.forms.output_passes`; :mod:`opacus_rc.recompute` tells the recomputation from the
 forward pass).
 
 Refused with a ``ValueError`` naming the parameter and the accepted values: fp16 (loss

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import Trainer
 
 from ..accounting.accountant import RCPRVAccountant
-from ..bookkeeping import BookkeepingClippingMixin, Record
+from ..forms.bookkeeping import BookkeepingClippingMixin, Record
 from ..finite import agree_across_ranks, all_finite
 from ..forms.per_example import PerExampleOptimizerMixin
 from .arguments import PrivacyArguments
@@ -113,7 +113,7 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
         )
     args.max_grad_norm = 0.0  # per-example clipping replaces the Trainer's clipping
     # Activation checkpointing works with randomized clipping: make_private runs the two
-    # passes from the model's output on a checkpointed model (opacus_rc.output_passes).
+    # passes from the model's output on a checkpointed model (opacus_rc.forms.output_passes).
     refuse_checkpointing = trainer.privacy.clipping != "randomized"
     base = _base_model(trainer.model)
     checks = [

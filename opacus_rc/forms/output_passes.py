@@ -9,7 +9,7 @@ it under an ordinary ``loss = criterion(model(x), y); loss.backward()``:
 a forward hook on the module that produces the output the loss is computed from (the LM
 head of a causal LM, else the model) hands the loss a *boundary* tensor. When the user's
 backward reaches it with the output gradient ``g`` (rows = examples), the boundary runs
-the two passes of :class:`~opacus_rc.loss.DPTensorRandomizedClipping` on the inner graph
+the two passes of :class:`~opacus_rc.forms.two_pass.DPTensorRandomizedClipping` on the inner graph
 with the pseudo per-sample loss ``l_i = n <y_i, g_i>`` (``y`` the output, ``g`` detached,
 ``n`` the batch size): its mean has gradient ``g`` at ``y`` (the norm pass sees what the
 user's backward would have), and ``sum_i c_i l_i`` has ``n c_i g_i`` (the clipped pass).
@@ -28,8 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .loss import DPTensorRandomizedClipping
-from .recompute import forward_replay
+from ..recompute import forward_replay
+from .two_pass import DPTensorRandomizedClipping
 
 logger = logging.getLogger(__name__)
 

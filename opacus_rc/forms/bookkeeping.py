@@ -6,7 +6,7 @@ pass. Two older spellings stay as aliases:
 
 * ``grad_sample_mode="hooks"`` (Opacus's default): book-keeping too, except on a model
   with activation checkpointing on, where it runs two passes from the model's output
-  (:mod:`opacus_rc.output_passes`; book-keeping would keep the activations checkpointing
+  (:mod:`opacus_rc.forms.output_passes`; book-keeping would keep the activations checkpointing
   frees); ``bookkeeping=True`` / ``False`` forces one form.
 * ``grad_sample_mode="ghost", bookkeeping=True``: a ghost-clipping script (the 4-tuple
   and ``criterion(logits, targets, shape=...)``) run by book-keeping: the criterion
@@ -47,12 +47,12 @@ from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 
-from .estimators import as_sequence
-from .grad_sample import _SketcherOwner, coarsest_dtype
-from .norm_samplers import RANDOMIZED_NORM_SAMPLERS
-from .finite import OUTSIDE_USE
-from .optimizer import RandomizedClippingMixin, in_module_excess
-from .recompute import is_checkpointed, late_use_error, missing_per_sample_error
+from ..estimators import as_sequence
+from ..grad_sample import _SketcherOwner, coarsest_dtype
+from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
+from ..finite import OUTSIDE_USE
+from ..optimizer import RandomizedClippingMixin, in_module_excess
+from ..recompute import is_checkpointed, late_use_error, missing_per_sample_error
 
 # --- Which form a make_private call runs --------------------------------------------------
 
@@ -79,7 +79,7 @@ def resolve_bookkeeping(
     * ``grad_sample_mode="hooks"`` (a plain-loss script): book-keeping (``True``, or
       ``None`` on a model without activation checkpointing), or two passes run from the
       model's output (``False``, or ``None`` on a checkpointed model: book-keeping would
-      keep the activations checkpointing frees; :mod:`opacus_rc.output_passes`; mode
+      keep the activations checkpointing frees; :mod:`opacus_rc.forms.output_passes`; mode
       ``"ghost"``).
 
     Raises:
@@ -199,7 +199,7 @@ def _bookkept(module: nn.Module) -> bool:
 
 class BookkeepingMixin(_SketcherOwner):
     """Records, for linear and embedding layers, what book-keeping needs to assemble the
-    clipped gradient after the single backward pass (:mod:`opacus_rc.bookkeeping`):
+    clipped gradient after the single backward pass (:mod:`opacus_rc.forms.bookkeeping`):
     the per-sample squared norms (the same estimators as the two-pass method) and a
     closure ``c -> sum_i c_i grad_i``. Every other trainable layer gets Opacus's exact
     per-sample gradients (``p.grad_sample``). Linear layers skip their weight-gradient
@@ -336,7 +336,7 @@ class BookkeepingClippingMixin:
     """Clipping by book-keeping: per-sample norms combine the recorded (estimated or
     exact) norms of book-kept layers with Opacus's per-sample gradients of the others;
     the clipped sum ``sum_i c_i grad_i`` of a book-kept parameter comes from its records
-    (:mod:`opacus_rc.bookkeeping`), of the others from ``p.grad_sample`` as in Opacus."""
+    (:mod:`opacus_rc.forms.bookkeeping`), of the others from ``p.grad_sample`` as in Opacus."""
 
     @staticmethod
     def _records(p: torch.nn.Parameter):

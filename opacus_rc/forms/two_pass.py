@@ -15,7 +15,7 @@ from opacus.utils.fast_gradient_clipping_utils import (
     DPTensorFastGradientClipping,
 )
 
-from .recompute import quiet_hook_notes
+from ..recompute import quiet_hook_notes
 
 _ARITHMETIC = ("__truediv__", "__mul__", "__rmul__", "__add__", "__radd__", "__sub__", "__rsub__", "__neg__")
 

@@ -56,11 +56,11 @@ from opacus.optimizers import FSDPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _generate_noise
 from torch import nn
 
-from .grad_sample import SketchingMixin, _saves_inputs, check_norms_cover_batch, unmatched_tied_uses_error
-from .optimizer import RandomizedClippingMixin
-from .norm_samplers import TIED_PROJECTIONS
-from .recompute import late_use_error
-from .sketch import entropy_seed
+from ..grad_sample import SketchingMixin, _saves_inputs, check_norms_cover_batch, unmatched_tied_uses_error
+from ..optimizer import RandomizedClippingMixin
+from ..norm_samplers import TIED_PROJECTIONS
+from ..recompute import late_use_error
+from ..sketch import entropy_seed
 
 logger = logging.getLogger(__name__)
 
