@@ -342,6 +342,11 @@ class BookkeepingClippingMixin:
     def _records(p: torch.nn.Parameter):
         return getattr(p, "_bookkeeping_records", None)
 
+    def note_unused(self, p: torch.nn.Parameter, rows: int) -> None:
+        """A backward pass of ``rows`` examples left ``p`` no record (the batch did not use
+        it, or was empty): its per-sample norms and clipped sum are exact zeros."""
+        append_record(p, Record(torch.zeros(rows, device=p.device), lambda c, keep=None: torch.zeros_like(p)))
+
     def _exact_grad_sample(self, p: torch.nn.Parameter) -> torch.Tensor:
         """Opacus's per-sample gradient of a parameter that is not book-kept."""
         if getattr(p, "grad_sample", None) is None:

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import Trainer
 
 from ..accounting.accountant import RCPRVAccountant
-from ..forms.bookkeeping import BookkeepingClippingMixin, Record
+from ..forms.bookkeeping import BookkeepingClippingMixin
 from ..finite import agree_across_ranks, all_finite
 from ..forms.per_example import PerExampleOptimizerMixin
 from .arguments import PrivacyArguments
@@ -265,7 +265,7 @@ def check_records(trainer: Trainer, rows: int) -> None:
                 "the parameter"
             )
         if bookkept:
-            p._bookkeeping_records = [Record(torch.zeros(rows, device=p.device), _zero_sum(p))]
+            optimizer.note_unused(p, rows)
         else:
             p.grad_sample = torch.zeros(rows, *p.shape, device=p.device, dtype=p.dtype)
 
@@ -314,11 +314,6 @@ def replaceable_compute_loss() -> Tuple[Any, ...]:
     except Exception:  # TRL not installed
         return ()
     return (SFTTrainer.compute_loss,)
-
-
-def _zero_sum(p: nn.Parameter):
-    """A ``Record.clipped`` of a parameter the batch did not use: exact zeros."""
-    return lambda c, keep=None: torch.zeros_like(p)
 
 
 __all__ = [
