@@ -107,7 +107,7 @@ class _SketcherOwner:
         """Steps taken by the followed optimizer (None: no optimizer followed)."""
         return self._steps_taken
 
-    def _start_pass(self, module: nn.Module) -> None:
+    def start_pass(self, module: nn.Module) -> None:
         """The first hooked layer of a training forward pass starts a sketch pass, with
         gradients on or not: inside a ``checkpoint(use_reentrant=True)`` region the
         forward runs without them (its replay, in the backward pass, starts none). When
@@ -121,6 +121,34 @@ class _SketcherOwner:
 
     def _on_pass_start(self) -> None:
         """Per-pass state of a mixin is reset here."""
+
+    # --- the per-example store: how a layer outside Opacus's hooks (the chunked LM head,
+    # opacus_rc.lm_head) delivers its per-example values; the form decides where they go
+
+    def expect_forward(self) -> None:
+        """A layer's backward ran: the next training forward starts a new pass."""
+        self._awaiting_forward = True
+
+    def begin_head_use(self, layer: nn.Module, weight: nn.Parameter, bias: Optional[nn.Parameter]) -> bool:
+        """One use of ``layer``'s trainable parameters outside its forward in this pass
+        (its per-example values come by :meth:`deliver_head`); returns whether the use is
+        tied (the weight is trainable and used earlier in this pass or owned by another module)."""
+        for p in (weight, bias):
+            if p is not None and p.requires_grad:
+                p._forward_counter += 1
+        return weight.requires_grad and (weight._forward_counter > 1 or self._shares_parameter(layer, weight))
+
+    def _shares_parameter(self, layer: nn.Module, weight: nn.Parameter) -> bool:
+        """``weight`` is also a direct parameter of another module of the model (cached:
+        the model does not change during training)."""
+        cache = self.__dict__.setdefault("_shared_parameters", {})
+        key = (id(layer), id(weight))
+        if key not in cache:
+            cache[key] = any(
+                m is not layer and any(q is weight for q in m.parameters(recurse=False))
+                for m in self._module.modules()
+            )
+        return cache[key]
 
     def _capture(self, module: nn.Module, forward_input: Sequence[torch.Tensor], capture: Callable[[], None]) -> None:
         """Every activation-capture hook runs its body ``capture()`` (which appends the
@@ -143,7 +171,7 @@ class _SketcherOwner:
                 save_inputs(forward_input, hooks)
             return
         if replay is None:
-            self._start_pass(module)
+            self.start_pass(module)
         elif self.hooks_enabled:
             self._refuse_use_after_its_norm(module)
         entries = len(getattr(module, "activations", ()))
@@ -203,6 +231,20 @@ def unmatched_tied_uses_error() -> ValueError:
         "a tied parameter's forward uses and backward hooks do not match (a forward "
         "pass without its backward pass?): refusing to clip; run forward and backward "
         "in pairs while the privacy hooks are on"
+    )
+
+
+def head_used_twice_error(bookkeeping: bool = False) -> ValueError:
+    """The refusal of a second use of the chunked head in one pass, whose norm would miss a use."""
+    other = (
+        "any other use of lm_head in the pass is refused under book-keeping"
+        if bookkeeping else "another direct use of lm_head must come before the loss (it is then summed "
+        "with the loss's use, as tied uses are)"
+    )
+    return ValueError(
+        "ChunkedLMHeadLoss was called more than once in one forward pass, or lm_head was also "
+        f"applied directly after it: the head's per-example norm would miss a use. Call the loss "
+        f"once per batch; {other}"
     )
 
 
@@ -372,6 +414,29 @@ class SketchingMixin(_SketcherOwner):
         if self.loss_reduction == "mean":
             norms = {p: n * module.max_batch_len for p, n in norms.items()}
         return norms
+
+    def deliver_head(self, layer: nn.Module, values: Any) -> None:
+        """The chunked head's per-example values of this pass (``values``:
+        :class:`opacus_rc.lm_head.HeadValues`): a tied use joins its parameters' running
+        sums (:meth:`_add_tied_use`), an untied one's norms are the parameters' own."""
+        self.expect_forward()
+        contributions = values.contributions()
+        if values.tied:
+            for name, contribution in contributions.items():
+                self._add_tied_use(layer, getattr(layer, name), contribution)
+            return
+        norms = {name: c if c.dim() == 1 else c.flatten(start_dim=1).norm(2, dim=1) for name, c in contributions.items()}
+        self._store_untied_norms(layer, norms)
+
+    def _store_untied_norms(self, layer: nn.Module, norms: Dict[str, torch.Tensor]) -> None:
+        """An untied layer's per-example norms, of this use alone: any other use of it in the
+        pass (a use still to come, one summed as tied, one already delivered) is refused."""
+        params = [getattr(layer, name) for name in norms]
+        if any(p._forward_counter != 1 or getattr(p, "_tied_sketch_sum", None) is not None for p in params):
+            raise head_used_twice_error()
+        for p, norm in zip(params, norms.values()):
+            p._norm_sample = norm
+            p._forward_counter -= 1
 
     def _is_tied_use(self, module: nn.Module) -> bool:
         """True if one of the module's trainable parameters is used more than once in

@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +58,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .estimators import ghost_sq_norms, sketch_side
-from .forms.bookkeeping import BookkeepingMixin, Record, append_record, keep_rows, tied_weights_error
+from .forms.bookkeeping import BookkeepingMixin, Record, keep_rows
 from .forms.fsdp import FSDPSketchingMixin
 from .grad_sample import SketchingMixin
 from .recompute import NON_REENTRANT, REENTRANT, forward_replay
@@ -209,15 +209,13 @@ class _Plan:
     block_size: int
     compute_dtype: torch.dtype
     owner: Any = None
-    mode: str = "plain"  # "plain" | "norms" (two-pass, first pass) | "bookkeeping" | "fsdp"
     kept: Dict[str, Any] = field(default_factory=dict)  # per-example sums for the norms
     delivered: bool = False
     # the head's parameters themselves (saved tensors unpack as other tensor objects
     # under activation checkpointing: per-parameter state goes on these)
     weight: Optional[nn.Parameter] = None
     bias: Optional[nn.Parameter] = None
-    # FSDP2 (mode "fsdp"): the head module (norms go to ``layer.norm_sample``) and whether
-    # its weight is tied (the FSDP form's running sums of sketched uses, keyed per name)
+    # the head module and whether this use is tied (the grad-sample module's begin_head_use)
     layer: Optional[nn.Module] = None
     tied: bool = False
 
@@ -288,7 +286,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_hidden = (ctx.h1 * u[:, None, None]).to(hidden.dtype)  # float32 product
         owner = plan.owner
-        if plan.mode != "plain" and owner.hooks_enabled:
+        if owner is not None and owner.hooks_enabled:
             if plan.delivered:
                 raise RuntimeError(
                     "ChunkedLMHeadLoss: a second backward pass with the grad-sample hooks on "
@@ -412,81 +410,56 @@ def _trainable(layer_params):
     return [p for p in layer_params if p is not None and p.requires_grad]
 
 
+@dataclass
+class HeadValues:
+    """The chunked head's per-example values of one pass, handed to its grad-sample module
+    (``deliver_head``), which decides where they go: a tied use's contributions join the
+    running sums of the weight's uses, an untied one's norms are kept, book-keeping keeps
+    records. Computed only when asked for.
+
+    Attributes:
+        tied: the use is tied (``begin_head_use`` said so at the forward).
+        params: the head's trainable parameters (the objects the forward used).
+        contributions: ``{name: per-example contribution}``: ``||grad_i W|| = sqrt(sq_i)
+            |s_i|`` (B,), or ``s_i P^T grad_i W`` for a tied weight; ``s_i sum_t G_i[t]`` for the bias.
+        records: ``{parameter: Record}`` for book-keeping.
+    """
+
+    tied: bool
+    params: List[nn.Parameter]
+    contributions: Callable[[], Dict[str, torch.Tensor]]
+    records: Callable[[], Dict[nn.Parameter, Record]]
+
+
 def _deliver(plan: _Plan, hidden, target, scale, lse, u) -> None:
-    """First backward with the hooks on: hand the head's per-example norms to the
-    grad-sample module (``_norm_sample``, a tied running sum, or book-keeping records)."""
+    """First backward with the hooks on: hand the head's per-example values to the
+    grad-sample module (:class:`HeadValues`)."""
     owner, kept, weight, bias = plan.owner, plan.kept, plan.weight, plan.bias
     plan.kept = {}
-    owner._awaiting_forward = True  # as its backward hooks do: the next forward starts a pass
-    # The factor of example i's gradient of the loss the norms are taken of: Opacus's hooks multiply
+    # The factor of example i's gradient of the loss the values are taken of: Opacus's hooks multiply
     # the output gradient by n under loss_reduction="mean" (that of n * mean_i l_i: per example, of l_i).
     s = u * u.shape[0] if owner.loss_reduction == "mean" else u
-    if plan.mode != "bookkeeping":
-        _deliver_norms(plan, kept, s)
-        return
-    params = _trainable([weight, bias])
-    if any(p._forward_counter != 1 for p in params) or plan.layer in owner._pending_uses:
-        raise _head_used_twice_error(bookkeeping=True)  # a later use: its record would miss it
-    for p in params:
-        p._forward_counter -= 1
-    args = (hidden, weight, bias, target, scale, lse, plan, s)
-    if weight.requires_grad:
-        append_record(weight, Record(kept["sq"] * s.pow(2), _bookkept_clip(*args, which=0)))
-    if bias is not None and bias.requires_grad:
-        bias_sq = (kept["bias"] * s[:, None]).pow(2).sum(dim=1)
-        append_record(bias, Record(bias_sq, _bookkept_clip(*args, which=1)))
 
+    def contributions() -> Dict[str, torch.Tensor]:
+        out: Dict[str, torch.Tensor] = {}
+        if "proj" in kept:  # (kept for a trainable tied weight only)
+            out["weight"] = kept["proj"] * s[:, None, None]
+        elif weight.requires_grad:
+            out["weight"] = kept["sq"].clamp(min=0).sqrt() * s.abs()
+        if bias is not None and bias.requires_grad:
+            out["bias"] = kept["bias"] * s[:, None]
+        return out
 
-def _deliver_norms(plan: _Plan, kept: Dict[str, torch.Tensor], s: torch.Tensor) -> None:
-    """Two-pass forms: the head's per-example norms where the grad-sample module keeps
-    them: ``||grad_i W|| = sqrt(sq_i) |s_i|``, ``||grad_i b|| = ||s_i sum_t G_i[t]||`` on
-    each parameter (one process) or as ``lm_head.norm_sample`` (FSDP2, this rank's
-    examples, as Opacus's FSDP hooks store them). A tied head's contributions
-    (``s_i P^T grad_i W``, ``s_i grad_i b``) join the running sums of the parameters' uses
-    (:meth:`SketchingMixin._add_tied_use`, the same sketch as the embedding's use)."""
-    owner, layer = plan.owner, plan.layer
-    contributions: Dict[str, torch.Tensor] = {}
-    if "proj" in kept:  # (kept for a trainable tied weight only)
-        contributions["weight"] = kept["proj"] * s[:, None, None]
-    elif plan.weight.requires_grad:
-        contributions["weight"] = kept["sq"].clamp(min=0).sqrt() * s.abs()
-    if plan.bias is not None and plan.bias.requires_grad:
-        contributions["bias"] = kept["bias"] * s[:, None]
-    fsdp = plan.mode == "fsdp"
-    if (plan.tied if fsdp else "proj" in kept):
-        for name, contribution in contributions.items():
-            owner._add_tied_use(layer, getattr(layer, name), contribution)
-        return
-    # an untied head's norm is of this use alone: any other use of the head in the pass
-    # (a use still to come, one already summed as tied, or one already delivered) is refused
-    params = [getattr(layer, name) for name in contributions]
-    used_elsewhere = (
-        getattr(layer, "norm_sample", None) is not None if fsdp
-        else any(p._forward_counter != 1 or getattr(p, "_tied_sketch_sum", None) is not None for p in params)
-    )
-    if used_elsewhere:
-        raise _head_used_twice_error()
-    norms = [c if c.dim() == 1 else c.flatten(start_dim=1).norm(2, dim=1) for c in contributions.values()]
-    if fsdp:
-        layer.norm_sample = norms
-        return
-    for p, norm in zip(params, norms):
-        p._norm_sample = norm
-        p._forward_counter -= 1
+    def records() -> Dict[nn.Parameter, Record]:
+        args = (hidden, weight, bias, target, scale, lse, plan, s)
+        out = {}
+        if weight.requires_grad:
+            out[weight] = Record(kept["sq"] * s.pow(2), _bookkept_clip(*args, which=0))
+        if bias is not None and bias.requires_grad:
+            out[bias] = Record((kept["bias"] * s[:, None]).pow(2).sum(dim=1), _bookkept_clip(*args, which=1))
+        return out
 
-
-def _head_used_twice_error(bookkeeping: bool = False) -> ValueError:
-    """The refusal of a second use of the head in one pass whose norm would miss a use."""
-    other = (
-        "any other use of lm_head in the pass is refused under book-keeping"
-        if bookkeeping else "another direct use of lm_head must come before the loss (it is then summed "
-        "with the loss's use, as tied uses are)"
-    )
-    return ValueError(
-        "ChunkedLMHeadLoss was called more than once in one forward pass, or lm_head was also "
-        f"applied directly after it: the head's per-example norm would miss a use. Call the loss "
-        f"once per batch; {other}"
-    )
+    owner.deliver_head(plan.layer, HeadValues(plan.tied, _trainable([weight, bias]), contributions, records))
 
 
 def _bookkept_clip(hidden, weight, bias, target, scale, lse, plan, s, which: int):
@@ -504,37 +477,17 @@ def _bookkept_clip(hidden, weight, bias, target, scale, lse, plan, s, which: int
     return clipped
 
 
-def _static_ties(owner, layer: nn.Module, weight: nn.Parameter) -> bool:
-    """``weight`` is also a direct parameter of another module of the controlled model."""
-    cache = owner.__dict__.setdefault("_rc_head_ties", {})
-    key = (id(layer), id(weight))
-    if key not in cache:
-        cache[key] = any(
-            m is not layer and any(q is weight for q in m.parameters(recurse=False))
-            for m in owner._module.modules()
-        )
-    return cache[key]
-
-
-def _norm_spec(owner, layer, weight, bias, hidden: torch.Tensor, tied: Optional[bool] = None) -> _NormSpec:
+def _norm_spec(owner, layer, weight, bias, hidden: torch.Tensor, tied: bool) -> _NormSpec:
     """How this pass computes the head's norm, mirroring the unchunked path
     (:func:`opacus_rc.norm_samplers.weight_sq_norms`, ``Sketcher.estimate``, the tied
     projection of :func:`opacus_rc.norm_samplers.linear_projection`), so the same
-    sketches give the same norms. ``tied``: decided by the caller (FSDP2: the module
-    shares a parameter), else from the use counters and the model's modules."""
+    sketches give the same norms. ``tied``: as the grad-sample module's ``begin_head_use`` said."""
     (batch, t, d), device = hidden.shape, hidden.device
     sketcher = owner.sketcher
     config = sketcher.config
     k = config.sketch_size
     w_trainable = weight.requires_grad
-    if tied is None:
-        tied = w_trainable and (weight._forward_counter > 1 or _static_ties(owner, layer, weight))
     tied = tied and w_trainable
-    if isinstance(owner, BookkeepingMixin):
-        if any(p._forward_counter > 1 for p in _trainable([weight, bias])):  # an earlier use
-            raise _head_used_twice_error(bookkeeping=True)
-        if tied:
-            raise tied_weights_error()
     spec = _NormSpec(how="tied", weight=w_trainable, bias=bias is not None and bias.requires_grad)
     vocab = weight.shape[0]
     if not w_trainable:
@@ -684,20 +637,10 @@ class ChunkedLMHeadLoss(nn.Module):
         training = torch.is_grad_enabled() and layer.training and not recomputing_forward()
         if owner is not None and owner.hooks_enabled and training and _trainable([weight, bias]):
             if forward_replay() is None:  # as its forward hook would (a reentrant replay starts none)
-                owner._start_pass(layer)
+                owner.start_pass(layer)
             plan.owner = owner
-            if isinstance(owner, FSDPSketchingMixin):
-                # FSDP2: parameter objects are swapped (no per-parameter counters); a tied
-                # head counts its uses as the FSDP form's tied hooks do (_capture_tied_activations)
-                plan.mode, plan.tied = "fsdp", id(layer) in owner._tied_modules
-                if plan.tied:
-                    owner._count_tied_use(layer)
-                spec = _norm_spec(owner, layer, weight, bias, hidden, tied=plan.tied)
-            else:
-                plan.mode = "bookkeeping" if isinstance(owner, BookkeepingMixin) else "norms"
-                for p in _trainable([weight, bias]):
-                    p._forward_counter += 1
-                spec = _norm_spec(owner, layer, weight, bias, hidden)
+            plan.tied = owner.begin_head_use(layer, weight, bias)
+            spec = _norm_spec(owner, layer, weight, bias, hidden, plan.tied)
         with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
             return _ChunkedHeadLoss.apply(hidden, weight, bias, target, scale, plan, spec)
 

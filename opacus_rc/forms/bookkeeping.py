@@ -48,7 +48,7 @@ from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 
 from ..estimators import as_sequence
-from ..grad_sample import _SketcherOwner, coarsest_dtype
+from ..grad_sample import _SketcherOwner, coarsest_dtype, head_used_twice_error
 from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from ..finite import OUTSIDE_USE
 from ..optimizer import RandomizedClippingMixin, in_module_excess
@@ -222,6 +222,29 @@ class BookkeepingMixin(_SketcherOwner):
     def _on_pass_start(self) -> None:
         self._recorded_in_pass.clear()
         self._clear_queued = False
+
+    def begin_head_use(self, layer: nn.Module, weight: nn.Parameter, bias: Optional[nn.Parameter]) -> bool:
+        """As the base, refusing an earlier use of the head in the pass (its record would
+        miss it) and a tied head (book-keeping does not support tied weights)."""
+        tied = super().begin_head_use(layer, weight, bias)
+        if any(p is not None and p.requires_grad and p._forward_counter > 1 for p in (weight, bias)):
+            raise head_used_twice_error(bookkeeping=True)
+        if tied:
+            raise tied_weights_error()
+        return False
+
+    def deliver_head(self, layer: nn.Module, values: Any) -> None:
+        """The chunked head's records of this pass (``values.records()``: per-example
+        squared norms and the clipped sums, recomputed at the step); a later use of the
+        head in the pass is refused (its record would miss it)."""
+        self.expect_forward()
+        params = values.params
+        if any(p._forward_counter != 1 for p in params) or layer in self._pending_uses:
+            raise head_used_twice_error(bookkeeping=True)
+        for p in params:
+            p._forward_counter -= 1
+        for p, record in values.records().items():
+            append_record(p, record)
 
     def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
         """A replayed use of a layer whose record of this backward pass is already

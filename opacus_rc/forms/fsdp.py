@@ -56,7 +56,9 @@ from opacus.optimizers import FSDPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _generate_noise
 from torch import nn
 
-from ..grad_sample import SketchingMixin, _saves_inputs, check_norms_cover_batch, unmatched_tied_uses_error
+from ..grad_sample import (
+    SketchingMixin, _saves_inputs, check_norms_cover_batch, head_used_twice_error, unmatched_tied_uses_error,
+)
 from ..optimizer import RandomizedClippingMixin
 from ..norm_samplers import TIED_PROJECTIONS
 from ..recompute import late_use_error
@@ -230,6 +232,21 @@ class FSDPSketchingMixin(SketchingMixin):
             module.activations = []
         module.activations.append([t.detach() for t in forward_input])
         self._count_tied_use(module)
+
+    def begin_head_use(self, layer: nn.Module, weight: nn.Parameter, bias: Optional[nn.Parameter]) -> bool:
+        """FSDP2 swaps parameter objects (no per-parameter counters): a tied head counts its
+        uses as the tied hooks do (:meth:`_capture_tied_activations`)."""
+        tied = id(layer) in self._tied_modules
+        if tied:
+            self._count_tied_use(layer)
+        return tied
+
+    def _store_untied_norms(self, layer: nn.Module, norms: Dict[str, torch.Tensor]) -> None:
+        """On the module, as Opacus's FSDP hooks store them (``layer.norm_sample``, this
+        rank's examples); a second delivery in the pass is refused."""
+        if getattr(layer, "norm_sample", None) is not None:
+            raise head_used_twice_error()
+        layer.norm_sample = list(norms.values())
 
     def _count_tied_use(self, module: nn.Module) -> None:
         """One more use of the tied module's parameters in this backward pass."""
