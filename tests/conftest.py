@@ -94,6 +94,20 @@ class CheckpointedSequenceClassifier(SequenceClassifier):
         return self.fc2(h).mean(dim=1)
 
 
+class HeadModel(nn.Module):
+    """Embedding -> Linear body -> a linear head used through ChunkedLMHeadLoss (its forward
+    returns the hidden states)."""
+
+    def __init__(self, vocab: int = 32, d: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.body = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x):
+        return torch.tanh(self.body(self.emb(x)))
+
+
 def token_task(n: int = 256, t: int = 24, vocab: int = 32, seed: int = 0):
     """Sequences whose label sets the share of low-id tokens (3/4 vs 1/4): a task
     that a mean-pooled model learns in a few dozen noisy steps."""

@@ -27,7 +27,7 @@ from torch import nn
 import opacus_rc  # noqa: F401
 from opacus_rc.lm_head import ChunkedLMHeadLoss
 
-from .conftest import CheckpointedSequenceClassifier, SequenceClassifier, token_task
+from .conftest import CheckpointedSequenceClassifier, HeadModel, SequenceClassifier, token_task
 
 pytestmark = pytest.mark.usefixtures("one_blas_thread")  # bit-identical: one thread
 
@@ -48,19 +48,6 @@ FORMS = {
     "denoised_bookkeeping": (dict(grad_sample_mode="bookkeeping", denoise="spectral"), "plain", "ce"),
     "flat_opacus": (dict(grad_sample_mode="hooks", clipping="flat"), "plain", "ce"),
 }
-
-
-class HeadModel(nn.Module):
-    """Embedding -> Linear body -> a linear head used through ChunkedLMHeadLoss."""
-
-    def __init__(self, vocab: int = 32, d: int = 16):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.body = nn.Linear(d, d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, x):
-        return torch.tanh(self.body(self.emb(x)))
 
 
 def build_model(kind: str) -> nn.Module:

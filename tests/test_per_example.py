@@ -27,7 +27,7 @@ from opacus_rc.forms import PER_EXAMPLE
 from opacus_rc.forms.per_example import PerExampleHooks, PerExampleModule, PerExampleOptimizer
 from opacus_rc.lm_head import ChunkedLMHeadLoss
 
-from .conftest import CheckpointedSequenceClassifier, SequenceClassifier, token_task
+from .conftest import CheckpointedSequenceClassifier, HeadModel, SequenceClassifier, token_task
 from .oracles import per_example_clipped_mean
 
 C, B, N = 0.05, 8, 48
@@ -139,17 +139,6 @@ def test_frozen_body_with_a_trainable_adapter():
         return model
 
     check_update(make, token_task(n=N), per_example_backward=True)
-
-
-class HeadModel(nn.Module):
-    def __init__(self, vocab=32, d=16):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.body = nn.Linear(d, d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, x):
-        return torch.tanh(self.body(self.emb(x)))
 
 
 def test_chunked_head_as_a_plain_loss():
