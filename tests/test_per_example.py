@@ -396,3 +396,12 @@ def test_a_forward_without_backward_then_another_example_is_refused():
     _ce(module, x[1:2], y[1:2]).backward()
     with pytest.raises(ValueError, match="held 2 examples"):
         optimizer.step()
+
+
+def test_nonfinite_raise_refuses_the_step():
+    model, module, optimizer, x, y = _made()
+    before = [p.detach().clone() for p in model.parameters()]
+    (_ce(module, x[:1], y[:1]) * float("inf")).backward()
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        optimizer.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
