@@ -398,15 +398,33 @@ def split_step(exp: _Experiment, include: np.ndarray, physical_batches: int) -> 
     first = (torch.cat([xb, xc * keep]), torch.cat([yb, yc * keep]))
     # companions: input coordinate d - 2 instead of d - 1, the same output coordinate
     rest = (torch.cat([xb, xc.roll(-1, dims=-1)]), torch.cat([yb, yc]))
-    for j, (x, y) in enumerate([first] + [rest] * (physical_batches - 1)):
+    return draw_step(exp, _same_draw(exp.optimizer, [first] + [rest] * (physical_batches - 1)))
+
+
+def _same_draw(optimizer, batches):
+    """The physical batches of one draw with BatchMemoryManager's signals:
+    ``signal_skip_step(do_skip=True, same_draw=True)`` before every one but the last."""
+    for j, batch in enumerate(batches):
+        if j < len(batches) - 1:
+            optimizer.signal_skip_step(do_skip=True, same_draw=True)
+        yield batch
+
+
+def draw_step(exp: _Experiment, physical_batches) -> torch.Tensor:
+    """One logical step over the physical batches of one draw: per batch ``(x, y)``, forward,
+    criterion, ``loss.backward()``, ``optimizer.step()`` and ``optimizer.zero_grad()``, the
+    skipped steps signalled by whoever yields the batches (BatchMemoryManager's sampler, the
+    per-example form's loader, :func:`_same_draw`); returns the released gradient ``W.grad``
+    of the step that was not skipped."""
+    released = None
+    for x, y in physical_batches:
         exp.criterion(exp.model(x), y).backward()
-        last = j == physical_batches - 1
-        if not last:
-            exp.optimizer.signal_skip_step(do_skip=True, same_draw=True)
         exp.optimizer.step()
-        if last:
+        if not exp.optimizer._is_last_step_skipped:
             released = exp.weight.grad.detach().clone()
         exp.optimizer.zero_grad()
+    if released is None:
+        raise RuntimeError("the draw's physical batches took no step")
     return released
 
 
