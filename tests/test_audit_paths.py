@@ -23,6 +23,7 @@ eps_exact, an independent quadrature of the audited pair, allow its numerical er
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -273,3 +274,107 @@ def test_quick_audit_includes_the_fused_head_variants(capsys):
     assert "fused_head: a loss reading the head's weight outside its module on a checkpointed model: refused" in out
     rows = {r["variant"]: r for r in json.loads(out.strip().splitlines()[-1])}
     assert rows["fused_head"]["eps_lower"] == 0.0 and rows["fused_head"]["eps_accounted"] == 0.0
+
+
+def _per_example_built(variant, **options):
+    from opacus_rc.audit.paths import build_per_example
+
+    return build_per_example(PathAuditConfig(variant=variant, sketch_size=4, sigma=1.0, replicas=16, steps=2,
+                                             **options))
+
+
+def _physical_batches(built, include):
+    """The released canaries' entries (units of C) and the batch sizes of the layer's forwards."""
+    from opacus_rc.audit.paths import per_example_step
+
+    sizes = []
+    handle = built.exp.model._module.register_forward_pre_hook(lambda _m, args: sizes.append(len(args[0])))
+    try:
+        released = per_example_step(built, include)
+    finally:
+        handle.remove()
+    return released[:len(include), -1], sizes
+
+
+def test_per_example_objects_clip_each_example_alone_and_the_control_clips_pairs():
+    """Noise 0, 16 replicas, half "in": the per-example form's own loader feeds one example
+    per backward pass (4 background + 16 partners + 8 canaries = 28 passes) and each is
+    clipped alone: a partner alone reads -C, with its canary 0. The control (batch check off,
+    physical batches of two) clips a canary with its partner, +C, and the other partners in
+    pairs, -C / sqrt(2). The honest objects refuse a physical batch of two; both charge one
+    exact-clipping step at q = 1."""
+    from opacus_rc.forms.per_example import PerExampleModule, PerExampleOptimizer
+
+    include = np.arange(16) % 2 == 0
+    honest = _per_example_built("per_example")
+    assert isinstance(honest.exp.model, PerExampleModule) and isinstance(honest.exp.optimizer, PerExampleOptimizer)
+    honest.exp.optimizer.noise_multiplier = 0.0
+    entries, sizes = _physical_batches(honest, include)
+    assert sizes == [1] * 28
+    torch.testing.assert_close(entries, torch.where(torch.from_numpy(include), 0.0, -1.0), atol=1e-5, rtol=0)
+    (sigma, q, steps, record), = honest.exp.accountant.history
+    assert (sigma, q, steps) == (0.0, 1.0, 1) and record.estimator is None and record.micro_batches == 1
+
+    control = _per_example_built("per_example_unchecked")
+    control.exp.optimizer.noise_multiplier = 0.0
+    entries, sizes = _physical_batches(control, include)
+    assert sizes == [2] * 14
+    want = torch.where(torch.from_numpy(include), 1.0, -math.sqrt(0.5))
+    torch.testing.assert_close(entries, want, atol=1e-5, rtol=0)
+    assert control.exp.accountant.history == honest.exp.accountant.history  # charged the same
+
+    refused = _per_example_built("per_example")
+    refused.loader.batch_sampler.max_batch_size = 2  # the split of the control, the check on
+    with pytest.raises(ValueError, match="one example per backward pass.*a batch of 2"):
+        _physical_batches(refused, include)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # Opacus's prv at q = 1
+def test_per_example_stays_below_accountant():
+    """The per-example form (exact clipping, each canary shifts its entry by C): eps_lower
+    stays below the engine's own epsilon, that of Opacus's prv accountant for one step at
+    q = 1 (2.328; the Gaussian mechanism's exact 2.318 below it). The shift is 1 C within 5
+    standard errors of a difference of two means of trials / 2 scores each (sigma C
+    sqrt(4 / trials)). Measured: eps_lower 1.51 (40 steps, seed 11), 1.86 (100 steps)."""
+    from opacus.accountants import PRVAccountant
+
+    r = run_path_audit(PathAuditConfig(variant="per_example", sketch_size=4, sigma=1.0, steps=40, seed=11))
+    (sigma, q, steps, record), = r.history
+    assert (sigma, q, steps) == (1.0, 1.0, 1) and not record.randomized and record.micro_batches == 1
+    assert (r.estimator, r.sketch_size, r.trials) == ("exact", 0, 40 * 256)
+    prv = PRVAccountant()
+    prv.history = [(1.0, 1.0, 1)]
+    assert r.eps_accounted == pytest.approx(prv.get_epsilon(DELTA), rel=1e-2)
+    assert r.eps_exact == pytest.approx(gaussian_epsilon(1.0, DELTA), abs=1e-6)
+    assert r.eps_exact <= r.eps_accounted
+    assert r.eps_lower < r.eps_accounted
+    assert abs(r.mean_score_in - 1.0) < 5 * r.sigma * math.sqrt(4 / r.trials)
+
+
+def test_per_example_unchecked_control_is_caught():
+    """Two examples per backward pass with the batch check off: the canary and its partner
+    share one clip, so the canary shifts its entry by (1 + 1/sqrt(2)) C (exact epsilon 4.81)
+    while the step is charged as exact clipping of sensitivity C (2.33): the audit finds
+    eps_lower above it (measured 2.71, seed 11; seeds 0-3 gave 2.94 to 3.68; 40 steps)."""
+    r = run_path_audit(PathAuditConfig(variant="per_example_unchecked", sketch_size=4, sigma=1.0, steps=40, seed=11))
+    assert r.eps_exact > r.eps_accounted
+    assert r.eps_lower > r.eps_accounted
+    assert abs(r.mean_score_in - (1 + math.sqrt(0.5))) < 5 * r.sigma * math.sqrt(4 / r.trials)
+
+
+def test_quick_audit_includes_the_per_example_variants(capsys):
+    from opacus_rc.audit.__main__ import CONTROLS, parse_args, path_configs, verdict
+
+    configs = {c.variant: c for c in path_configs(parse_args(["--quick"]))}
+    assert (configs["per_example"].steps, configs["per_example_unchecked"].steps) == (80, 40)
+    assert "per_example_unchecked" in CONTROLS and "per_example" not in CONTROLS
+    assert verdict("per_example_unchecked", 3.0, 2.3) == "caught (control)"
+    assert verdict("per_example", 3.0, 2.3) == "VIOLATION"
+    assert main(["--steps", "8", "--replicas", "16", "--variants", "per_example", "per_example_unchecked"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    rows = json.loads(out[-1])
+    assert [(r["variant"], r["estimator"], r["sketch_size"], r["sigma"]) for r in rows] == [
+        ("per_example", "exact", 0, 1.0), ("per_example_unchecked", "exact", 0, 1.0)
+    ]
+    assert rows[0]["eps_accounted"] == rows[1]["eps_accounted"] > 0
+    assert "per_example_unchecked: the per-example form (exact clipping, no sketch; its batch check off" in out[-2]

@@ -8,7 +8,8 @@ error rates into a Clopper-Pearson lower bound on epsilon, to be compared with t
 low, a data-dependent sketch; private to the audit, in ``opacus_rc.audit._broken``) show
 that the audit can fail. The normaliser audit (:mod:`opacus_rc.audit.normaliser`) checks that the averaged update does not reveal the
 dataset's size. The side-path audit (:mod:`opacus_rc.audit.paths`) checks gradient
-accumulation (a canary in several micro-batches of one step) and hand-built objects.
+accumulation (a canary in several micro-batches of one step), hand-built objects and the
+per-example form (one example per backward pass; its control clips two examples together).
 See ``docs/audit.md``.
 """
 

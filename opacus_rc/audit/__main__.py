@@ -6,9 +6,11 @@ The sketch variants (honest, biased_low, data_dependent_sketch) run for every es
 and sketch size; the normaliser variants (:mod:`opacus_rc.audit.normaliser`) run once,
 with the first estimator and sketch size, for the two-pass path. The side-path variants
 (:mod:`opacus_rc.audit.paths`: ``accumulation_canary``, ``hand_built``, ``reused_layer``,
-``reentrant_split``)
+``reentrant_split``, ``fused_head``, ``per_example`` and their controls)
 run once each,
-with the first estimator and their own sketch size and sigma (``PATH_DEFAULTS``)."""
+with the first estimator and their own sketch size and sigma (``PATH_DEFAULTS``); the
+per-example variants (one backward pass per example) run a fifth of the steps
+(``per_example_steps``)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ from ..config import ESTIMATORS, SKETCHINGS
 from ._broken import VARIANTS
 from .experiment import AuditConfig, AuditResult, run_audit
 from .normaliser import NORMALISER_VARIANTS, NormaliserAuditConfig, run_normaliser_audit
-from .paths import FUSED_HEAD_VARIANTS, PATH_DEFAULTS, PATH_VARIANTS, PathAuditConfig, run_path_audit
+from .paths import (
+    FUSED_HEAD_VARIANTS, PATH_DEFAULTS, PATH_VARIANTS, PER_EXAMPLE_VARIANTS, PathAuditConfig, per_example_steps,
+    run_path_audit,
+)
 from .reference import exact_epsilon
 
 #: Noise multiplier per sketch size: rc_prv's one-step epsilon at delta = 1e-2 is
@@ -112,12 +117,14 @@ def normaliser_configs(args: argparse.Namespace) -> List[NormaliserAuditConfig]:
 def path_configs(args: argparse.Namespace) -> List[PathAuditConfig]:
     """One side-path audit per requested variant: the first estimator, the variant's
     sketch size and sigma (``PATH_DEFAULTS``; ``--sigma`` overrides), ``steps`` logical
-    steps (accumulation) or episodes (hand-built)."""
+    steps (accumulation) or episodes (hand-built); the per-example variants fewer
+    (:func:`~opacus_rc.audit.paths.per_example_steps`)."""
     out = []
     for variant in args.variants:
         if variant not in PATH_VARIANTS:
             continue
         options = dict(PATH_DEFAULTS[variant])
+        steps = per_example_steps(variant, _steps(args)) if variant in PER_EXAMPLE_VARIANTS else _steps(args)
         for name in ("sigma", "micro_batches", "sample_rate", "episode_steps"):
             if getattr(args, name) is not None:
                 options[name] = getattr(args, name)
@@ -126,7 +133,7 @@ def path_configs(args: argparse.Namespace) -> List[PathAuditConfig]:
                 variant=variant,
                 estimator=args.estimators[0],
                 sketching=options.pop("sketching", args.sketching),  # reentrant_split: per-example
-                steps=_steps(args),
+                steps=steps,
                 replicas=args.replicas,
                 delta=args.delta,
                 alpha=args.alpha,
@@ -138,11 +145,12 @@ def path_configs(args: argparse.Namespace) -> List[PathAuditConfig]:
 
 
 #: the deliberately broken controls: the audit must flag them (eps_lower above eps_accounted)
-CONTROLS = (*VARIANTS[1:], "normaliser_dataset_size", "fused_head_unchecked")
+CONTROLS = (*VARIANTS[1:], "normaliser_dataset_size", "fused_head_unchecked", "per_example_unchecked")
 LEGEND = (
     "verdict: 'ok' = the empirical lower bound eps_lower stays below the accounted epsilon; "
     "'caught (control)' = a deliberately broken variant (biased estimate, data-dependent "
-    "sketch, Opacus's dataset-size normaliser, the unchecked fused head) was flagged, as the audit must; a real "
+    "sketch, Opacus's dataset-size normaliser, the unchecked fused head, the per-example form with its batch "
+    "check off) was flagged, as the audit must; a real "
     "violation would read 'VIOLATION' on a variant that is not a control, and "
     "'MISSED (control)' means the audit failed to flag a broken one: expected only where the "
     "control's exact epsilon is barely above the accounted one (Hutch++ k=4 biased_low at the "
@@ -237,6 +245,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"{r.variant}: a loss reading the head's weight outside its module on a checkpointed model: "
                 + (f"refused by the plugin ({r.refusal[:60]}...)" if r.refusal else
                    f"released (mean canary contribution {r.mean_score_in:.1f} C), charged as one step")
+            )
+        elif r.variant in PER_EXAMPLE_VARIANTS:
+            notes.append(
+                f"{r.variant}: the per-example form (exact clipping, no sketch"
+                + ("" if r.variant == "per_example" else "; its batch check off: two examples per backward pass")
+                + f"), {r.trials // args.replicas} steps, charged as exact steps; the canary's shift "
+                f"{r.mean_score_in:.2f} C"
             )
         elif r.variant == "hand_built":
             notes.append(

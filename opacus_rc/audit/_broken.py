@@ -10,6 +10,10 @@ They are swapped into a real randomized-clipping grad-sample module with
   on the sketched side (:func:`opacus_rc.estimators.sketch_side`), so a gradient aligned
   with such a coordinate, like the audit's canary, is estimated as 0 and not clipped at
   all.
+
+For the per-example form (one example per backward pass, exact clipping),
+:func:`unchecked_batches` switches its batch check off: a forward pass of two examples
+counts as one, so one clip bounds their sum (the audit's ``per_example_unchecked``).
 """
 
 from __future__ import annotations
@@ -86,3 +90,22 @@ def install_sketcher(module: Any, optimizer: Any, sketcher: Sketcher) -> None:
             f"module={type(module).__name__} is not a randomized-clipping grad-sample module"
         )
     module.sketcher = sketcher  # binds the module's step clock: fresh sketches each step
+
+
+def unchecked_batches(module: Any) -> None:
+    """Switch the per-example form's batch check off on ``module`` (a
+    :class:`~opacus_rc.forms.per_example.PerExampleClipping`, followed by its optimizer):
+    every outermost forward pass counts as one example, whatever its batch, so the
+    backward pass of a physical batch of several examples is clipped once, as one
+    example's gradient (the clip bounds their sum)."""
+    check = module._pre_forward  # reads the batch from the forward's arguments
+
+    def as_one_example(m: Any, args: Any, kwargs: Any) -> None:
+        first = lambda v: v[:1] if isinstance(v, torch.Tensor) else v  # noqa: E731
+        return check(m, tuple(map(first, args)), {k: first(v) for k, v in kwargs.items()})
+
+    optimizer = module._bound_optimizer()
+    module.remove_hooks()
+    module._pre_forward = as_one_example
+    module._setup_clipping(module.max_grad_norm)  # the hooks again, with the check off
+    module.follow_steps(optimizer)

@@ -65,6 +65,16 @@ score ``W.grad[r, d-1] / (sigma C)``) and its held-out Clopper-Pearson threshold
     micro-batch at q = 1 with the hidden-Z analysis; ``eps_exact`` is the one-step hidden-Z
     pair's (the statistic cannot do better while the sketches are fresh), while a revealed
     Z would allow up to 2.18 at k = 4, sigma = 2 (above the 1.62 charged).
+
+``per_example`` (and its control ``per_example_unchecked``)
+    The per-example form, ``make_private(..., per_example_backward=True)``, on the real
+    objects it returns, its loader included (one example per physical batch of each draw,
+    the same-draw signals of its splitter); details at :data:`PER_EXAMPLE_VARIANTS`. Each
+    canary has an always-present partner whose gradient is the canary's times ``-1/2``:
+    clipped alone, the pair shifts the canary's entry by C, the sensitivity the accountant
+    charges (one exact-clipping step at q = 1); the control, with the batch check off and
+    two examples per backward pass, clips the canary with its partner and shifts it by
+    ``(1 + 1/sqrt(2)) C``.
 """
 
 from __future__ import annotations
@@ -73,7 +83,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -110,7 +120,8 @@ class PathAuditConfig:
     """One side-path audit.
 
     Args:
-        variant: one of :data:`PATH_VARIANTS` (``"accumulation_canary"``, ``"hand_built"``, ``"reused_layer"``).
+        variant: one of :data:`PATH_VARIANTS` (``"accumulation_canary"``, ``"hand_built"``, ``"reused_layer"``,
+            ``"reentrant_split"``, ``"fused_head"``, ``"per_example"`` and the controls).
         estimator, sketch_size, sketching: the sketch.
         sigma: noise multiplier.
         steps: logical steps (accumulation) or episodes of ``episode_steps`` steps
@@ -294,6 +305,8 @@ def run_path_audit(
         return run_reentrant_split_audit(config, progress)
     if config.variant in FUSED_HEAD_VARIANTS:
         return run_fused_head_audit(config, progress)
+    if config.variant in PER_EXAMPLE_VARIANTS:
+        return run_per_example_audit(config, progress)
     start = time.perf_counter()
     accumulation = config.variant in ("accumulation_canary", "reused_layer")
     micro = _micro_batches(config)
@@ -398,15 +411,33 @@ def split_step(exp: _Experiment, include: np.ndarray, physical_batches: int) -> 
     first = (torch.cat([xb, xc * keep]), torch.cat([yb, yc * keep]))
     # companions: input coordinate d - 2 instead of d - 1, the same output coordinate
     rest = (torch.cat([xb, xc.roll(-1, dims=-1)]), torch.cat([yb, yc]))
-    for j, (x, y) in enumerate([first] + [rest] * (physical_batches - 1)):
+    return draw_step(exp, _same_draw(exp.optimizer, [first] + [rest] * (physical_batches - 1)))
+
+
+def _same_draw(optimizer, batches):
+    """The physical batches of one draw with BatchMemoryManager's signals:
+    ``signal_skip_step(do_skip=True, same_draw=True)`` before every one but the last."""
+    for j, batch in enumerate(batches):
+        if j < len(batches) - 1:
+            optimizer.signal_skip_step(do_skip=True, same_draw=True)
+        yield batch
+
+
+def draw_step(exp: _Experiment, physical_batches) -> torch.Tensor:
+    """One logical step over the physical batches of one draw: per batch ``(x, y)``, forward,
+    criterion, ``loss.backward()``, ``optimizer.step()`` and ``optimizer.zero_grad()``, the
+    skipped steps signalled by whoever yields the batches (BatchMemoryManager's sampler, the
+    per-example form's loader, :func:`_same_draw`); returns the released gradient ``W.grad``
+    of the step that was not skipped."""
+    released = None
+    for x, y in physical_batches:
         exp.criterion(exp.model(x), y).backward()
-        last = j == physical_batches - 1
-        if not last:
-            exp.optimizer.signal_skip_step(do_skip=True, same_draw=True)
         exp.optimizer.step()
-        if last:
+        if not exp.optimizer._is_last_step_skipped:
             released = exp.weight.grad.detach().clone()
         exp.optimizer.zero_grad()
+    if released is None:
+        raise RuntimeError("the draw's physical batches took no step")
     return released
 
 
@@ -565,3 +596,133 @@ def run_fused_head_audit(
 
     fields, history = one_step_trials(config, exp, progress, start)
     return FusedHeadAuditResult(**fields, history=history)
+
+
+# --- per_example: the per-example form (one example per backward pass, exact clipping) ------
+
+#: ``per_example``: the objects of ``make_private(..., clipping="randomized",
+#: per_example_backward=True)``, its loader included (one example per physical batch, one
+#: draw per step). Every replica r has a *partner* in D, always present: the canary's input
+#: with half its target negated (gradient ``-canary_norm C / 2`` on the canary's entry, so
+#: clipped to ``-C``); the draw holds each "in" canary right after its partner. Each example
+#: is clipped alone: the entry reads ``-C`` without the canary and ``0`` with it, a shift of
+#: C (the Gaussian mechanism of sensitivity C that ``rc_prv`` charges: exact clipping, one
+#: step at q = 1). ``per_example_unchecked``: the deliberately broken control, the same
+#: objects with the form's batch check off and its loader split into physical batches of
+#: two, so the canary and its partner share one backward pass and one clip: their sum,
+#: ``+canary_norm C / 2``, is clipped to ``+C``; the other partners share theirs in pairs
+#: (two equal norms: each clipped to ``C / sqrt(2)``), so the shift is ``(1 + 1 / sqrt(2)) C``.
+PER_EXAMPLE_VARIANTS = ("per_example", "per_example_unchecked")
+#: one per-example step runs ``3 R / 2 + background`` backward passes (388 at R = 256,
+#: 0.16 to 0.2 s here): the command runs a fifth of the requested steps (80 at --quick)...
+PER_EXAMPLE_STEP_SHARE = 5
+#: ...and the control at most this many: its larger shift is found at this size
+PER_EXAMPLE_MAX_STEPS = 40
+PATH_VARIANTS += PER_EXAMPLE_VARIANTS
+# sigma = 1: the exact Gaussian mechanism's epsilon is 2.32 at delta = 1e-2; k = 4 only sets
+# the shapes (d = 6, T = 12): the form sketches nothing
+PATH_DEFAULTS.update({v: {"sketch_size": 4, "sigma": 1.0} for v in PER_EXAMPLE_VARIANTS})
+
+
+def per_example_steps(variant: str, steps: int) -> int:
+    """The steps the command runs for a per-example variant when ``steps`` are requested."""
+    share = max(2, steps // PER_EXAMPLE_STEP_SHARE)
+    return min(share, PER_EXAMPLE_MAX_STEPS) if variant == "per_example_unchecked" else share
+
+
+class _DrawSampler(torch.utils.data.Sampler):
+    """A batch sampler of one batch per pass: ``draw``, the indices of the step's draw (set
+    by the audit before each step)."""
+
+    def __init__(self) -> None:
+        self.draw: list = []
+
+    def __iter__(self):
+        yield list(self.draw)
+
+    def __len__(self) -> int:
+        return 1
+
+
+class _PerExampleExperiment(NamedTuple):
+    """The experiment, the loader ``make_private`` returned and the sampler under it."""
+
+    exp: _Experiment
+    loader: torch.utils.data.DataLoader
+    sampler: _DrawSampler
+
+
+def build_per_example(config: PathAuditConfig) -> _PerExampleExperiment:
+    """``make_private(..., per_example_backward=True, poisson_sampling=False)`` on the audit's
+    layer over the data set ``background + partners + canaries`` (indices in that order),
+    read through a :class:`_DrawSampler` (one batch per step: the sample rate is 1); the
+    control switches the form's batch check off and splits the draw into physical batches
+    of two."""
+    from ..forms.per_example import PerExampleOptimizer
+    from ._broken import unchecked_batches
+    from .experiment import make_private_rc
+
+    base, layer, background, canaries, _ = _audit_layer(config)
+    (xb, yb), (xc, yc) = background, canaries
+    sampler = _DrawSampler()
+    data = torch.utils.data.TensorDataset(torch.cat([xb, xc, xc]), torch.cat([yb, -yc / 2, yc]))
+    engine, model, optimizer, criterion, loader = make_private_rc(
+        base, layer, torch.utils.data.DataLoader(data, batch_sampler=sampler), "sum", config.seed,
+        poisson_sampling=False, per_example_backward=True,
+        expected_batch_size=config.background + config.replicas + config.replicas // 2,
+    )
+    if not isinstance(optimizer, PerExampleOptimizer):
+        raise RuntimeError(f"per_example: expected the per-example form, got {type(optimizer).__name__}")
+    if config.variant == "per_example_unchecked":  # the broken control
+        unchecked_batches(model)
+        loader.batch_sampler.max_batch_size = 2
+    exp = _Experiment(engine.accountant, model, optimizer, criterion, layer.weight, background, canaries)
+    return _PerExampleExperiment(exp, loader, sampler)
+
+
+def per_example_step(built: _PerExampleExperiment, include: np.ndarray) -> torch.Tensor:
+    """One step of the per-example audit: the draw (each "in" canary right after its partner,
+    then the other partners, then the background) through the loader ``make_private``
+    returned; returns the released gradient ``W.grad``."""
+    nb, r = len(built.exp.background[0]), len(include)
+    pairs = [i for j in np.flatnonzero(include) for i in (nb + j, nb + r + j)]
+    built.sampler.draw = pairs + [nb + j for j in np.flatnonzero(~include)] + list(range(nb))
+    return draw_step(built.exp, built.loader)
+
+
+def _check_per_example_history(history) -> None:
+    ok = len(history) == 1 and history[0][1:3] == (1.0, 1) and isinstance(history[0][3], StepRecord) and (
+        not history[0][3].randomized and history[0][3].micro_batches == 1
+    )
+    if not ok:
+        raise RuntimeError(f"expected one exact-clipping step at q=1 with micro_batches=1, got {history}")
+
+
+def run_per_example_audit(
+    config: PathAuditConfig, progress: Optional[Callable[[int], None]] = None
+) -> PathAuditResult:
+    """The ``per_example`` audit and its control (see :data:`PER_EXAMPLE_VARIANTS`): the
+    threshold test on the canaries' entries over ``config.steps`` steps, charged by the
+    engine's own accountant (one exact-clipping step at q = 1). ``mean_score_in``: the
+    canary's mean shift of its entry (units of C: 1 honest, 1.707 for the control);
+    ``eps_exact``: the Gaussian mechanism's epsilon for that shift."""
+    from .reference import mixture_epsilon
+
+    start = time.perf_counter()
+    built = build_per_example(config)
+    d = built.exp.canaries[0].shape[-1]
+
+    def scores_of(include: np.ndarray, _rng: np.random.Generator) -> np.ndarray:
+        return per_example_step(built, include)[: config.replicas, d - 1].double().numpy()
+
+    scores, included, history, eps_accounted, test = run_trials(
+        config, built.exp, scores_of, _check_per_example_history, progress
+    )
+    shift = 1.0 + math.sqrt(0.5) if config.variant == "per_example_unchecked" else 1.0
+    return PathAuditResult(
+        **{**result_fields(config, test, eps_accounted, int(scores.size)), "estimator": "exact", "sketch_size": 0},
+        mean_score_in=float((scores[included].mean() - scores[~included].mean()) * config.sigma),
+        seconds=time.perf_counter() - start,
+        eps_exact=mixture_epsilon(np.array([shift / config.sigma]), config.delta),
+        history=history,
+    )
