@@ -3,6 +3,7 @@
     python -m benchmarks.one_sequence                       # quick: main table at T = 512, 2048
     python -m benchmarks.one_sequence --seq-lens 256 --no-progress      # a smoke run
     python -m benchmarks.one_sequence --crossover           # also the quick crossover grid (B = 1, 4; T = 256, 1024)
+    python -m benchmarks.one_sequence --crossover --skip-main --batches 8 --max-t-b8 0 --reps 5   # one B only
     python -m benchmarks.one_sequence --full --json docs/results/one_sequence.json \\
         --markdown docs/results/one_sequence.md --plot docs/one_sequence_crossover.png
 
@@ -36,6 +37,8 @@ fresh subprocess (this script's hidden ``--rss CONFIG T`` mode), as a ratio to
 ``per_example`` (B single-example backward passes, one step) against ``bookkeeping`` and
 ``two_pass`` (one physical batch of B), on the same checkpointed model; per (B, T) the time
 ratio of each to ``per_example``, and per B the smallest T where a sketched form is faster.
+``--full`` caps B = 8 at T = 2048 (``--max-t-b8 0`` lifts the cap: about 6 more minutes on
+two shared cores).
 
 Hyper-parameters: noise_multiplier 1.0, max_grad_norm 1.0, poisson_sampling=False. Wall
 times are measurements on a possibly shared machine, not assertions.
@@ -63,6 +66,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .rss import _status_kib, reset_peak_rss
+
 logger = logging.getLogger("benchmarks.one_sequence")
 
 CONFIGS = ("nonprivate", "exact_loop", "per_example", "plugin_default", "bookkeeping", "two_pass", "opacus_ghost")
@@ -73,6 +78,9 @@ QUICK_SEQ_LENS = (512, 2048)
 FULL_SEQ_LENS = (2048, 4096, 8192)
 QUICK_GRID = ((1, 4), (256, 1024))
 FULL_GRID = ((1, 2, 4, 8), (256, 512, 1024, 2048, 4096))
+#: --full's cap on the crossover T for B = 8 (the full run took 27 min on 2 shared cores with it;
+#: B = 8 at T = 4096 adds about 6 min at 3 repetitions)
+FULL_MAX_T_B8 = 2048
 SIGMA, CLIP, LR = 1.0, 1.0, 1e-3
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
@@ -326,14 +334,6 @@ def time_configs(configs: Sequence[str], seq_len: int, batch: int, reps: int,
 # ------------------------------------------------------------------------------------------
 # memory: peak-RSS growth, a fresh process per configuration
 # ------------------------------------------------------------------------------------------
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not found in /proc/self/status")
-
-
 def rss_worker(config: str, seq_len: int, steps: int = 2) -> Dict[str, Any]:
     """In this process: peak RSS during ``steps`` steps minus the RSS before them (bytes)."""
     try:
@@ -341,8 +341,7 @@ def rss_worker(config: str, seq_len: int, steps: int = 2) -> Dict[str, Any]:
         tokens = make_tokens(1, seq_len)
         gc.collect()
         baseline = _status_kib("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
+        reset_peak_rss()
         for _ in range(steps):
             step(tokens)
         peak = _status_kib("VmHWM")
@@ -442,8 +441,8 @@ def markdown_main(rows: Sequence[Dict[str, Any]], configs: Sequence[str]) -> str
     by = {(r["seq_len"], r["config"]): r for r in rows}
     for t in sorted({r["seq_len"] for r in rows}):
         cells = [by.get((t, c), {}) for c in configs]
-        lines.append(f"| {t:,} | time | " + " | ".join(_cell(r.get("time_ratio"), r.get("error")) for r in cells) + " |")
-        lines.append("| | time (min) | " + " | ".join(_cell(r.get("time_min_ratio"), r.get("error")) for r in cells) + " |")
+        for label, key in ((f"| {t:,} | time", "time_ratio"), ("| | time (min)", "time_min_ratio")):
+            lines.append(f"{label} | " + " | ".join(_cell(r.get(key), r.get("error")) for r in cells) + " |")
         lines.append("| | memory | " + " | ".join(
             _cell(r.get("rss_growth_ratio"), r.get("error") or r.get("rss_error")) for r in cells) + " |")
     base = [r for r in rows if r["config"] == BASELINE and r.get("time_s")]
@@ -456,17 +455,23 @@ def markdown_main(rows: Sequence[Dict[str, Any]], configs: Sequence[str]) -> str
     return "\n".join(lines) + "\n"
 
 
+def _two_cells(row: Dict[str, Any]) -> str:
+    """``median (min)`` ratio cell."""
+    median, fastest = _cell(row.get("time_ratio"), row.get("error")), _cell(row.get("time_min_ratio"), row.get("error"))
+    return median if median == "n/a" else f"{median} ({fastest})"
+
+
 def markdown_crossover(rows: Sequence[Dict[str, Any]]) -> str:
     summary = crossover_summary(rows)
     lines = ["Crossover: one logical batch of B examples; time ratio to `per_example` "
-             "(B single-example backward passes, one step):", "",
+             "(B single-example backward passes, one step), median (fastest step):", "",
              "| B | T | `per_example` (s) | `bookkeeping` | `two_pass` | cheapest |", "|---|---|---|---|---|---|"]
     by = {(r["batch"], r["seq_len"], r["config"]): r for r in rows}
     for b, s in summary.items():
         for t, cheapest in s["cheapest"].items():
             pe = by.get((b, t, "per_example"), {})
             pe_time = f"{pe['time_s']:.2f}" if pe.get("time_s") else "n/a"
-            sk = [_cell(by.get((b, t, c), {}).get("time_ratio"), by.get((b, t, c), {}).get("error")) for c in SKETCHED]
+            sk = [_two_cells(by.get((b, t, c), {})) for c in SKETCHED]
             lines.append(f"| {b} | {t:,} | {pe_time} | {sk[0]} | {sk[1]} | `{cheapest}` |")
     firsts = [f"B={b}: " + ("never (on this grid)" if s["first_sketched_win_t"] is None
                             else f"T={s['first_sketched_win_t']:,}") for b, s in summary.items()]
@@ -482,15 +487,19 @@ def plot_crossover(rows: Sequence[Dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 5))
-    styles = {"bookkeeping": "-", "two_pass": "--"}
+    styles = {"bookkeeping": ("-", "o"), "two_pass": ("--", "s")}
+    batches = sorted({r["batch"] for r in rows})
     for form in SKETCHED:
-        for b in sorted({r["batch"] for r in rows}):
+        for k, b in enumerate(batches):
             pts = sorted((r["seq_len"], r["time_ratio"]) for r in rows
                          if r["config"] == form and r["batch"] == b and r.get("time_ratio") is not None)
             if pts:
-                ax.plot(*zip(*pts), marker="o", ls=styles[form], label=f"{form}, B={b}")
+                ls, marker = styles[form]
+                ax.plot(*zip(*pts), marker=marker, ls=ls, color=f"C{k}", label=f"{form}, B={b}")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xscale("log", base=2)
+    ts = sorted({r["seq_len"] for r in rows})
+    ax.set_xticks(ts, [f"{t:,}" for t in ts])
     ax.set_xlabel("context length T")
     ax.set_ylabel("time of a logical batch / per_example's")
     ax.set_title(f"Sketched forms against the per-example form (Llama d={SIZE.hidden}, {SIZE.layers} layers, "
@@ -522,9 +531,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--seq-lens", default=None, help="comma-separated T of the main table (quick: 512,2048)")
     parser.add_argument("--full", action="store_true", help="T = 2048,4096,8192 and the full crossover grid")
     parser.add_argument("--crossover", action="store_true", help="also run the crossover grid")
+    parser.add_argument("--skip-main", action="store_true",
+                        help="skip the main table (with --crossover: the grid only)")
     parser.add_argument("--batches", default=None, help="crossover B (quick 1,4; full 1,2,4,8)")
     parser.add_argument("--crossover-seq-lens", default=None, help="crossover T (quick 256,1024; full 256..4096)")
-    parser.add_argument("--max-t-b8", type=int, default=None, help="largest crossover T for B=8 (a time cap)")
+    parser.add_argument("--max-t-b8", type=int, default=None,
+                        help=f"largest crossover T for B=8, a time cap (--full: {FULL_MAX_T_B8}; 0: none)")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -551,8 +563,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 
 def crossover_plan(args: argparse.Namespace) -> Dict[int, List[int]]:
-    return {b: [t for t in args.crossover_seq_lens if b != 8 or args.max_t_b8 is None or t <= args.max_t_b8]
-            for b in args.batches}
+    """The crossover grid: every (B, T), with B = 8 capped at ``--max-t-b8``."""
+    cap = args.max_t_b8 if args.max_t_b8 is not None else (FULL_MAX_T_B8 if args.full else 0)
+    return {b: [t for t in args.crossover_seq_lens if b != 8 or not cap or t <= cap] for b in args.batches}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -568,7 +581,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     started, load_start = time.perf_counter(), os.getloadavg()
     progress = not args.no_progress
     run_cross = args.full or args.crossover
-    rows = main_table(args.seq_lens, args.configs, args.reps, args.threads, progress)
+    rows = [] if args.skip_main else main_table(args.seq_lens, args.configs, args.reps, args.threads, progress)
     cross = crossover_grid(crossover_plan(args), args.reps, progress) if run_cross else []
     text = (markdown_main(rows, args.configs) if rows else "") + ("\n" + markdown_crossover(cross) if cross else "")
     wall = time.perf_counter() - started
@@ -581,7 +594,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.json:
         record = {"command": "python -m benchmarks.one_sequence " + " ".join(sys.argv[1:] if argv is None else argv),
                   "torch": torch.__version__, "threads": args.threads, "cpu": cpu_model(), "wall_s": wall,
-                  "model": {**SIZE.__dict__, "dtype": "float32", "checkpointing": "HF, per decoder layer, non-reentrant"},
+                  "model": {**SIZE.__dict__, "dtype": "float32",
+                            "checkpointing": "HF, per decoder layer, non-reentrant"},
                   "load_average_start": load_start, "load_average_end": os.getloadavg(),
                   "sigma": SIGMA, "max_grad_norm": CLIP, "reps": args.reps, "main": rows, "crossover": cross,
                   "crossover_summary": {str(b): s for b, s in crossover_summary(cross).items()} if cross else {}}
