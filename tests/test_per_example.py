@@ -405,3 +405,27 @@ def test_nonfinite_raise_refuses_the_step():
     with pytest.raises(FloatingPointError, match="non-finite"):
         optimizer.step()
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_resume_continues_the_history_and_the_update(tmp_path):
+    """save_checkpoint after a step, load into fresh objects: the accountant's history goes
+    on, and the next step equals brute force from the restored parameters (noise 0)."""
+    model = seeded(SequenceClassifier)()
+    engine, (module, optimizer, loader) = private(model, token_task(n=N), per_example_backward=True)
+    one_logical_step(module, optimizer, loader, _ce)
+    path = tmp_path / "ckpt.pt"
+    engine.save_checkpoint(path=path, module=module, optimizer=optimizer)
+    restored = seeded(SequenceClassifier)()
+    engine2, (module2, optimizer2, loader2) = private(restored, token_task(n=N), per_example_backward=True)
+    engine2.load_checkpoint(path=path, module=module2, optimizer=optimizer2)
+    assert [h[:3] for h in engine2.accountant.history] == [h[:3] for h in engine.accountant.history]
+    for p, q in zip(model.parameters(), restored.parameters()):
+        assert torch.equal(p, q)
+    reference = seeded(SequenceClassifier)()
+    reference.load_state_dict(restored.state_dict())
+    before = {n: p.detach().clone() for n, p in restored.named_parameters()}
+    xs, ys = one_logical_step(module2, optimizer2, loader2, _ce)
+    want = per_example_clipped_mean(reference, _ce, xs, ys, C, B)
+    for name, p in restored.named_parameters():
+        torch.testing.assert_close(before[name] - p.detach(), want[name], rtol=1e-5, atol=1e-6)
+    assert engine2.accountant.history[-1][2] == 2  # the resumed step adds to the history

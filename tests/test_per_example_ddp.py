@@ -89,3 +89,24 @@ def test_torch_ddp_is_refused_with_the_alternative():
 
     with pytest.raises(ValueError, match="DifferentiallyPrivateDistributedDataParallel"):
         check_supported(FakeDDP())
+
+
+def fsdp_worker(rank, init_file, out_dir):
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    torch.manual_seed(0)
+    model = SequenceClassifier()
+    fully_shard(model)
+    try:
+        step_on(model, *token_task(n=2).tensors, 0.0, distributed=False)  # the FSDP2 module itself
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    torch.save({"error": error}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_is_refused_with_the_alternative_gloo():
+    (result,) = spawn(fsdp_worker, 1)
+    assert "does not support FSDP2" in result["error"] and "ghost_fsdp" in result["error"]
