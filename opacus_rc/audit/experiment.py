@@ -66,7 +66,20 @@ class InnerProductLoss(nn.Module):
 
 
 @dataclass(frozen=True)
-class AuditConfig:
+class TrialSettings:
+    """What every audit configuration shares (see :class:`AuditConfig`): delta, alpha,
+    seed, the canary's norm, the background examples and C."""
+
+    delta: float = 1e-2
+    alpha: float = 0.05
+    seed: int = 0
+    canary_norm: float = 100.0
+    background: int = 4
+    max_grad_norm: float = 1.0
+
+
+@dataclass(frozen=True)
+class AuditConfig(TrialSettings):
     """One audited configuration.
 
     Args:
@@ -92,12 +105,6 @@ class AuditConfig:
     sketching: str = "shared"
     steps: int = 100
     replicas: int = 256
-    delta: float = 1e-2
-    alpha: float = 0.05
-    seed: int = 0
-    canary_norm: float = 100.0
-    background: int = 4
-    max_grad_norm: float = 1.0
 
     def __post_init__(self) -> None:
         check_choices(

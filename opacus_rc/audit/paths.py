@@ -93,7 +93,7 @@ from ..accounting.accountant import StepRecord
 from ..config import ESTIMATORS, SKETCHINGS, SketchConfig
 from .checks import check_choices, check_fields, check_ints
 from .experiment import (
-    AuditConfig, AuditResult, InnerProductLoss, _batch, _data, _Experiment, _released, accounted_epsilon,
+    AuditConfig, AuditResult, TrialSettings, InnerProductLoss, _batch, _data, _Experiment, _released, accounted_epsilon,
     build_experiment, one_step_trials, result_fields, run_trials,
 )
 from .reference import accumulation_exact_epsilon, composed_sum_epsilon
@@ -116,7 +116,7 @@ PATH_DEFAULTS = {
 
 
 @dataclass(frozen=True)
-class PathAuditConfig:
+class PathAuditConfig(TrialSettings):
     """One side-path audit.
 
     Args:
@@ -150,12 +150,6 @@ class PathAuditConfig:
     episode_steps: int = 4
     uses: int = 2
     secure_mode: bool = False
-    delta: float = 1e-2
-    alpha: float = 0.05
-    seed: int = 0
-    canary_norm: float = 100.0
-    background: int = 4
-    max_grad_norm: float = 1.0
 
     def __post_init__(self) -> None:
         check_choices(
