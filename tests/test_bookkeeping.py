@@ -12,8 +12,14 @@ from examples.models import TinyDecoder, markov_text
 from .conftest import token_task
 
 
-def run(model, mode, x, y, *, steps=1, lm=False, micro=1, **options):
-    """Parameters after ``steps`` SGD steps, noise 0, seeded sketches."""
+def run(model, mode, x, y, **options):
+    """Parameters after ``steps`` SGD steps, noise 0, seeded sketches, and make_private's outputs."""
+    params, out, _ = run_with_engine(model, mode, x, y, **options)
+    return params, out
+
+
+def run_with_engine(model, mode, x, y, *, steps=1, lm=False, micro=1, **options):
+    """:func:`run`, and its engine."""
     engine = PrivacyEngine(accountant="rc_prv")
     out = engine.make_private(
         module=model,
@@ -44,7 +50,7 @@ def run(model, mode, x, y, *, steps=1, lm=False, micro=1, **options):
             loss.backward()
         opt.step()
         opt.zero_grad()
-    return {k: v.clone() for k, v in model.state_dict().items()}, out
+    return {k: v.clone() for k, v in model.state_dict().items()}, out, engine
 
 
 @pytest.mark.parametrize("estimator", ["hutchinson", "hutchpp"])

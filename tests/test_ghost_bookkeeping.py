@@ -13,36 +13,14 @@ from examples.models import TinyDecoder, markov_text
 from opacus_rc.forms.bookkeeping import DPLossBookkeeping
 
 from .conftest import token_task
+from .test_bookkeeping import run_with_engine
 
 
-def ghost_script(model, x, y, *, lm=False, micro=1, steps=1, **options):
-    """A ghost-clipping script's loop, unchanged whatever ``options`` say."""
-    engine = PrivacyEngine(accountant="rc_prv")
-    model, optimizer, criterion, _ = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=torch.utils.data.DataLoader(
-            torch.utils.data.TensorDataset(x, y), batch_size=len(x) // micro
-        ),
-        noise_multiplier=0.0,
-        max_grad_norm=0.1,
-        poisson_sampling=False,
-        grad_sample_mode="ghost",
-        clipping="randomized",
-        **{"sketch_size": 4, "sketch_seed": 3, **options},
-    )
-    for _ in range(steps):
-        for xb, yb in zip(x.chunk(micro), y.chunk(micro)):
-            logits = model(xb)
-            if lm:
-                loss = criterion(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1), shape=logits.shape[:2])
-            else:
-                loss = criterion(logits, yb)
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {k: v.clone() for k, v in model.state_dict().items()}, optimizer, criterion, engine
+def ghost_script(model, x, y, **options):
+    """A ghost-clipping script's loop (:func:`tests.test_bookkeeping.run_with_engine`),
+    unchanged whatever ``options`` say; sketching at the library's default."""
+    params, out, engine = run_with_engine(model, "ghost", x, y, **{"sketching": "per_example", **options})
+    return params, out[1], out[2], engine
 
 
 def assert_same(a, b):
