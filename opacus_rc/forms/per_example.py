@@ -92,7 +92,7 @@ class PerExampleClipping:
         self._depth: List[bool] = []  # per open forward call: whether it is an outermost one
         self._queued = False
         self._refusal: Optional[str] = None
-        self._grouped: Optional[List[bool]] = None  # see one_physical_batch()
+        self._grouped: Optional[bool] = None  # inside one_physical_batch(): whether a backward ran
         self._optimizer: Optional[Any] = None
         self._handles = []
         for module in self._module.modules():
@@ -131,11 +131,11 @@ class PerExampleClipping:
     def one_physical_batch(self) -> Iterator[None]:
         """The backward passes inside are the examples of one physical batch (DPTrainer
         runs a physical batch one row at a time): one micro-batch of the Poisson draw."""
-        self._grouped = []
+        self._grouped = False
         try:
             yield
         finally:
-            ran, self._grouped = bool(self._grouped), None
+            ran, self._grouped = self._grouped, None
             optimizer = self._bound_optimizer()
             if ran and optimizer is not None:
                 optimizer.backward_passes += 1
@@ -208,7 +208,7 @@ class PerExampleClipping:
                 + ": each backward pass must hold one example"
             )
         if self._grouped is not None:
-            self._grouped.append(True)
+            self._grouped = True
         else:
             optimizer.backward_passes += 1
         if examples == 0 or not grads:  # an empty batch: a zero contribution
