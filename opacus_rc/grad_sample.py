@@ -41,8 +41,11 @@ from .recompute import (
 from .sketch import Sketcher
 
 
-class _SketcherOwner:
-    """Owns the run's sketcher and the layers whose ``forward`` it replaced.
+class PerExampleStore:
+    """The base of the sketched forms' grad-sample modules: owns the run's sketcher, the
+    layers whose ``forward`` it replaced and the step's per-example values, which layers
+    deliver through its public methods (:meth:`start_pass`, :meth:`expect_forward`,
+    :meth:`begin_head_use`, ``deliver_head``).
 
     Args (besides Opacus's grad-sample arguments, passed on):
         sketch_config: estimator, sketch size, sketching.
@@ -51,6 +54,8 @@ class _SketcherOwner:
     """
 
     _opacus_options: Dict[str, Any] = {}
+    #: the form's parameters are FSDP2 shards (a chunked head must be a unit of its own)
+    sharded: bool = False
 
     def __init__(
         self,
@@ -261,7 +266,7 @@ def check_norms_cover_batch(norms: Sequence[Tuple[str, torch.Tensor]]) -> None:
             )
 
 
-class SketchingMixin(_SketcherOwner):
+class SketchingMixin(PerExampleStore):
     """Two-pass randomized clipping: binds the randomized norm samplers to this module's
     sketcher (Opacus's hooks look up ``self.NORM_SAMPLERS``)."""
 

@@ -58,9 +58,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .estimators import ghost_sq_norms, sketch_side
-from .forms.bookkeeping import BookkeepingMixin, Record, keep_rows
-from .forms.fsdp import FSDPSketchingMixin
-from .grad_sample import SketchingMixin
+from .forms.bookkeeping import Record, keep_rows
+from .grad_sample import PerExampleStore
 from .recompute import NON_REENTRANT, REENTRANT, forward_replay
 
 try:
@@ -96,7 +95,7 @@ def controlling_module(layer: nn.Module):
         owner = getattr(hook, "__self__", None)
         if owner is None or not hasattr(owner, "capture_backprops_hook"):
             continue
-        if isinstance(owner, (SketchingMixin, BookkeepingMixin)):  # FSDPSketchingMixin too
+        if isinstance(owner, PerExampleStore):
             return owner
         raise ValueError(
             f"ChunkedLMHeadLoss needs clipping='randomized' (grad_sample_mode='ghost', "
@@ -192,7 +191,7 @@ def _fsdp_unit(layer: nn.Module, owner: Any) -> Optional[_FSDPUnit]:
         return None
     if isinstance(layer, FSDPModule):
         return _FSDPUnit(layer)
-    if isinstance(owner, FSDPSketchingMixin) or any(isinstance(p, DTensor) for p in layer.parameters(recurse=False)):
+    if getattr(owner, "sharded", False) or any(isinstance(p, DTensor) for p in layer.parameters(recurse=False)):
         raise ValueError(
             "ChunkedLMHeadLoss under FSDP2 needs lm_head to be a fully_shard unit itself: "
             "FSDP2Wrapper shards it so; by hand, fully_shard(lm_head) (or "

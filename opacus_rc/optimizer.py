@@ -261,6 +261,20 @@ class RandomizedClippingMixin:
         p.grad = torch.zeros_like(p)
         self._clipped_marks[id(p)] = _grad_mark(p.grad)
 
+    #: the form runs one example per backward pass (a loop splits its batches into rows)
+    one_example_per_backward = False
+
+    def complete_batch(self, rows: int) -> List[torch.nn.Parameter]:
+        """For a loop that runs its own backward passes (the private Trainer): after a
+        physical batch of ``rows`` examples, a parameter the batch did not use contributes
+        exact zeros; returns the parameters whose gradient no per-example hook saw (the
+        caller refuses them). Two passes: the clipped sum is ``p.grad``, and the step
+        refuses a gradient no clipped pass produced (:meth:`check_clipped_passes`)."""
+        for p in self.params:
+            if p.grad is None and getattr(p, "summed_grad", None) is None:
+                self.zero_contribution(p)
+        return []
+
     def check_clipped_passes(self, *, before_pass: bool = False) -> None:
         """Refuse (ValueError) unless every gradient the step would release came through a
         clipped pass of the plugin: each ``p.grad`` is the tensor the last clipped pass (or

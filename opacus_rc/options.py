@@ -24,7 +24,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .config import SketchConfig
 from .denoise import DEFAULT_KAPPA
-from .forms import FORMS, PER_EXAMPLE, resolve_form
+from .forms import FORMS, resolve_form
 from .forms.bookkeeping import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, BOOKKEEPING_MODE, OUTPUT_PASSES, TWO_PASS
 from .forms.fsdp import FSDP_MODE
 from .sketch import check_seed
@@ -359,16 +359,15 @@ def _noise_multiplier(opacus: Mapping[str, Any]) -> None:
 
 
 def _nonfinite(mode: Any, grad_sample_mode: str, runs: str) -> str:
-    """``nonfinite=`` ("raise", the default, or "skip"). "skip" needs book-keeping
-    (``grad_sample_mode="hooks"`` after ``bookkeeping=`` was resolved) or the per-example
-    form: only there is each example's contribution assembled on its own, so a non-finite
-    one can be dropped before the sum; the two-pass backward sums them inside autograd."""
+    """``nonfinite=`` ("raise", the default, or "skip"). "skip" needs a form that assembles
+    each example's contribution on its own (:attr:`~opacus_rc.forms.Form.drops_examples`:
+    book-keeping, the per-example form), so a non-finite one can be dropped before the sum."""
     if mode not in NONFINITE_MODES:
         raise ValueError(
             f"nonfinite={mode!r} is not supported; accepted values: "
             f"{', '.join(repr(m) for m in NONFINITE_MODES)}"
         )
-    if mode == "skip" and grad_sample_mode != "hooks" and runs != PER_EXAMPLE:
+    if mode == "skip" and not FORMS[runs].drops_examples:
         raise ValueError(
             "nonfinite='skip' needs book-keeping: use grad_sample_mode='bookkeeping' (or its "
             "aliases 'hooks', 'ghost' with bookkeeping=True); the two-pass backward cannot drop one example's "

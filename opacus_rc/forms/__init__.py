@@ -104,6 +104,9 @@ class Form:
         optimizers: DP optimizer classes, ``(one process, DDP)``.
         takes_bound: the module clips (gets ``max_grad_norm``); else the optimizer does.
         exact: exact per-example norms (no sketch; charged as Opacus's ``prv``).
+        drops_examples: each example's contribution is assembled on its own, so
+            ``nonfinite="skip"`` can drop a non-finite one (a two-pass backward sums them
+            inside autograd).
         outputs: Opacus's ``make_private`` outputs -> what the script gets.
     """
 
@@ -112,6 +115,7 @@ class Form:
     optimizers: Tuple[type, type]
     takes_bound: bool = True
     exact: bool = False
+    drops_examples: bool = False
     outputs: Callable[[Tuple, Mapping[str, Any]], Tuple] = _as_returned
 
     def build_module(self, module: nn.Module, wrap_model: bool, max_grad_norm: float, **kwargs: Any) -> Any:
@@ -132,6 +136,7 @@ _BOOKKEEPING_CLASSES = dict(
     modules=(GradSampleModuleBookkeeping, GradSampleHooksBookkeeping),
     optimizers=(RandomizedClippingBookkeepingOptimizer, DistributedRandomizedClippingBookkeepingOptimizer),
     takes_bound=False,  # it clips after the pass, in the optimizer
+    drops_examples=True,
 )
 
 #: Every form, by name.
@@ -152,6 +157,7 @@ FORMS: Dict[str, Form] = {
             modules=(PerExampleModule, PerExampleHooks),
             optimizers=(PerExampleOptimizer, DistributedPerExampleOptimizer),
             exact=True,
+            drops_examples=True,
             outputs=_one_example_per_batch,
         ),
     )

@@ -48,7 +48,7 @@ from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 
 from ..estimators import as_sequence
-from ..grad_sample import _SketcherOwner, coarsest_dtype, head_used_twice_error
+from ..grad_sample import PerExampleStore, coarsest_dtype, head_used_twice_error
 from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from ..finite import OUTSIDE_USE
 from ..optimizer import RandomizedClippingMixin, in_module_excess
@@ -197,7 +197,7 @@ def _bookkept(module: nn.Module) -> bool:
     return type(module) in BOOKKEPT_LAYERS
 
 
-class BookkeepingMixin(_SketcherOwner):
+class BookkeepingMixin(PerExampleStore):
     """Records, for linear and embedding layers, what book-keeping needs to assemble the
     clipped gradient after the single backward pass (:mod:`opacus_rc.forms.bookkeeping`):
     the per-sample squared norms (the same estimators as the two-pass method) and a
@@ -365,10 +365,20 @@ class BookkeepingClippingMixin:
     def _records(p: torch.nn.Parameter):
         return getattr(p, "_bookkeeping_records", None)
 
-    def note_unused(self, p: torch.nn.Parameter, rows: int) -> None:
-        """A backward pass of ``rows`` examples left ``p`` no record (the batch did not use
-        it, or was empty): its per-sample norms and clipped sum are exact zeros."""
-        append_record(p, Record(torch.zeros(rows, device=p.device), lambda c, keep=None: torch.zeros_like(p)))
+    def complete_batch(self, rows: int) -> List[torch.nn.Parameter]:
+        """After a backward pass of ``rows`` examples (a loop's own, the private Trainer's):
+        a parameter with neither records nor Opacus per-sample gradients gets exact zero
+        norms and clipped sum when the batch did not use it (or was empty); returned when
+        it has a gradient (no hook saw it: used outside its module), for the caller to refuse."""
+        unseen = []
+        for p in self.params:
+            if self._records(p) or getattr(p, "grad_sample", None) is not None:
+                continue
+            if p.grad is not None and rows:
+                unseen.append(p)
+            else:
+                append_record(p, Record(torch.zeros(rows, device=p.device), lambda c, keep=None, p=p: torch.zeros_like(p)))
+        return unseen
 
     def _exact_grad_sample(self, p: torch.nn.Parameter) -> torch.Tensor:
         """Opacus's per-sample gradient of a parameter that is not book-kept."""

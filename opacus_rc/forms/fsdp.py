@@ -138,6 +138,8 @@ class FSDPSketchingMixin(SketchingMixin):
     the module (``module.norm_sample``, Opacus's FSDP layout) instead of on the
     parameters, whose objects FSDP2 swaps between sharded and unsharded forms."""
 
+    sharded = True
+
     _notes_in_module_grads = False  # p.grad: a shard of the ranks' average, not this rank's sum
 
     def __init__(self, m: nn.Module, *, sketch_seed: Optional[int] = None, secure_mode: bool = False, **kwargs: Any) -> None:

@@ -284,6 +284,13 @@ class PerExampleOptimizerMixin(RandomizedClippingMixin):
         kwargs["sketch_config"] = None
         super().__init__(optimizer, **kwargs)
 
+    one_example_per_backward = True
+
+    def complete_batch(self, rows: int) -> List[torch.nn.Parameter]:
+        """Nothing to complete: each row's whole gradient was clipped exactly, and the
+        step refuses a gradient that did not come through a clip."""
+        return []
+
     def note_skipped(self, dropped: torch.Tensor) -> None:
         """Count an example dropped for a non-finite norm (``nonfinite="skip"``; on the device)."""
         dropped = dropped.to(torch.int64)

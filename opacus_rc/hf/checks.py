@@ -20,9 +20,7 @@ from torch import nn
 from transformers import Trainer
 
 from ..accounting.accountant import RCPRVAccountant
-from ..forms.bookkeeping import BookkeepingClippingMixin
 from ..finite import agree_across_ranks, all_finite
-from ..forms.per_example import PerExampleOptimizerMixin
 from .arguments import PrivacyArguments
 from .data import PoissonAccumulationSampler
 from .losses import _base_model
@@ -238,36 +236,36 @@ def check_loader(trainer: Trainer) -> None:
 
 
 def check_records(trainer: Trainer, rows: int) -> None:
-    """Every trainable parameter must have per-example records (or Opacus per-sample
-    gradients) for this batch. A parameter unused by the batch (or an empty batch)
-    contributes exact zeros; one with a gradient that no hook saw is refused."""
+    """Every trainable parameter must have per-example values for this batch: the form's
+    optimizer completes the batch (:meth:`~opacus_rc.optimizer.RandomizedClippingMixin.complete_batch`:
+    a parameter the batch did not use contributes exact zeros); Opacus's flat optimizer
+    gets zero per-sample gradients for those. A parameter with a gradient that no hook saw
+    is refused."""
     optimizer = trainer._dp_optimizer
-    if isinstance(optimizer, PerExampleOptimizerMixin):
-        return  # each row's whole gradient was clipped exactly; its step checks the rest
-    bookkept = isinstance(optimizer, BookkeepingClippingMixin)
-    if not bookkept and getattr(trainer._dp_hooks, "output_passes", None) is not None:
-        # two passes from the output (checkpointed model): the clipped sum is in p.grad;
-        # the step refuses a gradient no clipped pass produced (check_clipped_passes).
-        # An empty batch or an unused parameter contributes zeros.
-        for p in optimizer.params:
-            if p.grad is None and getattr(p, "summed_grad", None) is None:
-                optimizer.zero_contribution(p)  # accepted by the step's clipped-pass check
-        return
+    complete = getattr(optimizer, "complete_batch", None)
+    unseen = complete(rows) if complete is not None else _complete_flat(optimizer, rows)
+    if unseen:
+        raise ValueError(
+            f"parameter {trainer._dp_names.get(id(unseen[0]), '?')!r} received a gradient that no per-example "
+            "hook saw: its weight was used outside its module's forward (e.g. a fused LM head "
+            "reading lm_head.weight directly); use the "
+            "module (per_example_loss computes logits through the model's forward) or freeze "
+            "the parameter"
+        )
+
+
+def _complete_flat(optimizer: DPOptimizer, rows: int) -> List[torch.nn.Parameter]:
+    """Opacus's flat optimizer: zero per-sample gradients for a parameter the batch did not
+    use; the parameters with a gradient but no per-sample gradients are returned."""
+    unseen = []
     for p in optimizer.params:
-        if getattr(p, "_bookkeeping_records", None) or getattr(p, "grad_sample", None) is not None:
+        if getattr(p, "grad_sample", None) is not None:
             continue
         if p.grad is not None and rows:
-            raise ValueError(
-                f"parameter {trainer._dp_names.get(id(p), '?')!r} received a gradient that no per-example "
-                "hook saw: its weight was used outside its module's forward (e.g. a fused LM head "
-                "reading lm_head.weight directly); use the "
-                "module (per_example_loss computes logits through the model's forward) or freeze "
-                "the parameter"
-            )
-        if bookkept:
-            optimizer.note_unused(p, rows)
+            unseen.append(p)
         else:
             p.grad_sample = torch.zeros(rows, *p.shape, device=p.device, dtype=p.dtype)
+    return unseen
 
 
 def refuse_non_finite(trainer: Trainer, optimizer: DPOptimizer) -> None:

@@ -26,7 +26,6 @@ from .checks import (
     DP_STATE_NAME, check_arguments, check_checkpoint_functions, check_loader, check_records, check_setup,
     refuse_non_finite, replaceable_compute_loss, resumed_history,
 )
-from ..forms.per_example import PerExampleOptimizerMixin
 from .data import PoissonAccumulationSampler, is_empty_batch, one_row_batches, poisson_loader
 from .engine import budget_steps, epsilon, make_private, signal_same_draw
 from .losses import causal_lm, chunked_head_losses, model_inputs, row_losses
@@ -237,7 +236,7 @@ class DPTrainerMixin:
         rows = 0
         if not is_empty_batch(inputs):
             inputs = self._prepare_inputs(inputs)
-            per_example = isinstance(optimizer, PerExampleOptimizerMixin)
+            per_example = getattr(optimizer, "one_example_per_backward", False)
             batches = one_row_batches(inputs) if per_example else [inputs]
             del inputs
             total = torch.zeros((), device=self.args.device)
