@@ -64,3 +64,29 @@ class A:
         return x
 '''
     assert code_lines(source) == 6  # import, class, def, x = 1, the string, return
+
+
+def test_no_import_runs_upward():
+    """tools.import_graph: no intra-package import (module level or inside a function) closes
+    a cycle, and the graph sees relative imports from packages and modules, and cycles."""
+    from tools.import_graph import edges, upward
+
+    sources = {
+        "pkg": "from .low import f\n",
+        "pkg.low": "import math\n",
+        "pkg.sub": "from ..low import f\n",
+        "pkg.sub.mod": "from . import other\n\ndef g():\n    from pkg.high import h\n",
+        "pkg.sub.other": "",
+        "pkg.high": "from .sub.mod import g\n",
+    }
+    found = edges(sources, packages={"pkg", "pkg.sub"})
+    assert ("pkg.sub", "pkg.low", False) in found and ("pkg.sub.mod", "pkg.sub.other", False) in found
+    assert sorted(upward(found)) == [("pkg.high", "pkg.sub.mod", False), ("pkg.sub.mod", "pkg.high", True)]
+
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "tools.import_graph"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.splitlines()[0].endswith("upward: 0"), out
