@@ -5,11 +5,11 @@ Importing the package registers the plugin with Opacus: ``opacus.PrivacyEngine``
 :class:`opacus_rc.PrivacyEngine` (Opacus's engine plus ``clipping="randomized"`` and the
 plugin's options, parsed into :class:`opacus_rc.Options`), the ``"rc_prv"`` accountant and
 the norm samplers are registered, and BatchMemoryManager's sampler declares its physical
-batches one Poisson draw (:data:`opacus_rc.integration.PATCHES`, undone by
-:func:`opacus_rc.integration.uninstall`); nothing else runs at import: no warning filter is set.
+batches one Poisson draw (:data:`opacus_rc.registration.PATCHES`, undone by
+:func:`opacus_rc.registration.uninstall`); nothing else runs at import: no warning filter is set.
 """
 
-from . import integration as _integration
+from . import registration as _registration
 from .config import SketchConfig
 from .estimators import hutchinson_sq_norms, hutchpp_sq_norms
 from .forms.bookkeeping import DistributedRandomizedClippingBookkeepingOptimizer, RandomizedClippingBookkeepingOptimizer
@@ -20,7 +20,7 @@ from .optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippin
 from .options import Options
 from .sketch import Sketcher
 
-_integration.install()
+_registration.install()
 
 __all__ = [
     "PrivacyEngine",

@@ -169,7 +169,7 @@ class RandomizedClippingMixin:
         Poisson draw as this one (each example at most once in the logical batch), so the
         two are charged as one micro-batch; Opacus's BatchMemoryManager declares it
         (``import opacus_rc`` makes its ``BatchSplittingSampler`` signal
-        ``same_draw=True``: :data:`opacus_rc.integration.PATCHES`). Any other skipped step accumulates an independent micro-batch and
+        ``same_draw=True``: :data:`opacus_rc.registration.PATCHES`). Any other skipped step accumulates an independent micro-batch and
         is charged as accumulation (:attr:`accumulated_iterations`).
         """
         if do_skip and same_draw:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
+import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from .config import SketchConfig
@@ -201,6 +202,13 @@ class PublicSampling:
     batch_size: int
     sample_rate: float
     explicit_sample_rate: bool = False
+
+
+def per_rank_normaliser(batch_size: int, distributed: bool) -> float:
+    """The public normaliser (the expected logical batch size, summed over ranks) as one
+    rank's DP optimizer takes it: Opacus's DDP optimizers average the ranks' sums, so each
+    rank divides by its share ``batch_size / world_size``."""
+    return batch_size / torch.distributed.get_world_size() if distributed else batch_size
 
 
 def loader_batch_size(data_loader) -> Optional[int]:
@@ -506,7 +514,7 @@ def check_randomized_setup(engine: Any, grad_sample_mode: str) -> None:
 
 
 __all__ = [
-    "Options", "PublicSampling", "public_sampling", "loader_rate", "loader_batch_size",
+    "Options", "PublicSampling", "public_sampling", "per_rank_normaliser", "loader_rate", "loader_batch_size",
     "check_randomized_setup", "DEFAULTS", "OPTIONS", "Option", "split_options", "with_options", "RANDOMIZED", "BOOKKEEPING", "BOOKKEEPING_WITH_CRITERION",
     "OUTPUT_PASSES", "TWO_PASS",
 ]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import opacus_rc
-from opacus_rc import integration
+from opacus_rc import integration, registration
 from opacus_rc.options import DEFAULTS, Options
 
 from .conftest import token_task
@@ -123,7 +123,7 @@ def test_import_replaces_at_most_four_names_of_opacus(probe):
     assert len(probe["changed"]) <= 4, probe["changed"]
     assert probe["changed"] == sorted(
         f"{owner.__module__}.{owner.__qualname__}.{name}" if isinstance(owner, type) else f"{owner.__name__}.{name}"
-        for owner, name, _ in integration.PATCHES
+        for owner, name, _ in registration.PATCHES
     )
 
 
@@ -240,17 +240,17 @@ def test_uninstall_undoes_every_patch_and_install_redoes_them():
     stock = integration.OpacusPrivacyEngine
     assert "__new__" not in vars(stock)  # never replaced: CPython could not restore it
     try:
-        integration.uninstall()
+        registration.uninstall()
         assert opacus.PrivacyEngine is opacus.privacy_engine.PrivacyEngine is stock
-        for (owner, name, _), original in zip(integration.PATCHES, integration.ORIGINALS):
+        for (owner, name, _), original in zip(registration.PATCHES, registration.ORIGINALS):
             assert vars(owner)[name] is original, name
         assert stock.__new__ is object.__new__ and "__new__" not in vars(stock)
         assert type(stock(accountant="prv")) is stock  # stock Opacus
         assert type(opacus.PrivacyEngine(accountant="prv")) is stock
-        assert BatchSplittingSampler.__iter__ is integration.ORIGINALS[-1]
+        assert BatchSplittingSampler.__iter__ is registration.ORIGINALS[-1]
         assert type(opacus_rc.PrivacyEngine(accountant="rc_prv")) is opacus_rc.PrivacyEngine
     finally:
-        integration.install()
+        registration.install()
     assert opacus.PrivacyEngine is opacus_rc.PrivacyEngine
     assert type(stock(accountant="rc_prv")) is opacus_rc.PrivacyEngine
     assert stock.__new__ is object.__new__

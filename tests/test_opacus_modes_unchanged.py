@@ -8,7 +8,7 @@ import torch
 from opacus import PrivacyEngine
 from torch import nn
 
-from opacus_rc import integration
+from opacus_rc import integration, registration
 
 from .conftest import token_task
 
@@ -33,7 +33,7 @@ MODES = [
 
 def run(model, options):
     """Classes returned by make_private and the parameters after two noisy steps (the
-    engine is Opacus's own after ``integration.uninstall()``)."""
+    engine is Opacus's own after ``registration.uninstall()``)."""
     engine = opacus.PrivacyEngine(accountant="prv")
     data = token_task(n=32, t=12)
     max_grad_norm = [0.5] * len(list(model.parameters())) if options["clipping"] == "per_layer" else 0.5
@@ -62,12 +62,12 @@ def run(model, options):
 def test_mode_behaves_as_without_opacus_rc(model_factory, options):
     init = model_factory(seed=4)
     with_rc = run(copy.deepcopy(init), dict(options))
-    integration.uninstall()
+    registration.uninstall()
     try:
         assert type(opacus.PrivacyEngine()) is integration.OpacusPrivacyEngine
         without_rc = run(copy.deepcopy(init), dict(options))
     finally:
-        integration.install()
+        registration.install()
     assert with_rc[0] == without_rc[0]
     for name in with_rc[1]:
         torch.testing.assert_close(with_rc[1][name], without_rc[1][name], rtol=0, atol=0)
@@ -76,5 +76,5 @@ def test_mode_behaves_as_without_opacus_rc(model_factory, options):
 
 def test_install_is_idempotent():
     before = PrivacyEngine.make_private
-    integration.install()
+    registration.install()
     assert PrivacyEngine.make_private is before

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import pathlib
 import subprocess
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -23,8 +24,11 @@ Edge = Tuple[str, str, bool]  # importer, imported, inside a function
 
 def _sources(package: str, rev: Optional[str]) -> Dict[str, str]:
     """Module name -> source of every ``.py`` file under ``package``."""
-    listing = ["git", "ls-tree", "-r", "--name-only", rev, package] if rev else ["git", "ls-files", package]
-    paths = [p for p in subprocess.run(listing, capture_output=True, text=True, check=True).stdout.split() if p.endswith(".py")]
+    if rev:
+        listing = ["git", "ls-tree", "-r", "--name-only", rev, package]
+        paths = [p for p in subprocess.run(listing, capture_output=True, text=True, check=True).stdout.split() if p.endswith(".py")]
+    else:
+        paths = sorted(str(p) for p in pathlib.Path(package).rglob("*.py"))
     read = (lambda p: subprocess.run(["git", "show", f"{rev}:{p}"], capture_output=True, text=True, check=True).stdout) if rev else (lambda p: open(p).read())
     return {p[:-3].replace("/", ".").removesuffix(".__init__"): read(p) for p in paths}
 

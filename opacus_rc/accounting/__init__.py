@@ -1,6 +1,6 @@
 """Privacy accounting for randomized clipping (``rc_prv``).
 
-Nothing is registered with Opacus here; ``opacus_rc.integration`` registers
+Nothing is registered with Opacus here; ``opacus_rc.registration`` registers
 ``RCPRVAccountant`` under the name ``"rc_prv"``.
 """
 

@@ -15,7 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ..accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
-from ..integration import PrivacyEngine, per_rank_normaliser  # registers clipping="randomized" and rc_prv
+from ..integration import PrivacyEngine
+from ..options import per_rank_normaliser
 from ..sketch import entropy_seed
 from .arguments import PrivacyArguments
 
@@ -71,7 +72,7 @@ def public_loader(batch_size: int) -> DataLoader:
     own Poisson loader, :mod:`opacus_rc.hf.data`): one batch of ``batch_size`` rows, so that
     Opacus's flat route, which reads the loader, derives the public normaliser from it:
     ``int(len(dataset) * (1 / len(loader))) = int(B * 1.0) = B`` exactly (divided by the
-    world size once, by Opacus, under DDP: :func:`opacus_rc.integration.per_rank_normaliser`'s
+    world size once, by Opacus, under DDP: :func:`opacus_rc.options.per_rank_normaliser`'s
     share). The
     randomized route is given ``B`` and ``q`` as ``expected_batch_size=`` and ``sample_rate=``."""
     return DataLoader(TensorDataset(torch.zeros(batch_size)), batch_size=batch_size)

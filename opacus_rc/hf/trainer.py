@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
 from ..accounting.accountant import RCPRVAccountant, sketch_record
-from ..integration import PrivacyEngine, per_rank_normaliser
+from ..integration import PrivacyEngine
+from ..options import per_rank_normaliser
 from .arguments import PrivacyArguments
 from .checks import (
     DP_STATE_NAME, check_arguments, check_checkpoint_functions, check_loader, check_records, check_setup,

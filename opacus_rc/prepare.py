@@ -1,0 +1,198 @@
+"""Opacus's ``make_private`` steps for one call: :class:`MakePrivateCall`.
+
+Opacus's ``make_private`` builds the grad-sample module, the Poisson loader, the DP
+optimizer and the criterion in its ``_prepare_*`` steps, with fixed arguments and no
+registry of clipping modes. :class:`~opacus_rc.integration.PrivacyEngine` runs it on a
+:class:`MakePrivateCall` of the engine and the call's parsed
+:class:`~opacus_rc.options.Options`; for a randomized call its steps build the form's
+module and optimizer (:data:`opacus_rc.forms.FORMS`), the loader at the public rate with
+its own generator (never torch's global one) and the two-pass criterion.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import numpy as np
+import opacus.privacy_engine
+import torch
+from opacus.data_loader import DPDataLoader
+from opacus.grad_sample import AbstractGradSampleModule
+from opacus.optimizers import DPOptimizer
+from torch import nn
+from torch.utils.data import IterableDataset
+
+from . import checkpoint
+from .csprng import SecureDPDataLoader, loader_settings
+from .forms import FORMS
+from .forms.fsdp import check_fsdp_mode
+from .forms.two_pass import DPLossRandomizedClipping
+from .options import Options, per_rank_normaliser
+from .sketch import POISSON_STREAM, DeviceStreams
+
+#: Opacus's engine, as ``opacus.privacy_engine`` defines it
+OpacusPrivacyEngine = opacus.privacy_engine.PrivacyEngine
+
+
+def poisson_generator(data_loader, seed: Optional[int], distributed: bool) -> torch.Generator:
+    """The generator of the Poisson masks; never torch's global generator.
+
+    The loader's own ``generator`` (reproducible; Opacus's way) as it is in one process;
+    under DDP a child of it per rank (root its ``initial_seed()``), so that ranks seeded
+    alike still draw independent masks. Else the :data:`~opacus_rc.sketch.POISSON_STREAM`
+    of ``seed`` (``None``: 128 bits from ``os.urandom``), rank folded in.
+    """
+    user = getattr(data_loader, "generator", None)
+    if user is not None and not distributed:
+        return user
+    root = np.random.SeedSequence(user.initial_seed() if user is not None else seed)
+    return DeviceStreams(root, POISSON_STREAM, per_rank=True).generator("cpu")
+
+
+class MakePrivateCall:
+    """One call of Opacus's ``make_private`` (or ``make_private_with_epsilon``) on an
+    engine with the call's parsed :class:`~opacus_rc.options.Options`: how the options
+    reach Opacus's ``_prepare_*`` steps.
+
+    Opacus's ``make_private`` calls ``self._prepare_model(...)``,
+    ``self._prepare_data_loader(...)``, ``self._prepare_optimizer(...)`` and
+    ``self._prepare_criterion(...)`` with fixed arguments and no room for the plugin's
+    (``make_private_with_epsilon`` calls ``self.make_private(...)``). So
+    :meth:`opacus_rc.integration.PrivacyEngine._run_opacus` runs Opacus's method with this short-lived object
+    as ``self``, built for the one call and dropped after it: its ``_prepare_*`` steps
+    run the randomized steps below with ``options`` when the call is randomized, and the
+    engine's (Opacus's) own otherwise; its
+    ``make_private`` (Opacus's ``make_private_with_epsilon`` calling back) is Opacus's
+    own, on this object, so the call's keywords are parsed once; every other attribute
+    read or written is the engine's (``accountant``, ``secure_mode``, ``dataset``, ...).
+    The engine stores no options, so there is no state to reset and no re-entry to
+    guard: a nested or concurrent call has its own object.
+    """
+
+    __slots__ = ("engine", "options")
+
+    def __init__(self, engine: Any, options: Options) -> None:
+        object.__setattr__(self, "engine", engine)
+        object.__setattr__(self, "options", options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.engine, name, value)
+
+    def make_private(self, **kwargs: Any):
+        return OpacusPrivacyEngine.make_private(self, **kwargs)
+
+    def _prepare_model(self, module: nn.Module, **kwargs: Any):
+        if self.options.randomized:
+            return self._randomized_model(module, **kwargs)
+        return self.engine._prepare_model(module, **kwargs)
+
+    def _prepare_data_loader(self, data_loader, **kwargs: Any):
+        if self.options.randomized:
+            return self._randomized_data_loader(data_loader, **kwargs)
+        return self.engine._prepare_data_loader(data_loader, **kwargs)
+
+    def _prepare_optimizer(self, **kwargs: Any) -> DPOptimizer:
+        if self.options.randomized:
+            return self._randomized_optimizer(**kwargs)
+        return self.engine._prepare_optimizer(**kwargs)
+
+    def _prepare_criterion(self, **kwargs: Any):
+        if self.options.randomized:
+            return self._randomized_criterion(**kwargs)
+        return self.engine._prepare_criterion(**kwargs)
+
+    # --- the randomized steps ---------------------------------------------------------
+
+    def _randomized_model(self, module: nn.Module, **kwargs: Any):
+        """The form's grad-sample module (:data:`opacus_rc.forms.FORMS`; its hooks form for
+        ``wrap_model=False``). Opacus builds its own through ``get_gsm_class``, which has
+        no registry."""
+        self.validate(module=module, optimizer=None, data_loader=None)
+        if isinstance(module, AbstractGradSampleModule):
+            raise ValueError(
+                "clipping='randomized' needs a plain nn.Module; got an already wrapped "
+                f"{type(module).__name__}"
+            )
+        check_fsdp_mode(module, kwargs["grad_sample_mode"])  # FSDP2: ghost_fsdp only
+        return FORMS[self.options.runs].build_module(
+            module,
+            kwargs["wrap_model"],
+            kwargs["max_grad_norm"],
+            batch_first=kwargs["batch_first"],
+            loss_reduction=kwargs["loss_reduction"],
+            sketch_config=self.options.sketch,
+            sketch_seed=self.options.sketch_seed,
+            secure_mode=self.secure_mode,
+        )
+
+    def _randomized_optimizer(self, *, optimizer, noise_generator=None, **kwargs: Any) -> DPOptimizer:
+        """The randomized optimizer, averaging by the public normaliser."""
+        distributed = kwargs.pop("distributed", False)
+        # Opacus passes int(len(dataset) / len(loader)), dataset-dependent, divided per
+        # rank; the public normaliser is divided as Opacus divides its own.
+        kwargs["expected_batch_size"] = per_rank_normaliser(self.options.sampling.batch_size, distributed)
+        kwargs.pop("grad_sample_mode")
+        cls = FORMS[self.options.runs].optimizer_class(distributed)
+        kwargs.pop("clipping")
+        # Copied from Opacus's _prepare_optimizer, whose get_optimizer_class has no registry.
+        if isinstance(optimizer, DPOptimizer):
+            optimizer = optimizer.original_optimizer
+        generator = self.secure_rng if self.secure_mode else noise_generator
+        return cls(optimizer=optimizer, generator=generator, secure_mode=self.secure_mode, **kwargs)
+
+    def _randomized_data_loader(
+        self, data_loader, *, poisson_sampling: bool, distributed: bool, **kwargs: Any
+    ):
+        """The Poisson loader at the public rate with its own generator
+        (:func:`poisson_generator`), or in secure mode with the CSPRNG's masks; with
+        ``poisson_sampling=False`` the loader as given (Opacus)."""
+        if not poisson_sampling and self.secure_rng is None and self.secure_mode:
+            raise ValueError(
+                "poisson_sampling=False is invalid with secure_mode=True without "
+                "torchcsprng: there is no secure generator to shuffle with; accepted "
+                "values: poisson_sampling=True (the sampling rc_prv accounts for)"
+            )
+        if not poisson_sampling:
+            return self.engine._prepare_data_loader(
+                data_loader, poisson_sampling=poisson_sampling, distributed=distributed, **kwargs
+            )
+        if isinstance(data_loader.dataset, IterableDataset):
+            raise ValueError("Uniform sampling is not supported for IterableDataset")
+        self._check_dataset(data_loader)
+        settings = dict(
+            sample_rate=self.options.sampling.sample_rate,
+            distributed=distributed,
+            batch_first=kwargs.get("batch_first", True),
+            rand_on_empty=kwargs.get("rand_on_empty", False),
+        )
+        if self.secure_mode:  # CSPRNG Poisson sampler, no torchcsprng
+            return SecureDPDataLoader.from_data_loader(data_loader, **settings)
+        generator = poisson_generator(data_loader, self.options.seed, distributed)
+        setattr(self, checkpoint.POISSON_GENERATOR_ATTR, generator)  # include_rng_state
+        # Opacus's DPDataLoader.from_data_loader, at the public rate and with our generator
+        return DPDataLoader(
+            dataset=data_loader.dataset, **loader_settings(data_loader), generator=generator, **settings
+        )
+
+    def _check_dataset(self, data_loader) -> None:
+        """Opacus's one-dataset-per-engine check. Copied: Opacus runs it only inside its
+        ``_prepare_data_loader``, which builds the loader at its own rate and generator."""
+        if self.dataset is None:
+            self.dataset = data_loader.dataset
+        elif self.dataset != data_loader.dataset:
+            warnings.warn(
+                f"PrivacyEngine detected new dataset object. Was: {self.dataset}, got: "
+                f"{data_loader.dataset}. Privacy accounting works per dataset, please "
+                f"initialize new PrivacyEngine if you're using different dataset."
+            )
+
+    def _randomized_criterion(self, *, module, optimizer, criterion, **kwargs: Any):
+        """The randomized two-pass criterion, linked to the optimizer."""
+        return DPLossRandomizedClipping(module, optimizer, criterion, kwargs.get("loss_reduction", "mean"))
+
+
+__all__ = ["MakePrivateCall", "OpacusPrivacyEngine", "poisson_generator"]
