@@ -14,7 +14,7 @@ from opacus_rc.config import SketchConfig
 from opacus_rc.norm_samplers import linear_norm_sample
 from opacus_rc.sketch import Sketcher
 
-from .conftest import token_task
+from .models import token_task
 
 
 def loader(dataset, batch_size):
