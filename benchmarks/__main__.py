@@ -11,7 +11,7 @@ trained non-privately, with Opacus hooks, Opacus ghost clipping and randomized c
 medians), reported as multiples of non-private training.
 
     python -m benchmarks                            # quick default (< 3 min on 2 loaded cores)
-    python -m benchmarks --full --json bench.json --plot docs/benchmarks.png
+    python -m benchmarks --full --json docs/results/benchmarks_full.json --plot docs/benchmarks.png
 
 Performance figures are measurements, not assertions: wall times on a shared machine
 are noisy; FLOP counts and peak live bytes are the stable figures.

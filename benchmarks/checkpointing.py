@@ -2,7 +2,7 @@
 
     python -m benchmarks.checkpointing                 # small default: meta device, T = 1K, 2K, 4K (seconds)
     python -m benchmarks.checkpointing --full --json docs/results/checkpointing.json --plot docs/checkpointing.png
-    python -m benchmarks.checkpointing --cpu-seq-lens 4096,8192 --cpu-only --json cpu.json   # real CPU run
+    python -m benchmarks.checkpointing --cpu-seq-lens 4096,8192 --cpu-only --json /tmp/checkpointing_cpu.json   # real CPU run
 
 Model: a Llama-style ``LlamaForCausalLM`` (:class:`~examples.models.llama.LlamaLM`: RMSNorm,
 rotary, SwiGLU, untied head; d = 256, 4 layers, 4 heads, vocabulary 512 by default), batch 1,

@@ -49,8 +49,10 @@ import argparse
 import gc
 import json
 import logging
+import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
@@ -77,6 +79,8 @@ MODES = PLAIN_MODES + CKPT_MODES
 #: positions per block of the chunked head on the full shape (one block's logits: 1024 x
 #: 128,256 float32, 0.5 GB)
 BLOCK_SIZE = 1024
+#: where the full run writes its JSON (generated results live in docs/results/)
+RESULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results", "gpu_bench.json")
 FULL = dict(vocab=128256, d=2048, layers=16, heads=32, kv_heads=8, ffn=8192, seq_lens=(4096, 16384, 65536),
             ckpt_seq_lens=(16384, 65536, 131072), block_size=BLOCK_SIZE)
 TINY = dict(vocab=512, d=64, layers=2, heads=4, kv_heads=2, ffn=128, seq_lens=(64, 128), ckpt_seq_lens=(128,),
@@ -288,8 +292,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--block-size", type=int, default=None,
                         help=f"positions per block of the chunked LM head (the *_chunked modes; default {BLOCK_SIZE}, "
                              "32 with --tiny)")
-    parser.add_argument("--out", default="gpu_bench.json")
+    parser.add_argument("--out", default=None,
+                        help=f"the JSON written (default {RESULT}; with --tiny, gpu_bench_tiny.json in the "
+                             "temporary directory)")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = os.path.join(tempfile.gettempdir(), "gpu_bench_tiny.json") if args.tiny else RESULT
     warnings.filterwarnings("ignore", message=".*[Ff]ull backward hook.*")
     warnings.filterwarnings("ignore", message="Secure RNG turned off")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -330,6 +338,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "steps": args.steps, "long_steps": args.long_steps, "checkpointing": "HF, per decoder layer, reentrant",
         "chunked_head": {"modes": list(CHUNKED_MODES), "block_size": block_size}, "wall_s": time.perf_counter() - started, "results": results,
     }
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
     print(f"gpu_bench: {len(results)} configurations in {summary['wall_s']:.0f} s -> {args.out}")

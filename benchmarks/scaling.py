@@ -1,7 +1,7 @@
 """Per-GPU memory of DP fine-tuning at Llama-3-8B shapes under FSDP2: ghost vs randomized.
 
     python -m benchmarks.scaling                       # the tables of docs/scaling.md
-    python -m benchmarks.scaling --gpus 8 --seq-lens 8192,32768,131072 --json scaling.json
+    python -m benchmarks.scaling --gpus 8 --seq-lens 8192,32768,131072 --json /tmp/scaling_8gpu.json
 
 Two parts per GPU (FSDP2 over ``--gpus`` GPUs, one sequence of T tokens per GPU, bf16):
 

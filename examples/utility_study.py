@@ -18,7 +18,7 @@ and the 2012 convention speeches cut into 512-token windows (split by speech; th
 a window).
 
     python examples/utility_study.py --out docs/results/utility_results.json              # the full grid
-    python examples/utility_study.py --datasets sms --eps 3 --seeds 0 --out r.json # a subset
+    python examples/utility_study.py --datasets sms --eps 3 --seeds 0 --out /tmp/r.json # a subset
     SMALL=1 python examples/utility_study.py                                      # CI size, ~1-2 min
 """
 

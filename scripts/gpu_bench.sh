@@ -8,8 +8,8 @@
 # randomized (book-keeping), the per-example form and Opacus ghost (last: out of memory at
 # 131072 by the model of docs/scaling.md); JSON with the median step time and
 # torch.cuda.max_memory_allocated per mode (out-of-memory recorded as such).
-#   bash scripts/gpu_bench.sh [--out gpu_bench.json]      # one large GPU, about 10 minutes
-#   bash scripts/gpu_bench.sh --device cpu --tiny         # CI: the same code paths on CPU
+#   bash scripts/gpu_bench.sh [--out PATH]   # one large GPU (default docs/results/gpu_bench.json), about 10 minutes
+#   bash scripts/gpu_bench.sh --device cpu --tiny         # CI: the same code paths on CPU (JSON in $TMPDIR)
 # Without CUDA (and without --device cpu) it says so in one line and exits with status 2.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,10 +1,11 @@
+import pathlib
 import warnings
 
 import pytest
 import torch
-from torch import nn
 
 import opacus_rc  # noqa: F401  (registers the plugin)
+from tests.models import SequenceClassifier
 
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
 warnings.filterwarnings("ignore", message=".*full_backward_hook.*")
@@ -14,8 +15,9 @@ warnings.filterwarnings("ignore", message=".*full_backward_hook.*")
 #: files that start processes (gloo ranks, notebook kernels), build Hugging Face stacks or run
 #: benchmarks and long sweeps. Every privacy-critical and brute-force-equivalence test of one
 #: process stays in the fast suite (``bash scripts/test.sh``).
+#: Paths relative to tests/ (tests/test_layout.py checks that each exists).
 SLOW_FILES = (
-    "test_ddp.py", "test_fsdp.py", "test_lm_head_fsdp.py", "test_notebooks.py", "test_hf_stacks.py",
+    "test_ddp.py", "forms/test_fsdp.py", "test_lm_head_fsdp.py", "test_notebooks.py", "test_hf_stacks.py",
     "test_scaling.py", "test_bench.py", "test_checkpointing_bench.py", "test_gpu_bench.py",
     "test_utility_report.py",
 )
@@ -30,10 +32,19 @@ SLOW_TESTS = (
 )
 
 
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def tests_path(path: pathlib.Path) -> str:
+    """A test file's path relative to tests/, with ``/`` (as SLOW_FILES names it)."""
+    path = pathlib.Path(path).resolve()
+    return path.relative_to(TESTS).as_posix() if path.is_relative_to(TESTS) else path.name
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         name = item.name.lower()
-        if item.path.name in SLOW_FILES or any(s in name for s in SLOW_TESTS):
+        if tests_path(item.path) in SLOW_FILES or any(s in name for s in SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
 
 
@@ -60,68 +71,6 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-class SequenceClassifier(nn.Module):
-    """Embedding -> Linear -> LayerNorm -> Linear, mean-pooled over the sequence."""
-
-    def __init__(self, vocab: int = 32, d: int = 16, hidden: int = 24, classes: int = 2):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.fc1 = nn.Linear(d, hidden)
-        self.norm = nn.LayerNorm(hidden)
-        self.fc2 = nn.Linear(hidden, classes)
-
-    def forward(self, x):
-        return self.fc2(self.norm(torch.tanh(self.fc1(self.emb(x))))).mean(dim=1)
-
-
-class CheckpointedSequenceClassifier(SequenceClassifier):
-    """:class:`SequenceClassifier` (same parameters, same initialisation) whose
-    Linear -> tanh -> LayerNorm runs under ``torch.utils.checkpoint``."""
-
-    def __init__(self, *args, use_reentrant: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.use_reentrant = use_reentrant
-
-    def _middle(self, h):
-        return self.norm(torch.tanh(self.fc1(h)))
-
-    def forward(self, x):
-        from torch.utils.checkpoint import checkpoint
-
-        h = checkpoint(self._middle, self.emb(x), use_reentrant=self.use_reentrant)
-        return self.fc2(h).mean(dim=1)
-
-
-class HeadModel(nn.Module):
-    """Embedding -> Linear body -> a linear head used through ChunkedLMHeadLoss (its forward
-    returns the hidden states)."""
-
-    def __init__(self, vocab: int = 32, d: int = 16):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.body = nn.Linear(d, d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, x):
-        return torch.tanh(self.body(self.emb(x)))
-
-
-def token_task(n: int = 256, t: int = 24, vocab: int = 32, seed: int = 0):
-    """Sequences whose label sets the share of low-id tokens (3/4 vs 1/4): a task
-    that a mean-pooled model learns in a few dozen noisy steps."""
-    gen = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, 2, (n,), generator=gen)
-    p_low = torch.where(y == 1, 0.75, 0.25)[:, None].expand(n, t)
-    low = torch.bernoulli(p_low, generator=gen).bool()
-    half = vocab // 2
-    x = torch.where(
-        low,
-        torch.randint(0, half, (n, t), generator=gen),
-        torch.randint(half, vocab, (n, t), generator=gen),
-    )
-    return torch.utils.data.TensorDataset(x, y)
 
 
 @pytest.fixture

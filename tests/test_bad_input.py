@@ -96,7 +96,8 @@ def test_dp_trainer_at_full_batch_without_noise_reports_infinite_epsilon(tmp_pat
     in the PRV's log-MGF): epsilon is infinite, logged as such."""
     from opacus_rc.hf import DPTrainer, PrivacyArguments
 
-    from .test_hf_trainer import RowDataset, tiny_llama, training_args
+    from .hf.test_trainer import training_args
+    from .models import RowDataset, tiny_llama
 
     trainer = DPTrainer(
         model=tiny_llama(), args=training_args(tmp_path, max_steps=1), train_dataset=RowDataset(8),

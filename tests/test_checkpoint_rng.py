@@ -161,7 +161,8 @@ def test_ddp_two_pass_refuses_unpreserved_rng_state():
 
 transformers = pytest.importorskip("transformers")
 
-from .test_hf_trainer import RowDataset, tiny_llama, training_args  # noqa: E402
+from .hf.test_trainer import training_args  # noqa: E402
+from .models import RowDataset, tiny_llama  # noqa: E402
 
 
 def dropout_llama() -> nn.Module:

@@ -30,7 +30,9 @@ from torch.utils.checkpoint import checkpoint
 
 from opacus import PrivacyEngine
 
-from .conftest import SequenceClassifier
+import opacus_rc  # noqa: F401  (registers the plugin: a spawned rank loads no conftest)
+
+from .models import SequenceClassifier
 from .oracles import per_example_clipped_mean
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -272,7 +274,8 @@ def test_dp_trainer_fused_head_on_a_checkpointed_model_is_refused(tmp_path):
     pytest.importorskip("transformers")
     from opacus_rc.hf import DPTrainer, PrivacyArguments, per_example_token_loss
 
-    from .test_hf_trainer import RowDataset, tiny_llama, training_args
+    from .hf.test_trainer import training_args
+    from .models import RowDataset, tiny_llama
 
     class FusedHead(DPTrainer):
         def per_example_loss(self, model, inputs):

@@ -41,7 +41,7 @@ from opacus_rc.csprng import (
     secure_uniform,
 )
 
-from .conftest import SequenceClassifier, token_task
+from .models import SequenceClassifier, token_task
 
 N = 2**20  # > 30 CPU chunks of noise: chunk boundaries are exercised
 FIVE_SE_MEAN = 5 / math.sqrt(N)

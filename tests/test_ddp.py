@@ -16,8 +16,10 @@ from opacus import PrivacyEngine
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from torch import nn
 
+import opacus_rc  # noqa: F401  (registers the plugin: a spawned rank loads no conftest)
+
+from .models import CheckpointedSequenceClassifier, SequenceClassifier, token_task
 from .spawn import spawn as spawn_ranks
-from .conftest import CheckpointedSequenceClassifier, SequenceClassifier, token_task
 
 WORLD, PER_RANK, T = 2, 8, 40  # T > k = 8: linear layers are sketched
 C = 0.5

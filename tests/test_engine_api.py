@@ -19,7 +19,7 @@ import opacus_rc
 from opacus_rc import integration, registration
 from opacus_rc.options import DEFAULTS, Options
 
-from .conftest import token_task
+from .models import token_task
 
 OPTIONS = (
     "estimator", "sketch_size", "sketching", "exact_when_cheaper", "sketch_seed", "seed",

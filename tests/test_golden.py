@@ -28,7 +28,7 @@ import opacus_rc  # noqa: F401
 from opacus_rc.lm_head import ChunkedLMHeadLoss
 
 from .blas import assert_golden
-from .conftest import CheckpointedSequenceClassifier, HeadModel, SequenceClassifier, token_task
+from .models import CheckpointedSequenceClassifier, HeadModel, SequenceClassifier, token_task
 
 pytestmark = pytest.mark.usefixtures("one_blas_thread")  # bit-identical: one thread
 

@@ -12,38 +12,9 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-VOCAB, T, BATCH = 64, 48, 8
+from tests.models import hf_model, lm_batch  # noqa: E402
 
-
-def hf_model(name: str) -> nn.Module:
-    torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, max_position_embeddings=128, attn_implementation="eager")
-    if name == "gpt2":
-        cfg = transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=128,
-            attn_implementation="eager", bos_token_id=0, eos_token_id=0,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # deterministic forward
-        )
-        return transformers.GPT2LMHeadModel(cfg)
-    llama_like = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, **common)
-    if name == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_like))
-    if name == "llama_tied":
-        return transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(tie_word_embeddings=True, **llama_like)
-        )
-    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**llama_like))
-
-
-def lm_batch(n: int, seed: int = 0):
-    """Token sequences (a repeating pattern plus noise) with the last 5 targets padded."""
-    gen = torch.Generator().manual_seed(seed)
-    base = torch.arange(T) % 7
-    x = (base[None, :] + 7 * torch.randint(0, 3, (n, 1), generator=gen)) % VOCAB
-    labels = x.clone()
-    labels[:, -5:] = -100  # ignore_index padding
-    return x, labels
+VOCAB, T, BATCH = 64, 48, 8  # hf_model's vocabulary, lm_batch's sequence length
 
 
 def causal_lm_loss(model, criterion, x, labels):

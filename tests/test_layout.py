@@ -1,10 +1,16 @@
 """The installed package is the runtime only: benchmarks/, examples/ and tools/ stay outside it,
-and library code leaves the process-wide thread count to its caller."""
+and library code leaves the process-wide thread count to its caller. tests/ mirrors the
+package's folders, and the tests build their models from tests/models.py, not examples/."""
 
+import ast
 import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+
+#: the tests of examples/ and notebooks/ themselves: the only ones that may import examples
+EXAMPLE_TESTS = ("test_notebooks.py", "test_readme.py", "test_utility_report.py")
 
 
 def test_package_holds_the_runtime_only():
@@ -64,6 +70,111 @@ class A:
         return x
 '''
     assert code_lines(source) == 6  # import, class, def, x = 1, the string, return
+
+
+def mirror_problems(tests: pathlib.Path, package: pathlib.Path) -> list:
+    """What breaks the mirror of ``package`` by ``tests``: a sub-folder of tests/ that is no
+    sub-package (a folder with ``__init__.py``) at the same path under the package, one
+    without its own ``__init__.py``, or two test files of one name."""
+    problems, seen = [], {}
+    for folder in sorted(p for p in tests.rglob("*") if p.is_dir()):
+        rel = folder.relative_to(tests)
+        if "__pycache__" in rel.parts or any(part.startswith(".") for part in rel.parts):
+            continue
+        if not (package / rel / "__init__.py").is_file():
+            problems.append(f"tests/{rel.as_posix()}/ mirrors no package {package.name}/{rel.as_posix()}/")
+        if not (folder / "__init__.py").is_file():
+            problems.append(f"tests/{rel.as_posix()}/ has no __init__.py")
+    for path in sorted(tests.rglob("test_*.py")):
+        rel = path.relative_to(tests).as_posix()
+        if path.name in seen:
+            problems.append(f"tests/{rel} has the name of tests/{seen[path.name]}")
+        seen.setdefault(path.name, rel)
+    return problems
+
+
+def imports_of_examples(source: str) -> list:
+    """Lines of ``source`` that import from examples/: ``import examples...``, ``from
+    examples... import``, ``importlib.import_module`` / ``pytest.importorskip`` /
+    ``__import__`` of an ``examples`` module, or examples/ put on ``sys.path``."""
+
+    def is_examples(name) -> bool:
+        return isinstance(name, str) and (name == "examples" or name.startswith("examples."))
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found = any(is_examples(alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            found = node.level == 0 and is_examples(node.module)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            first = node.args[0] if node.args else None
+            found = (name in ("import_module", "importorskip", "__import__") and isinstance(first, ast.Constant)
+                     and is_examples(first.value))
+            if name in ("insert", "append") and ast.unparse(func).startswith("sys.path."):
+                found = any(isinstance(c, ast.Constant) and c.value == "examples" for c in ast.walk(node))
+        else:
+            continue
+        if found:
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_tests_mirror_the_package_folders():
+    """Every sub-folder of tests/ is the path of a sub-package of opacus_rc (tests/forms/ for
+    opacus_rc/forms/, ...), a package itself, and no two test files share a name; tests of
+    top-level modules and cross-cutting tests stay at tests/ itself."""
+    assert mirror_problems(TESTS, ROOT / "opacus_rc") == []
+    assert {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__"} >= {"accounting", "audit", "forms", "hf"}
+
+
+def test_the_mirror_check_reports_what_breaks_it(tmp_path):
+    package, tests = tmp_path / "pkg", tmp_path / "tests"
+    for folder in (package / "forms", package / "hf", tests / "forms", tests / "old", tests / "hf"):
+        folder.mkdir(parents=True)
+    for path in (package / "forms" / "__init__.py", package / "hf" / "__init__.py", tests / "forms" / "__init__.py",
+                 tests / "old" / "__init__.py", tests / "test_a.py", tests / "forms" / "test_a.py"):
+        path.write_text("")
+    assert mirror_problems(tests, package) == [
+        "tests/hf/ has no __init__.py",
+        "tests/old/ mirrors no package pkg/old/",
+        "tests/test_a.py has the name of tests/forms/test_a.py",
+    ]
+
+
+def test_tests_build_no_model_from_examples():
+    """The tests of the plugin take their models and data from tests/models.py; only the
+    tests of examples/ and notebooks/ themselves (EXAMPLE_TESTS) import examples."""
+    found = {}
+    for path in sorted(TESTS.rglob("*.py")):
+        rel = path.relative_to(TESTS).as_posix()
+        lines = imports_of_examples(path.read_text())
+        if lines and rel not in EXAMPLE_TESTS:
+            found[rel] = lines
+    assert found == {}, f"import examples/ (build the model in tests/models.py instead): {found}"
+    assert all((TESTS / name).is_file() for name in EXAMPLE_TESTS)
+
+
+def test_the_examples_check_sees_every_form_of_import():
+    assert imports_of_examples("import os\nfrom tests.models import Decoder\nfrom .examples import x\n") == []
+    source = (
+        "from examples.models import TinyDecoder\n"
+        "import examples.profiling as p\n"
+        "def f():\n"
+        "    sys.path.insert(0, str(ROOT / 'examples'))\n"
+        "    pytest.importorskip('examples.models.llama')\n"
+    )
+    assert imports_of_examples(source) == [1, 2, 4, 5]
+
+
+def test_slow_files_name_existing_test_files():
+    """conftest.SLOW_FILES names files by their path under tests/: a moved file must be
+    renamed there too, or its tests would join the fast suite."""
+    from tests.conftest import SLOW_FILES
+
+    assert [name for name in SLOW_FILES if not (TESTS / name).is_file()] == []
 
 
 def test_no_import_runs_upward():

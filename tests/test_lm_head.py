@@ -14,27 +14,10 @@ from opacus import PrivacyEngine
 from torch import nn
 
 from opacus_rc.lm_head import ChunkedLMHeadLoss
+from tests.models import TinyLM, hf_model, lm_batch
 from tests.oracles import per_example_clipped_mean
 
 C = 0.05  # small enough that every sequence is clipped
-
-
-class TinyLM(nn.Module):
-    """Embedding -> Linear -> tanh -> LayerNorm (the body: ``forward`` returns the hidden
-    states) and an LM head, optionally tied to the embedding, optionally with a bias."""
-
-    def __init__(self, vocab=24, d=16, tied=False, bias=False, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.tok = nn.Embedding(vocab, d)
-        self.fc = nn.Linear(d, d)
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=bias)
-        if tied:
-            self.head.weight = self.tok.weight
-
-    def forward(self, x):
-        return self.norm(torch.tanh(self.fc(self.tok(x))))
 
 
 def batch(n, t, vocab, seed=0, all_ignored=(), pad_tail=2):
@@ -397,7 +380,6 @@ def hf_step(model, causal_lm, x, labels, positions, chunked: bool, mode: str):
     trainable parameter."""
     from opacus_rc.lm_head import from_causal_lm, hidden_states
 
-    hf = pytest.importorskip("tests.test_hf_stacks")
     engine = PrivacyEngine(accountant="rc_prv")
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, labels), batch_size=4)
     head_loss = from_causal_lm(causal_lm, block_size=16)
@@ -417,7 +399,7 @@ def hf_step(model, causal_lm, x, labels, positions, chunked: bool, mode: str):
         loss = crit(hidden, labels) if mode == "ghost" else head_loss(hidden, labels)
     else:
         logits = inner(input_ids=x, position_ids=positions).logits[:, :-1]
-        flat = (logits.reshape(-1, hf.VOCAB), labels[:, 1:].reshape(-1))
+        flat = (logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
         loss = (crit(*flat, shape=logits.shape[:2]) if mode == "ghost"
                 else per_sequence_ce(logits, labels[:, 1:]).mean())
     loss.backward()
@@ -431,15 +413,15 @@ def test_hugging_face_causal_lm_equals_unchunked(name, mode):
     """``from_causal_lm`` + ``hidden_states`` on a Hugging Face model (labels as the model
     takes them, shifted inside): the update equals the model's own head and the ghost
     criterion's ``shape=`` path for the same sketches."""
-    hf = pytest.importorskip("tests.test_hf_stacks")
+    pytest.importorskip("transformers")
 
     if name in ("llama_tied", "gpt2") and mode == "hooks":  # GPT-2 ties its head too
         pytest.skip("tied weights: book-keeping refuses them (tested above)")
-    x, labels = hf.lm_batch(4)
+    x, labels = lm_batch(4)
     positions = torch.arange(x.shape[1]).repeat(x.shape[0], 1)
 
     def run(chunked):
-        model = hf.hf_model(name)
+        model = hf_model(name)
         model.train()
         return hf_step(model, model, x, labels, positions, chunked, mode)
 
@@ -477,15 +459,15 @@ def test_plain_training_without_privacy():
 def test_peft_lora_with_frozen_head_equals_unchunked(mode):
     """PEFT LoRA on the attention projections, the head frozen: no head norm, only the
     body's (LoRA) gradient, clipped per sequence as by the unchunked path."""
-    hf = pytest.importorskip("tests.test_hf_stacks")
+    pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
 
-    x, labels = hf.lm_batch(4)
+    x, labels = lm_batch(4)
     positions = torch.arange(x.shape[1]).repeat(x.shape[0], 1)
 
     def run(chunked):
         model = peft.get_peft_model(
-            hf.hf_model("llama"),
+            hf_model("llama"),
             peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
         )
         model.train()
@@ -527,13 +509,13 @@ def test_output_passes_on_a_checkpointed_model_are_refused_with_the_alternative(
     head's output (opacus_rc.forms.output_passes, issue 22), which the chunked head never
     produces: refused at the head's forward, naming grad_sample_mode='bookkeeping'; that
     works."""
-    hf = pytest.importorskip("tests.test_hf_stacks")
+    pytest.importorskip("transformers")
     from opacus_rc.lm_head import from_causal_lm, hidden_states
 
-    x, labels = hf.lm_batch(4)
+    x, labels = lm_batch(4)
     positions = torch.arange(x.shape[1]).repeat(4, 1)
     for bookkeeping in (None, True):
-        model = hf.hf_model("llama")
+        model = hf_model("llama")
         model.train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         head = from_causal_lm(model, block_size=16)

@@ -1,5 +1,5 @@
 """The chunked LM head under FSDP2 (``grad_sample_mode="ghost_fsdp"``, clipping="randomized"),
-with 2 gloo processes on CPU (the pattern of tests/test_fsdp.py: one spawn runs every
+with 2 gloo processes on CPU (the pattern of tests/forms/test_fsdp.py: one spawn runs every
 scenario, each rank saves what it saw).
 
 * exact norms (T <= k), noise 0: the update over 2 ranks equals brute-force per-sequence
@@ -25,7 +25,8 @@ from opacus import PrivacyEngine
 from torch import nn
 
 from opacus_rc.lm_head import ChunkedLMHeadLoss
-from tests.test_lm_head import C, TinyLM, batch, brute_force, per_sequence_ce
+from tests.models import TinyLM
+from tests.test_lm_head import C, batch, brute_force, per_sequence_ce
 
 from .spawn import spawn
 

@@ -108,14 +108,14 @@ def test_skip_is_refused_where_the_sum_cannot_drop_one_example():
 
 
 def token_model(seed: int = 0) -> nn.Module:
-    from .conftest import SequenceClassifier
+    from .models import SequenceClassifier
 
     torch.manual_seed(seed)
     return SequenceClassifier()  # embedding + linear layers (T = 40 > k = 8: sketched)
 
 
 def make_with(model, optimizer, *, mode, noise=0.0, accumulate=False):
-    from .conftest import token_task
+    from .models import token_task
 
     engine = PrivacyEngine(accountant="rc_prv")
     out = engine.make_private(
@@ -131,7 +131,7 @@ def make_with(model, optimizer, *, mode, noise=0.0, accumulate=False):
 
 
 def token_batch(poison: bool = False):
-    from .conftest import token_task
+    from .models import token_task
 
     x, y = token_task(n=8, t=40, seed=4).tensors
     return x, y, poison

@@ -10,7 +10,7 @@ from torch import nn
 
 from opacus_rc import integration, registration
 
-from .conftest import token_task
+from .models import token_task
 
 MODES = [
     ({"clipping": "flat", "grad_sample_mode": "hooks"}),

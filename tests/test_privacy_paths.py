@@ -20,7 +20,8 @@ from opacus_rc.forms.bookkeeping import GradSampleModuleBookkeeping
 from opacus_rc.forms.two_pass import DPLossRandomizedClipping
 from opacus_rc.sketch import Sketcher
 
-from .conftest import SequenceClassifier, distinct, token_task
+from .conftest import distinct
+from .models import SequenceClassifier, token_task
 
 T, K = 24, 4  # T > k: every linear layer is sketched
 CONFIG = SketchConfig(sketch_size=K)

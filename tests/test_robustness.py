@@ -12,7 +12,7 @@ from opacus_rc.config import SketchConfig
 from opacus_rc.norm_samplers import linear_norm_sample
 from opacus_rc.sketch import Sketcher
 
-from .conftest import SequenceClassifier, token_task
+from .models import SequenceClassifier, token_task
 
 
 def private(model, *, data=None, batch_size=8, poisson=False, noise=0.5, seed=0, lr=0.1, **options):

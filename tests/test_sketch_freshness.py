@@ -183,7 +183,8 @@ def test_private_trainer_accumulation_draws_fresh_sketches(form, tmp_path, monke
     peft = pytest.importorskip("peft")
     from opacus_rc.hf import DPTrainer, PrivacyArguments
 
-    from .test_hf_trainer import RowDataset, tiny_llama, training_args
+    from .hf.test_trainer import training_args
+    from .models import RowDataset, tiny_llama
 
     model = peft.get_peft_model(
         tiny_llama(), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)

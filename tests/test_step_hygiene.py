@@ -14,7 +14,8 @@ from opacus import PrivacyEngine
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch import nn
 
-from .conftest import SequenceClassifier, mode_options, token_task
+from .conftest import mode_options
+from .models import SequenceClassifier, token_task
 
 MODES = ["ghost", "hooks", "bookkeeping=True"]
 T = 8

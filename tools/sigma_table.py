@@ -10,7 +10,7 @@ Every sigma meets its target: its epsilon (``eps_error`` 0.01, both directions, 
 rounded up) lies in ``[target - 0.01, target]``.
 
 Run: ``python -m tools.sigma_table [--quick] [--sketching shared|per_example|both]
-[--json results.json] [--out docs/sigma_table.md]``. With ``--json`` finished calibrations
+[--json docs/results/sigma_table.json] [--out docs/sigma_table.md]``. With ``--json`` finished calibrations
 are stored after each one and reused, so the two halves can be run separately.
 """
 

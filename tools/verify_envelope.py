@@ -444,7 +444,7 @@ def render_markdown(main: List[KResult], extra: List[KResult], command: str, ela
         "`-f_A(x) (1 - x)`: negative for `x < 1`; at `x = 1` it vanishes and the second-order term",
         "`(e^2 / k) f_A'(1)` is negative (the mode of `A` is below 1). Above 1 the sign flips, which is",
         "where mixtures exceed the single chi-square (k = 32, x = 1.1: 0.728 vs 0.681, a check in",
-        "`tests/test_envelope.py`), hence over-estimation is credited nothing.",
+        "`tests/accounting/test_envelope.py`), hence over-estimation is credited nothing.",
         "",
         "## Consequence for the accountant",
         "",

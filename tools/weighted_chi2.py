@@ -22,7 +22,7 @@ Two independent numerical inversions are provided:
   vectorised over ``x`` and over a batch of weight vectors; its error is estimated from
   the half-step rule (free: every other node).
 
-Numerical error (measured, see ``tests/test_envelope.py`` and
+Numerical error (measured, see ``tests/accounting/test_envelope.py`` and
 ``docs/envelope_verification.md``): the contour method agrees with ``scipy.stats.chi2``
 to 6e-14 in ``log F`` for k <= 64 and x in [1e-4, 3] (tails down to ~1e-160), with the
 closed-form hypoexponential CDF (k = 2, distinct weights) to 1e-12 relative, and with

@@ -1,5 +1,5 @@
-"""One rank of the two-process DPTrainer test (tests/test_hf_trainer.py), launched with
-``python -m torch.distributed.run --nproc_per_node 2 tests/hf_trainer_ddp_worker.py OUT SIGMA CLIPPING``
+"""One rank of the two-process DPTrainer test (tests/hf/test_trainer.py), launched with
+``python -m torch.distributed.run --nproc_per_node 2 tests/hf/trainer_ddp_worker.py OUT SIGMA CLIPPING``
 (CLIPPING: "randomized", "flat", "per_example" (randomized, one row per backward pass), or a
 refusal scenario)
 (gloo on CPU). Each rank saves what it trained on and where it ended."""
@@ -9,17 +9,17 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import test_hf_trainer as t  # noqa: E402
+import tests.hf.test_trainer as t  # noqa: E402  (the repository root on the path: tests.models too)
 
 
 def refused_last_step(out: str) -> None:
     """Both ranks: adamw_torch_fused, every per-example loss NaN at the last of 2 steps
-    (tests/test_hf_privacy_paths.py's one-process test, under DDP): train() must raise."""
+    (tests/hf/test_trainer_privacy_paths.py's one-process test, under DDP): train() must raise."""
     import pathlib
 
-    import test_hf_privacy_paths as h
+    import tests.hf.test_trainer_privacy_paths as h
 
     trainer = h.nan_at_step(1)(
         model=h.tiny("llama"), args=h.args(pathlib.Path(out), optim="adamw_torch_fused", max_steps=2,
@@ -38,10 +38,10 @@ def refused_last_step(out: str) -> None:
 
 def shuffled_loader(out: str) -> None:
     """Both ranks: a DPTrainer subclass whose get_train_dataloader returns fixed shuffled
-    batches (tests/test_hf_privacy_paths.py's one-process test, under DDP): refused."""
+    batches (tests/hf/test_trainer_privacy_paths.py's one-process test, under DDP): refused."""
     import pathlib
 
-    import test_hf_privacy_paths as h
+    import tests.hf.test_trainer_privacy_paths as h
 
     trainer = h.loader_trainer(h.ShuffledLoader, pathlib.Path(out))
     try:

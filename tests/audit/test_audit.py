@@ -28,7 +28,7 @@ from opacus_rc.audit._broken import BiasedLowSketcher, DataDependentSketcher, br
 from opacus_rc.audit.experiment import build_experiment
 from opacus_rc.audit.reference import exact_epsilon
 
-from .oracles import gaussian_epsilon
+from tests.oracles import gaussian_epsilon
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

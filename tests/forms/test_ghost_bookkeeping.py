@@ -9,15 +9,14 @@ import torch
 from opacus import PrivacyEngine
 from torch import nn
 
-from examples.models import TinyDecoder, markov_text
 from opacus_rc.forms.bookkeeping import DPLossBookkeeping
+from tests.models import Decoder, markov_tokens, token_task
 
-from .conftest import token_task
 from .test_bookkeeping import run_with_engine
 
 
 def ghost_script(model, x, y, **options):
-    """A ghost-clipping script's loop (:func:`tests.test_bookkeeping.run_with_engine`),
+    """A ghost-clipping script's loop (:func:`tests.forms.test_bookkeeping.run_with_engine`),
     unchanged whatever ``options`` say; sketching at the library's default."""
     params, out, engine = run_with_engine(model, "ghost", x, y, **{"sketching": "per_example", **options})
     return params, out[1], out[2], engine
@@ -43,8 +42,8 @@ def test_ghost_bookkeeping_equals_two_pass(model_factory, estimator):
 def test_ghost_bookkeeping_lm_with_ignored_labels_equals_two_pass():
     """Per-sequence privacy unit through ``shape=``, ``-100`` labels excluded per sequence."""
     torch.manual_seed(0)
-    model = TinyDecoder(vocab=64, d_model=32, n_layers=1, n_heads=2, max_len=64)
-    seq = markov_text(8, 40, 64)
+    model = Decoder(vocab=64, d=32, layers=1, heads=2, max_len=64)
+    seq = markov_tokens(8, 40, 64)
     x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
     y[:4, -10:] = -100  # padded tails on half the sequences
     two, *_ = ghost_script(copy.deepcopy(model), x, y, lm=True)

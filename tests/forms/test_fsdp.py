@@ -36,8 +36,9 @@ import torch.distributed as dist
 from opacus import PrivacyEngine
 from torch import nn
 
-from .conftest import CheckpointedSequenceClassifier, SequenceClassifier, distinct, token_task
-from .spawn import spawn
+from tests.conftest import distinct
+from tests.models import CheckpointedSequenceClassifier, SequenceClassifier, token_task
+from tests.spawn import spawn
 
 WORLD, PER_RANK = 2, 8
 T_EXACT, T_SKETCHED, K = 8, 40, 8  # T <= k: exact norms; T > k: sketched
@@ -460,7 +461,7 @@ def test_ghost_fsdp_needs_an_fsdp_model():
 
 def test_example_runs_with_torchrun():
     """examples/fsdp_finetune.py under torchrun (2 gloo processes), tiny configuration."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(root / "examples" / "fsdp_finetune.py"), "--steps", "2", "--examples", "64",

@@ -12,7 +12,7 @@ import torch.utils.checkpoint
 transformers = pytest.importorskip("transformers")
 
 from opacus import PrivacyEngine  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments  # noqa: E402
+from transformers import TrainingArguments  # noqa: E402
 
 import opacus_rc  # noqa: E402,F401
 from opacus_rc.hf import (  # noqa: E402
@@ -23,43 +23,12 @@ from opacus_rc.hf import (  # noqa: E402
     per_example_token_loss,
     private_trainer,
 )
+from tests.models import RowDataset, tiny_llama  # noqa: E402
 
-VOCAB, T, N = 64, 16, 24
+VOCAB, T, N = 64, 16, 24  # tiny_llama's vocabulary, RowDataset's row length and count
 PER_DEVICE, ACCUM = 4, 2
 B = PER_DEVICE * ACCUM  # expected logical batch
 Q = 1.0 / (N // B)  # the default public rate: 1 / ceil(N / B)
-
-
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-        )
-    )
-
-
-def rows(n: int = N, seed: int = 1):
-    """Patterned token rows; the last few targets of some rows are ignored (-100)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = (torch.arange(T)[None] % 7 + 7 * torch.randint(0, 3, (n, 1), generator=g)) % VOCAB
-    labels = ids.clone()
-    cut = torch.randint(T // 2, T + 1, (n,), generator=g)
-    for i in range(n):
-        labels[i, cut[i]:] = -100
-    return ids, labels
-
-
-class RowDataset(torch.utils.data.Dataset):
-    def __init__(self, n: int = N) -> None:
-        self.ids, self.labels = rows(n)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
 def training_args(tmp_path, **kw) -> TrainingArguments:
@@ -546,7 +515,7 @@ def run_two_ranks(tmp_path, sigma: float, clipping: str = "randomized"):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           os.path.join(os.path.dirname(__file__), "hf_trainer_ddp_worker.py"), str(out), str(sigma), clipping]
+           os.path.join(os.path.dirname(__file__), "trainer_ddp_worker.py"), str(out), str(sigma), clipping]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]

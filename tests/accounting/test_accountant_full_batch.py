@@ -5,7 +5,7 @@ import pytest
 
 from opacus_rc.accounting.accountant import RCPRVAccountant
 
-from .oracles import gaussian_epsilon
+from tests.oracles import gaussian_epsilon
 
 
 @pytest.mark.parametrize("sigma", [1.0, 2.0])

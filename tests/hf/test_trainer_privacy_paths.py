@@ -13,8 +13,6 @@ transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
     GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
     OPTConfig,
     OPTForCausalLM,
     Trainer,
@@ -22,6 +20,7 @@ from transformers import (  # noqa: E402
 )
 
 from opacus_rc.hf import DPTrainer, PrivacyArguments, private_trainer  # noqa: E402
+from tests.models import tiny_llama  # noqa: E402
 
 VOCAB, PAD = 64, 0
 C = 1e-4  # far below every per-example gradient norm: each example contributes exactly C
@@ -36,10 +35,7 @@ def tiny(family: str, seed: int = 0) -> torch.nn.Module:
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
         ))
     if family == "llama":
-        return LlamaForCausalLM(LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD, tie_word_embeddings=False,
-        ))
+        return tiny_llama(seed, vocab=VOCAB, pad_token_id=PAD, tie_word_embeddings=False)
     model = OPTForCausalLM(OPTConfig(
         vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2,
         max_position_embeddings=64, word_embed_proj_dim=32, pad_token_id=PAD, dropout=0.0,
@@ -201,7 +197,7 @@ def test_a_refused_step_with_a_fused_optimizer_raises_from_train(tmp_path, last)
 def test_two_gloo_ranks_a_refused_last_step_raises_on_every_rank(tmp_path):
     """The fused-optimizer refusal of the last step under torchrun --nproc_per_node 2: every
     rank's train() raises, neither counts the refused step."""
-    from .test_hf_trainer import run_two_ranks
+    from .test_trainer import run_two_ranks
 
     ranks = run_two_ranks(tmp_path, 0.0, clipping="refused_last_step")
     for r in ranks:
@@ -286,7 +282,7 @@ def test_an_override_of_get_train_dataloader_that_bypasses_the_poisson_loader_is
 def test_two_gloo_ranks_an_override_bypassing_the_poisson_loader_is_refused(tmp_path):
     """The same refusal under torchrun --nproc_per_node 2: every rank refuses at its first
     batch, no step charged."""
-    from .test_hf_trainer import run_two_ranks
+    from .test_trainer import run_two_ranks
 
     for r in run_two_ranks(tmp_path, 0.0, clipping="shuffled_loader"):
         assert "not the private Trainer's Poisson loader" in r["raised"], r

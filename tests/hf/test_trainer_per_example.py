@@ -17,8 +17,10 @@ from opacus.accountants import PRVAccountant
 from opacus_rc.forms.per_example import PerExampleOptimizer
 from opacus_rc.hf import DPTrainer, PrivacyArguments, per_example_token_loss
 
-from .oracles import per_example_clipped_mean
-from .test_hf_trainer import RowDataset, recording, tiny_llama, training_args
+from tests.models import RowDataset, tiny_llama
+from tests.oracles import per_example_clipped_mean
+
+from .test_trainer import recording, training_args
 
 C, LR = 0.05, 0.5
 
@@ -125,7 +127,7 @@ def test_two_gloo_ranks_per_example_equal_one_process_on_the_union(tmp_path):
     """torchrun --nproc_per_node 2, one row per backward pass on each rank (DPDDP: no
     all-reduce before the clip), sigma = 0: both ranks end with the one-process exact update
     on the union of their batches; charged as exact clipping."""
-    from .test_hf_trainer import assert_equals_one_process_on_the_union, run_two_ranks
+    from .test_trainer import assert_equals_one_process_on_the_union, run_two_ranks
 
     ranks = run_two_ranks(tmp_path, 0.0, clipping="per_example")
     assert_equals_one_process_on_the_union(ranks)
@@ -141,7 +143,7 @@ def test_private_sft_trainer_at_a_physical_batch_of_one(tmp_path):
     trl = pytest.importorskip("trl")
     from opacus_rc.hf import private_trainer
 
-    from .test_hf_trainer import char_tokenizer, sft_dataset
+    from .test_trainer import char_tokenizer, sft_dataset
 
     model = tiny_llama()
     reference, initial = copy.deepcopy(model), copy.deepcopy(model)

@@ -23,7 +23,7 @@ from opacus_rc.accounting.multiplicity import AccumulatedStepPRV, multiplicity_w
 from opacus_rc.accounting.prv import DETERMINISTIC
 from opacus_rc.config import SketchConfig
 
-from .oracles import envelope_bins_linear, revealed_pld_epsilon, single_step_epsilon
+from tests.oracles import envelope_bins_linear, revealed_pld_epsilon, single_step_epsilon
 
 DELTA = 1e-5
 

@@ -27,8 +27,8 @@ from opacus_rc.forms import PER_EXAMPLE
 from opacus_rc.forms.per_example import PerExampleHooks, PerExampleModule, PerExampleOptimizer
 from opacus_rc.lm_head import ChunkedLMHeadLoss
 
-from .conftest import CheckpointedSequenceClassifier, HeadModel, SequenceClassifier, token_task
-from .oracles import per_example_clipped_mean
+from tests.models import CheckpointedSequenceClassifier, HeadModel, SequenceClassifier, token_task
+from tests.oracles import per_example_clipped_mean
 
 C, B, N = 0.05, 8, 48
 

@@ -17,7 +17,7 @@ from torch import nn
 from opacus_rc.forms.output_passes import OutputPasses
 from opacus_rc.optimizer import RandomizedClippingOptimizer
 
-from .oracles import per_example_clipped_mean
+from tests.oracles import per_example_clipped_mean
 
 transformers = pytest.importorskip("transformers")
 

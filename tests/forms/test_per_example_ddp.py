@@ -18,9 +18,9 @@ from torch import nn
 import opacus_rc  # noqa: F401
 from opacus_rc.forms.per_example import check_supported
 
-from .conftest import SequenceClassifier, token_task
-from .oracles import per_example_clipped_mean
-from .spawn import spawn
+from tests.models import SequenceClassifier, token_task
+from tests.oracles import per_example_clipped_mean
+from tests.spawn import spawn
 
 WORLD, PER_RANK, C = 2, 5, 0.05
 B = WORLD * PER_RANK

@@ -7,9 +7,7 @@ import torch
 from opacus import PrivacyEngine
 from torch import nn
 
-from examples.models import TinyDecoder, markov_text
-
-from .conftest import token_task
+from tests.models import Decoder, TokenLM, markov_tokens, tiny_llama, token_task
 
 
 def run(model, mode, x, y, **options):
@@ -69,17 +67,15 @@ def test_bookkeeping_equals_two_pass(model_factory, estimator, sketching):
 
 @pytest.mark.parametrize("arch", ["decoder", "llama"])
 def test_bookkeeping_lm_equals_two_pass(arch):
-    """The causal decoder (attention, LayerNorm, embeddings) and the Llama-style model of
-    the step benchmark (RMSNorm, rotary, SwiGLU, no biases) with a per-sequence LM loss."""
+    """The causal decoder (attention, LayerNorm, embeddings) and a Llama model (RMSNorm,
+    rotary, SwiGLU, no biases) with a per-sequence LM loss."""
     torch.manual_seed(0)
     if arch == "llama":
         pytest.importorskip("transformers")
-        from examples.models.llama import LlamaLM
-
-        model = LlamaLM(vocab=64, d_model=32, n_layers=1, n_heads=2, max_len=64)
+        model = TokenLM(tiny_llama(layers=1))
     else:
-        model = TinyDecoder(vocab=64, d_model=32, n_layers=1, n_heads=2, max_len=64)
-    seq = markov_text(8, 40, 64)
+        model = Decoder(vocab=64, d=32, layers=1, heads=2, max_len=64)
+    seq = markov_tokens(8, 40, 64)
     x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
     two_pass, _ = run(copy.deepcopy(model), "ghost", x, y, lm=True)
     bookkept, _ = run(copy.deepcopy(model), "hooks", x, y, lm=True)

@@ -3,8 +3,9 @@
 Each value was computed by the accountant before its history switched from dict records
 to :class:`StepRecord` (commit e8f462b) and is stored as ``float.hex``: any change to how a
 history is recorded, stored, merged or read must leave every epsilon identical (``==``),
-not merely close, under the BLAS kernels they were recorded with (:mod:`tests.blas`). Histories: deterministic and randomized (Hutchinson, Hutch++) steps,
-shared and per-example sketches, k = 8 and 32, 1 and 3 micro-batches, Opacus-style
+not merely close, under the BLAS kernels they were recorded with (:mod:`tests.blas`).
+Histories: deterministic and randomized (Hutchinson, Hutch++) steps, shared and
+per-example sketches, k = 8 and 32, 1 and 3 micro-batches, Opacus-style
 3-tuples read with sketch keyword arguments, mixed groups, and checkpoints (the current
 ``state_dict`` and one written by the dict-record code).
 """
@@ -19,7 +20,7 @@ import torch
 from opacus_rc.accounting import RCPRVAccountant, get_noise_multiplier_rc
 from opacus_rc.config import SketchConfig
 
-from .blas import assert_golden
+from ..blas import assert_golden
 
 pytestmark = pytest.mark.usefixtures("one_blas_thread")  # bit-identical: one thread
 

@@ -16,7 +16,7 @@ and judged on the other; the two one-sided bounds hold jointly with probability 
 If the accounting is right, the true epsilon is <= eps_accounted, so eps_lower >
 eps_accounted has probability <= 0.05 for an honest implementation. The seeds are fixed,
 so each test is deterministic: a seed either passes or not, and a passing seed was not
-chosen among failures (seed 11, as in tests/test_audit.py). The checks against
+chosen among failures (seed 11, as in tests/audit/test_audit.py). The checks against
 eps_exact, an independent quadrature of the audited pair, allow its numerical error.
 """
 
@@ -32,7 +32,7 @@ from opacus_rc.audit.__main__ import main
 from opacus_rc.audit.paths import build_hand_built
 from opacus_rc.audit.reference import accumulation_exact_epsilon, composed_sum_epsilon
 
-from .oracles import gaussian_epsilon
+from tests.oracles import gaussian_epsilon
 from .test_audit import DELTA
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -206,7 +206,7 @@ def test_reentrant_split_companions_do_not_share_the_canaries_sketches():
     probability ~1e-5 each (``distinct``)."""
     from opacus_rc.audit.paths import build_reentrant_split, split_step
 
-    from .conftest import distinct
+    from tests.conftest import distinct
 
     config = PathAuditConfig(
         variant="reentrant_split", sketch_size=4, sigma=2.0, micro_batches=2, sketching="per_example",

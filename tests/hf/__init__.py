@@ -1,0 +1,1 @@
+"""Tests of opacus_rc.hf."""
