@@ -15,14 +15,9 @@ See ``docs/audit.md``.
 
 from ._broken import VARIANTS
 from .experiment import AuditConfig, AuditResult, InnerProductLoss, accounted_epsilon, run_audit
-from .normaliser import (
-    NORMALISER_VARIANTS,
-    NormaliserAuditConfig,
-    NormaliserAuditResult,
-    normaliser_exact_epsilon,
-    run_normaliser_audit,
-)
+from .normaliser import NORMALISER_VARIANTS, NormaliserAuditConfig, NormaliserAuditResult, run_normaliser_audit
 from .paths import PATH_VARIANTS, PathAuditConfig, PathAuditResult, run_path_audit
+from .reference import normaliser_exact_epsilon
 from .stats import ThresholdAudit, clopper_pearson_upper, epsilon_from_rates, threshold_audit
 
 __all__ = [

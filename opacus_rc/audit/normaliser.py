@@ -42,12 +42,12 @@ from typing import Callable, Optional, Tuple
 
 import numpy as np
 import torch
-from scipy.stats import chi2
 from torch import nn
 
 from ..config import ESTIMATORS, SketchConfig
 from .checks import check_choices, check_fields, check_ints, check_positive, check_unit_interval
 from .experiment import AuditResult, accounted_epsilon, make_private_rc, result_fields
+from .reference import normaliser_exact_epsilon
 from .stats import threshold_audit
 
 NORMALISER_VARIANTS = ("normaliser_dataset_size", "normaliser_public")
@@ -163,49 +163,6 @@ def _scores(
         if progress is not None:
             progress(1)
     return out, eps
-
-
-def normaliser_exact_epsilon(
-    output_dim: int, normaliser_in: float, normaliser_out: float, delta: float
-) -> float:
-    """Exact epsilon at ``delta`` of ``N(0, s_in^2 I_p)`` against ``N(0, s_out^2 I_p)``,
-    ``s = sigma C / normaliser``, both orders (0 when the normalisers agree).
-
-    The likelihood ratio depends on ``r = ||x||^2`` only and is monotone in it, so the
-    optimal tests are thresholds on ``r``, whose laws are scaled chi-square laws with p
-    degrees of freedom: ``delta(eps) = P(r > r_eps) - e^eps Q(r > r_eps)`` for the wider
-    law P (and the mirror image); epsilon by bisection.
-    """
-    if normaliser_in == normaliser_out:
-        return 0.0
-    wide, narrow = sorted((float(normaliser_in), float(normaliser_out)))  # smaller B: wider
-    p = output_dim
-    # variances (units of sigma C): v_w = 1 / wide^2 > v_n = 1 / narrow^2
-    v_w, v_n = 1.0 / wide**2, 1.0 / narrow**2
-    a = 0.5 * (1.0 / v_n - 1.0 / v_w)  # log L(r) = a r + p/2 log(v_n / v_w) (P=wide over Q=narrow)
-    b = 0.5 * p * math.log(v_n / v_w)
-
-    def delta_of(eps: float, wide_first: bool) -> float:
-        if wide_first:  # the loss of "wide over narrow" exceeds eps iff r > r_eps
-            r = (eps - b) / a
-            return math.exp(chi2.logsf(r / v_w, p)) - math.exp(eps + chi2.logsf(r / v_n, p))
-        r = (-eps - b) / a  # the loss of "narrow over wide" exceeds eps iff r < r_eps
-        if r <= 0:
-            return 0.0
-        return math.exp(chi2.logcdf(r / v_n, p)) - math.exp(eps + chi2.logcdf(r / v_w, p))
-
-    best = 0.0
-    for wide_first in (True, False):
-        lo, hi = 0.0, 1.0
-        while delta_of(hi, wide_first) > delta and hi < 512.0:
-            hi *= 2.0
-        if delta_of(lo, wide_first) <= delta:
-            continue
-        for _ in range(100):
-            mid = 0.5 * (lo + hi)
-            lo, hi = (mid, hi) if delta_of(mid, wide_first) > delta else (lo, mid)
-        best = max(best, hi)
-    return best
 
 
 @dataclass
