@@ -1,35 +1,10 @@
 """Audit of the averaging normaliser: does the released update reveal the dataset size?
 
-With ``loss_reduction="mean"`` the optimizer releases ``(sum_i c_i g_i + N(0, sigma^2 C^2
-I_p)) / B`` with a normaliser ``B``. Opacus computes ``B = int(n / len(loader))`` from
-the private dataset size ``n`` (Opacus issues #571, #819): for batch size 20, ``n = 400``
-gives ``B = 20`` and ``n = 401`` gives ``B = 19``. The neighbours differ by one example,
-yet in high dimension the norm of the noise pins ``sigma C sqrt(p) / B`` almost exactly
-(relative spread ``1 / sqrt(2p)``, 0.7% at ``p = 10^4``, against a 5% change of ``B``),
-so the two are nearly distinguishable, whatever epsilon the accountant reported.
-
-The experiment runs the plugin's real path end to end for both neighbours:
-``make_private(..., clipping="randomized", loss_reduction="mean")`` on a
-``DataLoader(batch_size=20)`` over ``D`` (``n - 1 = 400`` examples) and over ``D'``
-(``n = 401``), Poisson sampling by Opacus's ``DPDataLoader``, and per step: a batch from
-the loader, forward, the criterion, ``loss.backward()``, ``optimizer.step()``. The model is
-one ``nn.Linear(1, p, bias=False)`` with ``p = 10^4`` outputs; every example's input is 0,
-so every per-sample gradient is 0 and the released update is exactly ``noise / B``: any
-difference between the neighbours comes from the normaliser alone (the accountant's
-guarantee holds for every dataset, this one included). The score of a step is the norm of
-the released update ``||W.grad||`` (SGD with ``lr = 0``); the held-out threshold test of
-:mod:`opacus_rc.audit.stats` turns the scores into ``eps_lower``.
-
-Variants:
-
-* ``normaliser_public``: whatever ``make_private`` sets (since the fix: the loader's
-  ``batch_size``, a public constant);
-* ``normaliser_dataset_size``: Opacus's ``int(len(dataset) / len(loader))`` installed on
-  the optimizer after ``make_private`` (audit-only, like the broken sketchers): the
-  normaliser before the fix, to show that the audit catches it.
-
-``eps_accounted`` is the larger of the two engines' ``rc_prv`` epsilons after one step
-(each is charged at its own sample rate ``1 / len(loader)``: 1/20 and 1/21).
+With ``loss_reduction="mean"`` the step releases ``(sum_i c_i g_i + N(0, sigma^2 C^2 I_p)) / B``;
+Opacus's ``B = int(n / len(loader))`` differs between neighbours (19 for n = 401, 20 for 400
+at batch size 20), and in high dimension the noise's norm reveals B. The plugin's real path
+runs for both neighbours on zero gradients (the release is exactly ``noise / B``); the score
+of a step is ``||W.grad||``. See docs/audit.md, "The normaliser audit".
 """
 
 from __future__ import annotations
@@ -38,7 +13,7 @@ import math
 import time
 from itertools import chain, islice, repeat
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, Tuple
 
 import numpy as np
 import torch
@@ -46,7 +21,7 @@ from torch import nn
 
 from ..config import ESTIMATORS, SketchConfig
 from .checks import check_choices, check_fields, check_ints, check_positive, check_unit_interval
-from .experiment import AuditResult, accounted_epsilon, make_private_rc, result_fields
+from .experiment import AuditResult, Progress, accounted_epsilon, check_one_step, make_private_rc, result_fields
 from .reference import normaliser_exact_epsilon
 from .stats import threshold_audit
 
@@ -61,20 +36,15 @@ class NormaliserAuditConfig:
     Args:
         variant: ``"normaliser_public"`` (make_private's normaliser) or
             ``"normaliser_dataset_size"`` (Opacus's ``int(n / len(loader))``).
-        dataset_size: ``n``, the size of the larger neighbour ``D'``; ``D`` has ``n - 1``
-            examples. The default 401 with ``batch_size`` 20 puts them on either side of
-            a multiple of the batch size (Opacus: normalisers 19 and 20).
+        dataset_size: ``n``, the size of the larger neighbour ``D'``; ``D`` has ``n - 1``.
         batch_size: the loader's ``batch_size``.
         output_dim: p, outputs of the linear layer (the dimension of the update).
         sigma: noise multiplier.
-        steps: DP steps per neighbour; the first half chooses the threshold, the second
-            half gives the bound.
+        steps: DP steps per neighbour.
         grad_sample_mode: ``"ghost"`` (two passes) or ``"hooks"`` (book-keeping).
-        estimator, sketch_size: the sketch (irrelevant to the released update here: every
-            gradient is 0; they set the accountant's record).
-        delta, alpha: as in :class:`~opacus_rc.audit.AuditConfig`.
+        estimator, sketch_size: the sketch (they set the accountant's record: every gradient is 0).
+        delta, alpha, max_grad_norm: as in :class:`~opacus_rc.audit.AuditConfig`.
         seed: seeds the loaders' sampling, the noise and the sketches.
-        max_grad_norm: C.
     """
 
     variant: str = "normaliser_public"
@@ -97,10 +67,7 @@ class NormaliserAuditConfig:
             ("grad_sample_mode", self.grad_sample_mode, GRAD_SAMPLE_MODES),
             ("estimator", self.estimator, ESTIMATORS),
         )
-        check_ints(
-            self,
-            (("dataset_size", 3), ("batch_size", 1), ("output_dim", 1), ("steps", 4), ("sketch_size", 1)),
-        )
+        check_ints(self, (("dataset_size", 3), ("batch_size", 1), ("output_dim", 1), ("steps", 4), ("sketch_size", 1)))
         check_fields(
             self, ("batch_size",), lambda v: v < self.dataset_size,
             f"an int < dataset_size={self.dataset_size} (several batches per epoch)",
@@ -126,6 +93,7 @@ class _Side:
 
 
 def _build(config: NormaliserAuditConfig, n: int, seed: int) -> _Side:
+    """The private objects of the neighbour with ``n`` examples, all seeded by ``seed``."""
     torch.manual_seed(seed)
     layer = nn.Linear(1, config.output_dim, bias=False)
     data = torch.utils.data.TensorDataset(torch.zeros(n, 1), torch.ones(n, 1))
@@ -142,9 +110,7 @@ def _build(config: NormaliserAuditConfig, n: int, seed: int) -> _Side:
                  float(optimizer.expected_batch_size))
 
 
-def _scores(
-    side: _Side, steps: int, delta: float, progress: Optional[Callable[[int], None]]
-) -> Tuple[np.ndarray, float]:
+def _scores(side: _Side, steps: int, delta: float, progress: Progress) -> Tuple[np.ndarray, float]:
     """Scores ``||W.grad||`` of ``steps`` real steps, and the engine's ``rc_prv``
     epsilon after the first one (the steps are independent trials of one step)."""
     out = np.empty(steps)
@@ -156,9 +122,7 @@ def _scores(
         out[step] = side.weight.grad.detach().double().norm().item()
         side.optimizer.zero_grad()
         if step == 0:
-            history = side.engine.accountant.history
-            if len(history) != 1 or history[0][2] != 1:
-                raise RuntimeError(f"expected one accounted step, got {history}")
+            check_one_step(side.engine.accountant.history, q=None)
             eps = accounted_epsilon(side.engine.accountant, delta)
         if progress is not None:
             progress(1)
@@ -177,9 +141,7 @@ class NormaliserAuditResult(AuditResult):
     grad_sample_mode: str = "ghost"
 
 
-def run_normaliser_audit(
-    config: NormaliserAuditConfig, progress: Optional[Callable[[int], None]] = None
-) -> NormaliserAuditResult:
+def run_normaliser_audit(config: NormaliserAuditConfig, progress: Progress = None) -> NormaliserAuditResult:
     """Audit one normaliser variant: ``config.steps`` real steps on each neighbour."""
     start = time.perf_counter()
     n = config.dataset_size
@@ -193,8 +155,7 @@ def run_normaliser_audit(
         delta=config.delta, alpha=config.alpha,
     )
     return NormaliserAuditResult(
-        **result_fields(config, test, max(eps_in, eps_out), 2 * config.steps),
-        seconds=time.perf_counter() - start,
+        **result_fields(config, test, max(eps_in, eps_out), 2 * config.steps, start),
         normaliser_in=with_ex.normaliser,
         normaliser_out=without.normaliser,
         eps_exact=normaliser_exact_epsilon(
