@@ -2,15 +2,11 @@
 as the last line, a JSON list with one object per configuration (keys ``estimator``,
 ``sketch_size``, ``sigma``, ``variant``, ``eps_lower``, ``eps_accounted``).
 
-The sketch variants (honest, biased_low, data_dependent_sketch) run for every estimator
-and sketch size; the normaliser variants (:mod:`opacus_rc.audit.normaliser`) run once,
-with the first estimator and sketch size, for the two-pass path. The side-path variants
-(:mod:`opacus_rc.audit.paths`: ``accumulation_canary``, ``hand_built``, ``reused_layer``,
-``reentrant_split``, ``fused_head``, ``per_example`` and their controls)
-run once each,
-with the first estimator and their own sketch size and sigma (``PATH_DEFAULTS``); the
-per-example variants (one backward pass per example) run a fifth of the steps
-(``per_example_steps``)."""
+The sketch variants (honest, biased_low, data_dependent_sketch) run for every estimator and
+sketch size; the normaliser variants (:mod:`opacus_rc.audit.normaliser`) once, with the first
+estimator and sketch size, for the two-pass path; the side-path variants
+(:mod:`opacus_rc.audit.paths`) once each, with the first estimator and their own sketch size
+and sigma (``PATH_DEFAULTS``), the per-example ones for a fifth of the steps."""
 
 from __future__ import annotations
 
@@ -20,7 +16,7 @@ import logging
 import sys
 import time
 import warnings
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config import ESTIMATORS, SKETCHINGS
 from ._broken import VARIANTS
@@ -74,24 +70,19 @@ def _sigma(args: argparse.Namespace, k: int) -> float:
     return args.sigma if args.sigma is not None else DEFAULT_SIGMA[k]
 
 
+def _shared(args: argparse.Namespace) -> Dict[str, object]:
+    """The fields every configuration takes from the command line."""
+    return dict(delta=args.delta, alpha=args.alpha, seed=args.seed)
+
+
 def configs(args: argparse.Namespace) -> List[AuditConfig]:
+    """One sketch audit per requested estimator, sketch size and sketch variant."""
     return [
         AuditConfig(
-            estimator=est,
-            sketch_size=k,
-            sigma=_sigma(args, k),
-            variant=variant,
-            sketching=args.sketching,
-            steps=_steps(args),
-            replicas=args.replicas,
-            delta=args.delta,
-            alpha=args.alpha,
-            seed=args.seed,
+            estimator=est, sketch_size=k, sigma=_sigma(args, k), variant=variant, sketching=args.sketching,
+            steps=_steps(args), replicas=args.replicas, **_shared(args),
         )
-        for est in args.estimators
-        for k in args.sketch_sizes
-        for variant in args.variants
-        if variant in VARIANTS
+        for est in args.estimators for k in args.sketch_sizes for variant in args.variants if variant in VARIANTS
     ]
 
 
@@ -100,17 +91,10 @@ def normaliser_configs(args: argparse.Namespace) -> List[NormaliserAuditConfig]:
     k = args.sketch_sizes[0]
     return [
         NormaliserAuditConfig(
-            variant=variant,
-            sigma=_sigma(args, k),
-            steps=max(_steps(args), 4),
-            estimator=args.estimators[0],
-            sketch_size=k,
-            delta=args.delta,
-            alpha=args.alpha,
-            seed=args.seed,
+            variant=variant, sigma=_sigma(args, k), steps=max(_steps(args), 4), estimator=args.estimators[0],
+            sketch_size=k, **_shared(args),
         )
-        for variant in args.variants
-        if variant in NORMALISER_VARIANTS
+        for variant in args.variants if variant in NORMALISER_VARIANTS
     ]
 
 
@@ -120,27 +104,16 @@ def path_configs(args: argparse.Namespace) -> List[PathAuditConfig]:
     steps (accumulation) or episodes (hand-built); the per-example variants fewer
     (:func:`~opacus_rc.audit.paths.per_example_steps`)."""
     out = []
-    for variant in args.variants:
-        if variant not in PATH_VARIANTS:
-            continue
+    for variant in (v for v in args.variants if v in PATH_VARIANTS):
         options = dict(PATH_DEFAULTS[variant])
+        options.update({k: getattr(args, k) for k in ("sigma", "micro_batches", "sample_rate", "episode_steps")
+                        if getattr(args, k) is not None})
         steps = per_example_steps(variant, _steps(args)) if variant in PER_EXAMPLE_VARIANTS else _steps(args)
-        for name in ("sigma", "micro_batches", "sample_rate", "episode_steps"):
-            if getattr(args, name) is not None:
-                options[name] = getattr(args, name)
-        out.append(
-            PathAuditConfig(
-                variant=variant,
-                estimator=args.estimators[0],
-                sketching=options.pop("sketching", args.sketching),  # reentrant_split: per-example
-                steps=steps,
-                replicas=args.replicas,
-                delta=args.delta,
-                alpha=args.alpha,
-                seed=args.seed,
-                **options,
-            )
-        )
+        out.append(PathAuditConfig(
+            variant=variant, estimator=args.estimators[0], steps=steps, replicas=args.replicas,
+            sketching=options.pop("sketching", args.sketching),  # reentrant_split: per-example
+            **_shared(args), **options,
+        ))
     return out
 
 
@@ -181,34 +154,63 @@ def table(results: Sequence[AuditResult], exact: Sequence[float]) -> str:
     return "\n".join([*lines, LEGEND])
 
 
+def _path_note(r: AuditResult, replicas: int) -> Optional[str]:
+    """What the notes line says of a side-path result (None: nothing)."""
+    v = r.variant
+    if v == "accumulation_canary":
+        under = " (below eps_lower: under-charged)" if r.eps_lower > r.eps_old_charge else ""
+        return (f"{v}: m={r.micro_batches} micro-batches at q={r.sample_rate}; the old q x m charge (one draw at rate "
+                f"{min(1.0, r.sample_rate * r.micro_batches):g}) would report {r.eps_old_charge:.3f}{under}")
+    if v == "reused_layer":
+        return (f"{v}: one layer applied {PATH_DEFAULTS[v]['uses']} times per forward pass (book-keeping), one "
+                f"Poisson draw at q={r.sample_rate}")
+    if v == "reentrant_split":
+        return (f"{v}: one draw in {r.micro_batches} physical batches, the layer in a reentrant checkpoint region, "
+                "per-example sketches (fresh per physical batch)")
+    if v in FUSED_HEAD_VARIANTS:
+        return f"{v}: a loss reading the head's weight outside its module on a checkpointed model: " + (
+            f"refused by the plugin ({r.refusal[:60]}...)" if r.refusal
+            else f"released (mean canary contribution {r.mean_score_in:.1f} C), charged as one step"
+        )
+    if v in PER_EXAMPLE_VARIANTS:
+        off = "" if v == "per_example" else "; its batch check off: two examples per backward pass"
+        return (f"{v}: the per-example form (exact clipping, no sketch{off}), {r.trials // replicas} steps, charged "
+                f"as exact steps; the canary's shift {r.mean_score_in:.2f} C")
+    if v == "hand_built":
+        return (f"{v}: {r.episode_steps} steps per trial, eps_exact of the sum test (Monte Carlo), eps_accounted "
+                f"after {r.episode_steps} steps")
+    return None
+
+
+def _run(runs: Sequence[Tuple]) -> List[AuditResult]:
+    """Each ``(config, run, description, steps)`` of ``runs``, under a progress bar (tqdm, if installed)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is optional
+        return [run(config) for config, run, *_ in runs]
+    with tqdm(total=sum(steps for *_, steps in runs), unit="step", file=sys.stderr) as bar:
+        results = []
+        for config, run, description, _ in runs:
+            bar.set_description(description)
+            results.append(run(config, progress=bar.update))
+    return results
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore", message=".*[Ss]ecure RNG.*")
     warnings.filterwarnings("ignore", message=".*backward hook.*")
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is optional
-        tqdm = None
-    todo = configs(args)
-    todo_normaliser = normaliser_configs(args)
-    runs = (
+    todo, todo_normaliser = configs(args), normaliser_configs(args)
+    start = time.perf_counter()
+    results = _run(
         [(c, run_audit, f"{c.estimator} k={c.sketch_size} {c.variant}", c.steps) for c in todo]
         + [(c, run_normaliser_audit, c.variant, 2 * c.steps) for c in todo_normaliser]
         + [(c, run_path_audit, c.variant, c.steps) for c in path_configs(args)]
     )
-    start = time.perf_counter()
-    bar = tqdm(total=sum(steps for *_, steps in runs), unit="step", file=sys.stderr) if tqdm else None
-    results = []
-    for config, run, description, _ in runs:
-        if bar is not None:
-            bar.set_description(description)
-        results.append(run(config, progress=bar.update if bar is not None else None))
-    if bar is not None:
-        bar.close()
     exact = [
-        exact_epsilon(r.estimator, r.sketch_size, r.sigma, r.variant, args.delta, todo[0].canary_norm)
-        if r.variant in VARIANTS else r.eps_exact
+        exact_epsilon(r.estimator, r.sketch_size, r.sigma, r.variant, args.delta) if r.variant in VARIANTS
+        else r.eps_exact
         for r in results
     ]
     print(table(results, exact))
@@ -221,43 +223,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"normaliser: n={c.dataset_size} vs {c.dataset_size - 1}, batch_size={c.batch_size}, "
             f"p={c.output_dim}, {c.steps} steps per neighbour"
         )
-    for r in results:
-        if r.variant == "accumulation_canary":
-            notes.append(
-                f"accumulation_canary: m={r.micro_batches} micro-batches at q={r.sample_rate}; "
-                f"the old q x m charge "
-                f"(one draw at rate {min(1.0, r.sample_rate * r.micro_batches):g}) would report "
-                f"{r.eps_old_charge:.3f}"
-                + (" (below eps_lower: under-charged)" if r.eps_lower > r.eps_old_charge else "")
-            )
-        elif r.variant == "reused_layer":
-            notes.append(
-                f"reused_layer: one layer applied {PATH_DEFAULTS['reused_layer']['uses']} times per "
-                f"forward pass (book-keeping), one Poisson draw at q={r.sample_rate}"
-            )
-        elif r.variant == "reentrant_split":
-            notes.append(
-                f"reentrant_split: one draw in {r.micro_batches} physical batches, the layer in a "
-                "reentrant checkpoint region, per-example sketches (fresh per physical batch)"
-            )
-        elif r.variant in FUSED_HEAD_VARIANTS:
-            notes.append(
-                f"{r.variant}: a loss reading the head's weight outside its module on a checkpointed model: "
-                + (f"refused by the plugin ({r.refusal[:60]}...)" if r.refusal else
-                   f"released (mean canary contribution {r.mean_score_in:.1f} C), charged as one step")
-            )
-        elif r.variant in PER_EXAMPLE_VARIANTS:
-            notes.append(
-                f"{r.variant}: the per-example form (exact clipping, no sketch"
-                + ("" if r.variant == "per_example" else "; its batch check off: two examples per backward pass")
-                + f"), {r.trials // args.replicas} steps, charged as exact steps; the canary's shift "
-                f"{r.mean_score_in:.2f} C"
-            )
-        elif r.variant == "hand_built":
-            notes.append(
-                f"hand_built: {r.episode_steps} steps per trial, eps_exact of the sum test "
-                f"(Monte Carlo), eps_accounted after {r.episode_steps} steps"
-            )
+    notes += [n for n in (_path_note(r, args.replicas) for r in results) if n]
     print(", ".join(notes) + f", {time.perf_counter() - start:.0f} s")
     print(json.dumps([{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.contract().items()} for r in results]))
     return 0

@@ -1,19 +1,8 @@
-"""Deliberately broken sketchers, for the audit only (never reached from make_private).
-
-They are swapped into a real randomized-clipping grad-sample module with
-:func:`install_sketcher`, so the audited step is otherwise the plugin's own.
-
-* ``biased_low``: the estimate divided by 4, ``n_hat = n W / 4``: the clipped
-  contribution of a large gradient becomes ``C * 2 / sqrt(W)``, twice the accounted one.
-* ``data_dependent_sketch``: every sketch (Hutchinson's, Hutch++'s head and tail) is
-  drawn orthogonal to the coordinates on which the batch's per-sample gradients have mass
-  on the sketched side (:func:`opacus_rc.estimators.sketch_side`), so a gradient aligned
-  with such a coordinate, like the audit's canary, is estimated as 0 and not clipped at
-  all.
-
-For the per-example form (one example per backward pass, exact clipping),
-:func:`unchecked_batches` switches its batch check off: a forward pass of two examples
-counts as one, so one clip bounds their sum (the audit's ``per_example_unchecked``).
+"""Deliberately broken sketchers and batch check, for the audit only (never reached from
+make_private): ``biased_low`` divides the estimate by 4, ``data_dependent_sketch`` draws every
+sketch orthogonal to the batch's gradients (the canary is estimated as 0, not clipped), and
+:func:`unchecked_batches` lets the per-example form clip two examples as one. See
+docs/audit.md, "Broken variants (audit-only)".
 """
 
 from __future__ import annotations
@@ -24,6 +13,7 @@ import torch
 
 from ..estimators import as_sequences, sketch_side
 from ..sketch import Sketcher
+from .checks import check_choices
 
 VARIANTS = ("honest", "biased_low", "data_dependent_sketch")
 BIAS_FACTOR = 4.0
@@ -71,11 +61,7 @@ _SKETCHERS = {"biased_low": BiasedLowSketcher, "data_dependent_sketch": DataDepe
 
 def broken_sketcher(variant: str, like: Sketcher) -> Sketcher:
     """A broken sketcher of the given variant with ``like``'s configuration and seed."""
-    if variant not in _SKETCHERS:
-        raise ValueError(
-            f"variant={variant!r} is not a broken variant; accepted values: "
-            f"{', '.join(repr(v) for v in _SKETCHERS)}"
-        )
+    check_choices(("variant", variant, tuple(_SKETCHERS)))
     return _SKETCHERS[variant](like.config, seed=like.seed)
 
 

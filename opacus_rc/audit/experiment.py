@@ -1,29 +1,10 @@
 """The audited experiment: the plugin's real randomized-clipping step, run many times.
 
-Model: one ``nn.Linear(d, p, bias=False)`` on sequences ``(B, T, d)``, loss
-``l_i = sum_t <y_it, W x_it>`` (per-sample gradient ``M_i = sum_t y_it x_it^T``, p x d),
-summed over the batch. It goes through ``PrivacyEngine(accountant="rc_prv").make_private(
-..., grad_sample_mode="ghost", clipping="randomized")`` once; every step is then forward,
-criterion, ``loss.backward()`` (the two passes: estimated norms, clipped gradients) and
-``optimizer.step()`` (Gaussian noise, std ``sigma C``), and the audit reads the released
-noisy gradient ``W.grad`` (an SGD with ``lr = 0`` makes ``step()`` a no-op on ``W``).
-
-Canaries: replica ``r`` (``r < R``) has ``x_t = s e_{d-1}``, ``y_t = s e_r`` for all ``t``,
-a rank-1 gradient ``T s^2 e_r e_{d-1}^T`` of norm ``canary_norm * C`` (>> C, so it is
-clipped and the estimator's error matters: ``n_hat / n = chi2_k / k`` exactly for
-Hutchinson). The sketch sits on the output side (p >= d), where the canaries occupy
-distinct coordinates; so their estimates use distinct rows of the sketch, independent,
-and the noise on their gradient entries is independent too. The base data set ``D`` is a
-few background examples with random gradients in the other output coordinates. Each step
-includes a random half of the canaries; the score of replica ``r`` is
-``W.grad[r, d-1] / (sigma C)``: ``N(0, 1)`` without its canary, ``N(Z_r / sigma, 1)`` with
-it (``Z_r = sqrt(n / n_hat)``, at most ``canary_norm``). One step thus yields R independent
-trials of the pair (D, D + canary).
-
-Hutch++ finds a rank-1 gradient exactly (its head basis spans it): honest Hutch++ then
-has ``Z = 1``. With ``d = k + 2`` and the canary on input coordinate ``d - 1 >= k``, a
-head sketch orthogonal to the canary (the data-dependent variant) gives ``M S = 0``,
-whose QR basis (LAPACK: the first k unit vectors) misses the canary: ``n_hat = 0``.
+One ``nn.Linear(d, p, bias=False)`` goes through ``make_private(..., clipping="randomized")``
+once; each step releases the noisy gradient ``W.grad`` (SGD at ``lr = 0``). R canaries (rank-1
+gradients of norm ``canary_norm * C`` on distinct output coordinates) join a base data set D
+of background examples; the score of replica r is ``W.grad[r, d-1] / (sigma C)``: ``N(0, 1)``
+without its canary, ``N(Z_r / sigma, 1)`` with it. See docs/audit.md, "Design".
 """
 
 from __future__ import annotations
@@ -37,11 +18,17 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+from ..accounting.accountant import RCPRVAccountant, StepRecord
 from ..config import ESTIMATORS, SKETCHINGS, SketchConfig
 from ._broken import VARIANTS, broken_sketcher, install_sketcher
 from .checks import check_choices, check_ints, check_positive, check_unit_interval
 from .stats import ThresholdAudit, threshold_audit
+
+Progress = Optional[Callable[[int], None]]
+Batch = Tuple[torch.Tensor, torch.Tensor]
+
 
 class InnerProductLoss(nn.Module):
     """``l_i = sum_{t,j} output_itj * target_itj``: the output gradient is the target.
@@ -66,23 +53,16 @@ class InnerProductLoss(nn.Module):
 
 
 @dataclass(frozen=True)
-class TrialSettings:
-    """What every audit configuration shares (see :class:`AuditConfig`): delta, alpha,
-    seed, the canary's norm, the background examples and C."""
-
-    delta: float = 1e-2
-    alpha: float = 0.05
-    seed: int = 0
-    canary_norm: float = 100.0
-    background: int = 4
-    max_grad_norm: float = 1.0
-
-
-@dataclass(frozen=True)
-class AuditConfig(TrialSettings):
+class AuditConfig:
     """One audited configuration.
 
     Args:
+        delta: the delta of both the lower bound and the accounted epsilon.
+        alpha: the lower bound holds with probability >= 1 - alpha.
+        seed: seeds the data, the sketches, the noise and the inclusion design.
+        canary_norm: the canary's gradient norm in units of C.
+        background: examples of the base data set D.
+        max_grad_norm: C.
         estimator: ``"hutchinson"`` or ``"hutchpp"``.
         sketch_size: k.
         sigma: noise multiplier.
@@ -90,14 +70,14 @@ class AuditConfig(TrialSettings):
         sketching: ``"shared"`` or ``"per_example"``.
         steps: DP steps run; trials = steps * replicas (half with the canary).
         replicas: canaries per step, R (independent trials per step).
-        delta: the delta of both the lower bound and the accounted epsilon.
-        alpha: the lower bound holds with probability >= 1 - alpha.
-        seed: seeds the sketches, the noise and the inclusion design.
-        canary_norm: the canary's gradient norm in units of C.
-        background: examples of the base data set D.
-        max_grad_norm: C.
     """
 
+    delta: float = 1e-2
+    alpha: float = 0.05
+    seed: int = 0
+    canary_norm: float = 100.0
+    background: int = 4
+    max_grad_norm: float = 1.0
     estimator: str = SketchConfig.estimator
     sketch_size: int = SketchConfig.sketch_size
     sigma: float = 1.0
@@ -107,9 +87,13 @@ class AuditConfig(TrialSettings):
     replicas: int = 256
 
     def __post_init__(self) -> None:
+        self._check(VARIANTS)
+
+    def _check(self, variants: Tuple[str, ...]) -> None:
+        """ValueError naming the first invalid field (``variant`` must be one of ``variants``)."""
         check_choices(
             ("estimator", self.estimator, ESTIMATORS),
-            ("variant", self.variant, VARIANTS),
+            ("variant", self.variant, variants),
             ("sketching", self.sketching, SKETCHINGS),
         )
         check_ints(self, (("sketch_size", 1), ("steps", 2), ("replicas", 2), ("background", 1)))
@@ -157,14 +141,24 @@ class AuditResult:
         return out
 
 
+def result_fields(
+    config, test: Optional[ThresholdAudit], eps_accounted: float, trials: int, start: float
+) -> Dict[str, object]:
+    """The :class:`AuditResult` fields that every audit fills alike (no test: nothing was
+    released, ``eps_lower`` 0)."""
+    return dict(
+        estimator=config.estimator, sketch_size=config.sketch_size, sigma=float(config.sigma),
+        variant=config.variant, eps_lower=0.0 if test is None else test.eps_lower, eps_accounted=eps_accounted,
+        delta=config.delta, alpha=config.alpha, trials=trials, test=test, seconds=time.perf_counter() - start,
+    )
+
+
 def _freeze(entry: Tuple) -> Tuple:
     return tuple(tuple(sorted(e.items())) if isinstance(e, dict) else e for e in entry)
 
 
 @lru_cache(maxsize=64)
 def _cached_epsilon(history: Tuple, delta: float) -> float:
-    from ..accounting.accountant import RCPRVAccountant
-
     accountant = RCPRVAccountant()
     accountant.history = [
         tuple(dict(e) if isinstance(e, tuple) else e for e in entry) for entry in history
@@ -173,10 +167,21 @@ def _cached_epsilon(history: Tuple, delta: float) -> float:
 
 
 def accounted_epsilon(accountant, delta: float) -> float:
-    """``accountant.get_epsilon(delta)`` for the accountant's current history, computed
-    by a fresh ``RCPRVAccountant`` (cached by history: the honest and broken variants of
-    a configuration share it)."""
+    """``accountant.get_epsilon(delta)`` by a fresh ``RCPRVAccountant``, cached by history (the
+    variants of a configuration share it)."""
     return _cached_epsilon(tuple(_freeze(e) for e in accountant.history), float(delta))
+
+
+def check_one_step(history, q: Optional[float] = 1.0, sigma: Optional[float] = None, **record) -> None:
+    """The ``rc_prv`` history holds one step at rate ``q`` and noise ``sigma`` (None: any)
+    whose :class:`StepRecord` has the attributes ``record``; else RuntimeError."""
+    sigma_, q_, steps, rec = history[0] if len(history) == 1 else (None,) * 4
+    ok = steps == 1 and q in (None, q_) and sigma in (None, sigma_) and isinstance(rec, StepRecord) and all(
+        getattr(rec, k) == v for k, v in record.items()
+    )
+    if not ok:
+        wanted = "".join(f" with {k}={v!r}" for k, v in record.items())
+        raise RuntimeError(f"expected one step at q={q}{wanted} in the rc_prv history, got {history}")
 
 
 class _Experiment(NamedTuple):
@@ -187,8 +192,8 @@ class _Experiment(NamedTuple):
     optimizer: object
     criterion: object
     weight: nn.Parameter
-    background: Tuple[torch.Tensor, torch.Tensor]
-    canaries: Tuple[torch.Tensor, torch.Tensor]
+    background: Batch
+    canaries: Batch
 
 
 class _Reused(nn.Module):
@@ -202,9 +207,9 @@ class _Reused(nn.Module):
         return sum(self.layer(x) for _ in range(self.uses))
 
 
-def _data(config: AuditConfig, gen: torch.Generator):
+def _data(config: AuditConfig, gen: torch.Generator) -> Tuple[Batch, Batch]:
     """Background examples (random gradients on output coordinates >= R, input
-    coordinates < d - 1, norms ~ C) and the R canaries (see the module docstring)."""
+    coordinates < d - 1, norms 0.5 to 2 C) and the R canaries (docs/audit.md, "The canary")."""
     d, p, t = config.shapes
     r, nb, c = config.replicas, config.background, config.max_grad_norm
     xb = torch.zeros(nb, t, d)
@@ -221,6 +226,13 @@ def _data(config: AuditConfig, gen: torch.Generator):
     yc = torch.zeros(r, t, p)
     yc[torch.arange(r), :, torch.arange(r)] = s
     return (xb, yb), (xc, yc)
+
+
+def audit_layer(config: AuditConfig) -> Tuple[nn.Linear, Batch, Batch]:
+    """The audit's bias-free layer ``d -> p``, D and the canaries (seeded by ``config.seed``)."""
+    d, p, _ = config.shapes
+    layer = nn.Linear(d, p, bias=False)
+    return (layer, *_data(config, torch.Generator().manual_seed(config.seed)))
 
 
 def make_private_rc(config, module: nn.Module, loader, reduction: str, seed: int, **options):
@@ -252,28 +264,39 @@ def make_private_rc(config, module: nn.Module, loader, reduction: str, seed: int
     return engine, out[0], out[1], criterion, out[-1]
 
 
+def private_experiment(
+    config: AuditConfig,
+    wrap: Optional[Callable[[nn.Linear], nn.Module]] = None,
+    loader_of: Optional[Callable[[Batch, Batch], DataLoader]] = None,
+    **options,
+) -> Tuple[_Experiment, DataLoader]:
+    """:func:`make_private_rc` (no Poisson sampling) on the audit's layer, ``wrap(layer)`` if
+    given, over ``loader_of(D, canaries)`` (default: D as one batch): the experiment and the
+    loader ``make_private`` returned."""
+    layer, background, canaries = audit_layer(config)
+    loader = DataLoader(TensorDataset(*background), batch_size=config.background) if loader_of is None else (
+        loader_of(background, canaries)
+    )
+    engine, model, optimizer, criterion, loader = make_private_rc(
+        config, layer if wrap is None else wrap(layer), loader, "sum", config.seed, poisson_sampling=False, **options
+    )
+    return _Experiment(engine.accountant, model, optimizer, criterion, layer.weight, background, canaries), loader
+
+
 def build_experiment(config: AuditConfig, uses: int = 1) -> _Experiment:
     """``make_private(..., clipping="randomized")`` on the audit's model, with the
     broken sketcher of ``config.variant`` swapped in (honest: none); ``uses > 1``: the
     layer applied that many times per pass, by book-keeping."""
-    gen = torch.Generator().manual_seed(config.seed)
-    d, p, _ = config.shapes
-    layer = nn.Linear(d, p, bias=False)
-    background, canaries = _data(config, gen)
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(*background), batch_size=config.background
-    )
-    engine, model, optimizer, criterion, _ = make_private_rc(
-        config, layer if uses == 1 else _Reused(layer, uses), loader, "sum", config.seed,
-        poisson_sampling=False, grad_sample_mode="ghost" if uses == 1 else "hooks",
-        sketching=config.sketching, exact_when_cheaper=False,
+    exp, _ = private_experiment(
+        config, None if uses == 1 else (lambda layer: _Reused(layer, uses)),
+        grad_sample_mode="ghost" if uses == 1 else "hooks", sketching=config.sketching, exact_when_cheaper=False,
     )
     if config.variant != "honest":
-        install_sketcher(model, optimizer, broken_sketcher(config.variant, model.sketcher))
-    return _Experiment(engine.accountant, model, optimizer, criterion, layer.weight, background, canaries)
+        install_sketcher(exp.model, exp.optimizer, broken_sketcher(config.variant, exp.model.sketcher))
+    return exp
 
 
-def _batch(exp: _Experiment, include: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor]:
+def _batch(exp: _Experiment, include: np.ndarray) -> Batch:
     """D + the canaries where ``include`` is True."""
     idx = torch.from_numpy(np.flatnonzero(include))
     return tuple(torch.cat([b, c[idx]]) for b, c in zip(exp.background, exp.canaries))
@@ -290,22 +313,29 @@ def _released(exp: _Experiment, batches) -> np.ndarray:
     return released[: len(exp.canaries[0]), -1].double().numpy()
 
 
-def result_fields(config, test: ThresholdAudit, eps_accounted: float, trials: int) -> Dict[str, object]:
-    """The :class:`AuditResult` fields that every audit fills alike."""
-    return dict(
-        estimator=config.estimator, sketch_size=config.sketch_size, sigma=float(config.sigma),
-        variant=config.variant, eps_lower=test.eps_lower, eps_accounted=eps_accounted,
-        delta=config.delta, alpha=config.alpha, trials=trials, test=test,
-    )
+class Trials(NamedTuple):
+    """What :func:`run_trials` observed."""
+
+    scores: np.ndarray  # (steps, R), units of sigma C
+    included: np.ndarray  # (steps, R): the canary was in
+    history: tuple  # the accountant's history after the first round...
+    eps_accounted: float  # ...and its epsilon
+    test: ThresholdAudit
+
+    def fields(self, config, start: float) -> Dict[str, object]:
+        """:func:`result_fields` of these trials."""
+        return result_fields(config, self.test, self.eps_accounted, int(self.scores.size), start)
+
+    def mean_in(self, sigma: float) -> float:
+        """The mean score with the canary, in units of C."""
+        return float(self.scores[self.included].mean() * sigma)
 
 
-def run_trials(config, exp: _Experiment, scores_of: Callable, check_history: Callable, progress):
-    """``config.steps`` rounds of R trials: each round includes a random half of the
-    canaries and ``scores_of(include, rng)`` runs its step(s), returning the canaries'
-    released entries; ``check_history`` sees the accountant's history after the first
-    round. The first half of the rounds chooses the threshold, the second half gives the
-    bound. Returns the scores, the inclusions, the history and epsilon after the first
-    round, and the test."""
+def run_trials(config, exp: _Experiment, scores_of: Callable, check_history: Callable, progress: Progress) -> Trials:
+    """``config.steps`` rounds of R trials, each with a random half of the canaries in:
+    ``scores_of(include, rng)`` runs the round's step(s) and returns the canaries' released
+    entries; ``check_history`` sees the accountant's history after the first round. The
+    first half of the rounds chooses the threshold, the second half gives the bound."""
     rng = np.random.default_rng(config.seed + 3)
     r = config.replicas
     scale = 1.0 / (config.sigma * config.max_grad_norm)
@@ -322,48 +352,25 @@ def run_trials(config, exp: _Experiment, scores_of: Callable, check_history: Cal
             eps_accounted = accounted_epsilon(exp.accountant, config.delta)
         if progress is not None:
             progress(1)
-    half = config.steps // 2
-    sel, ev = slice(0, half), slice(half, None)
+    sel, ev = slice(0, config.steps // 2), slice(config.steps // 2, None)
     test = threshold_audit(
-        scores[sel][included[sel]],
-        scores[sel][~included[sel]],
-        scores[ev][included[ev]],
-        scores[ev][~included[ev]],
-        delta=config.delta,
-        alpha=config.alpha,
+        scores[sel][included[sel]], scores[sel][~included[sel]], scores[ev][included[ev]], scores[ev][~included[ev]],
+        delta=config.delta, alpha=config.alpha,
     )
-    return scores, included, history, eps_accounted, test
+    return Trials(scores, included, history, eps_accounted, test)
 
 
-def _check_one_step(history) -> None:
-    if len(history) != 1 or history[0][1] != 1.0 or history[0][2] != 1:
-        raise RuntimeError(f"expected one accounted step at q=1, got {history}")
+def one_step_trials(config, exp: _Experiment, progress: Progress) -> Trials:
+    """:func:`run_trials` over one-step releases of ``exp``, each charged one step at q = 1."""
+    step = lambda include, _rng: _released(exp, [_batch(exp, include)])  # noqa: E731
+    return run_trials(config, exp, step, check_one_step, progress)
 
 
-def run_audit(
-    config: AuditConfig, progress: Optional[Callable[[int], None]] = None
-) -> AuditResult:
-    """Audit one configuration: ``config.steps`` real steps, R trials each; the first
-    half of the steps chooses the threshold, the second half gives the bound.
-
-    ``eps_accounted`` is the engine's ``rc_prv`` accountant's epsilon at ``config.delta``
-    after exactly one step (q = 1, this sigma and sketch configuration).
-    """
+def run_audit(config: AuditConfig, progress: Progress = None) -> AuditResult:
+    """Audit one configuration: ``config.steps`` real steps of R trials each; ``eps_accounted``
+    is the engine's ``rc_prv`` epsilon at ``config.delta`` after one step (q = 1)."""
     start = time.perf_counter()
-    fields, _ = one_step_trials(config, build_experiment(config), progress, start)
-    return AuditResult(**fields)
-
-
-def one_step_trials(config: "AuditConfig", exp: "_Experiment", progress: Optional[Callable[[int], None]], start: float):
-    """The threshold test over ``config.steps`` one-step releases of ``exp``, each charged
-    one step at q = 1: the result's fields and the accountant's history."""
-    scores, included, history, eps_accounted, test = run_trials(
-        config, exp, lambda include, _rng: _released(exp, [_batch(exp, include)]), _check_one_step, progress
+    trials = one_step_trials(config, build_experiment(config), progress)
+    return AuditResult(
+        **trials.fields(config, start), sketching=config.sketching, mean_score_in=trials.mean_in(config.sigma)
     )
-    fields = dict(
-        **result_fields(config, test, eps_accounted, int(scores.size)),
-        sketching=config.sketching,
-        mean_score_in=float(scores[included].mean() * config.sigma),
-        seconds=time.perf_counter() - start,
-    )
-    return fields, history

@@ -1,35 +1,10 @@
 """Audit of the averaging normaliser: does the released update reveal the dataset size?
 
-With ``loss_reduction="mean"`` the optimizer releases ``(sum_i c_i g_i + N(0, sigma^2 C^2
-I_p)) / B`` with a normaliser ``B``. Opacus computes ``B = int(n / len(loader))`` from
-the private dataset size ``n`` (Opacus issues #571, #819): for batch size 20, ``n = 400``
-gives ``B = 20`` and ``n = 401`` gives ``B = 19``. The neighbours differ by one example,
-yet in high dimension the norm of the noise pins ``sigma C sqrt(p) / B`` almost exactly
-(relative spread ``1 / sqrt(2p)``, 0.7% at ``p = 10^4``, against a 5% change of ``B``),
-so the two are nearly distinguishable, whatever epsilon the accountant reported.
-
-The experiment runs the plugin's real path end to end for both neighbours:
-``make_private(..., clipping="randomized", loss_reduction="mean")`` on a
-``DataLoader(batch_size=20)`` over ``D`` (``n - 1 = 400`` examples) and over ``D'``
-(``n = 401``), Poisson sampling by Opacus's ``DPDataLoader``, and per step: a batch from
-the loader, forward, the criterion, ``loss.backward()``, ``optimizer.step()``. The model is
-one ``nn.Linear(1, p, bias=False)`` with ``p = 10^4`` outputs; every example's input is 0,
-so every per-sample gradient is 0 and the released update is exactly ``noise / B``: any
-difference between the neighbours comes from the normaliser alone (the accountant's
-guarantee holds for every dataset, this one included). The score of a step is the norm of
-the released update ``||W.grad||`` (SGD with ``lr = 0``); the held-out threshold test of
-:mod:`opacus_rc.audit.stats` turns the scores into ``eps_lower``.
-
-Variants:
-
-* ``normaliser_public``: whatever ``make_private`` sets (since the fix: the loader's
-  ``batch_size``, a public constant);
-* ``normaliser_dataset_size``: Opacus's ``int(len(dataset) / len(loader))`` installed on
-  the optimizer after ``make_private`` (audit-only, like the broken sketchers): the
-  normaliser before the fix, to show that the audit catches it.
-
-``eps_accounted`` is the larger of the two engines' ``rc_prv`` epsilons after one step
-(each is charged at its own sample rate ``1 / len(loader)``: 1/20 and 1/21).
+With ``loss_reduction="mean"`` the step releases ``(sum_i c_i g_i + N(0, sigma^2 C^2 I_p)) / B``;
+Opacus's ``B = int(n / len(loader))`` differs between neighbours (19 for n = 401, 20 for 400
+at batch size 20), and in high dimension the noise's norm reveals B. The plugin's real path
+runs for both neighbours on zero gradients (the release is exactly ``noise / B``); the score
+of a step is ``||W.grad||``. See docs/audit.md, "The normaliser audit".
 """
 
 from __future__ import annotations
@@ -38,16 +13,16 @@ import math
 import time
 from itertools import chain, islice, repeat
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, Tuple
 
 import numpy as np
 import torch
-from scipy.stats import chi2
 from torch import nn
 
 from ..config import ESTIMATORS, SketchConfig
 from .checks import check_choices, check_fields, check_ints, check_positive, check_unit_interval
-from .experiment import AuditResult, accounted_epsilon, make_private_rc, result_fields
+from .experiment import AuditResult, Progress, accounted_epsilon, check_one_step, make_private_rc, result_fields
+from .reference import normaliser_exact_epsilon
 from .stats import threshold_audit
 
 NORMALISER_VARIANTS = ("normaliser_dataset_size", "normaliser_public")
@@ -61,20 +36,15 @@ class NormaliserAuditConfig:
     Args:
         variant: ``"normaliser_public"`` (make_private's normaliser) or
             ``"normaliser_dataset_size"`` (Opacus's ``int(n / len(loader))``).
-        dataset_size: ``n``, the size of the larger neighbour ``D'``; ``D`` has ``n - 1``
-            examples. The default 401 with ``batch_size`` 20 puts them on either side of
-            a multiple of the batch size (Opacus: normalisers 19 and 20).
+        dataset_size: ``n``, the size of the larger neighbour ``D'``; ``D`` has ``n - 1``.
         batch_size: the loader's ``batch_size``.
         output_dim: p, outputs of the linear layer (the dimension of the update).
         sigma: noise multiplier.
-        steps: DP steps per neighbour; the first half chooses the threshold, the second
-            half gives the bound.
+        steps: DP steps per neighbour.
         grad_sample_mode: ``"ghost"`` (two passes) or ``"hooks"`` (book-keeping).
-        estimator, sketch_size: the sketch (irrelevant to the released update here: every
-            gradient is 0; they set the accountant's record).
-        delta, alpha: as in :class:`~opacus_rc.audit.AuditConfig`.
+        estimator, sketch_size: the sketch (they set the accountant's record: every gradient is 0).
+        delta, alpha, max_grad_norm: as in :class:`~opacus_rc.audit.AuditConfig`.
         seed: seeds the loaders' sampling, the noise and the sketches.
-        max_grad_norm: C.
     """
 
     variant: str = "normaliser_public"
@@ -97,10 +67,7 @@ class NormaliserAuditConfig:
             ("grad_sample_mode", self.grad_sample_mode, GRAD_SAMPLE_MODES),
             ("estimator", self.estimator, ESTIMATORS),
         )
-        check_ints(
-            self,
-            (("dataset_size", 3), ("batch_size", 1), ("output_dim", 1), ("steps", 4), ("sketch_size", 1)),
-        )
+        check_ints(self, (("dataset_size", 3), ("batch_size", 1), ("output_dim", 1), ("steps", 4), ("sketch_size", 1)))
         check_fields(
             self, ("batch_size",), lambda v: v < self.dataset_size,
             f"an int < dataset_size={self.dataset_size} (several batches per epoch)",
@@ -126,6 +93,7 @@ class _Side:
 
 
 def _build(config: NormaliserAuditConfig, n: int, seed: int) -> _Side:
+    """The private objects of the neighbour with ``n`` examples, all seeded by ``seed``."""
     torch.manual_seed(seed)
     layer = nn.Linear(1, config.output_dim, bias=False)
     data = torch.utils.data.TensorDataset(torch.zeros(n, 1), torch.ones(n, 1))
@@ -142,9 +110,7 @@ def _build(config: NormaliserAuditConfig, n: int, seed: int) -> _Side:
                  float(optimizer.expected_batch_size))
 
 
-def _scores(
-    side: _Side, steps: int, delta: float, progress: Optional[Callable[[int], None]]
-) -> Tuple[np.ndarray, float]:
+def _scores(side: _Side, steps: int, delta: float, progress: Progress) -> Tuple[np.ndarray, float]:
     """Scores ``||W.grad||`` of ``steps`` real steps, and the engine's ``rc_prv``
     epsilon after the first one (the steps are independent trials of one step)."""
     out = np.empty(steps)
@@ -156,56 +122,11 @@ def _scores(
         out[step] = side.weight.grad.detach().double().norm().item()
         side.optimizer.zero_grad()
         if step == 0:
-            history = side.engine.accountant.history
-            if len(history) != 1 or history[0][2] != 1:
-                raise RuntimeError(f"expected one accounted step, got {history}")
+            check_one_step(side.engine.accountant.history, q=None)
             eps = accounted_epsilon(side.engine.accountant, delta)
         if progress is not None:
             progress(1)
     return out, eps
-
-
-def normaliser_exact_epsilon(
-    output_dim: int, normaliser_in: float, normaliser_out: float, delta: float
-) -> float:
-    """Exact epsilon at ``delta`` of ``N(0, s_in^2 I_p)`` against ``N(0, s_out^2 I_p)``,
-    ``s = sigma C / normaliser``, both orders (0 when the normalisers agree).
-
-    The likelihood ratio depends on ``r = ||x||^2`` only and is monotone in it, so the
-    optimal tests are thresholds on ``r``, whose laws are scaled chi-square laws with p
-    degrees of freedom: ``delta(eps) = P(r > r_eps) - e^eps Q(r > r_eps)`` for the wider
-    law P (and the mirror image); epsilon by bisection.
-    """
-    if normaliser_in == normaliser_out:
-        return 0.0
-    wide, narrow = sorted((float(normaliser_in), float(normaliser_out)))  # smaller B: wider
-    p = output_dim
-    # variances (units of sigma C): v_w = 1 / wide^2 > v_n = 1 / narrow^2
-    v_w, v_n = 1.0 / wide**2, 1.0 / narrow**2
-    a = 0.5 * (1.0 / v_n - 1.0 / v_w)  # log L(r) = a r + p/2 log(v_n / v_w) (P=wide over Q=narrow)
-    b = 0.5 * p * math.log(v_n / v_w)
-
-    def delta_of(eps: float, wide_first: bool) -> float:
-        if wide_first:  # the loss of "wide over narrow" exceeds eps iff r > r_eps
-            r = (eps - b) / a
-            return math.exp(chi2.logsf(r / v_w, p)) - math.exp(eps + chi2.logsf(r / v_n, p))
-        r = (-eps - b) / a  # the loss of "narrow over wide" exceeds eps iff r < r_eps
-        if r <= 0:
-            return 0.0
-        return math.exp(chi2.logcdf(r / v_n, p)) - math.exp(eps + chi2.logcdf(r / v_w, p))
-
-    best = 0.0
-    for wide_first in (True, False):
-        lo, hi = 0.0, 1.0
-        while delta_of(hi, wide_first) > delta and hi < 512.0:
-            hi *= 2.0
-        if delta_of(lo, wide_first) <= delta:
-            continue
-        for _ in range(100):
-            mid = 0.5 * (lo + hi)
-            lo, hi = (mid, hi) if delta_of(mid, wide_first) > delta else (lo, mid)
-        best = max(best, hi)
-    return best
 
 
 @dataclass
@@ -220,9 +141,7 @@ class NormaliserAuditResult(AuditResult):
     grad_sample_mode: str = "ghost"
 
 
-def run_normaliser_audit(
-    config: NormaliserAuditConfig, progress: Optional[Callable[[int], None]] = None
-) -> NormaliserAuditResult:
+def run_normaliser_audit(config: NormaliserAuditConfig, progress: Progress = None) -> NormaliserAuditResult:
     """Audit one normaliser variant: ``config.steps`` real steps on each neighbour."""
     start = time.perf_counter()
     n = config.dataset_size
@@ -236,8 +155,7 @@ def run_normaliser_audit(
         delta=config.delta, alpha=config.alpha,
     )
     return NormaliserAuditResult(
-        **result_fields(config, test, max(eps_in, eps_out), 2 * config.steps),
-        seconds=time.perf_counter() - start,
+        **result_fields(config, test, max(eps_in, eps_out), 2 * config.steps, start),
         normaliser_in=with_ex.normaliser,
         normaliser_out=without.normaliser,
         eps_exact=normaliser_exact_epsilon(

@@ -1,30 +1,16 @@
 """Exact epsilon of the audited pair, computed independently of the accountant.
 
-On the canary's gradient entry the step releases ``N(0, 1)`` without the canary and
-``E_Z N(Z / sigma, 1)`` with it (units of ``sigma C``; Z hidden: the audit sees only the
-released gradient, and no other entry depends on the canary). The likelihood ratio
-``L(x) = E_Z exp(Z x / sigma - Z^2 / (2 sigma^2))`` increases in x, so
-
-    delta(eps) = P(X > x_eps) - e^eps Q(X > x_eps),   L(x_eps) = e^eps
-
-(and the mirror image for the other order of the pair); epsilon at delta is found by
-bisection. Z per variant: honest Hutchinson ``min(sqrt(k / chi2_k), canary_norm)``;
-honest Hutch++ 1 (a rank-1 gradient lies in its head); biased_low twice the honest Z;
-data_dependent_sketch ``canary_norm`` (the estimate is 0: no clipping). The chi-square
-law is discretised at ``m`` equal-probability midpoints (a quadrature, not a bound:
-good to about 1e-3 in epsilon for m = 4000, enough to show where the accountant's and
-the audit's numbers sit).
-
-The side-path audits (:mod:`opacus_rc.audit.paths`) use the same computation with weighted
-atoms (:func:`mixture_epsilon`): ``J Z / sigma`` with ``J ~ Bin(m, q)`` for a canary in
-several micro-batches of one step (:func:`accumulation_exact_epsilon`), and the sum over S
-fresh steps (:func:`composed_sum_epsilon`, Monte Carlo).
+On the canary's entry the step releases ``N(0, 1)`` without the canary and ``E_Z N(Z / sigma,
+1)`` with it (units of ``sigma C``, Z hidden); the likelihood ratio increases in x, so
+``delta(eps) = P(X > x_eps) - e^eps Q(X > x_eps)`` (and the mirror image), and epsilon at
+delta is found by bisection. Z per variant and the side paths' mixtures: docs/audit.md,
+"Exact reference".
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 from scipy.special import log_ndtr, logsumexp
@@ -44,41 +30,34 @@ def sensitivity_atoms(
     return np.minimum(factor / np.sqrt(w), canary_norm)
 
 
-def _log_weights(mu: np.ndarray, log_w: Optional[np.ndarray]) -> np.ndarray:
-    """Log-weights of the atoms ``mu`` (None: equal weights)."""
-    if log_w is None:
-        return np.full(mu.shape, -math.log(mu.size))
-    return np.asarray(log_w, dtype=float)
-
-
-def _log_ratio(x: np.ndarray, mu: np.ndarray, log_w: Optional[np.ndarray] = None) -> np.ndarray:
-    """``log L(x)`` for means ``mu`` with log-weights ``log_w`` (None: equal weights)."""
-    a = x[:, None] * mu[None, :] - 0.5 * mu[None, :] ** 2 + _log_weights(mu, log_w)[None, :]
-    return logsumexp(a, axis=1)
-
-
-def _solve_x(level: float, mu: np.ndarray, log_w: Optional[np.ndarray] = None) -> float:
-    """``x`` with ``log L(x) = level`` (bisection; L increasing)."""
-    lo, hi = -60.0, 60.0 + float(mu.max())
-    for _ in range(64):
+def bisect(up: Callable[[float], bool], lo: float, hi: float, halvings: int) -> Tuple[float, float]:
+    """``[lo, hi]`` halved ``halvings`` times, keeping the upper half where ``up(mid)``."""
+    for _ in range(halvings):
         mid = 0.5 * (lo + hi)
-        if _log_ratio(np.array([mid]), mu, log_w)[0] > level:
-            hi = mid
-        else:
-            lo = mid
+        lo, hi = (mid, hi) if up(mid) else (lo, mid)
+    return lo, hi
+
+
+def _log_ratio(x: np.ndarray, mu: np.ndarray, log_w: np.ndarray) -> np.ndarray:
+    """``log L(x) = log sum_i w_i exp(x mu_i - mu_i^2 / 2)``, for each x."""
+    return logsumexp(x[:, None] * mu[None, :] - 0.5 * mu[None, :] ** 2 + log_w[None, :], axis=1)
+
+
+def _solve_x(level: float, mu: np.ndarray, log_w: np.ndarray) -> float:
+    """``x`` with ``log L(x) = level`` (L increasing)."""
+    lo, hi = bisect(lambda x: not _log_ratio(np.array([x]), mu, log_w)[0] > level, -60.0, 60.0 + float(mu.max()), 64)
     return 0.5 * (lo + hi)
 
 
-def _delta(eps: float, mu: np.ndarray, log_w: Optional[np.ndarray] = None) -> float:
+def _delta(eps: float, mu: np.ndarray, log_w: np.ndarray) -> float:
     """``max`` over the two orders of the pair of the hockey-stick divergence."""
-    lw = _log_weights(mu, log_w)
     # with the canary vs without: P(X > x) - e^eps Q(X > x)
-    x = _solve_x(eps, mu, lw)
-    log_p_tail = float(logsumexp(log_ndtr(mu - x) + lw))
+    x = _solve_x(eps, mu, log_w)
+    log_p_tail = float(logsumexp(log_ndtr(mu - x) + log_w))
     first = math.exp(log_p_tail) - float(np.exp(eps + float(log_ndtr(-x))))
     # without vs with: Q(X < y) - e^eps P(X < y), with log L(y) = -eps
-    y = _solve_x(-eps, mu, lw)
-    log_p_low = float(logsumexp(log_ndtr(y - mu) + lw))
+    y = _solve_x(-eps, mu, log_w)
+    log_p_low = float(logsumexp(log_ndtr(y - mu) + log_w))
     second = math.exp(float(log_ndtr(y))) - float(np.exp(eps + log_p_low))
     return max(first, second, 0.0)
 
@@ -87,6 +66,7 @@ def mixture_epsilon(mu: np.ndarray, delta: float, log_w: Optional[np.ndarray] = 
     """Epsilon at ``delta`` of ``N(0, 1)`` against the mixture ``sum_i w_i N(mu_i, 1)``
     (``mu >= 0``; log-weights ``log_w``, None: equal weights), both orders of the pair."""
     mu = np.asarray(mu, dtype=float)
+    log_w = np.full(mu.shape, -math.log(mu.size)) if log_w is None else np.asarray(log_w, dtype=float)
     if _delta(0.0, mu, log_w) <= delta:
         return 0.0
     lo, hi = 0.0, 1.0
@@ -94,41 +74,22 @@ def mixture_epsilon(mu: np.ndarray, delta: float, log_w: Optional[np.ndarray] = 
         lo, hi = hi, 2.0 * hi
         if hi > 600.0:
             return math.inf
-    for _ in range(40):
-        mid = 0.5 * (lo + hi)
-        if _delta(mid, mu, log_w) > delta:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+    return bisect(lambda eps: _delta(eps, mu, log_w) > delta, lo, hi, 40)[1]
 
 
 def exact_epsilon(
-    estimator: str,
-    sketch_size: int,
-    sigma: float,
-    variant: str,
-    delta: float,
-    canary_norm: float = 100.0,
+    estimator: str, sketch_size: int, sigma: float, variant: str, delta: float, canary_norm: float = 100.0
 ) -> float:
     """Epsilon at ``delta`` of the audited step for the canary pair (see module doc)."""
     return mixture_epsilon(sensitivity_atoms(estimator, sketch_size, variant, canary_norm) / sigma, delta)
 
 
 def accumulation_exact_epsilon(
-    estimator: str,
-    sketch_size: int,
-    sigma: float,
-    micro_batches: int,
-    sample_rate: float,
-    delta: float,
-    canary_norm: float = 100.0,
-    m: int = 1000,
+    estimator: str, sketch_size: int, sigma: float, micro_batches: int, sample_rate: float, delta: float,
+    canary_norm: float = 100.0, m: int = 1000,
 ) -> float:
-    """Epsilon at ``delta`` of the accumulation audit's pair: ``N(0, 1)`` against
-    ``E_{J, Z} N(J Z / sigma, 1)``, ``J ~ Bin(micro_batches, sample_rate)`` copies of the
-    canary (hidden), Z as for the honest one-step pair (hidden; one value for all copies:
-    the micro-batches of a step share its sketch)."""
+    """Epsilon at ``delta`` of ``N(0, 1)`` against ``E_{J, Z} N(J Z / sigma, 1)``, J ~
+    Bin(micro_batches, sample_rate) and Z as for the honest one-step pair (both hidden)."""
     z = sensitivity_atoms(estimator, sketch_size, "honest", canary_norm, m)
     j = np.arange(micro_batches + 1)
     log_pj = binom.logpmf(j, micro_batches, sample_rate)
@@ -139,20 +100,11 @@ def accumulation_exact_epsilon(
 
 
 def composed_sum_epsilon(
-    estimator: str,
-    sketch_size: int,
-    sigma: float,
-    steps: int,
-    delta: float,
-    canary_norm: float = 100.0,
-    draws: int = 20000,
-    seed: int = 0,
+    estimator: str, sketch_size: int, sigma: float, steps: int, delta: float, canary_norm: float = 100.0,
+    draws: int = 20000, seed: int = 0,
 ) -> float:
-    """Epsilon at ``delta`` of the sum test over ``steps`` steps with fresh sketches:
-    ``N(0, 1)`` against ``E N(sum_s Z_s / (sigma sqrt(steps)), 1)``, Z_s i.i.d. (honest
-    law, hidden). A Monte Carlo quadrature (``draws`` fixed-seed draws of the sum; good
-    to ~1e-2). It is the epsilon of the statistic the audit uses, a lower bound on the
-    epsilon of the whole ``steps``-step release."""
+    """Epsilon at ``delta`` of ``N(0, 1)`` against ``E N(sum_s Z_s / (sigma sqrt(steps)), 1)``,
+    Z_s i.i.d. and hidden (fresh sketches): a Monte Carlo quadrature over ``draws`` sums."""
     rng = np.random.default_rng(seed)
     if estimator == "hutchpp":
         total = np.full(draws, float(steps))
@@ -160,3 +112,38 @@ def composed_sum_epsilon(
         w = rng.chisquare(sketch_size, size=(draws, steps)) / sketch_size
         total = np.minimum(1.0 / np.sqrt(w), canary_norm).sum(axis=1)
     return mixture_epsilon(total / (sigma * math.sqrt(steps)), delta)
+
+
+def normaliser_exact_epsilon(
+    output_dim: int, normaliser_in: float, normaliser_out: float, delta: float
+) -> float:
+    """Exact epsilon at ``delta`` of ``N(0, s_in^2 I_p)`` against ``N(0, s_out^2 I_p)``,
+    ``s = sigma C / normaliser``, both orders (0 when the normalisers agree): thresholds on
+    ``r = ||x||^2`` (scaled chi-square laws) are optimal, ``delta(eps) = P(r > r_eps) -
+    e^eps Q(r > r_eps)`` for the wider law P (and the mirror image); eps by bisection."""
+    if normaliser_in == normaliser_out:
+        return 0.0
+    wide, narrow = sorted((float(normaliser_in), float(normaliser_out)))  # smaller B: wider
+    p = output_dim
+    # variances (units of sigma C): v_w = 1 / wide^2 > v_n = 1 / narrow^2
+    v_w, v_n = 1.0 / wide**2, 1.0 / narrow**2
+    a = 0.5 * (1.0 / v_n - 1.0 / v_w)  # log L(r) = a r + p/2 log(v_n / v_w) (P=wide over Q=narrow)
+    b = 0.5 * p * math.log(v_n / v_w)
+
+    def delta_of(eps: float, wide_first: bool) -> float:
+        if wide_first:  # the loss of "wide over narrow" exceeds eps iff r > r_eps
+            r = (eps - b) / a
+            return math.exp(chi2.logsf(r / v_w, p)) - math.exp(eps + chi2.logsf(r / v_n, p))
+        r = (-eps - b) / a  # the loss of "narrow over wide" exceeds eps iff r < r_eps
+        if r <= 0:
+            return 0.0
+        return math.exp(chi2.logcdf(r / v_n, p)) - math.exp(eps + chi2.logcdf(r / v_w, p))
+
+    best = 0.0
+    for wide_first in (True, False):
+        hi = 1.0
+        while delta_of(hi, wide_first) > delta and hi < 512.0:
+            hi *= 2.0
+        if delta_of(0.0, wide_first) > delta:
+            best = max(best, bisect(lambda eps: delta_of(eps, wide_first) > delta, 0.0, hi, 100)[1])
+    return best

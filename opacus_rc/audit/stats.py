@@ -1,19 +1,10 @@
 """Statistics of the audit: Clopper-Pearson bounds and a held-out threshold test.
 
-A mechanism that is (eps, delta)-DP satisfies, for every test ``S`` and neighbours
-``D`` (without the canary) and ``D'`` (with it),
-
-    TPR <= e^eps FPR + delta   and   1 - FPR <= e^eps FNR + delta,
-
-so with upper confidence bounds ``FPR_ub``, ``FNR_ub`` (each at level ``alpha / 2``: a
-union bound makes them hold jointly with probability ``>= 1 - alpha``)
-
-    eps >= max( log((1 - delta - FNR_ub) / FPR_ub),  log((1 - delta - FPR_ub) / FNR_ub) ).
-
-The test is "canary present iff score > t". Its threshold is chosen on one part of the
-trials (the *selection* part) and the bound is computed on the other (the *evaluation*
-part) only, so the chosen threshold is independent of the counts it is judged by and the
-bound needs no correction for the many thresholds tried.
+An (eps, delta)-DP step has ``TPR <= e^eps FPR + delta`` and ``1 - FPR <= e^eps FNR + delta``
+for every test, so upper bounds ``FPR_ub``, ``FNR_ub`` (alpha / 2 each) give ``eps >=
+max(log((1 - delta - FNR_ub) / FPR_ub), log((1 - delta - FPR_ub) / FNR_ub))``. The threshold
+of the test "canary present iff score > t" is chosen on half of the trials, the bound is
+computed on the other half. See docs/audit.md, "Test and bound".
 """
 
 from __future__ import annotations
@@ -36,11 +27,8 @@ def _check_alpha(alpha: float) -> float:
 
 
 def clopper_pearson_upper(errors: np.ndarray, trials: np.ndarray, alpha: float) -> np.ndarray:
-    """One-sided ``1 - alpha`` Clopper-Pearson upper bound on a binomial proportion.
-
-    ``ub = Beta^{-1}(1 - alpha; x + 1, n - x)`` for ``x < n`` and 1 for ``x = n``: the
-    exact (conservative) bound, ``P(p <= ub) >= 1 - alpha`` for every ``p``.
-    """
+    """One-sided ``1 - alpha`` Clopper-Pearson upper bound on a binomial proportion:
+    ``Beta^{-1}(1 - alpha; x + 1, n - x)`` for ``x < n``, 1 for ``x = n``."""
     alpha = _check_alpha(alpha)
     x = np.asarray(errors, dtype=float)
     n = np.broadcast_to(np.asarray(trials, dtype=float), x.shape)
@@ -63,27 +51,23 @@ def epsilon_from_rates(fpr_ub: np.ndarray, fnr_ub: np.ndarray, delta: float) -> 
     return np.maximum(out, 0.0)
 
 
-def _errors(scores_in: np.ndarray, scores_out: np.ndarray, t: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """False positives (out-scores > t) and false negatives (in-scores <= t) per threshold."""
+def _errors(scores_in: np.ndarray, scores_out: np.ndarray, t: np.ndarray, alpha: float) -> Tuple[np.ndarray, ...]:
+    """Per threshold: false positives (out-scores > t), false negatives (in-scores <= t) and
+    their Clopper-Pearson upper rates ``FPR_ub``, ``FNR_ub`` at ``alpha / 2`` each."""
     fp = len(scores_out) - np.searchsorted(np.sort(scores_out), t, side="right")
     fn = np.searchsorted(np.sort(scores_in), t, side="right")
-    return fp, fn
+    ub = lambda errors, n: clopper_pearson_upper(errors, n, alpha / 2)  # noqa: E731
+    return fp, fn, ub(fp, len(scores_out)), ub(fn, len(scores_in))
 
 
-def choose_threshold(
-    scores_in: np.ndarray, scores_out: np.ndarray, delta: float, alpha: float
-) -> float:
+def choose_threshold(scores_in: np.ndarray, scores_out: np.ndarray, delta: float, alpha: float) -> float:
     """The threshold maximising the Clopper-Pearson epsilon bound on these scores."""
     pooled = np.concatenate([scores_in, scores_out])
     candidates = np.unique(np.quantile(pooled, np.linspace(0.0, 1.0, N_CANDIDATES)))
     # midpoints between order statistics separate perfectly separable samples cleanly
     candidates = np.unique(np.concatenate([candidates, 0.5 * (candidates[1:] + candidates[:-1])]))
-    fp, fn = _errors(scores_in, scores_out, candidates)
-    eps = epsilon_from_rates(
-        clopper_pearson_upper(fp, len(scores_out), alpha / 2),
-        clopper_pearson_upper(fn, len(scores_in), alpha / 2),
-        delta,
-    )
+    _, _, fpr_ub, fnr_ub = _errors(scores_in, scores_out, candidates, alpha)
+    eps = epsilon_from_rates(fpr_ub, fnr_ub, delta)
     return float(candidates[int(np.argmax(eps))])
 
 
@@ -109,11 +93,8 @@ def threshold_audit(
     delta: float,
     alpha: float = 0.05,
 ) -> ThresholdAudit:
-    """Lower bound on epsilon, valid with probability ``>= 1 - alpha``.
-
-    ``select_*`` (scores with / without the canary) choose the threshold; ``eval_*``,
-    independent of them, give the counts and the Clopper-Pearson bounds.
-    """
+    """Lower bound on epsilon, valid with probability ``>= 1 - alpha``: ``select_*`` (scores with
+    / without the canary) choose the threshold, ``eval_*`` give the counts and the bounds."""
     alpha = _check_alpha(alpha)
     if not 0.0 <= delta < 1.0:
         raise ValueError(f"delta={delta!r} is invalid; accepted values: a float in [0, 1)")
@@ -122,9 +103,8 @@ def threshold_audit(
         raise ValueError("threshold_audit needs non-empty score arrays")
     select_in, select_out, eval_in, eval_out = arrays
     t = choose_threshold(select_in, select_out, delta, alpha)
-    fp, fn = _errors(eval_in, eval_out, np.array([t]))
-    fpr_ub = float(clopper_pearson_upper(fp, len(eval_out), alpha / 2)[0])
-    fnr_ub = float(clopper_pearson_upper(fn, len(eval_in), alpha / 2)[0])
+    fp, fn, fpr, fnr = _errors(eval_in, eval_out, np.array([t]), alpha)
+    fpr_ub, fnr_ub = float(fpr[0]), float(fnr[0])
     eps = float(epsilon_from_rates(fpr_ub, fnr_ub, delta))
     return ThresholdAudit(
         eps_lower=eps if math.isfinite(eps) else 0.0,
