@@ -1,48 +1,11 @@
 """Chunked LM head and next-token loss for randomized clipping (issue 23).
 
-A causal LM's head materialises the logits (B x T x V) and, in the backward pass, their
-gradient; every per-sample hook (Opacus's and the plain ``nn.Linear`` norm sampler of
-:mod:`opacus_rc.norm_samplers`) is handed that whole (B, T, V) output gradient. At V =
-128,256 that is 16.8 GB per 64K-token sequence in bf16. :class:`ChunkedLMHeadLoss`
-replaces the head and the loss: it takes the final hidden states (B, T, d) and the labels
-(B, T) and works ``block_size`` positions at a time, so no more than one block's
-(B x block_size x V) logits exist at once:
-
-* forward: the block's logits ``z = A W^T (+ b)``, their log-sum-exp (kept, (B, T)), the
-  per-sequence loss (mean over the sequence's non-ignored tokens with ``reduction="mean"``,
-  sum with ``"sum"``: the convention of Opacus's ghost criterion with ``shape=``), the
-  gradient flowing back into the body ``H = G W`` (kept, (B, T, d); G = d loss_i / d z is
-  the block's softmax minus one-hot, per sequence scaled) and, when a randomized-clipping
-  grad-sample module is attached and its hooks are on, the head's per-example sketched
-  norm: ``A_b^T (G_b P)`` accumulated into (B, d, k) with the step's (V x k) sketch P of
-  the weight (vocabulary side; the input side ``G_b^T (A_b P)`` when d > V, as
-  :func:`opacus_rc.estimators.sketch_side` chooses), exact (ghost formula) when T <= k;
-* backward with upstream ``u`` (B,): the body's gradient ``u_i H_i``; the head's norms
-  (first pass of the two-pass form) or a book-keeping record (the book-keeping form), or, when the
-  weight gradient is wanted (second pass, plain training), ``sum_i u_i A_i^T G_i`` block
-  by block, recomputing each block's logits from A, W and the kept log-sum-exp.
-
-Tied input embedding / head: the head's contribution is the projection ``P^T grad`` with
-the weight's row sketch (V x k) keyed by the parameter, summed with the embedding's
-(:data:`opacus_rc.norm_samplers.TIED_PROJECTIONS`, ``SketchingMixin._capture_tied_backprops``)
-before the norm is taken: the norm of the summed uses' gradient.
-
-The module finds the grad-sample module that controls it through the hooks that
-``make_private`` registered on ``lm_head`` (Opacus hooks every layer with trainable
-parameters; ``lm_head.forward`` itself is never called), so it works with
-``wrap_model=True`` and ``False`` and needs no registration. A head under any other
-Opacus grad-sample mode raises a ``ValueError``.
-
-FSDP2 (``grad_sample_mode="ghost_fsdp"``, :mod:`opacus_rc.forms.fsdp`): ``lm_head`` must be its own
-``fully_shard`` unit (``FSDP2Wrapper`` makes it one) or share one with its tied embedding
-(``fully_shard([embedding, lm_head])``). The unit's own forward hooks run around the chunked
-computation as ``lm_head(hidden)`` would run them (:class:`_FSDPUnit`): the weight is
-all-gathered for the forward, re-gathered before the head's backward (each of the two
-passes) and its gradient ``sum_i c_i u_i A_i^T G_i`` lands on the unsharded parameter, which
-FSDP reduce-scatters into the sharded one, as for any ``nn.Linear`` of the model. The head's
-per-example norm (of this rank's examples) goes where the FSDP form keeps norms
-(``lm_head.norm_sample``, or the tied parameter's running sum of sketched uses) and is
-combined with the other layers' by ``get_norm_sample``.
+:class:`ChunkedLMHeadLoss` replaces a causal LM's head and loss: from the final hidden states
+(B, T, d) and the labels (B, T) it works ``block_size`` positions at a time, so no more than
+one block's (B x block_size x V) logits exist. Per block: ``z = A W^T (+ b)``, ``G = d loss_i
+/ d z`` (softmax minus one-hot, scaled per sequence), the body's gradient ``H = G W``, the
+head's per-example sketch ``A_b^T (G_b P)``; the weight gradient ``sum_i u_i A_i^T G_i`` comes
+from recomputed blocks. Forms, tied heads, FSDP2, checkpointing: docs/lm_head.md.
 """
 
 from __future__ import annotations
@@ -74,11 +37,8 @@ _LOW = (torch.float16, torch.bfloat16)
 
 
 def recomputing_forward() -> bool:
-    """True inside a replay by non-reentrant activation checkpointing
-    (``torch.utils.checkpoint(..., use_reentrant=False)``): the real forward pass already
-    ran this call with the grad-sample module's state (counters, sketches); the replay
-    only regenerates saved tensors. A reentrant replay (whose real forward ran without
-    gradients) is the pass itself: False there (:func:`opacus_rc.recompute.forward_replay`)."""
+    """True inside a non-reentrant checkpoint's replay, which only regenerates saved tensors
+    (a reentrant replay is the pass itself: :func:`opacus_rc.recompute.forward_replay`)."""
     return forward_replay() == NON_REENTRANT
 
 
@@ -109,14 +69,8 @@ def controlling_module(layer: nn.Module):
 class _FSDPUnit:
     """FSDP2's forward hooks on ``lm_head`` (a ``fully_shard`` unit, alone or grouped with
     its tied embedding), run around the chunked computation in the order and with the
-    arguments ``nn.Module.__call__`` would give them, since ``lm_head.forward`` is never
-    called. The pre-hook all-gathers the weight (``lm_head.weight`` is then the unsharded
-    parameter) and registers FSDP's post-backward on the hidden states (reduce-scatter of the
-    unsharded gradient, reshard); the post-hook reshards and registers the pre-backward
-    re-gather on the losses. A group whose other module (the embedding) already ran keeps
-    its parameters unsharded (FSDP's partial-group path, made for chunked losses): the
-    pre-backward re-gather is registered here then, so the second (clipped) backward pass
-    finds the weight gathered too. Opacus's hooks on ``lm_head`` are not run."""
+    arguments ``nn.Module.__call__`` would give them (docs/lm_head.md); Opacus's hooks on
+    ``lm_head`` are not run."""
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
