@@ -222,7 +222,7 @@ class DPTrainerMixin:
         if optimizer is None:
             raise RuntimeError("the private optimizer was not created (train() creates it)")
         if not self._dp_loader_checked:
-            check_loader(self)
+            check_loader(self, self._dp_loader)
             self._dp_loader_checked = True
         self._dp_micro += 1
         last = self._dp_micro == self.args.gradient_accumulation_steps
@@ -273,7 +273,7 @@ class DPTrainerMixin:
         return losses
 
     def _dp_check_records(self, rows: int) -> None:
-        check_records(self, rows)
+        check_records(self._dp_optimizer, rows, self._dp_names)
 
     def _dp_check_refused_steps(self) -> None:
         """Raise the refusal of a step that a fused optimizer skipped on the device
