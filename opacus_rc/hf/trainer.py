@@ -155,11 +155,7 @@ class DPTrainerMixin:
         optimizer = super().create_optimizer(model) if self.optimizer is None else self.optimizer
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("the optimizer is already a DPOptimizer: pass the plain torch optimizer")
-        self.optimizer = self._dp_make_private(optimizer)
-        return self.optimizer
-
-    def _dp_make_private(self, optimizer: torch.optim.Optimizer) -> DPOptimizer:
-        """The engine at the Trainer's public sampling (:func:`opacus_rc.hf.engine.make_private`)."""
+        # the engine at the Trainer's public sampling (opacus_rc.hf.engine.make_private)
         check_checkpoint_functions(self.model)
         private = make_private(
             self.model, optimizer, self.privacy, batch_size=self.expected_batch_size,
@@ -170,7 +166,8 @@ class DPTrainerMixin:
         self._dp_ddp, self._dp_sigma = private.ddp, private.sigma
         model = self.model if private.ddp is None else private.ddp
         self._dp_names = {id(q): n for n, q in model.named_parameters()}
-        return private.optimizer
+        self.optimizer = private.optimizer
+        return self.optimizer
 
     @property
     def privacy_engine(self) -> Optional[PrivacyEngine]:
@@ -276,11 +273,9 @@ class DPTrainerMixin:
         check_records(self._dp_optimizer, rows, self._dp_names)
 
     def _dp_check_refused_steps(self) -> None:
-        """Raise the refusal of a step that a fused optimizer skipped on the device
-        (``found_inf``: parameters unchanged, the step charged), before anything computed from
-        the model is logged, evaluated or saved: training must not go on, nor ``train()``
-        return normally, after a data-dependent refusal. Waits for the flag of the step just
-        taken (the Trainer reads its loss on the host at every batch anyway)."""
+        """Raise the refusal of a step that a fused optimizer skipped on the device, before
+        anything computed from the model is logged, evaluated or saved (waits for the step's
+        flag; docs/accounting.md)."""
         check = getattr(self._dp_optimizer, "check_refused_steps", None)
         if check is not None:
             check()
