@@ -44,12 +44,8 @@ def recomputing_forward() -> bool:
 
 def controlling_module(layer: nn.Module):
     """The randomized-clipping grad-sample module hooked on ``layer`` (None if none): the
-    two-pass (``"ghost"``), book-keeping (``"hooks"``) or FSDP2 (``"ghost_fsdp"``) form.
-
-    Raises:
-        ValueError: ``layer`` is hooked by another Opacus grad-sample mode (its per-sample
-            gradients or norms could not be computed: ``layer.forward`` is never called).
-    """
+    two-pass (``"ghost"``), book-keeping (``"hooks"``) or FSDP2 (``"ghost_fsdp"``) form; a
+    ``ValueError`` when another Opacus mode hooks it (``layer.forward`` is never called)."""
     for hook in layer._forward_hooks.values():
         # Opacus's grad-sample modules / hooks objects register ``self.capture_activations_hook``
         owner = getattr(hook, "__self__", None)
@@ -134,13 +130,9 @@ class _FSDPUnit:
 
 
 def _fsdp_unit(layer: nn.Module, owner: Any) -> Optional[_FSDPUnit]:
-    """The FSDP2 unit whose hooks must run around the head (None when not under FSDP2).
-
-    Raises:
-        ValueError: the head's parameters are sharded by FSDP2 but ``lm_head`` is not a
-            ``fully_shard`` unit itself (they belong to an enclosing unit, whose gather
-            does not bracket the head's backward passes).
-    """
+    """The FSDP2 unit whose hooks must run around the head (None when not under FSDP2); a
+    ``ValueError`` when an enclosing unit shards the head's parameters (its gather does not
+    bracket the head's backward passes)."""
     if FSDPModule is None:  # pragma: no cover - torch without FSDP2
         return None
     if isinstance(layer, FSDPModule):

@@ -383,11 +383,9 @@ def private_trainer(trainer_class: Type[Trainer]) -> Type[Trainer]:
     """A private subclass of ``trainer_class`` (a ``transformers.Trainer`` subclass, e.g.
     TRL's ``SFTTrainer``): ``private_trainer(SFTTrainer)(..., privacy=PrivacyArguments(...))``.
 
-    In training, the class's ``compute_loss`` is replaced by per-example losses computed
-    through the model's forward (TRL's fused LM head, which reads ``lm_head.weight``
-    outside the module, is not used in training; evaluation keeps the class's own loss).
-    A class with any other custom ``compute_loss`` is refused at construction (override
-    ``per_example_loss`` instead).
+    In training, per-example losses through the model's forward replace the class's
+    ``compute_loss`` (TRL's, whose fused LM head reads ``lm_head.weight`` outside the module;
+    evaluation keeps it); any other custom ``compute_loss`` is refused (docs/hf_trainer.md).
     """
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
         raise ValueError(f"trainer_class={trainer_class!r} is invalid; accepted values: a transformers.Trainer subclass")
