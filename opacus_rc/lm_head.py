@@ -442,14 +442,9 @@ def _check_reduction(reduction: str) -> None:
 class ChunkedLMHeadLoss(nn.Module):
     """LM head + next-token cross-entropy, a block of positions at a time (docs/lm_head.md).
 
-    ``forward(hidden, labels)``: ``hidden`` (B, T, d) final hidden states, ``labels``
-    (B, T) target ids aligned with the positions (or, with ``shift_labels=True``, the
-    inputs' ids: position t predicts ``labels[:, t + 1]``). Returns the per-sequence losses
-    (B,) with ``reduction="none"``, else their mean or sum over the batch. A sequence's loss
-    is the mean over its non-ignored tokens (0 for an all-ignored sequence), or their sum
-    with ``"sum"``: Opacus's ghost criterion's convention with ``shape=``. The criterion of
-    ``make_private(..., clipping="randomized")``, or called and backwarded under
-    book-keeping; ``lm_head.forward`` is never called.
+    ``forward(hidden, labels)``: hidden states (B, T, d) and labels (B, T) to the per-sequence
+    losses (B,) (``reduction="none"``) or their batch mean or sum; a sequence's loss is the
+    mean (``"sum"``: the sum) over its non-ignored tokens, Opacus's ghost-criterion convention.
 
     Args:
         lm_head: the model's output layer, an ``nn.Linear`` (V x d weight, optional bias),
