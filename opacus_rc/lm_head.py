@@ -1,48 +1,11 @@
 """Chunked LM head and next-token loss for randomized clipping (issue 23).
 
-A causal LM's head materialises the logits (B x T x V) and, in the backward pass, their
-gradient; every per-sample hook (Opacus's and the plain ``nn.Linear`` norm sampler of
-:mod:`opacus_rc.norm_samplers`) is handed that whole (B, T, V) output gradient. At V =
-128,256 that is 16.8 GB per 64K-token sequence in bf16. :class:`ChunkedLMHeadLoss`
-replaces the head and the loss: it takes the final hidden states (B, T, d) and the labels
-(B, T) and works ``block_size`` positions at a time, so no more than one block's
-(B x block_size x V) logits exist at once:
-
-* forward: the block's logits ``z = A W^T (+ b)``, their log-sum-exp (kept, (B, T)), the
-  per-sequence loss (mean over the sequence's non-ignored tokens with ``reduction="mean"``,
-  sum with ``"sum"``: the convention of Opacus's ghost criterion with ``shape=``), the
-  gradient flowing back into the body ``H = G W`` (kept, (B, T, d); G = d loss_i / d z is
-  the block's softmax minus one-hot, per sequence scaled) and, when a randomized-clipping
-  grad-sample module is attached and its hooks are on, the head's per-example sketched
-  norm: ``A_b^T (G_b P)`` accumulated into (B, d, k) with the step's (V x k) sketch P of
-  the weight (vocabulary side; the input side ``G_b^T (A_b P)`` when d > V, as
-  :func:`opacus_rc.estimators.sketch_side` chooses), exact (ghost formula) when T <= k;
-* backward with upstream ``u`` (B,): the body's gradient ``u_i H_i``; the head's norms
-  (first pass of the two-pass form) or a book-keeping record (the book-keeping form), or, when the
-  weight gradient is wanted (second pass, plain training), ``sum_i u_i A_i^T G_i`` block
-  by block, recomputing each block's logits from A, W and the kept log-sum-exp.
-
-Tied input embedding / head: the head's contribution is the projection ``P^T grad`` with
-the weight's row sketch (V x k) keyed by the parameter, summed with the embedding's
-(:data:`opacus_rc.norm_samplers.TIED_PROJECTIONS`, ``SketchingMixin._capture_tied_backprops``)
-before the norm is taken: the norm of the summed uses' gradient.
-
-The module finds the grad-sample module that controls it through the hooks that
-``make_private`` registered on ``lm_head`` (Opacus hooks every layer with trainable
-parameters; ``lm_head.forward`` itself is never called), so it works with
-``wrap_model=True`` and ``False`` and needs no registration. A head under any other
-Opacus grad-sample mode raises a ``ValueError``.
-
-FSDP2 (``grad_sample_mode="ghost_fsdp"``, :mod:`opacus_rc.forms.fsdp`): ``lm_head`` must be its own
-``fully_shard`` unit (``FSDP2Wrapper`` makes it one) or share one with its tied embedding
-(``fully_shard([embedding, lm_head])``). The unit's own forward hooks run around the chunked
-computation as ``lm_head(hidden)`` would run them (:class:`_FSDPUnit`): the weight is
-all-gathered for the forward, re-gathered before the head's backward (each of the two
-passes) and its gradient ``sum_i c_i u_i A_i^T G_i`` lands on the unsharded parameter, which
-FSDP reduce-scatters into the sharded one, as for any ``nn.Linear`` of the model. The head's
-per-example norm (of this rank's examples) goes where the FSDP form keeps norms
-(``lm_head.norm_sample``, or the tied parameter's running sum of sketched uses) and is
-combined with the other layers' by ``get_norm_sample``.
+:class:`ChunkedLMHeadLoss` replaces a causal LM's head and loss: from the final hidden states
+(B, T, d) and the labels (B, T) it works ``block_size`` positions at a time, so no more than
+one block's (B x block_size x V) logits exist. Per block: ``z = A W^T (+ b)``, ``G = d loss_i
+/ d z`` (softmax minus one-hot, scaled per sequence), the body's gradient ``H = G W``, the
+head's per-example sketch ``A_b^T (G_b P)``; the weight gradient ``sum_i u_i A_i^T G_i`` comes
+from recomputed blocks. Forms, tied heads, FSDP2, checkpointing: docs/lm_head.md.
 """
 
 from __future__ import annotations
@@ -50,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -74,22 +37,15 @@ _LOW = (torch.float16, torch.bfloat16)
 
 
 def recomputing_forward() -> bool:
-    """True inside a replay by non-reentrant activation checkpointing
-    (``torch.utils.checkpoint(..., use_reentrant=False)``): the real forward pass already
-    ran this call with the grad-sample module's state (counters, sketches); the replay
-    only regenerates saved tensors. A reentrant replay (whose real forward ran without
-    gradients) is the pass itself: False there (:func:`opacus_rc.recompute.forward_replay`)."""
+    """True inside a non-reentrant checkpoint's replay, which only regenerates saved tensors
+    (a reentrant replay is the pass itself: :func:`opacus_rc.recompute.forward_replay`)."""
     return forward_replay() == NON_REENTRANT
 
 
 def controlling_module(layer: nn.Module):
     """The randomized-clipping grad-sample module hooked on ``layer`` (None if none): the
-    two-pass (``"ghost"``), book-keeping (``"hooks"``) or FSDP2 (``"ghost_fsdp"``) form.
-
-    Raises:
-        ValueError: ``layer`` is hooked by another Opacus grad-sample mode (its per-sample
-            gradients or norms could not be computed: ``layer.forward`` is never called).
-    """
+    two-pass (``"ghost"``), book-keeping (``"hooks"``) or FSDP2 (``"ghost_fsdp"``) form; a
+    ``ValueError`` when another Opacus mode hooks it (``layer.forward`` is never called)."""
     for hook in layer._forward_hooks.values():
         # Opacus's grad-sample modules / hooks objects register ``self.capture_activations_hook``
         owner = getattr(hook, "__self__", None)
@@ -109,14 +65,8 @@ def controlling_module(layer: nn.Module):
 class _FSDPUnit:
     """FSDP2's forward hooks on ``lm_head`` (a ``fully_shard`` unit, alone or grouped with
     its tied embedding), run around the chunked computation in the order and with the
-    arguments ``nn.Module.__call__`` would give them, since ``lm_head.forward`` is never
-    called. The pre-hook all-gathers the weight (``lm_head.weight`` is then the unsharded
-    parameter) and registers FSDP's post-backward on the hidden states (reduce-scatter of the
-    unsharded gradient, reshard); the post-hook reshards and registers the pre-backward
-    re-gather on the losses. A group whose other module (the embedding) already ran keeps
-    its parameters unsharded (FSDP's partial-group path, made for chunked losses): the
-    pre-backward re-gather is registered here then, so the second (clipped) backward pass
-    finds the weight gathered too. Opacus's hooks on ``lm_head`` are not run."""
+    arguments ``nn.Module.__call__`` would give them (docs/lm_head.md); Opacus's hooks on
+    ``lm_head`` are not run."""
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
@@ -180,13 +130,9 @@ class _FSDPUnit:
 
 
 def _fsdp_unit(layer: nn.Module, owner: Any) -> Optional[_FSDPUnit]:
-    """The FSDP2 unit whose hooks must run around the head (None when not under FSDP2).
-
-    Raises:
-        ValueError: the head's parameters are sharded by FSDP2 but ``lm_head`` is not a
-            ``fully_shard`` unit itself (they belong to an enclosing unit, whose gather
-            does not bracket the head's backward passes).
-    """
+    """The FSDP2 unit whose hooks must run around the head (None when not under FSDP2); a
+    ``ValueError`` when an enclosing unit shards the head's parameters (its gather does not
+    bracket the head's backward passes)."""
     if FSDPModule is None:  # pragma: no cover - torch without FSDP2
         return None
     if isinstance(layer, FSDPModule):
@@ -207,16 +153,15 @@ class _Plan:
 
     block_size: int
     compute_dtype: torch.dtype
-    owner: Any = None
+    # the head module and its parameters themselves (saved tensors unpack as other tensor
+    # objects under activation checkpointing: per-parameter state goes on these)
+    layer: nn.Module
+    weight: nn.Parameter
+    bias: Optional[nn.Parameter]
+    owner: Any = None  # the grad-sample module whose hooks are on (None: no norms)
+    tied: bool = False  # as the owner's begin_head_use said
     kept: Dict[str, Any] = field(default_factory=dict)  # per-example sums for the norms
     delivered: bool = False
-    # the head's parameters themselves (saved tensors unpack as other tensor objects
-    # under activation checkpointing: per-parameter state goes on these)
-    weight: Optional[nn.Parameter] = None
-    bias: Optional[nn.Parameter] = None
-    # the head module and whether this use is tied (the grad-sample module's begin_head_use)
-    layer: Optional[nn.Module] = None
-    tied: bool = False
 
 
 def _logits(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype) -> torch.Tensor:
@@ -240,18 +185,67 @@ def _as_dtype(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return g.to(dtype).float() if dtype in _LOW else g
 
 
+def _added(total: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:
+    return part if total is None else total.add_(part)
+
+
+class _Blocks(NamedTuple):
+    """What the forward kept, from which the blocks' output gradients are recomputed."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    target: torch.Tensor
+    scale: torch.Tensor
+    lse: torch.Tensor  # the log-sum-exp of the logits (B, T)
+    size: int
+    dtype: torch.dtype
+
+    def recomputed(self, rows: Optional[torch.Tensor] = None):
+        """Yield ``(start, A_b, G_b)`` (G_b float32, rounded as autograd would round it), the
+        logits recomputed from A, W and the kept log-sum-exp; ``rows``: per-example weights
+        (B,) multiplied into G_b."""
+        cd, c, scale = self.dtype, self.size, self.scale
+        for s in range(0, self.hidden.shape[1], c):
+            a = self.hidden[:, s : s + c]
+            weights = scale[:, s : s + c] if rows is None else scale[:, s : s + c] * rows[:, None]
+            z = _logits(a, self.weight, self.bias, cd).sub_(self.lse[:, s : s + c, None])  # softmax from the lse
+            g = _softmax_grad(z.exp_(), self.target[:, s : s + c], weights)
+            del z
+            yield s, a, _as_dtype(g, cd)
+            del g  # (callers drop theirs too: one block's logits alive at a time)
+
+    def weighted_grads(self, u: torch.Tensor, wants_w: bool = True, wants_b: bool = True):
+        """``sum_i u_i A_i^T G_i`` (V x d) and ``sum_i u_i sum_t G_i[t]`` (V), block by block."""
+        cd, weight, bias = self.dtype, self.weight, self.bias
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if wants_b else None
+        for _, a, g in self.recomputed(rows=u):
+            if wants_w:
+                flat_g, flat_a = g.reshape(-1, g.shape[-1]).to(cd), a.reshape(-1, a.shape[-1]).to(cd)
+                if cd == torch.float32:  # in place: no (V x d) temporary per block
+                    grad_w.addmm_(flat_g.t(), flat_a)
+                else:
+                    grad_w += flat_g.t().mm(flat_a).float()
+                del flat_g, flat_a
+            if wants_b:
+                grad_b += g.sum(dim=(0, 1))
+            del g
+        return tuple(None if g is None else g.to(p.dtype) for g, p in ((grad_w, weight), (grad_b, bias)))
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """Per-sequence next-token losses (B,) from hidden states, a block at a time."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, scale, plan: _Plan, norm_spec):
+    def forward(ctx, hidden, weight, bias, target, scale, plan: _Plan):
         batch, t, d = hidden.shape
         cd, c = plan.compute_dtype, plan.block_size
         need_hidden = ctx.needs_input_grad[0]
         losses = torch.zeros(batch, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(batch, t, dtype=torch.float32, device=hidden.device)
         h1 = torch.empty(batch, t, d, dtype=cd, device=hidden.device) if need_hidden else None
-        acc = _NormAccumulator(norm_spec, hidden, weight) if norm_spec is not None else None
+        acc = None if plan.owner is None else _HeadNorms(plan.owner.sketcher, hidden, weight, bias, plan.tied)
         for s in range(0, t, c):
             a = hidden[:, s : s + c]
             z = _logits(a, weight, bias, cd)
@@ -271,7 +265,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     acc.add(s, a, _as_dtype(g, cd))
             z = e = g = None  # one block's logits alive at a time (g, e and z share them)
         if acc is not None:
-            plan.kept = acc.finish(lambda: _recomputed_blocks(hidden, weight, bias, target, scale, lse, plan))
+            plan.kept = acc.finish(_Blocks(hidden, weight, bias, target, scale, lse, c, cd).recomputed)
         ctx.plan, ctx.h1 = plan, h1
         ctx.save_for_backward(hidden, weight, bias, target, scale, lse)
         return losses
@@ -279,11 +273,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses):
         plan: _Plan = ctx.plan
-        hidden, weight, bias, target, scale, lse = ctx.saved_tensors
+        blocks = _Blocks(*ctx.saved_tensors, plan.block_size, plan.compute_dtype)
         u = grad_losses.float()
         grad_hidden = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_hidden = (ctx.h1 * u[:, None, None]).to(hidden.dtype)  # float32 product
+            grad_hidden = (ctx.h1 * u[:, None, None]).to(blocks.hidden.dtype)  # float32 product
         owner = plan.owner
         if owner is not None and owner.hooks_enabled:
             if plan.delivered:
@@ -292,111 +286,78 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     "over the same forward; per-example norms are computed once per forward"
                 )
             plan.delivered = True
-            _deliver(plan, hidden, target, scale, lse, u)
-            return grad_hidden, None, None, None, None, None, None
-        wants_w, wants_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+            _deliver(plan, blocks._replace(weight=plan.weight, bias=plan.bias), u)
+            return grad_hidden, None, None, None, None, None
+        wants_w, wants_b = ctx.needs_input_grad[1], blocks.bias is not None and ctx.needs_input_grad[2]
         if wants_w or wants_b:
-            grad_w, grad_b = _weighted_grads(hidden, weight, bias, target, scale, lse, plan, u, wants_w, wants_b)
-        return grad_hidden, grad_w, grad_b, None, None, None, None
+            grad_w, grad_b = blocks.weighted_grads(u, wants_w, wants_b)
+        return grad_hidden, grad_w, grad_b, None, None, None
 
 
-def _recomputed_blocks(hidden, weight, bias, target, scale, lse, plan: _Plan, rows=None):
-    """Yield ``(start, A_b, G_b)`` (G_b float32, rounded as autograd would round it), the
-    logits recomputed from A, W and the kept log-sum-exp; ``rows``: per-example weights
-    (B,) multiplied into G_b."""
-    cd, c = plan.compute_dtype, plan.block_size
-    for s in range(0, hidden.shape[1], c):
-        a = hidden[:, s : s + c]
-        weights = scale[:, s : s + c] if rows is None else scale[:, s : s + c] * rows[:, None]
-        z = _logits(a, weight, bias, cd).sub_(lse[:, s : s + c, None])  # softmax from the kept log-sum-exp
-        g = _softmax_grad(z.exp_(), target[:, s : s + c], weights)
-        del z
-        yield s, a, _as_dtype(g, cd)
-        del g  # (callers drop theirs too: one block's logits alive at a time)
+class _HeadNorms:
+    """How this pass computes the head's per-example norm, mirroring the unchunked path
+    (:func:`opacus_rc.norm_samplers.weight_sq_norms`, ``Sketcher.estimate``, the tied
+    :func:`opacus_rc.norm_samplers.linear_projection`: the same sketches give the same
+    norms), and its per-example sums over blocks: sketched products (B, rows_left, k), the
+    exact output gradient (T <= k only), the exact bias gradient (B, V)."""
 
-
-def _weighted_grads(hidden, weight, bias, target, scale, lse, plan, u, wants_w=True, wants_b=True):
-    """``sum_i u_i A_i^T G_i`` (V x d) and ``sum_i u_i sum_t G_i[t]`` (V), block by block."""
-    cd = plan.compute_dtype
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_w else None
-    grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if wants_b else None
-    for _, a, g in _recomputed_blocks(hidden, weight, bias, target, scale, lse, plan, rows=u):
-        if wants_w:
-            flat_g, flat_a = g.reshape(-1, g.shape[-1]).to(cd), a.reshape(-1, a.shape[-1]).to(cd)
-            if cd == torch.float32:  # in place: no (V x d) temporary per block
-                grad_w.addmm_(flat_g.t(), flat_a)
-            else:
-                grad_w += flat_g.t().mm(flat_a).float()
-            del flat_g, flat_a
-        if wants_b:
-            grad_b += g.sum(dim=(0, 1))
-        del g
-    return tuple(None if g is None else g.to(p.dtype) for g, p in ((grad_w, weight), (grad_b, bias)))
-
-
-@dataclass
-class _NormSpec:
-    """How the head's per-example norm is computed this pass."""
-
-    how: str  # "exact" | "hutchinson" | "hutchpp" | "tied" | "none" (frozen weight)
-    weight: bool  # the weight is trainable
-    bias: bool  # the bias is trainable
-    sketches: Dict[str, torch.Tensor] = field(default_factory=dict)
-    side: str = "output"
-
-
-class _NormAccumulator:
-    """Per-example sums over blocks: sketched products (B, rows_left, k), the exact output
-    gradient (T <= k only), the exact bias gradient (B, V)."""
-
-    def __init__(self, spec: _NormSpec, hidden, weight) -> None:
-        self.spec, self.hidden = spec, hidden
-        (batch, t, _), vocab = hidden.shape, weight.shape[0]
+    def __init__(self, sketcher, hidden: torch.Tensor, weight, bias, tied: bool) -> None:
+        (batch, t, d), vocab, device = hidden.shape, weight.shape[0], hidden.device
+        config, k = sketcher.config, sketcher.config.sketch_size
+        self.hidden, self.weight, self.bias = hidden, weight.requires_grad, bias is not None and bias.requires_grad
+        self.side, self.sketches = "output", {}
         self.out: Dict[str, torch.Tensor] = {}
         self.products: Dict[str, torch.Tensor] = {}
-        if spec.bias:
-            self.out["bias"] = torch.zeros(batch, vocab, dtype=torch.float32, device=hidden.device)
-        if spec.weight and spec.how == "exact":
-            self.g_all = torch.empty(batch, t, vocab, dtype=torch.float32, device=hidden.device)
+        if not self.weight:
+            self.how = "none"
+        elif tied:  # the weight's row sketch (V x k), shared with the embedding's use
+            self.how = "tied"
+            self.sketches["tail"] = sketcher.gaussian(batch, vocab, k, device, key=weight)
+        elif config.exact_when_cheaper and t <= k:
+            self.how = "exact"
+            self.g_all = torch.empty(batch, t, vocab, dtype=torch.float32, device=device)
+        else:  # "hutchinson" | "hutchpp", the same keys and order as Sketcher.estimate's
+            self.how, self.side = config.estimator, sketch_side(d, vocab, "auto")
+            rows = vocab if self.side == "output" else d
+            for name in ("tail", "head") if self.how == "hutchpp" else ("tail",):
+                self.sketches[name] = sketcher.gaussian(batch, rows, k, device, key=(weight, name))
+        if self.bias:
+            self.out["bias"] = torch.zeros(batch, vocab, dtype=torch.float32, device=device)
+
+    def _oriented(self, a: torch.Tensor, g: torch.Tensor):
+        return (a.float(), g) if self.side == "output" else (g, a.float())
 
     def add(self, start: int, a: torch.Tensor, g: torch.Tensor) -> None:
-        spec = self.spec
-        if spec.bias:
+        if self.bias:
             self.out["bias"] += g.sum(dim=1)
-        if not spec.weight:
-            return
-        if spec.how == "exact":
+        if self.how == "exact":
             self.g_all[:, start : start + g.shape[1]] = g
-        else:
-            left, right = (a.float(), g) if spec.side == "output" else (g, a.float())
-            for name, sketch in spec.sketches.items():
+        elif self.weight:
+            left, right = self._oriented(a, g)
+            for name, sketch in self.sketches.items():
                 part = torch.matmul(left.transpose(1, 2), torch.matmul(right, sketch))
-                self.products[name] = part if name not in self.products else self.products[name].add_(part)
+                self.products[name] = _added(self.products.get(name), part)
 
     def finish(self, recompute) -> Dict[str, torch.Tensor]:
         """The per-example quantities the backward needs (the rest is dropped):
         ``"sq"`` (B,) the squared weight norm of d loss_i / d W (exact or estimated) or
         ``"proj"`` (B, d, k) the tied projection; ``"bias"`` (B, V)."""
-        spec, out = self.spec, self.out
-        batch = self.hidden.shape[0]
-        if not spec.weight:
-            return out
-        if spec.how == "exact":
+        out, batch = self.out, self.hidden.shape[0]
+        if self.how == "exact":
             out["sq"] = ghost_sq_norms(self.hidden, self.g_all)
             del self.g_all
-        elif spec.how == "tied":
+        elif self.how == "tied":
             out["proj"] = self.products.get(
-                "tail", torch.zeros(batch, self.hidden.shape[-1], spec.sketches["tail"].shape[-1], device=self.hidden.device)
+                "tail", torch.zeros(batch, self.hidden.shape[-1], self.sketches["tail"].shape[-1], device=self.hidden.device)
             )
-        elif spec.how == "hutchinson":
+        elif self.how == "hutchinson":
             out["sq"] = self.products["tail"].pow(2).sum(dim=(1, 2))
-        else:  # Hutch++: exact head on the range of M S, Hutchinson on the residual
+        elif self.how == "hutchpp":  # exact head on the range of M S, Hutchinson on the residual
             q, _ = torch.linalg.qr(self.products["head"])  # (B, rows_left, r)
             head = None
             for _, a, g in recompute():
-                left, right = (a.float(), g) if spec.side == "output" else (g, a.float())
-                part = torch.matmul(torch.matmul(left, q).transpose(1, 2), right)
-                head = part if head is None else head.add_(part)
+                left, right = self._oriented(a, g)
+                head = _added(head, torch.matmul(torch.matmul(left, q).transpose(1, 2), right))
                 del g, left, right
             head_sq = head.pow(2).sum(dim=(1, 2)) if head is not None else torch.zeros(batch, device=q.device)
             mp = self.products["tail"]
@@ -412,9 +373,7 @@ def _trainable(layer_params):
 @dataclass
 class HeadValues:
     """The chunked head's per-example values of one pass, handed to its grad-sample module
-    (``deliver_head``), which decides where they go: a tied use's contributions join the
-    running sums of the weight's uses, an untied one's norms are kept, book-keeping keeps
-    records. Computed only when asked for.
+    (``deliver_head``), which decides where they go; computed only when asked for.
 
     Attributes:
         tied: the use is tied (``begin_head_use`` said so at the forward).
@@ -430,7 +389,7 @@ class HeadValues:
     records: Callable[[], Dict[nn.Parameter, Record]]
 
 
-def _deliver(plan: _Plan, hidden, target, scale, lse, u) -> None:
+def _deliver(plan: _Plan, blocks: _Blocks, u: torch.Tensor) -> None:
     """First backward with the hooks on: hand the head's per-example values to the
     grad-sample module (:class:`HeadValues`)."""
     owner, kept, weight, bias = plan.owner, plan.kept, plan.weight, plan.bias
@@ -450,18 +409,17 @@ def _deliver(plan: _Plan, hidden, target, scale, lse, u) -> None:
         return out
 
     def records() -> Dict[nn.Parameter, Record]:
-        args = (hidden, weight, bias, target, scale, lse, plan, s)
         out = {}
         if weight.requires_grad:
-            out[weight] = Record(kept["sq"] * s.pow(2), _bookkept_clip(*args, which=0))
+            out[weight] = Record(kept["sq"] * s.pow(2), _bookkept_clip(blocks, s, which=0))
         if bias is not None and bias.requires_grad:
-            out[bias] = Record((kept["bias"] * s[:, None]).pow(2).sum(dim=1), _bookkept_clip(*args, which=1))
+            out[bias] = Record((kept["bias"] * s[:, None]).pow(2).sum(dim=1), _bookkept_clip(blocks, s, which=1))
         return out
 
     owner.deliver_head(plan.layer, HeadValues(plan.tied, _trainable([weight, bias]), contributions, records))
 
 
-def _bookkept_clip(hidden, weight, bias, target, scale, lse, plan, s, which: int):
+def _bookkept_clip(blocks: _Blocks, s: torch.Tensor, which: int):
     """Book-keeping's clipped sum of the head's weight (``which`` 0), ``sum_i c_i s_i A_i^T G_i``,
     or bias (1), ``sum_i c_i s_i sum_t G_i[t]``: ``clipped(c, keep=None)`` of a :class:`Record`,
     recomputed block by block at ``optimizer.step()`` from what the forward kept (A, labels,
@@ -469,72 +427,34 @@ def _bookkept_clip(hidden, weight, bias, target, scale, lse, plan, s, which: int
 
     def clipped(c: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
         # dropped examples: zero rows, so nothing non-finite reaches the sum
-        a, kept_lse, rows = (keep_rows(x, keep) for x in (hidden, lse, c.float() * s))
+        a, kept_lse, rows = (keep_rows(x, keep) for x in (blocks.hidden, blocks.lse, c.float() * s))
         with torch.no_grad():
-            return _weighted_grads(a, weight, bias, target, scale, kept_lse, plan, rows, which == 0, which == 1)[which]
+            return blocks._replace(hidden=a, lse=kept_lse).weighted_grads(rows, which == 0, which == 1)[which]
 
     return clipped
 
 
-def _norm_spec(owner, layer, weight, bias, hidden: torch.Tensor, tied: bool) -> _NormSpec:
-    """How this pass computes the head's norm, mirroring the unchunked path
-    (:func:`opacus_rc.norm_samplers.weight_sq_norms`, ``Sketcher.estimate``, the tied
-    projection of :func:`opacus_rc.norm_samplers.linear_projection`), so the same
-    sketches give the same norms. ``tied``: as the grad-sample module's ``begin_head_use`` said."""
-    (batch, t, d), device = hidden.shape, hidden.device
-    sketcher = owner.sketcher
-    config = sketcher.config
-    k = config.sketch_size
-    w_trainable = weight.requires_grad
-    tied = tied and w_trainable
-    spec = _NormSpec(how="tied", weight=w_trainable, bias=bias is not None and bias.requires_grad)
-    vocab = weight.shape[0]
-    if not w_trainable:
-        spec.how = "none"
-    elif tied:  # the weight's row sketch (V x k), shared with the embedding's use
-        spec.sketches["tail"] = sketcher.gaussian(batch, vocab, k, device, key=weight)
-    elif config.exact_when_cheaper and t <= k:
-        spec.how = "exact"
-    else:
-        spec.side = sketch_side(d, vocab, "auto")
-        rows = vocab if spec.side == "output" else d
-        spec.how = config.estimator
-        spec.sketches["tail"] = sketcher.gaussian(batch, rows, k, device, key=(weight, "tail"))
-        if config.estimator == "hutchpp":
-            spec.sketches["head"] = sketcher.gaussian(batch, rows, k, device, key=(weight, "head"))
-    return spec
+def _check_reduction(reduction: str) -> None:
+    if reduction not in (*REDUCTIONS, "none"):
+        raise ValueError(f"reduction={reduction!r} is invalid; accepted values: 'mean', 'sum', 'none'")
 
 
 class ChunkedLMHeadLoss(nn.Module):
-    """LM head + next-token cross-entropy, a block of positions at a time.
+    """LM head + next-token cross-entropy, a block of positions at a time (docs/lm_head.md).
 
-    ``forward(hidden, labels)``: ``hidden`` (B, T, d) final hidden states, ``labels``
-    (B, T) target ids (``ignore_index`` ignored) aligned with the positions, or, with
-    ``shift_labels=True``, the inputs' ids as Hugging Face models take them (position t
-    predicts ``labels[:, t + 1]``; the last position predicts nothing). Returns the
-    per-sequence losses (B,) with ``reduction="none"``, else their mean or sum over the
-    batch. A sequence's loss is the mean over its non-ignored tokens (``reduction`` or
-    ``loss_reduction`` "mean"; 0 for an all-ignored sequence) or their sum ("sum"): Opacus's
-    ghost criterion's convention with ``shape=`` (the privacy unit is the sequence).
-
-    Use it as the ``criterion`` of ``make_private(..., clipping="randomized")``
-    (the two-pass form's criterion then wraps it: ``criterion(hidden, labels)``), or call
-    it and ``backward()`` its mean under book-keeping. ``lm_head`` must be a trainable or
-    frozen ``nn.Linear`` of the private model (e.g. ``hf_model.lm_head``); its ``forward``
-    is never called: the body's hidden states come from the model's base
-    (:func:`hidden_states`).
+    ``forward(hidden, labels)``: hidden states (B, T, d) and labels (B, T) to the per-sequence
+    losses (B,) (``reduction="none"``) or their batch mean or sum; a sequence's loss is the
+    mean (``"sum"``: the sum) over its non-ignored tokens, Opacus's ghost-criterion convention.
 
     Args:
-        lm_head: the model's output layer (V x d weight, optional bias); may be tied to
-            the input embedding.
-        block_size: positions per block (every sequence of the batch at once: a block's
-            logits are B x block_size x V floats).
+        lm_head: the model's output layer, an ``nn.Linear`` (V x d weight, optional bias),
+            trainable or frozen, possibly tied to the input embedding.
+        block_size: positions per block (a block's logits are B x block_size x V floats).
         ignore_index: label ignored in the loss (and in the per-sequence count).
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (the per-sequence losses (B,), each
             the mean over its tokens); ``"mean"``/``"sum"`` is also the per-sequence
             convention (Opacus sets ``reduction="none"`` while it computes per-sample losses).
-        shift_labels: labels are the inputs' ids (Hugging Face convention) and are shifted
-            here.
+        shift_labels: labels are the inputs' ids (Hugging Face convention), shifted here.
     """
 
     def __init__(
@@ -553,8 +473,7 @@ class ChunkedLMHeadLoss(nn.Module):
             )
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} is invalid; accepted values: a positive int")
-        if reduction not in (*REDUCTIONS, "none"):
-            raise ValueError(f"reduction={reduction!r} is invalid; accepted values: 'mean', 'sum', 'none'")
+        _check_reduction(reduction)
         self.lm_head = lm_head
         self.block_size = block_size
         self.ignore_index = ignore_index
@@ -584,8 +503,7 @@ class ChunkedLMHeadLoss(nn.Module):
                 f"ChunkedLMHeadLoss takes hidden states (B, T, d) and labels (B, T); got "
                 f"{tuple(hidden.shape)} and {tuple(labels.shape)}"
             )
-        if self.reduction not in (*REDUCTIONS, "none"):
-            raise ValueError(f"reduction={self.reduction!r} is invalid; accepted values: 'mean', 'sum', 'none'")
+        _check_reduction(self.reduction)
         layer = self.lm_head
         owner = controlling_module(layer)
         if owner is not None and owner.hooks_enabled and getattr(owner, "output_passes", None) is not None:
@@ -631,17 +549,15 @@ class ChunkedLMHeadLoss(nn.Module):
             dtype = torch.get_autocast_dtype(device_type)
         else:
             dtype = torch.promote_types(hidden.dtype, weight.dtype)
-        plan = _Plan(block_size=self.block_size, compute_dtype=dtype, weight=weight, bias=bias, layer=layer)
-        spec = None
+        plan = _Plan(self.block_size, dtype, layer, weight, bias)
         training = torch.is_grad_enabled() and layer.training and not recomputing_forward()
         if owner is not None and owner.hooks_enabled and training and _trainable([weight, bias]):
             if forward_replay() is None:  # as its forward hook would (a reentrant replay starts none)
                 owner.start_pass(layer)
             plan.owner = owner
             plan.tied = owner.begin_head_use(layer, weight, bias)
-            spec = _norm_spec(owner, layer, weight, bias, hidden, plan.tied)
         with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
-            return _ChunkedHeadLoss.apply(hidden, weight, bias, target, scale, plan, spec)
+            return _ChunkedHeadLoss.apply(hidden, weight, bias, target, scale, plan)
 
 
 def hidden_states(model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:

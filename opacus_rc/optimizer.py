@@ -74,6 +74,24 @@ def unclipped_gradient_error(what: str, clipped_pass_ran: bool, output_passes: b
     )
 
 
+def complete_unused(
+    params: List[torch.nn.Parameter], rows: int, has_values: Callable, zero: Callable
+) -> List[torch.nn.Parameter]:
+    """After a batch of ``rows`` examples, a parameter without per-example values
+    (``has_values(p)`` False) gets exact zeros (``zero(p)``) when the batch did not use it
+    (or was empty); returned instead when it has a gradient (no hook saw it: used outside its
+    module), for the caller to refuse."""
+    unseen = []
+    for p in params:
+        if has_values(p):
+            continue
+        if p.grad is not None and rows:
+            unseen.append(p)
+        else:
+            zero(p)
+    return unseen
+
+
 #: Relative tolerance of the norm pass's in-module gradient check, by the dtype of the output
 #: gradients it came from: float32 summation-order differences over up to ~10^6 terms
 #: (B x T) stay below 1e-4 of the scale; half-precision output gradients are rounded once

@@ -51,7 +51,7 @@ from ..estimators import as_sequence
 from ..grad_sample import PerExampleStore, coarsest_dtype, head_used_twice_error
 from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from ..finite import OUTSIDE_USE
-from ..optimizer import RandomizedClippingMixin, in_module_excess
+from ..optimizer import RandomizedClippingMixin, complete_unused, in_module_excess
 from ..recompute import is_checkpointed, late_use_error, missing_per_sample_error
 
 # --- Which form a make_private call runs --------------------------------------------------
@@ -367,18 +367,12 @@ class BookkeepingClippingMixin:
 
     def complete_batch(self, rows: int) -> List[torch.nn.Parameter]:
         """After a backward pass of ``rows`` examples (a loop's own, the private Trainer's):
-        a parameter with neither records nor Opacus per-sample gradients gets exact zero
-        norms and clipped sum when the batch did not use it (or was empty); returned when
-        it has a gradient (no hook saw it: used outside its module), for the caller to refuse."""
-        unseen = []
-        for p in self.params:
-            if self._records(p) or getattr(p, "grad_sample", None) is not None:
-                continue
-            if p.grad is not None and rows:
-                unseen.append(p)
-            else:
-                append_record(p, Record(torch.zeros(rows, device=p.device), lambda c, keep=None, p=p: torch.zeros_like(p)))
-        return unseen
+        :func:`~opacus_rc.optimizer.complete_unused` over the parameters with neither records
+        nor Opacus per-sample gradients (zeros: a record of zero norms and clipped sum)."""
+        return complete_unused(
+            self.params, rows, lambda p: bool(self._records(p)) or getattr(p, "grad_sample", None) is not None,
+            lambda p: append_record(p, Record(torch.zeros(rows, device=p.device), lambda c, keep=None: torch.zeros_like(p))),
+        )
 
     def _exact_grad_sample(self, p: torch.nn.Parameter) -> torch.Tensor:
         """Opacus's per-sample gradient of a parameter that is not book-kept."""

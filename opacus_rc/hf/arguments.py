@@ -18,35 +18,25 @@ DENOISERS = (None, *ENGINE_DENOISERS)
 
 @dataclass
 class PrivacyArguments:
-    """The privacy options of :class:`DPTrainer` (everything else stays in ``TrainingArguments``).
+    """The privacy options of :class:`DPTrainer` (everything else stays in ``TrainingArguments``;
+    each field: docs/hf_trainer.md).
 
     Args:
-        target_epsilon: calibrate the noise multiplier with ``rc_prv`` so that the planned
-            run (``max_steps``, or ``num_train_epochs`` at the public rate) spends this epsilon
-            at ``delta``. Exactly one of ``target_epsilon`` and ``noise_multiplier``.
-        noise_multiplier: sigma (noise std over ``max_grad_norm``).
+        target_epsilon, noise_multiplier: exactly one: the epsilon at ``delta`` that sigma is
+            calibrated for with ``rc_prv`` over the planned run, or sigma itself.
         delta: the delta of every reported epsilon (required).
-        max_grad_norm: the per-example clipping bound C (replaces the Trainer's own
-            ``max_grad_norm``, which would clip the noisy average).
-        clipping: ``"randomized"`` (default: estimated norms, :mod:`opacus_rc`) or ``"flat"``
-            (Opacus's exact per-sample gradients).
+        max_grad_norm: the per-example clipping bound C (replaces the Trainer's own).
+        clipping: ``"randomized"`` (default) or ``"flat"`` (Opacus's exact per-sample gradients).
         estimator, sketch_size, sketching: the randomized-clipping sketch (see ``make_private``).
-        per_example_backward: ``None`` (default: when ``per_device_train_batch_size`` is 1),
-            True or False: each physical batch runs one row at a time, one backward pass per
-            example, with exact flat clipping of its whole gradient (randomized only; no
-            sketch, charged as Opacus's ``prv``; memory of one row plus the clipped sum).
-        lm_head_block_size: ``None`` (default: the model's own logits) or the positions per
-            block of the chunked LM head (:class:`~opacus_rc.lm_head.ChunkedLMHeadLoss`;
-            causal LMs): the training loss never materialises the (T x V) logits. Works with
-            gradient checkpointing on, in the per-example form and otherwise by book-keeping
-            (randomized only).
+        per_example_backward: one row per backward pass with exact clipping (``None``: when
+            ``per_device_train_batch_size`` is 1; randomized only).
+        lm_head_block_size: positions per block of the chunked LM head
+            (:class:`~opacus_rc.lm_head.ChunkedLMHeadLoss`; ``None``: the model's own logits).
         denoise: ``None`` or ``"spectral"`` (post-processing of the noisy gradient).
         secure_mode: noise, sketches and Poisson masks from :mod:`opacus_rc.csprng`.
-        sample_rate: the public Poisson rate; ``None``: ``1 / ceil(len(train_dataset) / B)``
-            (Opacus's ``1 / len(loader)``; it treats the number of batches per epoch as public).
+        sample_rate: the public Poisson rate; ``None``: ``1 / ceil(len(train_dataset) / B)``.
         stop_at_epsilon: stop training before a step would make epsilon exceed this value.
-        log_train_loss: also log the training loss of the private batches (an un-noised
-            statistic that epsilon does not cover; off by default).
+        log_train_loss: also log the training loss (an un-noised statistic outside epsilon).
     """
 
     target_epsilon: Optional[float] = None

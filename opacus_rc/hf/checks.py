@@ -1,9 +1,6 @@
-"""The refusals of the private Trainer: its set-up (training arguments, model types,
-gradient checkpointing functions and options, loss and loader overrides), the loader it
-trains on, and each physical batch (per-example records, non-finite gradients).
-
-Each raises a ``ValueError`` (``FloatingPointError`` for a non-finite batch) naming the
-parameter and the accepted values.
+"""The refusals of the private Trainer: its set-up, the loader it trains on and each physical
+batch. Each raises a ``ValueError`` (``FloatingPointError`` for a non-finite batch) naming the
+parameter and the accepted values (the list: docs/hf_trainer.md).
 """
 
 from __future__ import annotations
@@ -17,10 +14,12 @@ import torch
 import torch.utils.checkpoint
 from opacus.optimizers import DPOptimizer
 from torch import nn
+from torch.utils.data import DataLoader
 from transformers import Trainer
 
 from ..accounting.accountant import RCPRVAccountant
 from ..finite import agree_across_ranks, all_finite
+from ..optimizer import complete_unused
 from .arguments import PrivacyArguments
 from .data import PoissonAccumulationSampler
 from .losses import _base_model
@@ -65,18 +64,6 @@ def _checkpoint_options_error(options: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def _recognised_checkpoint_function(func: Any) -> bool:
-    """True for ``functools.partial(torch.utils.checkpoint.checkpoint, **kw)`` (what
-    ``gradient_checkpointing_enable()`` installs) with ``kw`` in the accepted options."""
-    return (
-        isinstance(func, functools.partial)
-        and func.func is torch.utils.checkpoint.checkpoint
-        and not func.args
-        and "every_n_layers" not in func.keywords  # the Trainer's key, never torch's
-        and _checkpoint_options_error(func.keywords) is None
-    )
-
-
 _LOADING_ACCEPTED = (
     "Customise loading with data_collator= (the collator of each Poisson batch), a transform of "
     "train_dataset, or TrainingArguments(dataloader_num_workers=, dataloader_pin_memory=); an "
@@ -114,6 +101,7 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
     # passes from the model's output on a checkpointed model (opacus_rc.forms.output_passes).
     refuse_checkpointing = trainer.privacy.clipping != "randomized"
     base = _base_model(trainer.model)
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
     checks = [
         (args.fp16, "fp16", "False (use bf16=True: no loss scaling)"),
         (refuse_checkpointing
@@ -131,8 +119,7 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
         (args.world_size > 1 and args.parallel_mode.value != "distributed", "parallel_mode",
          "'distributed' (one process per device, torchrun)"),
         (getattr(args, "use_liger_kernel", False), "use_liger_kernel", "False (fused kernels read weights outside their modules)"),
-        (getattr(getattr(base, "config", None), "model_type", None) in _REFUSED_MODEL_TYPES,
-         f"model_type={getattr(getattr(base, 'config', None), 'model_type', None)!r}",
+        (model_type in _REFUSED_MODEL_TYPES, f"model_type={model_type!r}",
          "a model family whose layers keep the batch dimension (e.g. GPT-2, Llama); OPT's decoder "
          "layers flatten batch and sequence before fc1/fc2 (the per-example hooks would see one "
          "example per token) and its learned positional embedding takes the attention mask as "
@@ -190,35 +177,41 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
 
 
 def check_checkpoint_functions(model: nn.Module) -> None:
-    """Refuse a checkpointing function on the model that is not torch's checkpoint with
-    accepted options (run at setup and again when the optimizer is made private: the
-    Trainer enables ``gradient_checkpointing=True`` in ``train()``, after ``__init__``)."""
+    """Refuse a checkpointing function on the model other than what
+    ``gradient_checkpointing_enable()`` installs, ``functools.partial(torch.utils.checkpoint.checkpoint,
+    **kw)`` with ``kw`` in the accepted options (run at setup and again when the optimizer is
+    made private: the Trainer enables ``gradient_checkpointing=True`` in ``train()``)."""
     for m in _base_model(model).modules():
         func = getattr(m, "_gradient_checkpointing_func", None)
-        if getattr(m, "gradient_checkpointing", False) is True and func is not None:
-            if not _recognised_checkpoint_function(func):
-                why = _checkpoint_options_error(getattr(func, "keywords", None) or {})
-                raise ValueError(
-                    f"the model's gradient checkpointing function ({func!r} on {type(m).__name__}) is "
-                    f"not recognised{f' ({why})' if why else ''}: the privacy hooks are verified under torch.utils.checkpoint's "
-                    "plain replays only; accepted values: model.gradient_checkpointing_enable("
-                    "gradient_checkpointing_kwargs=...) with keys "
-                    f"{_CHECKPOINT_OPTIONS_ACCEPTED} (or none), or "
-                    "TrainingArguments(gradient_checkpointing=True)"
-                )
+        if getattr(m, "gradient_checkpointing", False) is not True or func is None:
+            continue
+        why = _checkpoint_options_error(getattr(func, "keywords", None) or {})
+        torch_checkpoint = (
+            isinstance(func, functools.partial) and func.func is torch.utils.checkpoint.checkpoint
+            and not func.args and "every_n_layers" not in func.keywords  # the Trainer's key, never torch's
+        )
+        if why is not None or not torch_checkpoint:
+            raise ValueError(
+                f"the model's gradient checkpointing function ({func!r} on {type(m).__name__}) is "
+                f"not recognised{f' ({why})' if why else ''}: the privacy hooks are verified under torch.utils.checkpoint's "
+                "plain replays only; accepted values: model.gradient_checkpointing_enable("
+                "gradient_checkpointing_kwargs=...) with keys "
+                f"{_CHECKPOINT_OPTIONS_ACCEPTED} (or none), or "
+                "TrainingArguments(gradient_checkpointing=True)"
+            )
 
 
-def check_loader(trainer: Trainer) -> None:
+def check_loader(trainer: Trainer, made: Optional[DataLoader]) -> None:
     """At the first physical batch of ``train()``: the loader the training loop iterates is
-    the one the private Trainer's ``get_train_dataloader`` made, its Poisson sampler is being
-    drawn from, at the charged rate, split into the accumulation steps, on this rank's share
-    (a subclass's ``get_train_dataloader`` may return another loader: refused)."""
+    the one the private Trainer's ``get_train_dataloader`` made (``made``), its Poisson sampler
+    is being drawn from, at the charged rate, split into the accumulation steps, on this
+    rank's share (a subclass's ``get_train_dataloader`` may return another loader: refused)."""
     loader = getattr(trainer.callback_handler, "train_dataloader", None)
     sampler = getattr(loader, "batch_sampler", None)
     ok = isinstance(sampler, PoissonAccumulationSampler)
     why = (
         "the loader the training loop iterates is not the private Trainer's Poisson loader"
-        if loader is None or loader is not trainer._dp_loader or not ok
+        if loader is None or loader is not made or not ok
         else "its Poisson sampler was not drawn from" if sampler.draws == 0
         else f"its sampler draws at rate {sampler.sample_rate}, not the charged {trainer.sample_rate}"
         if sampler.sample_rate != trainer.sample_rate
@@ -235,37 +228,28 @@ def check_loader(trainer: Trainer) -> None:
         )
 
 
-def check_records(trainer: Trainer, rows: int) -> None:
+def check_records(optimizer: DPOptimizer, rows: int, names: Dict[int, str]) -> None:
     """Every trainable parameter must have per-example values for this batch: the form's
     optimizer completes the batch (:meth:`~opacus_rc.optimizer.RandomizedClippingMixin.complete_batch`:
     a parameter the batch did not use contributes exact zeros); Opacus's flat optimizer
     gets zero per-sample gradients for those. A parameter with a gradient that no hook saw
-    is refused."""
-    optimizer = trainer._dp_optimizer
+    is refused (``names``: parameter names by ``id``)."""
     complete = getattr(optimizer, "complete_batch", None)
-    unseen = complete(rows) if complete is not None else _complete_flat(optimizer, rows)
+    if complete is not None:
+        unseen = complete(rows)
+    else:
+        unseen = complete_unused(
+            optimizer.params, rows, lambda p: getattr(p, "grad_sample", None) is not None,
+            lambda p: setattr(p, "grad_sample", torch.zeros(rows, *p.shape, device=p.device, dtype=p.dtype)),
+        )
     if unseen:
         raise ValueError(
-            f"parameter {trainer._dp_names.get(id(unseen[0]), '?')!r} received a gradient that no per-example "
+            f"parameter {names.get(id(unseen[0]), '?')!r} received a gradient that no per-example "
             "hook saw: its weight was used outside its module's forward (e.g. a fused LM head "
             "reading lm_head.weight directly); use the "
             "module (per_example_loss computes logits through the model's forward) or freeze "
             "the parameter"
         )
-
-
-def _complete_flat(optimizer: DPOptimizer, rows: int) -> List[torch.nn.Parameter]:
-    """Opacus's flat optimizer: zero per-sample gradients for a parameter the batch did not
-    use; the parameters with a gradient but no per-sample gradients are returned."""
-    unseen = []
-    for p in optimizer.params:
-        if getattr(p, "grad_sample", None) is not None:
-            continue
-        if p.grad is not None and rows:
-            unseen.append(p)
-        else:
-            p.grad_sample = torch.zeros(rows, *p.shape, device=p.device, dtype=p.dtype)
-    return unseen
 
 
 def refuse_non_finite(trainer: Trainer, optimizer: DPOptimizer) -> None:

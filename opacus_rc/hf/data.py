@@ -4,6 +4,7 @@ becoming a marker batch (:func:`is_empty_batch`)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, Iterator, List
 
 import torch
@@ -68,14 +69,9 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
         raise TypeError("the Poisson sampler's generator is a secret: it is never pickled or saved")
 
 
-class _EmptySafeCollator:
+def _collate_or_mark(collate: Callable, rows: List[Any]) -> Any:
     """The Trainer's collator; an empty Poisson batch becomes a marker (no forward pass)."""
-
-    def __init__(self, collate) -> None:
-        self.collate = collate
-
-    def __call__(self, rows):
-        return {_EMPTY: True} if len(rows) == 0 else self.collate(rows)
+    return {_EMPTY: True} if len(rows) == 0 else collate(rows)
 
 
 def is_empty_batch(inputs: Any) -> bool:
@@ -104,7 +100,7 @@ def poisson_loader(
     return DataLoader(
         dataset,
         batch_sampler=PoissonAccumulationSampler(num_samples=len(dataset), **sampler),
-        collate_fn=_EmptySafeCollator(collator),
+        collate_fn=functools.partial(_collate_or_mark, collator),
         num_workers=num_workers,
         pin_memory=pin_memory,
     )

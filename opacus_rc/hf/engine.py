@@ -68,13 +68,9 @@ def budget_steps(
 
 
 def public_loader(batch_size: int) -> DataLoader:
-    """The ``data_loader`` make_private is given (it requires one; the Trainer trains on its
-    own Poisson loader, :mod:`opacus_rc.hf.data`): one batch of ``batch_size`` rows, so that
-    Opacus's flat route, which reads the loader, derives the public normaliser from it:
-    ``int(len(dataset) * (1 / len(loader))) = int(B * 1.0) = B`` exactly (divided by the
-    world size once, by Opacus, under DDP: :func:`opacus_rc.options.per_rank_normaliser`'s
-    share). The
-    randomized route is given ``B`` and ``q`` as ``expected_batch_size=`` and ``sample_rate=``."""
+    """The ``data_loader`` make_private requires (the Trainer trains on its own Poisson
+    loader): one batch of ``batch_size`` rows, from which Opacus's flat route derives the
+    public normaliser ``int(B * 1.0) = B`` (per rank under DDP, divided once by Opacus)."""
     return DataLoader(TensorDataset(torch.zeros(batch_size)), batch_size=batch_size)
 
 
@@ -124,12 +120,12 @@ def make_private(
         wrap_model=False, poisson_sampling=True, loss_reduction="mean", batch_first=True,
     )
     if p.clipping == "randomized":
+        per_example = p.per_example(physical_batch_size)
         kwargs.update(
             estimator=p.estimator, sketch_size=p.sketch_size, sketching=p.sketching,
-            expected_batch_size=batch_size, sample_rate=sample_rate,
-            per_example_backward=p.per_example(physical_batch_size),
+            expected_batch_size=batch_size, sample_rate=sample_rate, per_example_backward=per_example,
         )
-        if p.lm_head_block_size is not None and not p.per_example(physical_batch_size):
+        if p.lm_head_block_size is not None and not per_example:
             kwargs["bookkeeping"] = True  # the chunked head's norms: one pass, checkpointed or not
     if p.clipping != "randomized" and not p.secure_mode:
         # Opacus's flat clipping would draw from torch's global generator, which the Trainer's

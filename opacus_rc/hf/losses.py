@@ -116,11 +116,8 @@ def _accepts(model: nn.Module, name: str) -> bool:
 
 
 def _row_positions(input_ids: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """Per-row position ids of shape (B, T): counted over each row's own tokens (the cumulative
-    sum of its attention mask minus 1, clamped at 0, as Hugging Face's generation does), so a
-    left-padded row has the positions it has alone, whatever the longest row of its batch.
-    Without a mask: ``arange(T)`` for every row (a (1, T) tensor broadcast over the batch has no
-    per-row gradient)."""
+    """Per-row position ids (B, T): ``clamp(cumsum(mask) - 1, 0)`` (as Hugging Face's generation),
+    a row's positions whatever the longest row of its batch; ``arange(T)`` per row without a mask."""
     if mask is None:
         return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     return (mask.long().cumsum(dim=1) - 1).clamp(min=0)

@@ -156,11 +156,7 @@ class DPTrainerMixin:
         optimizer = super().create_optimizer(model) if self.optimizer is None else self.optimizer
         if isinstance(optimizer, DPOptimizer):
             raise ValueError("the optimizer is already a DPOptimizer: pass the plain torch optimizer")
-        self.optimizer = self._dp_make_private(optimizer)
-        return self.optimizer
-
-    def _dp_make_private(self, optimizer: torch.optim.Optimizer) -> DPOptimizer:
-        """The engine at the Trainer's public sampling (:func:`opacus_rc.hf.engine.make_private`)."""
+        # the engine at the Trainer's public sampling (opacus_rc.hf.engine.make_private)
         check_checkpoint_functions(self.model)
         private = make_private(
             self.model, optimizer, self.privacy, batch_size=self.expected_batch_size,
@@ -171,7 +167,8 @@ class DPTrainerMixin:
         self._dp_ddp, self._dp_sigma = private.ddp, private.sigma
         model = self.model if private.ddp is None else private.ddp
         self._dp_names = {id(q): n for n, q in model.named_parameters()}
-        return private.optimizer
+        self.optimizer = private.optimizer
+        return self.optimizer
 
     @property
     def privacy_engine(self) -> Optional[PrivacyEngine]:
@@ -223,7 +220,7 @@ class DPTrainerMixin:
         if optimizer is None:
             raise RuntimeError("the private optimizer was not created (train() creates it)")
         if not self._dp_loader_checked:
-            check_loader(self)
+            check_loader(self, self._dp_loader)
             self._dp_loader_checked = True
         self._dp_micro += 1
         last = self._dp_micro == self.args.gradient_accumulation_steps
@@ -274,14 +271,12 @@ class DPTrainerMixin:
         return losses
 
     def _dp_check_records(self, rows: int) -> None:
-        check_records(self, rows)
+        check_records(self._dp_optimizer, rows, self._dp_names)
 
     def _dp_check_refused_steps(self) -> None:
-        """Raise the refusal of a step that a fused optimizer skipped on the device
-        (``found_inf``: parameters unchanged, the step charged), before anything computed from
-        the model is logged, evaluated or saved: training must not go on, nor ``train()``
-        return normally, after a data-dependent refusal. Waits for the flag of the step just
-        taken (the Trainer reads its loss on the host at every batch anyway)."""
+        """Raise the refusal of a step that a fused optimizer skipped on the device, before
+        anything computed from the model is logged, evaluated or saved (waits for the step's
+        flag; docs/accounting.md)."""
         check = getattr(self._dp_optimizer, "check_refused_steps", None)
         if check is not None:
             check()
@@ -389,11 +384,9 @@ def private_trainer(trainer_class: Type[Trainer]) -> Type[Trainer]:
     """A private subclass of ``trainer_class`` (a ``transformers.Trainer`` subclass, e.g.
     TRL's ``SFTTrainer``): ``private_trainer(SFTTrainer)(..., privacy=PrivacyArguments(...))``.
 
-    In training, the class's ``compute_loss`` is replaced by per-example losses computed
-    through the model's forward (TRL's fused LM head, which reads ``lm_head.weight``
-    outside the module, is not used in training; evaluation keeps the class's own loss).
-    A class with any other custom ``compute_loss`` is refused at construction (override
-    ``per_example_loss`` instead).
+    In training, per-example losses through the model's forward replace the class's
+    ``compute_loss`` (TRL's, whose fused LM head reads ``lm_head.weight`` outside the module;
+    evaluation keeps it); any other custom ``compute_loss`` is refused (docs/hf_trainer.md).
     """
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
         raise ValueError(f"trainer_class={trainer_class!r} is invalid; accepted values: a transformers.Trainer subclass")
