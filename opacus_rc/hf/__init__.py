@@ -23,11 +23,11 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("opacus_rc.hf needs transformers: pip install 'opacus_rc[hf]'") from exc
 
-from .arguments import CLIPPINGS, DENOISERS, PrivacyArguments
+from .arguments import CLIPPINGS, DENOISERS, LOSS_LOG_KEYS, PRIVATE_LOG_KEYS, PrivacyArguments
 from .checks import DP_STATE_NAME
 from .data import PoissonAccumulationSampler, is_empty_batch
 from .losses import per_example_sequence_loss, per_example_token_loss
-from .trainer import LOSS_LOG_KEYS, PRIVATE_LOG_KEYS, DPTrainer, DPTrainerMixin, private_trainer
+from .trainer import DPTrainer, DPTrainerMixin, private_trainer
 
 __all__ = [
     "DPTrainer", "DPTrainerMixin", "PrivacyArguments", "PoissonAccumulationSampler", "private_trainer",

@@ -16,6 +16,15 @@ CLIPPINGS = ("randomized", "flat")
 DENOISERS = (None, *ENGINE_DENOISERS)
 
 
+#: keys of the Trainer's (and TRL's) training logs that are statistics of the private
+#: batches before noise (removed); "loss"/"train_loss" stay with log_train_loss=True
+PRIVATE_LOG_KEYS = (
+    "grad_norm", "num_input_tokens_seen", "train_tokens_per_second", "entropy",
+    "mean_token_accuracy", "num_tokens", "aux_loss", "total_flos",
+)
+LOSS_LOG_KEYS = ("loss", "train_loss")
+
+
 @dataclass
 class PrivacyArguments:
     """The privacy options of :class:`DPTrainer` (everything else stays in ``TrainingArguments``;
@@ -121,4 +130,4 @@ def _positive(x: Any) -> bool:
     return _real(x) and x > 0
 
 
-__all__ = ["PrivacyArguments", "CLIPPINGS", "DENOISERS"]
+__all__ = ["PrivacyArguments", "CLIPPINGS", "DENOISERS", "PRIVATE_LOG_KEYS", "LOSS_LOG_KEYS"]

@@ -22,7 +22,7 @@ from transformers import Trainer, TrainerCallback
 from ..accounting.accountant import RCPRVAccountant, sketch_record
 from ..integration import PrivacyEngine
 from ..options import per_rank_normaliser
-from .arguments import PrivacyArguments
+from .arguments import LOSS_LOG_KEYS, PRIVATE_LOG_KEYS, PrivacyArguments
 from .checks import (
     DP_STATE_NAME, check_arguments, check_checkpoint_functions, check_loader, check_records, check_setup,
     refuse_non_finite, replaceable_compute_loss, resumed_history,
@@ -32,15 +32,6 @@ from .engine import budget_steps, epsilon, make_private, signal_same_draw
 from .losses import causal_lm, chunked_head_losses, model_inputs, row_losses
 
 logger = logging.getLogger(__package__)  # "opacus_rc.hf", as before the package
-
-#: keys of the Trainer's (and TRL's) training logs that are statistics of the private
-#: batches before noise (removed); "loss"/"train_loss" stay with log_train_loss=True
-PRIVATE_LOG_KEYS = (
-    "grad_norm", "num_input_tokens_seen", "train_tokens_per_second", "entropy",
-    "mean_token_accuracy", "num_tokens", "aux_loss", "total_flos",
-)
-LOSS_LOG_KEYS = ("loss", "train_loss")
-
 
 class _DPCallback(TrainerCallback):
     """Runs the DP optimizer's zero_grad after every step and the budget stop."""
@@ -212,10 +203,9 @@ class DPTrainerMixin:
         return causal_lm(self.model)
 
     def training_step(self, model: nn.Module, inputs: Dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
-        """One physical batch: per-example losses averaged over the realised physical batch
-        (the hooks undo that factor; the update is divided by the public B only), one plain
-        backward, and, except for the last physical batch of the logical step, clipping into
-        the step's sum (BatchMemoryManager's skipped step). ``num_items_in_batch`` is ignored."""
+        """One physical batch: per-example losses, one plain backward (one per row in the
+        per-example form), then, but for the logical step's last physical batch, clipping into
+        the step's sum (a same-draw skipped step). ``num_items_in_batch`` is ignored."""
         optimizer = self._dp_optimizer
         if optimizer is None:
             raise RuntimeError("the private optimizer was not created (train() creates it)")
@@ -274,9 +264,7 @@ class DPTrainerMixin:
         check_records(self._dp_optimizer, rows, self._dp_names)
 
     def _dp_check_refused_steps(self) -> None:
-        """Raise the refusal of a step that a fused optimizer skipped on the device, before
-        anything computed from the model is logged, evaluated or saved (waits for the step's
-        flag; docs/accounting.md)."""
+        """Raise a step a fused optimizer refused on the device, before anything is logged or saved."""
         check = getattr(self._dp_optimizer, "check_refused_steps", None)
         if check is not None:
             check()
@@ -402,4 +390,4 @@ def private_trainer(trainer_class: Type[Trainer]) -> Type[Trainer]:
     return _PRIVATE_CLASSES[trainer_class]
 
 
-__all__ = ["DPTrainer", "DPTrainerMixin", "private_trainer", "PRIVATE_LOG_KEYS", "LOSS_LOG_KEYS"]
+__all__ = ["DPTrainer", "DPTrainerMixin", "private_trainer"]
