@@ -201,3 +201,10 @@ def test_no_import_runs_upward():
         [sys.executable, "-m", "tools.import_graph"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
     assert out.splitlines()[0].endswith("upward: 0"), out
+
+
+def test_hf_and_accountant_files_stay_small():
+    """The issue-31 limits: no file of opacus_rc/hf/ over 400 lines, accountant.py at most 400."""
+    files = [*(ROOT / "opacus_rc" / "hf").glob("*.py"), ROOT / "opacus_rc" / "accounting" / "accountant.py"]
+    long = {f.relative_to(ROOT).as_posix(): n for f in files if (n := len(f.read_text().splitlines())) > 400}
+    assert long == {}
