@@ -128,7 +128,8 @@ def mixture_cell_masses(
     # other matters (both are then exp(+-t/2) times the shared exponential)
     q_row = Q + (0.5 if twin_log_w is not None else 0.0)
     twin_beta = beta - 1.0 / alpha if twin_log_w is not None else beta
-    buf = np.empty((min(_ROWS_PER_CHUNK, good.size), alpha.size))
+    # exponents laid out (components, cells): each element-wise pass runs along long rows
+    buf = np.empty((alpha.size, min(_ROWS_PER_CHUNK, good.size)))
     for start in range(0, good.size, _ROWS_PER_CHUNK):
         rows = good[start : start + _ROWS_PER_CHUNK]
         t = mid[rows]  # increasing
@@ -144,13 +145,13 @@ def mixture_cell_masses(
         )[0]
         if cols.size == 0:
             continue
-        x = buf[: rows.size, : cols.size]
-        np.multiply(t[:, None], P[None, cols], out=x)
-        x += q_row[cols]
-        x *= t[:, None]
-        x += R[cols]
+        x = buf[: cols.size, : rows.size]
+        np.multiply(P[cols, None], t[None, :], out=x)
+        x += q_row[cols, None]
+        x *= t[None, :]
+        x += R[cols, None]
         np.exp(x, out=x)
-        s = x @ coef[cols]
+        s = x.T @ coef[cols]
         mono = w[:, None] ** (2 * k_idx) * t[:, None] ** r_idx
         if twin_log_w is None:
             val = np.einsum("ij,ij->i", s, mono)
