@@ -135,7 +135,7 @@ class StepPRV:
             self.p = np.array([0.0])
         self._logp = np.log(np.where(self.p > 0, self.p, 1e-320))
         self._mu_max = float(self.mu.max())
-        self._mgf_cache: dict = {}
+        self._mgf_cache: Dict[float, float] = {}  # log E_Q[rho^beta] by beta
         self._inverse_tables: Dict[bool, Tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = {}
 
     # ---- helpers -------------------------------------------------------------------
@@ -263,6 +263,15 @@ class StepPRV:
 
     # ---- log moment generating functions (for the domain size) -----------------------
     def _log_rho_moment(self, beta: float) -> float:
+        """``log E_Q[rho(X)^beta]`` (:meth:`_moment`), once per exponent: both directions
+        and tails share exponents (e.g. remove-lower ``1 - 2`` and add-upper ``-1``), and
+        the domain of each direction asks for all of them."""
+        beta = float(beta)
+        if beta not in self._mgf_cache:
+            self._mgf_cache[beta] = self._moment(beta)
+        return self._mgf_cache[beta]
+
+    def _moment(self, beta: float) -> float:
         """``log E_Q[rho(X)^beta]`` (revealed: the p-weighted per-bin moments).
 
         Hidden Z with ``beta`` outside ``(0, 1)``: the revealed moment, an upper bound by
@@ -319,8 +328,4 @@ class StepPRV:
         hidden-Z mixture is integrated directly otherwise.
         """
         beta = mgf_exponent(direction, lam, tail)
-        key = (direction, lam, tail)
-        if key not in self._mgf_cache:
-            self._mgf_cache[key] = self._log_rho_moment(beta)
-        val = self._mgf_cache[key]
-        return val - math.log(self._finite_mass(direction))
+        return self._log_rho_moment(beta) - math.log(self._finite_mass(direction))
