@@ -19,7 +19,7 @@ _SERIES_MAX = 0.15
 #: Rows (cells) per chunk: the cells that share one selection of components.
 _ROWS_PER_CHUNK = 8192
 #: OpenBLAS multiplies on one thread when ``M N K <= 4 * 65536`` (its default threshold;
-#: another BLAS may use more threads: the same floats, only slower on a busy machine).
+#: a BLAS that threads smaller products threads the blocks, as it did the whole product).
 _ONE_THREAD_MNK = 4 * 65536
 #: Rows of the products in a chunk: multiples of every BLAS kernel's row unroll (4-16).
 _PRODUCT_ROWS = 64
