@@ -266,3 +266,32 @@ def test_calibration_start_point_does_not_matter():
                                accountant="prv")
     assert sigma == pytest.approx(ref, abs=0.01)
 
+
+
+def test_spectrum_power_is_numpy_power():
+    """The composition raises only the spectrum entries that do not underflow: the same
+    floats as ``f ** n``."""
+    from scipy import fft as sp_fft
+
+    from opacus_rc.accounting.prv.compose import _spectrum_power
+
+    rng = np.random.default_rng(0)
+    pmf = np.exp(-0.5 * np.linspace(-6.0, 6.0, 4001) ** 2)
+    z = np.exp(rng.uniform(-0.2, 0.0, 10_000) + 1j * rng.uniform(-np.pi, np.pi, 10_000))
+    for f in (sp_fft.rfft(pmf / pmf.sum(), 5000), z):
+        for n in (1, 7, 99, 100, 1000, 10_000, 123_457):
+            assert np.array_equal(_spectrum_power(f, n), f ** n)
+
+
+@pytest.mark.usefixtures("one_blas_thread")
+def test_single_thread_product_is_one_product():
+    """The series' product in row blocks gives the floats of one product of all rows (on
+    one thread: a threaded product splits the rows where its threads' shares end)."""
+    from opacus_rc.accounting.prv.kernel import _single_thread_product
+
+    rng = np.random.default_rng(1)
+    buf = np.exp(rng.uniform(-60.0, 0.0, (95, 8192)))  # (components, cells), as the kernel
+    for k, m, n in ((95, 8192, 32), (94, 8000, 16), (95, 212, 32), (1, 8192, 16), (40, 63, 16)):
+        a = buf[:k, :m].T
+        b = rng.normal(size=(k, n)) * np.exp(rng.uniform(-20.0, 5.0, (k, 1)))
+        assert np.array_equal(_single_thread_product(a, b), a @ b)

@@ -14,6 +14,26 @@ from .discretise import _discretise
 from .domain import _make_domain
 from .prvs import PRVStep
 
+#: ``f ** n`` of numpy: repeated multiplication for integer ``|n| < 100``, else
+#: ``cexp(n clog f)``, which is exactly 0 where ``n log|f| < -745`` (exp underflows).
+_CPOW_COUNT = 100
+
+
+def _spectrum_power(f: np.ndarray, count: int) -> np.ndarray:
+    """``f ** count``, elementwise, evaluated only where ``|f|^count >= e^-800``.
+
+    For ``count >= 100`` numpy computes ``cexp(count clog f)``, exactly 0 wherever
+    ``count log|f| < -745``; those entries (nearly all of a long composition's spectrum)
+    are set to 0 directly, with a margin of ``e^-55``: the same floats as ``f ** count``.
+    """
+    if count < _CPOW_COUNT:
+        return f ** count
+    live = f.real * f.real + f.imag * f.imag >= math.exp(-1600.0 / count)
+    out = np.zeros_like(f)
+    out[live] = f[live] ** count
+    return out
+
+
 def _epsilon_from_pmf(
     pmf: np.ndarray, ts: np.ndarray, beyond: float, delta_target: float
 ) -> float:
@@ -55,7 +75,7 @@ def _compose_direction(
     for step, count in zip(steps, counts):
         pmf, shift, pm_inf = _discretise(step, direction, dom)
         log_finite += count * math.log1p(-pm_inf) if pm_inf < 1 else -math.inf
-        f = sp_fft.rfft(pmf, n_fft) ** count
+        f = _spectrum_power(sp_fft.rfft(pmf, n_fft), count)
         spectrum = f if spectrum is None else spectrum * f
         shift_total += count * shift
     delta_inf = -math.expm1(log_finite)

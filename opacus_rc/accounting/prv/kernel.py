@@ -16,8 +16,13 @@ _SERIES_TERMS = 4
 #: first omitted term is then below ``0.15^8 / (9! 4^4) < 3e-15`` relative (``|He_8(c)| <=
 #: (|c| + 3)^8``), otherwise both ends are evaluated with ``ndtr``.
 _SERIES_MAX = 0.15
-#: Rows per block: large enough for an efficient (multi-threaded) BLAS product.
+#: Rows (cells) per chunk: the cells that share one selection of components.
 _ROWS_PER_CHUNK = 8192
+#: OpenBLAS multiplies on one thread when ``M N K <= 4 * 65536`` (its default threshold;
+#: a BLAS that threads smaller products threads the blocks, as it did the whole product).
+_ONE_THREAD_MNK = 4 * 65536
+#: Rows of the products in a chunk: multiples of every BLAS kernel's row unroll (4-16).
+_PRODUCT_ROWS = 64
 #: ``phi(c) < exp(-800)`` beyond this: such components are skipped in a chunk.
 _C_NEGLIGIBLE = 40.0
 
@@ -57,6 +62,27 @@ def _series_coefficients(alpha: np.ndarray, beta: np.ndarray, log_w: np.ndarray)
     k_idx = np.concatenate([np.full(2 * k + 1, k) for k in range(K)])  # nonzero powers only
     r_idx = np.concatenate([np.arange(2 * k + 1) for k in range(K)])
     return (H * fact[:, :, None])[:, k_idx, r_idx], k_idx, r_idx
+
+
+def _single_thread_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` as one batched product of row blocks, each small enough for one BLAS thread.
+
+    BLAS worker threads spin after each product and, on a machine whose cores are busy,
+    slow everything down more than they speed the product up (2x measured). Blocks start
+    at multiples of ``_PRODUCT_ROWS``, so every row is computed by the same kernel
+    instructions as in one single-threaded product of all rows: the same floats (a
+    threaded product could split the rows at other places).
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    rows = _PRODUCT_ROWS * max(1, _ONE_THREAD_MNK // (_PRODUCT_ROWS * k * n))
+    full = m - m % rows
+    out = np.empty((m, n))
+    if full:
+        np.matmul(a[:full].reshape(-1, rows, k), b, out=out[:full].reshape(-1, rows, n))
+    if full < m:
+        np.matmul(a[full:], b, out=out[full:])
+    return out
 
 
 def mixture_cell_masses(
@@ -128,7 +154,8 @@ def mixture_cell_masses(
     # other matters (both are then exp(+-t/2) times the shared exponential)
     q_row = Q + (0.5 if twin_log_w is not None else 0.0)
     twin_beta = beta - 1.0 / alpha if twin_log_w is not None else beta
-    buf = np.empty((min(_ROWS_PER_CHUNK, good.size), alpha.size))
+    # exponents laid out (components, cells): each element-wise pass runs along long rows
+    buf = np.empty((alpha.size, min(_ROWS_PER_CHUNK, good.size)))
     for start in range(0, good.size, _ROWS_PER_CHUNK):
         rows = good[start : start + _ROWS_PER_CHUNK]
         t = mid[rows]  # increasing
@@ -144,13 +171,13 @@ def mixture_cell_masses(
         )[0]
         if cols.size == 0:
             continue
-        x = buf[: rows.size, : cols.size]
-        np.multiply(t[:, None], P[None, cols], out=x)
-        x += q_row[cols]
-        x *= t[:, None]
-        x += R[cols]
+        x = buf[: cols.size, : rows.size]
+        np.multiply(P[cols, None], t[None, :], out=x)
+        x += q_row[cols, None]
+        x *= t[None, :]
+        x += R[cols, None]
         np.exp(x, out=x)
-        s = x @ coef[cols]
+        s = _single_thread_product(x.T, coef[cols])
         mono = w[:, None] ** (2 * k_idx) * t[:, None] ** r_idx
         if twin_log_w is None:
             val = np.einsum("ij,ij->i", s, mono)

@@ -17,6 +17,8 @@ _INVERSE_NODES = 120_001
 _INVERSE_TOL = 1e-12
 #: Inversions of more points than this use the fine table (its cost pays off).
 _FINE_INVERSION = 200_000
+#: Points per block of :meth:`StepPRV._g`.
+_G_BLOCK = 1024
 
 
 def _hermite_inverse(u: np.ndarray, xs: np.ndarray, gs: np.ndarray, dgs: np.ndarray) -> np.ndarray:
@@ -133,7 +135,7 @@ class StepPRV:
             self.p = np.array([0.0])
         self._logp = np.log(np.where(self.p > 0, self.p, 1e-320))
         self._mu_max = float(self.mu.max())
-        self._mgf_cache: dict = {}
+        self._mgf_cache: Dict[float, float] = {}  # log E_Q[rho^beta] by beta
         self._inverse_tables: Dict[bool, Tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = {}
 
     # ---- helpers -------------------------------------------------------------------
@@ -155,20 +157,21 @@ class StepPRV:
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(a > 0, np.log(np.where(a > 0, a, 1.0)) - math.log(self.q), -np.inf)
 
-    def _g(self, x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """``g(x) = log sum_j p_j exp(mu_j x - mu_j^2/2)`` and ``g'(x)``."""
-        a = x[:, None] * self.mu[None, :] + (self._logp - 0.5 * self.mu**2)[None, :]
-        amax = a.max(axis=1, keepdims=True)
-        w = np.exp(a - amax)
-        sw = w.sum(axis=1)
-        g = amax[:, 0] + np.log(sw)
-        dg = (w * self.mu[None, :]).sum(axis=1) / sw
+    def _g(self, x: np.ndarray, slope: bool = True) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        """``g(x) = log sum_j p_j exp(mu_j x - mu_j^2/2)`` and ``g'(x)`` (None unless ``slope``),
+        row by row in blocks of ``_G_BLOCK`` points: the (points, bins) temporaries stay in
+        the L2 cache, and each point's floats do not depend on the blocking."""
+        g, dg = np.empty(x.shape), np.empty(x.shape) if slope else None
+        offset = (self._logp - 0.5 * self.mu**2)[None, :]
+        for i in range(0, x.size, _G_BLOCK):
+            a = x[i : i + _G_BLOCK, None] * self.mu[None, :] + offset
+            amax = a.max(axis=1, keepdims=True)
+            w = np.exp(a - amax)
+            sw = w.sum(axis=1)
+            g[i : i + _G_BLOCK] = amax[:, 0] + np.log(sw)
+            if slope:
+                dg[i : i + _G_BLOCK] = (w * self.mu[None, :]).sum(axis=1) / sw
         return g, dg
-
-    def _g_blocks(self, x: np.ndarray, block: int = 16384) -> Tuple[np.ndarray, np.ndarray]:
-        """:meth:`_g` in blocks (its (n, bins) temporaries stay in cache)."""
-        parts = [self._g(x[i : i + block]) for i in range(0, x.size, block)]
-        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def _inverse_nodes(self, fine: bool) -> Tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
         """Nodes ``(x, g(x), g'(x))`` of the inverse's interpolant and whether it needs no
@@ -178,11 +181,11 @@ class StepPRV:
         table = self._inverse_tables.get(fine)
         if table is None:
             xs = np.linspace(_X_LO - 1.0, self._mu_max + 40.0, _INVERSE_NODES if fine else 16001)
-            gs, dgs = self._g_blocks(xs)
+            gs, dgs = self._g(xs)
             accurate = False
             if fine:
                 mid = 0.5 * (xs[1:] + xs[:-1])
-                err = np.abs(_hermite_inverse(self._g_blocks(mid)[0], xs, gs, dgs) - mid)
+                err = np.abs(_hermite_inverse(self._g(mid, slope=False)[0], xs, gs, dgs) - mid)
                 accurate = bool((err / (1.0 + np.abs(mid))).max() <= _INVERSE_TOL)
             table = self._inverse_tables[fine] = (xs, gs, dgs, accurate)
         return table
@@ -240,7 +243,7 @@ class StepPRV:
             nodes, w = _gauss_legendre_panels(xl, min(xh, self._mu_max + 40.0), 0.05)
             if not nodes.size:
                 return 0.0
-            loss = self._log_rho(math.log(q) + self._g(nodes)[0])
+            loss = self._log_rho(math.log(q) + self._g(nodes, slope=False)[0])
             return float(np.sum(w * sign * loss * self._density(direction, nodes, self.mu, self.p)))
         total = 0.0
         for mu_j, p_j in zip(self.mu, self.p):
@@ -260,6 +263,15 @@ class StepPRV:
 
     # ---- log moment generating functions (for the domain size) -----------------------
     def _log_rho_moment(self, beta: float) -> float:
+        """``log E_Q[rho(X)^beta]`` (:meth:`_moment`), once per exponent: both directions
+        and tails share exponents (e.g. remove-lower ``1 - 2`` and add-upper ``-1``), and
+        the domain of each direction asks for all of them."""
+        beta = float(beta)
+        if beta not in self._mgf_cache:
+            self._mgf_cache[beta] = self._moment(beta)
+        return self._mgf_cache[beta]
+
+    def _moment(self, beta: float) -> float:
         """``log E_Q[rho(X)^beta]`` (revealed: the p-weighted per-bin moments).
 
         Hidden Z with ``beta`` outside ``(0, 1)``: the revealed moment, an upper bound by
@@ -294,7 +306,7 @@ class StepPRV:
         x = np.arange(-14.0, reach + 14.0, h)
         logphi = -0.5 * x**2 - _LOG2PI_HALF + math.log(h)
         if direct_hidden:
-            log_rho = self._log_rho(math.log(q) + self._g(x)[0])
+            log_rho = self._log_rho(math.log(q) + self._g(x, slope=False)[0])
             return float(_lse(logphi + beta * log_rho))
         log_rho = self._log_rho(math.log(q) + x[None, :] * self.mu[:, None] - 0.5 * self.mu[:, None] ** 2)
         return self._with_top_bin(_lse(logphi[None, :] + beta * log_rho, axis=1), beta)
@@ -316,8 +328,4 @@ class StepPRV:
         hidden-Z mixture is integrated directly otherwise.
         """
         beta = mgf_exponent(direction, lam, tail)
-        key = (direction, lam, tail)
-        if key not in self._mgf_cache:
-            self._mgf_cache[key] = self._log_rho_moment(beta)
-        val = self._mgf_cache[key]
-        return val - math.log(self._finite_mass(direction))
+        return self._log_rho_moment(beta) - math.log(self._finite_mass(direction))
