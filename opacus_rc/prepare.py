@@ -59,12 +59,12 @@ class MakePrivateCall:
     ``self._prepare_data_loader(...)``, ``self._prepare_optimizer(...)`` and
     ``self._prepare_criterion(...)`` with fixed arguments and no room for the plugin's
     (``make_private_with_epsilon`` calls ``self.make_private(...)``). So
-    :meth:`opacus_rc.integration.PrivacyEngine._run_opacus` runs Opacus's method with this short-lived object
-    as ``self``, built for the one call and dropped after it: its ``_prepare_*`` steps
-    run the randomized steps below with ``options`` when the call is randomized, and the
-    engine's (Opacus's) own otherwise; its
-    ``make_private`` (Opacus's ``make_private_with_epsilon`` calling back) is Opacus's
-    own, on this object, so the call's keywords are parsed once; every other attribute
+    :meth:`opacus_rc.integration.PrivacyEngine._run_opacus` runs Opacus's method with this
+    short-lived object as ``self``, built for the one call and dropped after it: its
+    ``_prepare_*`` steps run the randomized steps below with ``options`` when the call is
+    randomized, and the engine's (Opacus's) own otherwise; its ``make_private`` (Opacus's
+    ``make_private_with_epsilon`` calling back) is Opacus's own, on this object, so the
+    call's keywords are parsed once; every other attribute
     read or written is the engine's (``accountant``, ``secure_mode``, ``dataset``, ...).
     The engine stores no options, so there is no state to reset and no re-entry to
     guard: a nested or concurrent call has its own object.
