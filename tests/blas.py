@@ -9,6 +9,7 @@ recorded kernels on every CPU with AVX-512; there the goldens hold bit for bit.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -18,6 +19,7 @@ RECORDED_BLAS = "SkylakeX"
 OTHER_KERNELS_RTOL = 1e-6
 
 
+@functools.lru_cache(maxsize=None)
 def blas_architecture() -> Optional[str]:
     """The core type of NumPy's OpenBLAS (None when it is not OpenBLAS)."""
     import numpy  # noqa: F401  (loads the BLAS threadpoolctl inspects)

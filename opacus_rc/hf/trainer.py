@@ -203,9 +203,10 @@ class DPTrainerMixin:
         return causal_lm(self.model)
 
     def training_step(self, model: nn.Module, inputs: Dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
-        """One physical batch: per-example losses, one plain backward (one per row in the
-        per-example form), then, but for the logical step's last physical batch, clipping into
-        the step's sum (a same-draw skipped step). ``num_items_in_batch`` is ignored."""
+        """One physical batch: per-example losses averaged over the realised batch (the hooks
+        undo that factor; the update is divided by the public B only), one plain backward (one
+        per row in the per-example form), then, but for the logical step's last physical batch,
+        clipping into the step's sum (a same-draw skipped step). ``num_items_in_batch`` is ignored."""
         optimizer = self._dp_optimizer
         if optimizer is None:
             raise RuntimeError("the private optimizer was not created (train() creates it)")
@@ -264,7 +265,8 @@ class DPTrainerMixin:
         check_records(self._dp_optimizer, rows, self._dp_names)
 
     def _dp_check_refused_steps(self) -> None:
-        """Raise a step a fused optimizer refused on the device, before anything is logged or saved."""
+        """Raise a step a fused optimizer refused on the device (``found_inf``; waits for the
+        flag), before anything computed from the model is logged, evaluated or saved."""
         check = getattr(self._dp_optimizer, "check_refused_steps", None)
         if check is not None:
             check()
