@@ -11,7 +11,7 @@ involved, and ``torchcsprng`` is not needed.
 Keystream to numbers, vectorised in torch (no Python loop over elements):
 
 * 64-bit words ``w`` -> 53 random bits ``k = w mod 2^53``;
-* uniforms: ``k / 2^53`` in [0, 1) for :func:`secure_uniform`, ``(k + 1) / 2^53`` in
+* uniforms: ``k / 2^53`` in [0, 1) for :meth:`CSPRNG.uniform`, ``(k + 1) / 2^53`` in
   (0, 1] for logarithms;
 * Bernoulli(p): ``k < ceil(p 2^53)``, i.e. probability ``ceil(p 2^53) / 2^53`` (``p`` up
   to 2^-53);
@@ -334,13 +334,6 @@ def secure_noise(std: float, reference: torch.Tensor) -> torch.Tensor:
     """N(0, std^2) noise like ``reference`` from the CSPRNG, as the halved sum of four
     normals in float64 (Opacus's secure-mode floating-point-attack mitigation)."""
     return default_generator().noise(std, reference)
-
-
-def secure_uniform(
-    shape: ShapeLike, device="cpu", dtype: torch.dtype = torch.float64
-) -> torch.Tensor:
-    """U[0, 1) entries (53 random bits each) from the CSPRNG."""
-    return default_generator().uniform(shape, device=device, dtype=dtype)
 
 
 def secure_bernoulli(p: float, shape: ShapeLike, device="cpu") -> torch.Tensor:

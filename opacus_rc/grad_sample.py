@@ -67,7 +67,6 @@ class PerExampleStore:
         **kwargs: Any,
     ) -> None:
         super().__init__(m, **self._opacus_options, **kwargs)
-        self.sketch_config = sketch_config
         self._steps_taken: Optional[int] = None  # the step clock: see follow_steps()
         self._step_hook: Optional[Any] = None
         self._sketcher = Sketcher(sketch_config, seed=sketch_seed, secure_mode=secure_mode)

@@ -159,8 +159,6 @@ def test_ddp_two_pass_refuses_unpreserved_rng_state():
 
 # --- Hugging Face: gradient_checkpointing_kwargs, plain engine and DPTrainer -----------------
 
-transformers = pytest.importorskip("transformers")
-
 from .hf.test_trainer import training_args  # noqa: E402
 from .models import RowDataset, tiny_llama  # noqa: E402
 

@@ -14,9 +14,11 @@ import copy
 import warnings
 from typing import Callable, Dict, List, Optional
 
+import peft
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from opacus import PrivacyEngine
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -24,9 +26,6 @@ from torch.utils.checkpoint import checkpoint
 from opacus_rc.sketch import Sketcher
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # tiny tensors: threads only contend
-
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
 
 VOCAB, T, BATCH, CLIP, STEPS = 24, 6, 3, 0.05, 3
 

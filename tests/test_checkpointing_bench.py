@@ -8,8 +8,6 @@ import pytest
 
 from benchmarks import checkpointing as C
 
-pytest.importorskip("transformers")
-
 TINY = dict(d_model=64, n_layers=2, vocab=128)
 
 

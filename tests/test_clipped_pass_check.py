@@ -271,7 +271,6 @@ def test_ghost_criterion_with_micro_batches_equals_brute_force():
 
 def test_dp_trainer_fused_head_on_a_checkpointed_model_is_refused(tmp_path):
     """The Trainer form of item 1 (main: 14.3 C for one example, charged normally)."""
-    pytest.importorskip("transformers")
     from opacus_rc.hf import DPTrainer, PrivacyArguments, per_example_token_loss
 
     from .hf.test_trainer import training_args

@@ -4,15 +4,13 @@ random weights, nothing downloaded), PEFT LoRA, tied weights, gradient accumulat
 import copy
 import math
 
+import peft
 import pytest
 import torch
 from opacus import PrivacyEngine
 from torch import nn
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
-
-from tests.models import hf_model, lm_batch  # noqa: E402
+from tests.models import hf_model, lm_batch
 
 VOCAB, T, BATCH = 64, 48, 8  # hf_model's vocabulary, lm_batch's sequence length
 

@@ -5,10 +5,11 @@ import copy
 import opacus
 import pytest
 import torch
-from opacus import PrivacyEngine
+from opacus.accountants.registry import create_accountant
 from torch import nn
 
 from opacus_rc import integration, registration
+from opacus_rc.accounting.accountant import RCPRVAccountant
 
 from .models import token_task
 
@@ -75,6 +76,18 @@ def test_mode_behaves_as_without_opacus_rc(model_factory, options):
 
 
 def test_install_is_idempotent():
-    before = PrivacyEngine.make_private
-    registration.install()
-    assert PrivacyEngine.make_private is before
+    """A second install sets each name of PATCHES to the same value (nothing wrapped twice),
+    so one uninstall still restores Opacus's own, and the accountant stays registered."""
+    try:
+        registration.install()
+        registration.install()
+        for owner, name, value in registration.PATCHES:
+            assert vars(owner)[name] is value, name
+        assert type(create_accountant("rc_prv")) is RCPRVAccountant
+        registration.uninstall()
+        for (owner, name, _), original in zip(registration.PATCHES, registration.ORIGINALS):
+            assert vars(owner)[name] is original, name
+        assert type(opacus.PrivacyEngine(accountant="prv")) is integration.OpacusPrivacyEngine
+    finally:
+        registration.install()
+    assert type(opacus.PrivacyEngine(accountant="rc_prv")) is integration.PrivacyEngine

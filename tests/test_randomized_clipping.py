@@ -119,7 +119,7 @@ def test_returns_ghost_four_tuple_and_carries_sketch_config(model_factory):
     assert isinstance(module, opacus_rc.GradSampleModuleRandomizedClipping)
     assert isinstance(opt, opacus_rc.RandomizedClippingOptimizer)
     assert (opt.estimator, opt.sketch_size, opt.sketching) == ("hutchpp", 16, "per_example")  # the default
-    assert module.sketch_config == opt.sketch_config
+    assert module.sketcher.config == opt.sketch_config
 
 
 def estimated_norms(module, crit, x, y):

@@ -143,7 +143,6 @@ def test_weight_used_twice_with_equal_gradients_is_bounded_by_c():
 def test_albert_lora_shared_layers_equal_per_example_clipping(mode):
     """Hugging Face ALBERT shares one layer group across its 4 layers; with PEFT LoRA on
     the attention projections every LoRA factor is used 4 times per pass."""
-    pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
     from transformers import AlbertConfig, AlbertForSequenceClassification
 

@@ -104,7 +104,6 @@ def test_checkpointed_model_matches_the_counted_small_llama():
     """The stated model, in float32 with the counted norm term, is within 15% of the peak
     counted operator by operator on the meta device for the small checkpointed Llama of
     benchmarks/checkpointing.py (d = 256, 4 layers, vocabulary 512)."""
-    pytest.importorskip("transformers")
     from benchmarks import checkpointing
 
     small = scaling.DecoderShape(vocab=512, d=256, layers=4, heads=4, kv_heads=4, ffn=704)
@@ -122,7 +121,6 @@ def test_two_pass_keeps_one_loss_tensor_through_the_layers():
     """The retained-loss term of the model: on the meta device the checkpointed two-pass
     step's peak grows by exactly one T x vocab float32 tensor per extra vocabulary entry
     (the non-private step by none: its peak is in the layer phase)."""
-    pytest.importorskip("transformers")
     from benchmarks import checkpointing
 
     t = 4096

@@ -180,7 +180,7 @@ def test_accumulated_micro_batches_draw_fresh_sketches(form, mode, monkeypatch):
 def test_private_trainer_accumulation_draws_fresh_sketches(form, tmp_path, monkeypatch):
     """DPTrainer on a LoRA Llama (frozen embedding and head; every trainable layer in a
     checkpointed decoder layer), q = 1 on 8 rows, 2 accumulation steps of 4 rows each."""
-    peft = pytest.importorskip("peft")
+    import peft
     from opacus_rc.hf import DPTrainer, PrivacyArguments
 
     from .hf.test_trainer import training_args

@@ -57,14 +57,31 @@ def test_loop_without_zero_grad_is_refused(mode):
         opt.step()
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_loop_with_zero_grad_runs(mode):
+def step_gradients(mode, parts):
+    """The released gradient of each step of a loop with ``zero_grad()`` (noise 0, lr 0:
+    the parameters, the sketches' seeds and the step clock are the same in every run)."""
     torch.manual_seed(0)
-    _, _, opt, backward, _ = make_private(SequenceClassifier(), mode)
-    for x, y in batches(3):
+    engine, _, opt, backward, _ = make_private(SequenceClassifier(), mode)
+    released = []
+    for x, y in parts:
         backward(x, y)
         opt.step()
+        released.append([p.grad.clone() for group in opt.param_groups for p in group["params"]])
         opt.zero_grad()
+    assert len(engine.accountant.history) == 1 and engine.accountant.history[0][2] == len(parts)
+    return released
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_loop_with_zero_grad_releases_each_batch_alone(mode):
+    """With ``zero_grad()`` every step is charged and releases its own batch's clipped sum:
+    the last step's update is the same whatever the earlier steps saw."""
+    same = batches(3)
+    other = batches(2, seed=1) + same[2:]
+    a, b = step_gradients(mode, same), step_gradients(mode, other)
+    assert any(not torch.equal(g, h) for g, h in zip(a[0], b[0]))  # the data matter
+    for g, h in zip(a[2], b[2]):
+        torch.testing.assert_close(g, h, rtol=0, atol=0)
 
 
 # --- item 5: Opacus's virtual steps -----------------------------------------------------

@@ -65,8 +65,8 @@ def broken_sketcher(variant: str, like: Sketcher) -> Sketcher:
     return _SKETCHERS[variant](like.config, seed=like.seed)
 
 
-def install_sketcher(module: Any, optimizer: Any, sketcher: Sketcher) -> None:
-    """Make a randomized-clipping grad-sample module (and its optimizer) use ``sketcher``.
+def install_sketcher(module: Any, sketcher: Sketcher) -> None:
+    """Make a randomized-clipping grad-sample module use ``sketcher``.
 
     The module's norm samplers read ``module.sketcher`` at every call (see
     :class:`opacus_rc.grad_sample.SketchingMixin`), so replacing it is enough.

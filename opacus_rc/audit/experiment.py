@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
@@ -132,13 +132,6 @@ class AuditResult:
     def contract(self) -> Dict[str, object]:
         """The fields of the command's JSON output, in order."""
         return {k: getattr(self, k) for k in self.CONTRACT_KEYS}
-
-    def to_dict(self) -> Dict[str, object]:
-        out = asdict(self)
-        out.pop("test")
-        if self.test is not None:
-            out.update(asdict(self.test))
-        return out
 
 
 def result_fields(
@@ -292,7 +285,7 @@ def build_experiment(config: AuditConfig, uses: int = 1) -> _Experiment:
         grad_sample_mode="ghost" if uses == 1 else "hooks", sketching=config.sketching, exact_when_cheaper=False,
     )
     if config.variant != "honest":
-        install_sketcher(exp.model, exp.optimizer, broken_sketcher(config.variant, exp.model.sketcher))
+        install_sketcher(exp.model, broken_sketcher(config.variant, exp.model.sketcher))
     return exp
 
 

@@ -4,7 +4,6 @@ Trainer creates its optimizer; the ``rc_prv`` calibration and epsilon the Traine
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any, Dict, List, NamedTuple, Optional
 
@@ -16,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
 from ..integration import PrivacyEngine
+from ..optimizer import RandomizedClippingMixin
 from ..options import per_rank_normaliser
 from ..sketch import entropy_seed
 from .arguments import PrivacyArguments
@@ -156,10 +156,12 @@ def make_private(
 
 def signal_same_draw(optimizer: DPOptimizer) -> None:
     """A skipped step whose next physical batch continues the same Poisson draw (charged
-    once, averaged once). Optimizers without ``same_draw=`` (Opacus's flat one, older
-    randomized ones) count a skipped step as part of the same logical step anyway."""
-    same_draw = "same_draw" in inspect.signature(optimizer.signal_skip_step).parameters
-    optimizer.signal_skip_step(do_skip=True, **({"same_draw": True} if same_draw else {}))
+    once, averaged once). Opacus's flat optimizer has no ``same_draw=``: it counts a
+    skipped step as part of the same logical step anyway."""
+    if isinstance(optimizer, RandomizedClippingMixin):
+        optimizer.signal_skip_step(do_skip=True, same_draw=True)
+    else:
+        optimizer.signal_skip_step(do_skip=True)
 
 
 __all__ = ["Private", "budget_steps", "epsilon", "make_private", "noise_multiplier", "public_loader", "signal_same_draw"]

@@ -71,7 +71,6 @@ def test_bookkeeping_lm_equals_two_pass(arch):
     rotary, SwiGLU, no biases) with a per-sequence LM loss."""
     torch.manual_seed(0)
     if arch == "llama":
-        pytest.importorskip("transformers")
         model = TokenLM(tiny_llama(layers=1))
     else:
         model = Decoder(vocab=64, d=32, layers=1, heads=2, max_len=64)

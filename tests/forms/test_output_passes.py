@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 from opacus import PrivacyEngine
 from torch import nn
 
@@ -18,8 +19,6 @@ from opacus_rc.forms.output_passes import OutputPasses
 from opacus_rc.optimizer import RandomizedClippingOptimizer
 
 from tests.oracles import per_example_clipped_mean
-
-transformers = pytest.importorskip("transformers")
 
 B, T, V, C = 4, 8, 32, 0.05
 

@@ -8,14 +8,12 @@ import os
 import pytest
 import torch
 import torch.utils.checkpoint
+import transformers
+from opacus import PrivacyEngine
+from transformers import TrainingArguments
 
-transformers = pytest.importorskip("transformers")
-
-from opacus import PrivacyEngine  # noqa: E402
-from transformers import TrainingArguments  # noqa: E402
-
-import opacus_rc  # noqa: E402,F401
-from opacus_rc.hf import (  # noqa: E402
+import opacus_rc  # noqa: F401
+from opacus_rc.hf import (
     DP_STATE_NAME,
     DPTrainer,
     PrivacyArguments,
@@ -23,7 +21,7 @@ from opacus_rc.hf import (  # noqa: E402
     per_example_token_loss,
     private_trainer,
 )
-from tests.models import RowDataset, tiny_llama  # noqa: E402
+from tests.models import RowDataset, tiny_llama
 
 VOCAB, T, N = 64, 16, 24  # tiny_llama's vocabulary, RowDataset's row length and count
 PER_DEVICE, ACCUM = 4, 2
@@ -421,7 +419,7 @@ def test_custom_compute_loss_is_refused(tmp_path):
 
 
 def test_lora_trains_only_the_adapters(tmp_path):
-    peft = pytest.importorskip("peft")
+    import peft
     model = peft.get_peft_model(
         tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     )
@@ -453,7 +451,7 @@ def char_tokenizer():
 
 
 def sft_dataset(n: int = N):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     g = torch.Generator().manual_seed(3)
     texts = []
     for i in range(n):
@@ -464,7 +462,7 @@ def sft_dataset(n: int = N):
 
 
 def test_private_sft_trainer_sigma0_equals_plain_loop(tmp_path):
-    trl = pytest.importorskip("trl")
+    import trl
     model = tiny_llama()
     reference, initial = copy.deepcopy(model), copy.deepcopy(model)
     # SFTConfig's defaults: bf16 autocast, gradient checkpointing (Hugging Face's default
@@ -592,8 +590,8 @@ def assert_equals_one_process_on_the_union(ranks):
 
 
 def test_private_sft_trainer_with_peft_config_trains_the_adapters(tmp_path):
-    trl = pytest.importorskip("trl")
-    peft = pytest.importorskip("peft")
+    import trl
+    import peft
     config = trl.SFTConfig(
         output_dir=str(tmp_path / "sft"), per_device_train_batch_size=PER_DEVICE, gradient_accumulation_steps=ACCUM,
         max_steps=2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,

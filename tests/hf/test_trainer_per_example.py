@@ -140,7 +140,7 @@ def test_private_sft_trainer_at_a_physical_batch_of_one(tmp_path):
     at per_device_train_batch_size=1: the per-example form, automatically; the update equals
     brute force on the recorded rows (padding and masks as collated; the oracle's loss is the
     Trainer's per-row loss under the same bf16 autocast), up to bf16 rounding (2% of the update)."""
-    trl = pytest.importorskip("trl")
+    import trl
     from opacus_rc.hf import private_trainer
 
     from .test_trainer import char_tokenizer, sft_dataset

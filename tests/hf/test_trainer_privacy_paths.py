@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
-
-from transformers import (  # noqa: E402
+from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     OPTConfig,
@@ -19,8 +16,8 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from opacus_rc.hf import DPTrainer, PrivacyArguments, private_trainer  # noqa: E402
-from tests.models import tiny_llama  # noqa: E402
+from opacus_rc.hf import DPTrainer, PrivacyArguments, private_trainer
+from tests.models import tiny_llama
 
 VOCAB, PAD = 64, 0
 C = 1e-4  # far below every per-example gradient norm: each example contributes exactly C
