@@ -1,4 +1,4 @@
-"""Importing opacus_rc must leave every Opacus mode exactly as it was."""
+"""opacus_rc.registration: importing opacus_rc must leave every Opacus mode exactly as it was."""
 
 import copy
 

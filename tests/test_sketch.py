@@ -1,4 +1,4 @@
-"""Per-example sketches are fresh in every physical batch of a step.
+"""opacus_rc.sketch: per-example sketches are fresh in every physical batch of a step.
 
 The hidden-Z accounting of ``sketching="per_example"`` assumes an independent sketch per
 example. A logical step made of several physical batches (BatchMemoryManager, gradient

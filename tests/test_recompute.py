@@ -1,4 +1,4 @@
-"""Activation checkpointing (reentrant, non-reentrant, Hugging Face's
+"""opacus_rc.recompute, activation checkpointing (reentrant, non-reentrant, Hugging Face's
 ``gradient_checkpointing_enable``) in every randomized-clipping mode.
 
 With exact norms (sequence length T <= sketch size k) and noise 0 the update is the

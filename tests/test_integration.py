@@ -1,4 +1,4 @@
-"""The one way into Opacus: ``opacus_rc.PrivacyEngine``, its signatures and help, the names
+"""opacus_rc.integration, the one way into Opacus: ``opacus_rc.PrivacyEngine``, its signatures and help, the names
 of Opacus that ``import opacus_rc`` replaces, and the options object parsed once."""
 
 import dataclasses

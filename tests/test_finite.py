@@ -1,4 +1,4 @@
-"""Non-finite examples: refusals name no example and no value; ``nonfinite="skip"``
+"""opacus_rc.finite, non-finite examples: refusals name no example and no value; ``nonfinite="skip"``
 drops a non-finite example's whole contribution before the sum (book-keeping only)."""
 
 from __future__ import annotations
