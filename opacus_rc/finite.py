@@ -24,11 +24,14 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-#: What the flags watch, in the order a refusal names them. The last is not a finiteness
+#: What the flags watch, in the order a refusal names them. The fourth is not a finiteness
 #: check: the norm pass's in-module gradient check (a parameter used outside its module's
 #: forward), decided with the others, refused as a ValueError.
 OUTSIDE_USE = "in-module gradient"
-KINDS = ("per-sample loss", "per-sample gradient norm", "clipped gradient", OUTSIDE_USE)
+#: Not a finiteness check either: a forward pass changed a parameter or buffer
+#: (:mod:`opacus_rc.forward_changes`), decided here only when the ranks must agree.
+FORWARD_CHANGE = "forward-pass change"
+KINDS = ("per-sample loss", "per-sample gradient norm", "clipped gradient", OUTSIDE_USE, FORWARD_CHANGE)
 
 
 def all_finite(tensors: Iterable[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:

@@ -24,7 +24,8 @@ from opacus.optimizers.optimizer import (
 from torch.optim import Optimizer
 
 from .config import SketchConfig
-from .finite import OUTSIDE_USE, NonFiniteGuard, failed_kinds
+from .finite import FORWARD_CHANGE, OUTSIDE_USE, NonFiniteGuard, failed_kinds
+from .forward_changes import ForwardChanges, watched_model
 from .sketch import NOISE_STREAM, DeviceStreams, check_seed
 
 
@@ -166,6 +167,8 @@ class RandomizedClippingMixin:
         self._norm_pass_module: Any = None  # set by the criterion's backward during its norm pass
         self._outside_flags: List[Any] = []  # (parameters, device flags) of the step's norm passes
         self._elsewhere_cache: Any = None  # (module, ids): see _used_elsewhere()
+        self._forward_changes: Optional[ForwardChanges] = None  # see bind_module()
+        self._forward_changed: List[str] = []  # what it saw, when the ranks decide together
 
     @property
     def accumulated_iterations(self) -> int:
@@ -218,6 +221,7 @@ class RandomizedClippingMixin:
         step is raised first."""
         self._raise_deferred_refusal(wait=False)
         self._check_cleared()
+        self._check_forward_changes()
         self.check_clipped_passes()
         taken = super().pre_step(closure)
         if taken:
@@ -253,6 +257,37 @@ class RandomizedClippingMixin:
         self._grad_sample_module = weakref.ref(module)
         inner = getattr(module, "_module", module)
         self._parameter_names = {id(p): name for name, p in inner.named_parameters()}
+        self._watch_forward_changes(module)
+
+    def _watch_forward_changes(self, module: Any) -> None:
+        """Watch the model's parameters and buffers across its forward passes
+        (:mod:`opacus_rc.forward_changes`; buffers only under FSDP2, whose forward swaps the
+        parameters' shards): the next step refuses a change one of them made."""
+        from .forms.fsdp import _contains_fsdp  # the forms import this module
+
+        if self._forward_changes is not None:
+            self._forward_changes.remove()
+        model = watched_model(module)
+        self._forward_changes = ForwardChanges(model, parameters=not _contains_fsdp(model))
+
+    def _check_forward_changes(self) -> None:
+        """Refuse the step (ValueError naming them) when a forward pass of the model changed
+        a parameter or buffer since the last step; nothing is released, the step's clipped
+        sums are dropped. Distributed: decided with the step's device flags, agreed across
+        ranks (:data:`~opacus_rc.finite.FORWARD_CHANGE`; no host synchronisation)."""
+        watch = self._forward_changes
+        changed = [] if watch is None else watch.take()
+        if not changed:
+            return
+        if self._refusals_across_ranks:
+            self._forward_changed = changed
+            device = next((p.device for p in self.params), torch.device("cpu"))
+            self.note_finite(FORWARD_CHANGE, torch.full((), float("inf"), device=device))
+            return
+        self._forget_per_example_values()
+        for p in self.params:
+            p.summed_grad = None
+        raise watch.refusal(changed)
 
     def _bound_module(self) -> Any:
         return None if self._grad_sample_module is None else self._grad_sample_module()
@@ -404,6 +439,12 @@ class RandomizedClippingMixin:
 
     def _raise_deferred_refusal(self, wait: bool) -> None:
         refused = self._nonfinite_guard.arrived_refusal(wait=wait)
+        if refused is not None and FORWARD_CHANGE in refused:
+            raise ValueError(
+                "an earlier step was refused on the device: a forward pass changed a parameter or "
+                "buffer in place (parameters and optimizer state were not updated by it; the "
+                "privacy accountant counted it). A refusal must end the run"
+            )
         if refused is not None and OUTSIDE_USE in refused:
             raise ValueError(
                 "an earlier step was refused on the device: the gradient of a parameter did not "
@@ -447,6 +488,9 @@ class RandomizedClippingMixin:
         if not bool(ok):  # the step's one host synchronisation
             if OUTSIDE_USE in flags and not bool(flags[OUTSIDE_USE]):
                 raise self._outside_use_error()
+            if FORWARD_CHANGE in flags:
+                changed, self._forward_changed = self._forward_changed, []
+                raise ForwardChanges.refusal(changed)
             self._outside_flags = []
             raise FloatingPointError(
                 f"non-finite {failed_kinds(flags)} in this batch: the step is refused "

@@ -28,6 +28,7 @@ from .csprng import SecureDPDataLoader, loader_settings
 from .forms import FORMS
 from .forms.fsdp import check_fsdp_mode
 from .forms.two_pass import DPLossRandomizedClipping
+from .forward_changes import check_no_max_norm
 from .options import Options, per_rank_normaliser
 from .sketch import POISSON_STREAM, DeviceStreams
 
@@ -112,6 +113,7 @@ class MakePrivateCall:
         ``wrap_model=False``). Opacus builds its own through ``get_gsm_class``, which has
         no registry."""
         self.validate(module=module, optimizer=None, data_loader=None)
+        check_no_max_norm(module)  # its forward changes the embedding from the data
         if isinstance(module, AbstractGradSampleModule):
             raise ValueError(
                 "clipping='randomized' needs a plain nn.Module; got an already wrapped "

@@ -23,8 +23,8 @@ from ._broken import VARIANTS
 from .experiment import AuditConfig, AuditResult, run_audit
 from .normaliser import NORMALISER_VARIANTS, NormaliserAuditConfig, run_normaliser_audit
 from .paths import (
-    FUSED_HEAD_VARIANTS, PATH_DEFAULTS, PATH_VARIANTS, PER_EXAMPLE_VARIANTS, PathAuditConfig, per_example_steps,
-    run_path_audit,
+    FORWARD_BUFFER_VARIANTS, FUSED_HEAD_VARIANTS, PATH_DEFAULTS, PATH_VARIANTS, PER_EXAMPLE_VARIANTS,
+    PathAuditConfig, per_example_steps, run_path_audit,
 )
 from .reference import exact_epsilon
 
@@ -118,12 +118,13 @@ def path_configs(args: argparse.Namespace) -> List[PathAuditConfig]:
 
 
 #: the deliberately broken controls: the audit must flag them (eps_lower above eps_accounted)
-CONTROLS = (*VARIANTS[1:], "normaliser_dataset_size", "fused_head_unchecked", "per_example_unchecked")
+CONTROLS = (*VARIANTS[1:], "normaliser_dataset_size", "fused_head_unchecked", "per_example_unchecked",
+            "forward_buffer_unchecked")
 LEGEND = (
     "verdict: 'ok' = the empirical lower bound eps_lower stays below the accounted epsilon; "
     "'caught (control)' = a deliberately broken variant (biased estimate, data-dependent "
     "sketch, Opacus's dataset-size normaliser, the unchecked fused head, the per-example form with its batch "
-    "check off) was flagged, as the audit must; a real "
+    "check off, a buffer changed by the forward pass with its check off) was flagged, as the audit must; a real "
     "violation would read 'VIOLATION' on a variant that is not a control, and "
     "'MISSED (control)' means the audit failed to flag a broken one: expected only where the "
     "control's exact epsilon is barely above the accounted one (Hutch++ k=4 biased_low with a "
@@ -172,6 +173,11 @@ def _path_note(r: AuditResult, replicas: int) -> Optional[str]:
         return f"{v}: a loss reading the head's weight outside its module on a checkpointed model: " + (
             f"refused by the plugin ({r.refusal[:60]}...)" if r.refusal
             else f"released (mean canary contribution {r.mean_score_in:.1f} C), charged as one step"
+        )
+    if v in FORWARD_BUFFER_VARIANTS:
+        return f"{v}: a running sum of the inputs kept in a buffer by the forward pass: " + (
+            f"refused by the plugin ({r.refusal[:60]}...)" if r.refusal
+            else "released exactly (the buffer with the canaries differs from the one without them)"
         )
     if v in PER_EXAMPLE_VARIANTS:
         off = "" if v == "per_example" else "; its batch check off: two examples per backward pass"

@@ -5,8 +5,9 @@ Each variant reuses the one-step audit's model, data, canaries and score
 (``accumulation_canary``), objects built by hand (``hand_built``), a layer applied twice per
 forward pass (``reused_layer``), one draw split into physical batches under a reentrant
 checkpoint (``reentrant_split``), a loss that reads the head's weight around the hooks
-(``fused_head``) and the per-example form (``per_example``); ``fused_head_unchecked`` and
-``per_example_unchecked`` are deliberately broken controls. What each runs, its score and
+(``fused_head``), the per-example form (``per_example``) and a model that keeps a running
+statistic of its inputs in a buffer (``forward_buffer``: refused); ``fused_head_unchecked``,
+``per_example_unchecked`` and ``forward_buffer_unchecked`` are deliberately broken controls. What each runs, its score and
 its defaults: docs/audit.md, "Side paths" and the sections after it.
 """
 
@@ -35,8 +36,9 @@ from .reference import accumulation_exact_epsilon, composed_sum_epsilon, exact_e
 
 FUSED_HEAD_VARIANTS = ("fused_head", "fused_head_unchecked")
 PER_EXAMPLE_VARIANTS = ("per_example", "per_example_unchecked")
+FORWARD_BUFFER_VARIANTS = ("forward_buffer", "forward_buffer_unchecked")
 PATH_VARIANTS = ("accumulation_canary", "hand_built", "reused_layer", "reentrant_split", *FUSED_HEAD_VARIANTS,
-                 *PER_EXAMPLE_VARIANTS)
+                 *PER_EXAMPLE_VARIANTS, *FORWARD_BUFFER_VARIANTS)
 
 #: Per variant: sketch size, sigma and the path's own size (why: docs/audit.md).
 PATH_DEFAULTS = {
@@ -46,6 +48,7 @@ PATH_DEFAULTS = {
     "reentrant_split": {"sketch_size": 4, "sigma": 2.0, "micro_batches": 4, "sketching": "per_example"},
     **{v: {"sketch_size": 32, "sigma": 1.0} for v in FUSED_HEAD_VARIANTS},
     **{v: {"sketch_size": 4, "sigma": 1.0} for v in PER_EXAMPLE_VARIANTS},  # k only sets the shapes
+    **{v: {"sketch_size": 4, "sigma": 1.0} for v in FORWARD_BUFFER_VARIANTS},
 }
 #: the fused-head control's steps at most: its unclipped canary is found at any size
 FUSED_HEAD_MAX_STEPS = 40
@@ -480,10 +483,57 @@ def _per_example(config: PathAuditConfig, progress: Progress, start: float) -> P
     )
 
 
+# --- forward_buffer: a running statistic of the inputs, changed in place by the forward pass -----
+
+
+class _RunningInput(nn.Module):
+    """The audit's layer, keeping the running sum of its inputs in a buffer (in place, in
+    its forward pass): the buffer reaches the released model without noise."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        super().__init__()
+        self.layer = layer
+        self.register_buffer("seen", torch.zeros(layer.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(x.detach().reshape(-1, x.shape[-1]).sum(0))
+        return self.layer(x)
+
+
+def _forward_buffer(config: PathAuditConfig, progress: Progress, start: float) -> FusedHeadAuditResult:
+    """``forward_buffer``: the plugin must refuse the step (ValueError), nothing released or
+    charged (eps_lower = eps_accounted = 0, no trial). The control switches the refusal off: the
+    buffer released with the canaries differs from the one without them, exactly (no noise):
+    eps_lower is infinite whatever the trials (a step taken on the honest variant reads the same)."""
+    released, refusal, eps_accounted = [], "", 0.0
+    for include in (True, False):
+        exp = private_experiment(config, _RunningInput, grad_sample_mode="ghost")[0]
+        if config.variant == "forward_buffer_unchecked":
+            exp.optimizer._check_forward_changes = lambda: None  # the broken control
+        before = exp.weight.detach().clone()
+        try:
+            _released(exp, [_batch(exp, np.full(config.replicas, include))])
+        except ValueError as error:
+            if exp.accountant.history or not torch.equal(exp.weight, before):
+                raise RuntimeError("forward_buffer: the refused step released or charged something")
+            refusal = str(error)
+            break
+        released.append(exp.model._module.seen.clone())
+        eps_accounted = accounted_epsilon(exp.accountant, config.delta)
+    if progress is not None:
+        progress(config.steps)
+    fields = result_fields(config, None, eps_accounted, 0 if refusal else 2, start)
+    if not refusal and not torch.equal(*released):  # told apart without error: no finite epsilon
+        fields["eps_lower"] = math.inf
+    return FusedHeadAuditResult(**fields, sketching=config.sketching, eps_exact=math.inf if not refusal else 0.0,
+                                refusal=refusal)
+
+
 _AUDITS = {
     "accumulation_canary": _accumulation, "hand_built": _hand_built, "reused_layer": _accumulation,
     "reentrant_split": _reentrant_split, **dict.fromkeys(FUSED_HEAD_VARIANTS, _fused_head),
     **dict.fromkeys(PER_EXAMPLE_VARIANTS, _per_example),
+    **dict.fromkeys(FORWARD_BUFFER_VARIANTS, _forward_buffer),
 }
 
 

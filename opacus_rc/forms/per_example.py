@@ -15,7 +15,10 @@ premise: every outermost forward pass of the model with gradients on takes one e
 (a batch of 0 or 1 along the batch dimension, else ``ValueError`` at the forward), and
 every backward pass holds at most one example's forwards since the last clip and reaches
 no earlier one (else the step is refused: two examples in one backward, or the graph of an
-already clipped example run again); an empty batch's gradient is dropped.
+already clipped example run again); no forward's graph reaches a tensor an earlier forward
+created (state kept across forwards, e.g. ``self.prev = h`` not detached: refused, named
+by the attribute that holds it, see :func:`earlier_graph_reached`); an empty batch's
+gradient is dropped.
 The clip runs when the backward pass ends, from a callback queued by the gradient of the
 forward's output. :class:`PerExampleOptimizer` then releases ``S`` like Opacus's DP
 optimizer; the ``rc_prv`` accountant charges these steps as exact clipping (Opacus's
@@ -43,6 +46,63 @@ from .fsdp import _contains_fsdp
 PER_EXAMPLE = "per_example"
 #: Opacus's guard against a zero norm in the clip factor
 _EPS = 1e-6
+#: the sequence number of the autograd nodes that accumulate into a leaf (AccumulateGrad)
+_LEAF_SEQUENCE_NR = 2**64 - 1
+
+
+def _nodes_of(output: Any) -> List[Any]:
+    """The autograd nodes of the tensors among ``output``'s leaves."""
+    return [
+        leaf.grad_fn for leaf in tree_leaves(output)
+        if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None
+    ]
+
+
+def earlier_graph_reached(output: Any, since: int, tracked_from: int) -> bool:
+    """Whether the autograd graph of ``output`` reaches a node created before ``since``
+    and not before ``tracked_from`` (autograd's sequence numbers: they increase with each
+    node a thread creates, and a node's inputs are older than the node).
+
+    ``since``: the sequence number at the end of the previous outermost forward pass;
+    ``tracked_from``: at the start of the first one. Such a node belongs to an earlier
+    forward pass (or to what was computed between forwards: an earlier example's loss), so
+    this forward's backward pass would carry that example's gradient again: state kept
+    across forwards (``self.prev = h``), wherever it is held (attribute, closure, global).
+    The walk descends only through the nodes created since ``since`` (this forward's and
+    this example's own inputs'): its cost is that of this forward's graph."""
+    stack, seen = _nodes_of(output), set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        number = node._sequence_nr()
+        if number == _LEAF_SEQUENCE_NR or number < tracked_from:
+            continue  # a parameter's accumulator, or built before training (a weight transform)
+        if number < since:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+def _of_training_graph(value: Any, tracked_from: int) -> bool:
+    grad_fn = getattr(value, "grad_fn", None)
+    return grad_fn is not None and grad_fn._sequence_nr() >= tracked_from
+
+
+def state_holding_graphs(model: nn.Module, tracked_from: int) -> List[str]:
+    """The module attributes (``"module.attribute"``; lists, tuples and dicts searched)
+    holding a tensor of a graph built by a forward pass since ``tracked_from`` (an autograd
+    sequence number; see :func:`earlier_graph_reached`): state kept across forward passes,
+    the names a refusal gives."""
+    names = []
+    for prefix, module in model.named_modules():
+        for key, value in vars(module).items():
+            if key.startswith("_"):  # nn.Module's own bookkeeping (parameters, buffers, hooks)
+                continue
+            if any(_of_training_graph(leaf, tracked_from) for leaf in tree_leaves(value)):
+                names.append(f"{prefix}.{key}" if prefix else key)
+    return names
 
 
 def examples_in(args: Any, kwargs: Dict[str, Any], batch_first: bool) -> Optional[int]:
@@ -90,6 +150,10 @@ class PerExampleClipping:
         self._reached: set = set()  # forwards whose output this backward pass reached
         self._next_id = 0
         self._depth: List[bool] = []  # per open forward call: whether it is an outermost one
+        # autograd sequence numbers: at the start of the first outermost forward, at the end
+        # of the last one (see earlier_graph_reached)
+        self._tracked_from: Optional[int] = None
+        self._last_forward_end: Optional[int] = None
         self._queued = False
         self._refusal: Optional[str] = None
         self._grouped: Optional[bool] = None  # inside one_physical_batch(): whether a backward ran
@@ -151,6 +215,8 @@ class PerExampleClipping:
             self._depth.append(False)
             raise batch_error(n)
         self._release_zeroed_grads()
+        if self._tracked_from is None:
+            self._tracked_from = self._last_forward_end = torch.autograd._get_sequence_nr()
         self._depth.append(True)
         self._examples += n
         self._forward_ids.append(self._next_id)
@@ -160,9 +226,30 @@ class PerExampleClipping:
         if not outermost:
             return
         forward_id, self._next_id = self._next_id, self._next_id + 1
+        self._check_state_across_forwards(output)
         for leaf in tree_leaves(output):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaf.register_hook(self._output_gradient_hook(forward_id))
+
+    def _check_state_across_forwards(self, output: Any) -> None:
+        """Refuse the step when this forward's graph reaches a tensor an earlier forward
+        created (:func:`earlier_graph_reached`), naming the module attributes that hold
+        one."""
+        since, tracked_from = self._last_forward_end, self._tracked_from
+        self._last_forward_end = torch.autograd._get_sequence_nr()
+        if not earlier_graph_reached(output, since, tracked_from):
+            return
+        held = state_holding_graphs(self._module, tracked_from)
+        where = (
+            "the model keeps attribute " + ", ".join(repr(name) for name in held) + ", which holds"
+            if held else "a tensor kept by the model (in a closure or a global) holds"
+        )
+        self._refuse(
+            f"a forward pass reached the graph of an earlier forward pass: {where} a tensor of "
+            "a forward pass's graph across forward passes, so this example's backward pass would carry an earlier example's "
+            "gradient again, beyond its clip. Detach state kept across forward passes "
+            "(e.g. self.prev = h.detach())"
+        )
 
     def _output_gradient_hook(self, forward_id: int):
         def hook(_grad: torch.Tensor) -> None:

@@ -378,3 +378,23 @@ def test_quick_audit_includes_the_per_example_variants(capsys):
     ]
     assert rows[0]["eps_accounted"] == rows[1]["eps_accounted"] > 0
     assert "per_example_unchecked: the per-example form (exact clipping, no sketch; its batch check off" in out[-2]
+
+
+def test_forward_buffer_is_refused_and_its_unchecked_control_is_caught(capsys):
+    """``forward_buffer``: the audit's layer keeps the running sum of its inputs in a buffer,
+    in place, in its forward pass (issue 38, item 4; on main the step was taken and the
+    buffer released the canaries exactly). The plugin refuses the step by the buffer's name,
+    nothing released or charged; the control (the check off) releases a buffer that tells
+    the canaries apart without error: eps_lower infinite, a control caught."""
+    from opacus_rc.audit.__main__ import CONTROLS, parse_args
+
+    refused = run_path_audit(PathAuditConfig(variant="forward_buffer", steps=2, seed=11))
+    assert "buffer 'seen' was changed in place" in refused.refusal and refused.trials == 0
+    assert refused.eps_lower == refused.eps_accounted == 0.0
+    control = run_path_audit(PathAuditConfig(variant="forward_buffer_unchecked", steps=2, seed=11))
+    assert control.refusal == "" and control.eps_lower == math.inf > control.eps_accounted > 0
+    assert "forward_buffer_unchecked" in CONTROLS and "forward_buffer" not in CONTROLS
+    assert {"forward_buffer", "forward_buffer_unchecked"} <= set(parse_args(["--quick"]).variants)
+    assert main(["--steps", "2", "--replicas", "16", "--variants", "forward_buffer", "forward_buffer_unchecked"]) == 0
+    out = capsys.readouterr().out
+    assert "forward_buffer_unchecked        2        inf" in out and "caught (control)" in out

@@ -326,6 +326,78 @@ def test_an_earlier_graph_run_again_is_refused():
         optimizer.step()
 
 
+class KeepsPrevious(nn.Module):
+    """Keeps its hidden state across forward passes without detaching it (``self.prev = h``):
+    with ``retain_graph=True`` every later example's backward pass runs through example 0's
+    graph again. No biases: an example of zeros has a zero gradient of its own."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(4, 8, bias=False), nn.Linear(8, 2, bias=False)
+        self.prev = None
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        if self.prev is not None:
+            h = h + self.prev
+        self.prev = h
+        return self.fc2(h)
+
+
+def _update_of_one_draw(xs, c=0.1):
+    """The update (times the batch size) of one logical step over ``xs``, one example per
+    backward pass, each ``backward(retain_graph=True)``."""
+    model = KeepsPrevious()
+    before = [p.detach().clone() for p in model.parameters()]
+    data = torch.utils.data.TensorDataset(torch.zeros(4, 4), torch.zeros(4, dtype=torch.long))
+    module, optimizer, _ = PrivacyEngine(accountant="rc_prv").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=4), noise_multiplier=0.0, max_grad_norm=c,
+        clipping="randomized", per_example_backward=True, poisson_sampling=False,
+    )
+    for i, x in enumerate(xs):
+        module(x[None]).sum().backward(retain_graph=True)
+        optimizer.signal_skip_step(do_skip=i < len(xs) - 1, same_draw=True)
+        optimizer.step()
+        optimizer.zero_grad()
+    return torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())]) * len(data) / c
+
+
+def test_state_kept_across_forwards_is_refused_by_name():
+    """Issue 38, item 2: on main example 0 moved the update by 4 C (its gradient again in
+    each later example's backward pass), with nothing refused."""
+    xs = torch.zeros(4, 4)
+    xs[0] = torch.randn(4, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="reached the graph of an earlier forward pass: the model keeps "
+                                         "attribute 'prev'.*h.detach"):
+        _update_of_one_draw(xs)
+    assert _update_of_one_draw(xs[:1]).norm() == pytest.approx(1.0, rel=1e-4)  # one example: C
+
+
+def test_state_kept_in_a_closure_is_refused():
+    model, module, optimizer, x, y = _made()
+    kept = []
+    model.fc1.register_forward_hook(lambda _m, _i, out: out + kept[0] if kept else kept.append(out))
+    _ce(module, x[:1], y[:1]).backward(retain_graph=True)
+    _ce(module, x[1:2], y[1:2]).backward()  # through example 0's fc1 output again
+    with pytest.raises(ValueError, match="a tensor kept by the model \\(in a closure or a global\\)"):
+        optimizer.step()
+
+
+def test_detached_state_and_frozen_transforms_still_train():
+    """State detached between forwards, and a tensor computed from a weight before training:
+    the update equals brute-force per-example clipping."""
+
+    class Detached(SequenceClassifier):
+        def forward(self, x):
+            out = super().forward(x)
+            self.last = out.detach()
+            return out
+
+    check_update(seeded(Detached), token_task(n=N), per_example_backward=True)
+
+
 def test_a_gradient_set_by_hand_is_refused():
     model, module, optimizer, x, y = _made()
     _ce(module, x[:1], y[:1]).backward()

@@ -110,3 +110,43 @@ def fsdp_worker(rank, init_file, out_dir):
 def test_fsdp2_is_refused_with_the_alternative_gloo():
     (result,) = spawn(fsdp_worker, 1)
     assert "does not support FSDP2" in result["error"] and "ghost_fsdp" in result["error"]
+
+
+class _CountsOnRankZero(SequenceClassifier):
+    """Counts its forward passes in a buffer, in place, on rank 0 only."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.rank = rank
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        if self.rank == 0:
+            self.calls.add_(1)
+        return super().forward(x)
+
+
+def forward_change_worker(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    model = _CountsOnRankZero(rank)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = token_task(n=B).tensors
+    shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    try:
+        step_on(model, x[shard], y[shard], 0.0, distributed=True)
+        error = ""
+    except (ValueError, FloatingPointError) as e:
+        error = str(e)
+    unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    torch.save({"error": error, "unchanged": unchanged}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ddp_a_buffer_changed_on_one_rank_refuses_the_step_on_both():
+    """Issue 38, item 4 under DPDDP: the forward pass of rank 0 changes a buffer; both ranks
+    refuse the step together (no hang in the gradient all-reduce), nothing released."""
+    ranks = spawn(forward_change_worker, WORLD)
+    assert "buffer 'calls' was changed in place during the forward pass" in ranks[0]["error"]
+    assert "another rank" in ranks[1]["error"]
+    assert all(r["unchanged"] for r in ranks)
