@@ -18,11 +18,14 @@ import textwrap
 import warnings
 from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, FrozenSet, Iterable, Mapping, Optional, Tuple
 
 import torch
+from opacus.accountants.utils import get_noise_multiplier
+from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer
 from torch.utils.data.distributed import DistributedSampler
 
+from .accounting.accountant import get_noise_multiplier_rc
 from .config import SketchConfig
 from .denoise import DEFAULT_KAPPA
 from .forms import FORMS, resolve_form
@@ -139,6 +142,67 @@ def split_options(kwargs: Mapping[str, Any]) -> Tuple[Dict[str, Any], Dict[str, 
     at its default when not given) and the rest (Opacus's)."""
     plugin = {o.name: kwargs.get(o.name, o.default) for o in OPTIONS}
     return plugin, {k: v for k, v in kwargs.items() if k not in DEFAULTS}
+
+
+def keywords(function: Callable) -> FrozenSet[str]:
+    """The named parameters of ``function`` (not ``self``, ``*args`` or ``**kwargs``)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(
+        name for name, p in inspect.signature(function).parameters.items() if p.kind in kinds and name != "self"
+    )
+
+
+#: Opacus's optimizer keywords that only its adaptive clipping optimizer takes (Opacus
+#: passes make_private's ``**kwargs`` to the optimizer, whose base class drops unknown ones)
+ADAPTIVE_KEYWORDS = keywords(AdaClipDPOptimizer.__init__) - keywords(DPOptimizer.__init__)
+#: keywords of Opacus's get_noise_multiplier that its make_private_with_epsilon sets itself
+#: (``steps``: it calibrates for ``epochs``)
+_CALIBRATION_SET = frozenset(("target_epsilon", "target_delta", "sample_rate", "epochs", "steps", "accountant"))
+#: keywords of the rc_prv calibration a randomized make_private_with_epsilon passes on
+RC_CALIBRATION_KEYWORDS = keywords(get_noise_multiplier_rc) - _CALIBRATION_SET - {"sketch_config", "sigma_lower"}
+
+
+def refuse_unknown(given: Iterable[str], accepted: Collection[str], where: str) -> None:
+    """A ValueError naming the first keyword of ``given`` that is not in ``accepted``, with
+    the nearest accepted one (:func:`difflib.get_close_matches`) and all of them: a
+    misspelt option (``sketchsize=8``) must not silently run at its default."""
+    for name in given:
+        if name in accepted:
+            continue
+        near = difflib.get_close_matches(name, sorted(accepted), n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ValueError(
+            f"{where} got an unknown keyword {name!r}{hint}; accepted keywords: {', '.join(sorted(accepted))}"
+        )
+
+
+def check_keywords(
+    where: str, given: Iterable[str], clipping: Any, opacus_keywords: Collection[str], accountant: Any = None
+) -> None:
+    """Refuse (:func:`refuse_unknown`) a keyword of the plugin's ``make_private`` or
+    ``make_private_with_epsilon`` (``where``) that neither it nor Opacus knows. Accepted:
+    ``opacus_keywords`` (the named parameters of Opacus's method), ``clipping``, the
+    plugin's :data:`OPTIONS`, the adaptive optimizer's :data:`ADAPTIVE_KEYWORDS` (with
+    ``clipping="adaptive"`` only) and, for ``make_private_with_epsilon`` (``accountant``:
+    the engine's), the calibration's: Opacus's ``get_noise_multiplier`` and the
+    accountant's ``get_epsilon`` for Opacus's clipping modes,
+    :data:`RC_CALIBRATION_KEYWORDS` for ``clipping="randomized"``.
+
+    Raises:
+        ValueError: naming the keyword and the nearest accepted one.
+    """
+    given = list(given)
+    for name in given:
+        if name in ADAPTIVE_KEYWORDS and clipping != "adaptive":
+            raise ValueError(f"{name} only applies with clipping='adaptive'; got clipping={clipping!r}")
+    accepted = set(opacus_keywords) | {"clipping"} | set(DEFAULTS) | ADAPTIVE_KEYWORDS
+    if accountant is not None:
+        if clipping == RANDOMIZED:
+            accepted |= RC_CALIBRATION_KEYWORDS
+        else:
+            accepted |= keywords(get_noise_multiplier) - _CALIBRATION_SET
+            accepted |= keywords(type(accountant).get_epsilon) - {"delta"}
+    refuse_unknown(given, accepted, where)
 
 
 def with_options(method: Callable) -> Callable:
