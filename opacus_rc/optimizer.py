@@ -45,9 +45,41 @@ def _marked(mark: Any, grad: torch.Tensor) -> bool:
     return mark is not None and mark[0]() is grad and mark[1:] == _grad_mark(grad)[1:]
 
 
-def unclipped_gradient_error(what: str, clipped_pass_ran: bool, output_passes: bool) -> ValueError:
-    """The refusal of a step whose gradient did not (all) come through the clipped pass."""
-    if output_passes:
+def torch_ddp_cause(optimizer: Any) -> Optional[str]:
+    """Why a gradient can miss the clip when a single-process ``optimizer`` steps inside a
+    process group of several ranks: torch's ``DistributedDataParallel`` applied to the model
+    after ``make_private`` (its backward pass all-reduces the gradients, outside the clip).
+    None when no such group runs or the optimizer is a distributed one."""
+    from opacus.optimizers import (
+        DistributedDPOptimizer,
+        DistributedDPOptimizerFastGradientClipping,
+        FSDPOptimizerFastGradientClipping,
+    )
+
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    distributed = (DistributedDPOptimizer, DistributedDPOptimizerFastGradientClipping, FSDPOptimizerFastGradientClipping)
+    if isinstance(optimizer, distributed):
+        return None
+    return (
+        f"this optimizer is a single-process one but {dist.get_world_size()} ranks run: torch's "
+        "DistributedDataParallel wrapping the model after make_private all-reduces the gradients "
+        "in its backward pass, outside the clip. Wrap the model in Opacus's DPDDP before "
+        "make_private instead (from opacus.distributed import "
+        "DifferentiallyPrivateDistributedDataParallel as DPDDP; model = DPDDP(model); "
+        "engine.make_private(module=model, ...)), and do not wrap what it returns"
+    )
+
+
+def unclipped_gradient_error(
+    what: str, clipped_pass_ran: bool, output_passes: bool, ddp_cause: Optional[str] = None
+) -> ValueError:
+    """The refusal of a step whose gradient did not (all) come through the clipped pass
+    (``ddp_cause``: :func:`torch_ddp_cause`, named first when it applies)."""
+    if ddp_cause is not None:
+        cause = ddp_cause
+    elif output_passes:
         cause = (
             "the loss was not computed from the model's output that the privacy engine clips "
             "at, or read a trainable weight outside its module's forward (e.g. a fused LM head: "
@@ -392,7 +424,7 @@ class RandomizedClippingMixin:
             what = "the step's update (no clipped pass ran since the last step)"
         output_passes = module is not None and getattr(module, "output_passes", None) is not None
         ran = outside or (self.backward_passes > 0 and not pending)  # else: no clipped pass at all
-        error = unclipped_gradient_error(what, ran, output_passes)
+        error = unclipped_gradient_error(what, ran, output_passes, torch_ddp_cause(self))
         self._forget_per_example_values()
         raise error
 
