@@ -208,8 +208,10 @@ class PrivacyEngine(OpacusPrivacyEngine):
 
     def load_checkpoint(self, **kwargs: Any) -> Dict[str, Any]:
         """Opacus's ``load_checkpoint``; restores the generators' states if the file has
-        them (saved with ``include_rng_state=True``)."""
-        return checkpoint.restore_rng_state(self, super().load_checkpoint(**kwargs), kwargs)
+        them (saved with ``include_rng_state=True``). A checkpoint of a run that used
+        ``seed=``, without them, loaded into a run with ``seed=`` is refused (it would
+        replay the noise) unless ``make_private(..., accept_replayed_noise=True)``."""
+        return checkpoint.load_checked(self, super().load_checkpoint, kwargs)
 
     # --- one make_private call ----------------------------------------------------------
 

@@ -29,6 +29,8 @@ from .sketch import NOISE_STREAM, DeviceStreams, check_seed
 
 
 _LEGACY_STATE_KEY = "opacus_rc"  # generator states stored by versions up to 0.1.0
+#: key of ``optimizer.state_dict()`` saying the run drew its noise from ``seed=``
+SEEDED_STATE_KEY = "opacus_rc_seeded"
 logger = logging.getLogger(__name__)
 
 
@@ -171,9 +173,15 @@ class RandomizedClippingMixin:
         sketch_config: SketchConfig = SketchConfig(),
         noise_seed: Optional[int] = None,
         nonfinite: str = "raise",
+        accept_replayed_noise: bool = False,
         **kwargs,
     ) -> None:
         super().__init__(optimizer, **kwargs)
+        self.seeded = noise_seed is not None  # the noise stream replays from its seed
+        self.accept_replayed_noise = accept_replayed_noise
+        #: set while PrivacyEngine.load_checkpoint runs: a seeded state is checked after it
+        #: (a checkpoint with the generators' states continues the streams: no replay)
+        self.deferred_seeded_resume: Optional[bool] = None
         check_seed("noise_seed", noise_seed)
         if noise_seed is not None and self.secure_mode:
             raise ValueError(
@@ -554,14 +562,41 @@ class RandomizedClippingMixin:
 
         return secure_noise(std, reference)
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state; a seeded run's says so (:data:`SEEDED_STATE_KEY`,
+        never the seed itself)."""
+        state = super().state_dict()
+        return {**state, SEEDED_STATE_KEY: True} if self.seeded else state
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """The wrapped optimizer's state. Generator states are never part of it (see
         ``PrivacyEngine.save_checkpoint(..., include_rng_state=True)``); a legacy entry
-        holding them is dropped."""
+        holding them is dropped. The state of a seeded run loaded into a seeded one is
+        refused unless ``accept_replayed_noise=True`` (:meth:`check_seeded_resume`)."""
         state_dict = dict(state_dict)
         if state_dict.pop(_LEGACY_STATE_KEY, None) is not None:
             logger.warning("ignored the sketch/noise generator states of a legacy optimizer state_dict")
+        seeded = bool(state_dict.pop(SEEDED_STATE_KEY, False))
+        if self.deferred_seeded_resume is not None:
+            self.deferred_seeded_resume = seeded
+        else:
+            self.check_seeded_resume(seeded)
         super().load_state_dict(state_dict)
+
+    def check_seeded_resume(self, seeded_state: bool) -> None:
+        """Refuse resuming a run that used ``seed=`` (``seeded_state``) with ``seed=``:
+        the noise, Poisson and sketch streams start again from the seed, so the resumed
+        steps draw the earlier steps' noise again, and the difference of two updates with
+        the same noise is released without noise. ``accept_replayed_noise=True`` accepts it."""
+        if seeded_state and self.seeded and not self.accept_replayed_noise:
+            raise ValueError(
+                "resuming a run that used seed= with seed= replays its noise: the resumed steps "
+                "draw the earlier steps' noise again, and the difference of two updates with the "
+                "same noise is released without noise (a privacy hazard). Resume without seed= "
+                "(fresh randomness from os.urandom), or from a checkpoint saved with "
+                "include_rng_state=True (the streams continue), or pass "
+                "accept_replayed_noise=True to make_private to accept the hazard"
+            )
 
     @property
     def estimator(self) -> str:

@@ -88,10 +88,18 @@ OPTIONS: Tuple[Option, ...] = (
     )),
     Option("seed", None, "Optional[int]", (
         "*randomized*. One non-negative int seeding the noise, the Poisson masks\n"
-        "and the sketches (independent streams): a reproducible run, which replays\n"
-        "its randomness on resume; None: all from ``os.urandom``. Whoever knows the\n"
-        "seed can regenerate the noise and subtract it: the run is not private\n"
-        "against them (keep it as secret as the data, or leave it None)."
+        "and the sketches (independent streams): a reproducible run; None: all from\n"
+        "``os.urandom``. Privacy hazards: whoever knows the seed can regenerate the\n"
+        "noise and subtract it (keep it as secret as the data, or leave it None), and\n"
+        "a seeded run resumed with the same seed draws its earlier steps' noise again,\n"
+        "releasing noise-free differences: refused unless ``accept_replayed_noise=True``\n"
+        "(or the checkpoint holds the generators' states, ``include_rng_state=True``)."
+    )),
+    Option("accept_replayed_noise", False, "bool", (
+        "*randomized*, with ``seed=``. Loading the optimizer state (or\n"
+        "``load_checkpoint``) of a run that used ``seed=`` into a run with ``seed=`` is refused:\n"
+        "the resumed run would draw the earlier steps' noise again, and the difference of two\n"
+        "updates with the same noise is released without noise. True accepts that hazard."
     )),
     Option("bookkeeping", None, "Optional[bool]", (
         "*randomized*. None, True or False: with ``\"ghost\"``, True runs the\n"
@@ -241,7 +249,9 @@ SKETCH_OPTIONS = tuple(f.name for f in fields(SketchConfig))
 #: make_private keywords fixing the public normaliser and sample rate (randomized only)
 SAMPLING_OPTIONS = ("expected_batch_size", "sample_rate")
 #: keywords that only apply with clipping="randomized" (bookkeeping has its own message)
-RANDOMIZED_ONLY = (*SKETCH_OPTIONS, "sketch_seed", "seed", "nonfinite", *SAMPLING_OPTIONS)
+RANDOMIZED_ONLY = (
+    *SKETCH_OPTIONS, "sketch_seed", "seed", "accept_replayed_noise", "nonfinite", *SAMPLING_OPTIONS
+)
 
 
 def _given(options: Mapping[str, Any], name: str) -> bool:
@@ -478,6 +488,18 @@ def _seed(seed: Any, options: Mapping[str, Any], opacus: Mapping[str, Any], secu
     return seed
 
 
+def _accept_replayed_noise(accept: Any, seed: Optional[int]) -> bool:
+    """``accept_replayed_noise=`` (False, the default, or True, with ``seed=`` only)."""
+    if not isinstance(accept, bool):
+        raise ValueError(f"accept_replayed_noise={accept!r} is invalid; accepted values: True, False")
+    if accept and seed is None:
+        raise ValueError(
+            "accept_replayed_noise=True only applies with seed=: a run without seed= draws fresh "
+            "randomness on resume and replays nothing"
+        )
+    return accept
+
+
 @dataclass(frozen=True)
 class Options:
     """The plugin's options of one ``make_private`` call, parsed once (:meth:`parse`).
@@ -493,6 +515,7 @@ class Options:
         sketch_seed: the sketches' seed (``sketch_seed=``, else ``seed=``).
         seed: ``seed=``, root of the noise and Poisson streams (None: ``os.urandom``).
         nonfinite: ``"raise"`` or ``"skip"``.
+        accept_replayed_noise: a resumed seeded run may replay its noise (see :data:`OPTIONS`).
         sampling: the public normaliser and sample rate (randomized only, else None).
     """
 
@@ -504,6 +527,7 @@ class Options:
     sketch_seed: Optional[int] = None
     seed: Optional[int] = None
     nonfinite: str = "raise"
+    accept_replayed_noise: bool = False
     sampling: Optional[PublicSampling] = None
 
     @property
@@ -516,7 +540,10 @@ class Options:
 
     def optimizer_kwargs(self) -> Dict[str, Any]:
         """What the randomized optimizer takes through Opacus's ``**kwargs``."""
-        return {"sketch_config": self.sketch, "nonfinite": self.nonfinite, "noise_seed": self.seed}
+        return {
+            "sketch_config": self.sketch, "nonfinite": self.nonfinite, "noise_seed": self.seed,
+            "accept_replayed_noise": self.accept_replayed_noise,
+        }
 
     @classmethod
     def parse(
@@ -548,6 +575,7 @@ class Options:
         sketch = None if FORMS[runs].exact else SketchConfig(**{k: options[k] for k in SKETCH_OPTIONS})
         nonfinite = _nonfinite(options["nonfinite"], mode, runs)
         seed = _seed(options["seed"], options, opacus, engine.secure_mode)
+        accept_replayed_noise = _accept_replayed_noise(options["accept_replayed_noise"], seed)
         # From the loader as the user built it: Opacus's DPDataLoader has no batch_size.
         sampling = public_sampling(
             opacus.get("data_loader"), options["expected_batch_size"], options["sample_rate"],
@@ -557,7 +585,7 @@ class Options:
         return cls(
             clipping=clipping, grad_sample_mode=mode, runs=runs, denoise=denoise, sketch=sketch,
             sketch_seed=seed if sketch_seed is None else sketch_seed, seed=seed,
-            nonfinite=nonfinite, sampling=sampling,
+            nonfinite=nonfinite, accept_replayed_noise=accept_replayed_noise, sampling=sampling,
         )
 
 
