@@ -21,7 +21,8 @@ script that calls ``torch.manual_seed`` and resumes would replay them). The opti
 its noise stream and the Poisson loader gets its own generator, both seeded from
 ``os.urandom`` unless the run is made reproducible: ``seed=`` (one integer; noise, Poisson
 and sketch streams derived with distinct domain tags), or Opacus's ``noise_generator=`` and
-the DataLoader's ``generator=``. A reproducible run replays its randomness on resume.
+the DataLoader's ``generator=``. Resuming a ``seed=`` run with its seed would replay its
+noise (a privacy hazard): refused unless ``accept_replayed_noise=True``.
 
 ``import opacus_rc`` makes ``from opacus import PrivacyEngine`` give this class
 (:mod:`opacus_rc.registration`). Opacus's ``_prepare_*`` steps of one call run on a
