@@ -82,6 +82,26 @@ def with_rng_state(engine: Any, include_rng_state: bool, kwargs: Dict[str, Any])
     return {**kwargs, "checkpoint_dict": extra}
 
 
+def load_checked(engine: Any, load: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Opacus's ``load_checkpoint`` (``load(**kwargs)``) and :func:`restore_rng_state`; the
+    state of a seeded run loaded into a seeded optimizer is refused
+    (:meth:`~opacus_rc.optimizer.RandomizedClippingMixin.check_seeded_resume`) unless the
+    file has the generators' states, which continue the streams instead of replaying them."""
+    optimizer = kwargs.get("optimizer")
+    checks = hasattr(optimizer, "check_seeded_resume")
+    if checks:
+        optimizer.deferred_seeded_resume = False
+    try:
+        checkpoint = load(**kwargs)
+        seeded = checks and optimizer.deferred_seeded_resume
+    finally:
+        if checks:
+            optimizer.deferred_seeded_resume = None
+    if seeded and RNG_STATE_KEY not in checkpoint:
+        optimizer.check_seeded_resume(True)
+    return restore_rng_state(engine, checkpoint, kwargs)
+
+
 def restore_rng_state(engine: Any, checkpoint: Dict[str, Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """The ``checkpoint`` Opacus's ``load_checkpoint(**kwargs)`` returned, without the
     generators' states, which it restores if the file has them (saved with

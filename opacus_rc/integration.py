@@ -21,7 +21,8 @@ script that calls ``torch.manual_seed`` and resumes would replay them). The opti
 its noise stream and the Poisson loader gets its own generator, both seeded from
 ``os.urandom`` unless the run is made reproducible: ``seed=`` (one integer; noise, Poisson
 and sketch streams derived with distinct domain tags), or Opacus's ``noise_generator=`` and
-the DataLoader's ``generator=``. A reproducible run replays its randomness on resume.
+the DataLoader's ``generator=``. Resuming a ``seed=`` run with its seed would replay its
+noise (a privacy hazard): refused unless ``accept_replayed_noise=True``.
 
 ``import opacus_rc`` makes ``from opacus import PrivacyEngine`` give this class
 (:mod:`opacus_rc.registration`). Opacus's ``_prepare_*`` steps of one call run on a
@@ -42,10 +43,13 @@ from .accounting.accountant import get_noise_multiplier_rc
 from .forms import FORMS
 from .options import (  # noqa: F401  (loader_batch_size, loader_rate, public_sampling: public here too)
     RC_ACCOUNTANTS,
+    RC_CALIBRATION_KEYWORDS,
     Options,
     PublicSampling,
     loader_batch_size,
     loader_rate,
+    check_keywords,
+    keywords,
     public_sampling,
     split_options,
     with_options,
@@ -135,8 +139,10 @@ class PrivacyEngine(OpacusPrivacyEngine):
             loader for ``grad_sample_mode="ghost"``.
 
         Raises:
-            ValueError: an invalid option, named with its accepted values.
+            ValueError: an invalid option, named with its accepted values; a keyword that
+                neither the plugin nor Opacus knows, named with the nearest accepted one.
         """
+        check_keywords("make_private", kwargs, clipping, keywords(OpacusPrivacyEngine.make_private))
         plugin, kwargs = split_options(kwargs)
         arguments = _with_opacus_defaults(OpacusPrivacyEngine.make_private, kwargs)
         options = Options.parse(self, clipping, plugin, arguments)
@@ -155,8 +161,18 @@ class PrivacyEngine(OpacusPrivacyEngine):
         Args:
             target_epsilon, target_delta, epochs: as in Opacus.
             clipping, {option_names}: as in :meth:`make_private`.
-            **kwargs: Opacus's ``make_private_with_epsilon`` arguments.
+            **kwargs: Opacus's ``make_private_with_epsilon`` arguments (those of its
+                ``make_private`` and of its calibration included); with
+                ``clipping="randomized"``, ``epsilon_tolerance`` and ``eps_error`` go to
+                :func:`~opacus_rc.accounting.accountant.get_noise_multiplier_rc`.
+
+        Raises:
+            ValueError: as :meth:`make_private`.
         """
+        opacus_keywords = keywords(OpacusPrivacyEngine.make_private_with_epsilon) | (
+            keywords(OpacusPrivacyEngine.make_private) - {"noise_multiplier"}  # it calibrates sigma
+        )
+        check_keywords("make_private_with_epsilon", kwargs, clipping, opacus_keywords, self.accountant)
         plugin, kwargs = split_options(kwargs)
         call = {**kwargs, "target_epsilon": target_epsilon, "target_delta": target_delta, "epochs": epochs}
         arguments = _with_opacus_defaults(OpacusPrivacyEngine.make_private_with_epsilon, call)
@@ -172,12 +188,14 @@ class PrivacyEngine(OpacusPrivacyEngine):
                 "already spent. Returned noise_multiplier assumes zero starting point, "
                 "so your overall privacy budget will be higher."
             )
+        calibration = {k: kwargs.pop(k) for k in RC_CALIBRATION_KEYWORDS if k in kwargs}
         noise_multiplier = get_noise_multiplier_rc(
             target_epsilon=target_epsilon,
             target_delta=target_delta,
             sample_rate=options.sampling.sample_rate,
             epochs=epochs,
             sketch_config=options.sketch,
+            **calibration,
         )
         logger.info("rc_prv calibrated noise_multiplier=%.4f for %s", noise_multiplier, options.sketch)
         kwargs = {**kwargs, "noise_multiplier": noise_multiplier}
@@ -191,8 +209,10 @@ class PrivacyEngine(OpacusPrivacyEngine):
 
     def load_checkpoint(self, **kwargs: Any) -> Dict[str, Any]:
         """Opacus's ``load_checkpoint``; restores the generators' states if the file has
-        them (saved with ``include_rng_state=True``)."""
-        return checkpoint.restore_rng_state(self, super().load_checkpoint(**kwargs), kwargs)
+        them (saved with ``include_rng_state=True``). A checkpoint of a run that used
+        ``seed=``, without them, loaded into a run with ``seed=`` is refused (it would
+        replay the noise) unless ``make_private(..., accept_replayed_noise=True)``."""
+        return checkpoint.load_checked(self, super().load_checkpoint, kwargs)
 
     # --- one make_private call ----------------------------------------------------------
 

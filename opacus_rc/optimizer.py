@@ -30,6 +30,8 @@ from .sketch import NOISE_STREAM, DeviceStreams, check_seed
 
 
 _LEGACY_STATE_KEY = "opacus_rc"  # generator states stored by versions up to 0.1.0
+#: key of ``optimizer.state_dict()`` saying the run drew its noise from ``seed=``
+SEEDED_STATE_KEY = "opacus_rc_seeded"
 logger = logging.getLogger(__name__)
 
 
@@ -46,9 +48,41 @@ def _marked(mark: Any, grad: torch.Tensor) -> bool:
     return mark is not None and mark[0]() is grad and mark[1:] == _grad_mark(grad)[1:]
 
 
-def unclipped_gradient_error(what: str, clipped_pass_ran: bool, output_passes: bool) -> ValueError:
-    """The refusal of a step whose gradient did not (all) come through the clipped pass."""
-    if output_passes:
+def torch_ddp_cause(optimizer: Any) -> Optional[str]:
+    """Why a gradient can miss the clip when a single-process ``optimizer`` steps inside a
+    process group of several ranks: torch's ``DistributedDataParallel`` applied to the model
+    after ``make_private`` (its backward pass all-reduces the gradients, outside the clip).
+    None when no such group runs or the optimizer is a distributed one."""
+    from opacus.optimizers import (
+        DistributedDPOptimizer,
+        DistributedDPOptimizerFastGradientClipping,
+        FSDPOptimizerFastGradientClipping,
+    )
+
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    distributed = (DistributedDPOptimizer, DistributedDPOptimizerFastGradientClipping, FSDPOptimizerFastGradientClipping)
+    if isinstance(optimizer, distributed):
+        return None
+    return (
+        f"this optimizer is a single-process one but {dist.get_world_size()} ranks run: torch's "
+        "DistributedDataParallel wrapping the model after make_private all-reduces the gradients "
+        "in its backward pass, outside the clip. Wrap the model in Opacus's DPDDP before "
+        "make_private instead (from opacus.distributed import "
+        "DifferentiallyPrivateDistributedDataParallel as DPDDP; model = DPDDP(model); "
+        "engine.make_private(module=model, ...)), and do not wrap what it returns"
+    )
+
+
+def unclipped_gradient_error(
+    what: str, clipped_pass_ran: bool, output_passes: bool, ddp_cause: Optional[str] = None
+) -> ValueError:
+    """The refusal of a step whose gradient did not (all) come through the clipped pass
+    (``ddp_cause``: :func:`torch_ddp_cause`, named first when it applies)."""
+    if ddp_cause is not None:
+        cause = ddp_cause
+    elif output_passes:
         cause = (
             "the loss was not computed from the model's output that the privacy engine clips "
             "at, or read a trainable weight outside its module's forward (e.g. a fused LM head: "
@@ -140,9 +174,15 @@ class RandomizedClippingMixin:
         sketch_config: SketchConfig = SketchConfig(),
         noise_seed: Optional[int] = None,
         nonfinite: str = "raise",
+        accept_replayed_noise: bool = False,
         **kwargs,
     ) -> None:
         super().__init__(optimizer, **kwargs)
+        self.seeded = noise_seed is not None  # the noise stream replays from its seed
+        self.accept_replayed_noise = accept_replayed_noise
+        #: set while PrivacyEngine.load_checkpoint runs: a seeded state is checked after it
+        #: (a checkpoint with the generators' states continues the streams: no replay)
+        self.deferred_seeded_resume: Optional[bool] = None
         check_seed("noise_seed", noise_seed)
         if noise_seed is not None and self.secure_mode:
             raise ValueError(
@@ -427,7 +467,7 @@ class RandomizedClippingMixin:
             what = "the step's update (no clipped pass ran since the last step)"
         output_passes = module is not None and getattr(module, "output_passes", None) is not None
         ran = outside or (self.backward_passes > 0 and not pending)  # else: no clipped pass at all
-        error = unclipped_gradient_error(what, ran, output_passes)
+        error = unclipped_gradient_error(what, ran, output_passes, torch_ddp_cause(self))
         self._forget_per_example_values()
         raise error
 
@@ -566,14 +606,41 @@ class RandomizedClippingMixin:
 
         return secure_noise(std, reference)
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state; a seeded run's says so (:data:`SEEDED_STATE_KEY`,
+        never the seed itself)."""
+        state = super().state_dict()
+        return {**state, SEEDED_STATE_KEY: True} if self.seeded else state
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """The wrapped optimizer's state. Generator states are never part of it (see
         ``PrivacyEngine.save_checkpoint(..., include_rng_state=True)``); a legacy entry
-        holding them is dropped."""
+        holding them is dropped. The state of a seeded run loaded into a seeded one is
+        refused unless ``accept_replayed_noise=True`` (:meth:`check_seeded_resume`)."""
         state_dict = dict(state_dict)
         if state_dict.pop(_LEGACY_STATE_KEY, None) is not None:
             logger.warning("ignored the sketch/noise generator states of a legacy optimizer state_dict")
+        seeded = bool(state_dict.pop(SEEDED_STATE_KEY, False))
+        if self.deferred_seeded_resume is not None:
+            self.deferred_seeded_resume = seeded
+        else:
+            self.check_seeded_resume(seeded)
         super().load_state_dict(state_dict)
+
+    def check_seeded_resume(self, seeded_state: bool) -> None:
+        """Refuse resuming a run that used ``seed=`` (``seeded_state``) with ``seed=``:
+        the noise, Poisson and sketch streams start again from the seed, so the resumed
+        steps draw the earlier steps' noise again, and the difference of two updates with
+        the same noise is released without noise. ``accept_replayed_noise=True`` accepts it."""
+        if seeded_state and self.seeded and not self.accept_replayed_noise:
+            raise ValueError(
+                "resuming a run that used seed= with seed= replays its noise: the resumed steps "
+                "draw the earlier steps' noise again, and the difference of two updates with the "
+                "same noise is released without noise (a privacy hazard). Resume without seed= "
+                "(fresh randomness from os.urandom), or from a checkpoint saved with "
+                "include_rng_state=True (the streams continue), or pass "
+                "accept_replayed_noise=True to make_private to accept the hazard"
+            )
 
     @property
     def estimator(self) -> str:

@@ -18,11 +18,14 @@ import textwrap
 import warnings
 from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, FrozenSet, Iterable, Mapping, Optional, Tuple
 
 import torch
+from opacus.accountants.utils import get_noise_multiplier
+from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer
 from torch.utils.data.distributed import DistributedSampler
 
+from .accounting.accountant import get_noise_multiplier_rc
 from .config import SketchConfig
 from .denoise import DEFAULT_KAPPA
 from .forms import FORMS, resolve_form
@@ -85,10 +88,18 @@ OPTIONS: Tuple[Option, ...] = (
     )),
     Option("seed", None, "Optional[int]", (
         "*randomized*. One non-negative int seeding the noise, the Poisson masks\n"
-        "and the sketches (independent streams): a reproducible run, which replays\n"
-        "its randomness on resume; None: all from ``os.urandom``. Whoever knows the\n"
-        "seed can regenerate the noise and subtract it: the run is not private\n"
-        "against them (keep it as secret as the data, or leave it None)."
+        "and the sketches (independent streams): a reproducible run; None: all from\n"
+        "``os.urandom``. Privacy hazards: whoever knows the seed can regenerate the\n"
+        "noise and subtract it (keep it as secret as the data, or leave it None), and\n"
+        "a seeded run resumed with the same seed draws its earlier steps' noise again,\n"
+        "releasing noise-free differences: refused unless ``accept_replayed_noise=True``\n"
+        "(or the checkpoint holds the generators' states, ``include_rng_state=True``)."
+    )),
+    Option("accept_replayed_noise", False, "bool", (
+        "*randomized*, with ``seed=``. Loading the optimizer state (or\n"
+        "``load_checkpoint``) of a run that used ``seed=`` into a run with ``seed=`` is refused:\n"
+        "the resumed run would draw the earlier steps' noise again, and the difference of two\n"
+        "updates with the same noise is released without noise. True accepts that hazard."
     )),
     Option("bookkeeping", None, "Optional[bool]", (
         "*randomized*. None, True or False: with ``\"ghost\"``, True runs the\n"
@@ -141,6 +152,67 @@ def split_options(kwargs: Mapping[str, Any]) -> Tuple[Dict[str, Any], Dict[str, 
     return plugin, {k: v for k, v in kwargs.items() if k not in DEFAULTS}
 
 
+def keywords(function: Callable) -> FrozenSet[str]:
+    """The named parameters of ``function`` (not ``self``, ``*args`` or ``**kwargs``)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(
+        name for name, p in inspect.signature(function).parameters.items() if p.kind in kinds and name != "self"
+    )
+
+
+#: Opacus's optimizer keywords that only its adaptive clipping optimizer takes (Opacus
+#: passes make_private's ``**kwargs`` to the optimizer, whose base class drops unknown ones)
+ADAPTIVE_KEYWORDS = keywords(AdaClipDPOptimizer.__init__) - keywords(DPOptimizer.__init__)
+#: keywords of Opacus's get_noise_multiplier that its make_private_with_epsilon sets itself
+#: (``steps``: it calibrates for ``epochs``)
+_CALIBRATION_SET = frozenset(("target_epsilon", "target_delta", "sample_rate", "epochs", "steps", "accountant"))
+#: keywords of the rc_prv calibration a randomized make_private_with_epsilon passes on
+RC_CALIBRATION_KEYWORDS = keywords(get_noise_multiplier_rc) - _CALIBRATION_SET - {"sketch_config", "sigma_lower"}
+
+
+def refuse_unknown(given: Iterable[str], accepted: Collection[str], where: str) -> None:
+    """A ValueError naming the first keyword of ``given`` that is not in ``accepted``, with
+    the nearest accepted one (:func:`difflib.get_close_matches`) and all of them: a
+    misspelt option (``sketchsize=8``) must not silently run at its default."""
+    for name in given:
+        if name in accepted:
+            continue
+        near = difflib.get_close_matches(name, sorted(accepted), n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ValueError(
+            f"{where} got an unknown keyword {name!r}{hint}; accepted keywords: {', '.join(sorted(accepted))}"
+        )
+
+
+def check_keywords(
+    where: str, given: Iterable[str], clipping: Any, opacus_keywords: Collection[str], accountant: Any = None
+) -> None:
+    """Refuse (:func:`refuse_unknown`) a keyword of the plugin's ``make_private`` or
+    ``make_private_with_epsilon`` (``where``) that neither it nor Opacus knows. Accepted:
+    ``opacus_keywords`` (the named parameters of Opacus's method), ``clipping``, the
+    plugin's :data:`OPTIONS`, the adaptive optimizer's :data:`ADAPTIVE_KEYWORDS` (with
+    ``clipping="adaptive"`` only) and, for ``make_private_with_epsilon`` (``accountant``:
+    the engine's), the calibration's: Opacus's ``get_noise_multiplier`` and the
+    accountant's ``get_epsilon`` for Opacus's clipping modes,
+    :data:`RC_CALIBRATION_KEYWORDS` for ``clipping="randomized"``.
+
+    Raises:
+        ValueError: naming the keyword and the nearest accepted one.
+    """
+    given = list(given)
+    for name in given:
+        if name in ADAPTIVE_KEYWORDS and clipping != "adaptive":
+            raise ValueError(f"{name} only applies with clipping='adaptive'; got clipping={clipping!r}")
+    accepted = set(opacus_keywords) | {"clipping"} | set(DEFAULTS) | ADAPTIVE_KEYWORDS
+    if accountant is not None:
+        if clipping == RANDOMIZED:
+            accepted |= RC_CALIBRATION_KEYWORDS
+        else:
+            accepted |= keywords(get_noise_multiplier) - _CALIBRATION_SET
+            accepted |= keywords(type(accountant).get_epsilon) - {"delta"}
+    refuse_unknown(given, accepted, where)
+
+
 def with_options(method: Callable) -> Callable:
     """``method`` (keyword-only parameters, then ``**kwargs``, which carries the plugin's
     keywords) shown with the plugin's options, from :data:`OPTIONS`: its
@@ -177,7 +249,9 @@ SKETCH_OPTIONS = tuple(f.name for f in fields(SketchConfig))
 #: make_private keywords fixing the public normaliser and sample rate (randomized only)
 SAMPLING_OPTIONS = ("expected_batch_size", "sample_rate")
 #: keywords that only apply with clipping="randomized" (bookkeeping has its own message)
-RANDOMIZED_ONLY = (*SKETCH_OPTIONS, "sketch_seed", "seed", "nonfinite", *SAMPLING_OPTIONS)
+RANDOMIZED_ONLY = (
+    *SKETCH_OPTIONS, "sketch_seed", "seed", "accept_replayed_noise", "nonfinite", *SAMPLING_OPTIONS
+)
 
 
 def _given(options: Mapping[str, Any], name: str) -> bool:
@@ -414,6 +488,18 @@ def _seed(seed: Any, options: Mapping[str, Any], opacus: Mapping[str, Any], secu
     return seed
 
 
+def _accept_replayed_noise(accept: Any, seed: Optional[int]) -> bool:
+    """``accept_replayed_noise=`` (False, the default, or True, with ``seed=`` only)."""
+    if not isinstance(accept, bool):
+        raise ValueError(f"accept_replayed_noise={accept!r} is invalid; accepted values: True, False")
+    if accept and seed is None:
+        raise ValueError(
+            "accept_replayed_noise=True only applies with seed=: a run without seed= draws fresh "
+            "randomness on resume and replays nothing"
+        )
+    return accept
+
+
 @dataclass(frozen=True)
 class Options:
     """The plugin's options of one ``make_private`` call, parsed once (:meth:`parse`).
@@ -429,6 +515,7 @@ class Options:
         sketch_seed: the sketches' seed (``sketch_seed=``, else ``seed=``).
         seed: ``seed=``, root of the noise and Poisson streams (None: ``os.urandom``).
         nonfinite: ``"raise"`` or ``"skip"``.
+        accept_replayed_noise: a resumed seeded run may replay its noise (see :data:`OPTIONS`).
         sampling: the public normaliser and sample rate (randomized only, else None).
     """
 
@@ -440,6 +527,7 @@ class Options:
     sketch_seed: Optional[int] = None
     seed: Optional[int] = None
     nonfinite: str = "raise"
+    accept_replayed_noise: bool = False
     sampling: Optional[PublicSampling] = None
 
     @property
@@ -452,7 +540,10 @@ class Options:
 
     def optimizer_kwargs(self) -> Dict[str, Any]:
         """What the randomized optimizer takes through Opacus's ``**kwargs``."""
-        return {"sketch_config": self.sketch, "nonfinite": self.nonfinite, "noise_seed": self.seed}
+        return {
+            "sketch_config": self.sketch, "nonfinite": self.nonfinite, "noise_seed": self.seed,
+            "accept_replayed_noise": self.accept_replayed_noise,
+        }
 
     @classmethod
     def parse(
@@ -484,6 +575,7 @@ class Options:
         sketch = None if FORMS[runs].exact else SketchConfig(**{k: options[k] for k in SKETCH_OPTIONS})
         nonfinite = _nonfinite(options["nonfinite"], mode, runs)
         seed = _seed(options["seed"], options, opacus, engine.secure_mode)
+        accept_replayed_noise = _accept_replayed_noise(options["accept_replayed_noise"], seed)
         # From the loader as the user built it: Opacus's DPDataLoader has no batch_size.
         sampling = public_sampling(
             opacus.get("data_loader"), options["expected_batch_size"], options["sample_rate"],
@@ -493,7 +585,7 @@ class Options:
         return cls(
             clipping=clipping, grad_sample_mode=mode, runs=runs, denoise=denoise, sketch=sketch,
             sketch_seed=seed if sketch_seed is None else sketch_seed, seed=seed,
-            nonfinite=nonfinite, sampling=sampling,
+            nonfinite=nonfinite, accept_replayed_noise=accept_replayed_noise, sampling=sampling,
         )
 
 

@@ -261,3 +261,41 @@ def test_ddp_ranks_draw_independent_poisson_masks(seeding):
     three equal masks have probability (q^2 + (1-q)^2)^96 < 1e-10."""
     ranks = spawn(poisson_worker, seeding)
     assert ranks[0] != ranks[1]
+
+
+def torch_ddp_after_worker(rank, init_file, batch_size, mode, out_dir):
+    """make_private on a plain model, then torch's DDP around what it returned: one step;
+    saves the refusal's message."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    model = SequenceClassifier()
+    out = PrivacyEngine(accountant="rc_prv").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), criterion=nn.CrossEntropyLoss(),
+        data_loader=torch.utils.data.DataLoader(token_task(n=16, t=T), batch_size=batch_size),
+        noise_multiplier=1.0, max_grad_norm=C, grad_sample_mode=mode, clipping="randomized", seed=3,
+    )
+    net, optimizer, loader = DDP(out[0]), out[1], out[-1]
+    crit = out[2] if mode == "ghost" else nn.CrossEntropyLoss()
+    error = None
+    try:
+        for x, y in loader:
+            if len(x):
+                crit(net(x), y).backward()
+                optimizer.step()
+                break
+    except ValueError as e:
+        error = str(e)
+    torch.save(error, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("batch_size, mode", [(1, "hooks"), (4, "ghost")])
+def test_torch_ddp_after_make_private_is_refused_naming_ddp(batch_size, mode):
+    """torch's DDP applied to make_private's module (the per-example form at batch size 1,
+    two passes with the ghost criterion): the refusal names DistributedDataParallel and
+    says to wrap the model in Opacus's DPDDP before make_private."""
+    for error in spawn(torch_ddp_after_worker, batch_size, mode):
+        assert error is not None and "refused" in error
+        assert "torch's DistributedDataParallel" in error and "DPDDP before make_private" in error

@@ -22,7 +22,7 @@ from opacus_rc.options import DEFAULTS, Options
 from .models import token_task
 
 OPTIONS = (
-    "estimator", "sketch_size", "sketching", "exact_when_cheaper", "sketch_seed", "seed",
+    "estimator", "sketch_size", "sketching", "exact_when_cheaper", "sketch_seed", "seed", "accept_replayed_noise",
     "bookkeeping", "per_example_backward", "denoise", "denoise_kappa", "denoise_svd", "nonfinite", "sample_rate",
     "expected_batch_size",
 )

@@ -114,15 +114,43 @@ def test_noise_never_comes_from_the_global_generator(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_plugin_seed_is_reproducible_and_replays_on_resume(mode):
-    """``seed=`` (documented: reproducible, replays on resume): two runs agree bit for bit,
-    and a resumed run repeats steps 1 and 2 (the user asked for it)."""
+def test_plugin_seed_is_reproducible_and_resuming_it_is_refused(mode):
+    """``seed=``: two runs agree bit for bit. Resuming a seeded run with the seed would
+    replay steps 1 and 2's noise (a privacy hazard: the difference of two updates with the
+    same noise is noise-free), so it is refused; ``accept_replayed_noise=True`` lets it run,
+    and the resumed steps do repeat steps 1 and 2."""
     (u_a, b_a), (u_b, b_b) = _steps(_build(mode, seed=7)), _steps(_build(mode, seed=7))
     assert all(torch.equal(a, b) for a, b in zip(u_a, u_b)) and b_a == b_b
-    (u12, b12), (u34, b34) = _resumed(mode, seed=7)
-    assert all(torch.equal(a, b) for a, b in zip(u12, u34)) and b12 == b34
+    with pytest.raises(ValueError, match="seed= with seed= replays its noise.*accept_replayed_noise=True"):
+        _resumed(mode, seed=7)
+    (u12, b12), (u34, b34) = _resumed(mode, seed=7, accept_replayed_noise=True)
+    assert all(torch.equal(a, b) for a, b in zip(u12, u34)) and b12 == b34  # the replay it accepted
     (u_c, b_c) = _steps(_build(mode, seed=8))
     assert not torch.equal(u_a[0], u_c[0]) and b_a != b_c
+
+
+def test_loading_a_seeded_optimizer_state_into_a_seeded_run_is_refused():
+    """``optimizer.load_state_dict`` of a seeded run's state: refused into a seeded run
+    (unless accepted), fine into a run without seed= (fresh noise) and from an unseeded
+    run; a checkpoint with the generators' states continues the streams (no replay)."""
+    seeded = _build("hooks", seed=7)
+    _steps(seeded)
+    state = seeded[3].state_dict()
+    with pytest.raises(ValueError, match="replays its noise"):
+        _build("hooks", seed=7)[3].load_state_dict(state)
+    _build("hooks")[3].load_state_dict(state)
+    _build("hooks", seed=7, accept_replayed_noise=True)[3].load_state_dict(state)
+    _build("hooks", seed=7)[3].load_state_dict(_build("hooks")[3].state_dict())
+    buf = io.BytesIO()
+    seeded[0].save_checkpoint(path=buf, module=seeded[2], optimizer=seeded[3], include_rng_state=True)
+    uninterrupted = _steps(seeded)
+    resumed = _build("hooks", seed=7)
+    buf.seek(0)
+    resumed[0].load_checkpoint(path=buf, module=resumed[2], optimizer=resumed[3])
+    again = _steps(resumed)
+    assert all(torch.equal(a, b) for a, b in zip(uninterrupted[0], again[0]))  # continued, not replayed
+    with pytest.raises(ValueError, match="accept_replayed_noise=True only applies with seed="):
+        _build("hooks", accept_replayed_noise=True)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -84,13 +84,17 @@ def _with_bookkeeping_criterion(out: Tuple, arguments: Mapping[str, Any]) -> Tup
 
 def _one_example_per_batch(out: Tuple, arguments: Mapping[str, Any]) -> Tuple:
     """The loader split into physical batches of one example (each Poisson draw one
-    logical step, as BatchMemoryManager's); a ghost script's criterion is its own."""
+    logical step, as BatchMemoryManager's); a ghost script gets book-keeping's criterion
+    (:class:`~opacus_rc.forms.bookkeeping.DPLossBookkeeping`): Opacus's call signature
+    (``criterion(logits, targets, shape=(B, T))``), the same loss value as every other form
+    (per-sequence reduction, then ``loss_reduction`` over the examples) and a plain tensor
+    whose ``backward()`` is the one example's pass."""
     from opacus.utils.batch_memory_manager import wrap_data_loader
 
     *head, data_loader = out
     optimizer = head[1]
-    if len(head) == 3:
-        head[2] = arguments["criterion"]  # the plain criterion: each backward is one example's
+    if len(head) == 3:  # a ghost script's 4-tuple: the two-pass criterion replaced
+        head[2] = with_criterion((head[0], optimizer, data_loader), arguments["criterion"], arguments["loss_reduction"])[2]
     return (*head, wrap_data_loader(data_loader=data_loader, max_batch_size=1, optimizer=optimizer))
 
 

@@ -538,10 +538,11 @@ class DistributedRandomizedClippingBookkeepingOptimizer(
 
 class DPLossBookkeeping(DPLossFastGradientClipping):
     """The criterion returned by ``make_private(..., grad_sample_mode="ghost",
-    bookkeeping=True)``: the ghost criterion's call signature
-    (``criterion(logits, targets, shape=...)``, ``-100`` labels ignored per sequence) and
-    per-sample losses, reduced (mean or sum over the batch) to an ordinary tensor whose
-    ``backward()`` is the one pass book-keeping needs."""
+    bookkeeping=True)`` and by the per-example form to a ghost script: the ghost
+    criterion's call signature (``criterion(logits, targets, shape=...)``, ``-100`` labels
+    ignored per sequence) and per-sample losses, reduced (mean or sum over the batch) to
+    an ordinary tensor whose ``backward()`` is the one pass book-keeping (or the one
+    example's pass) needs."""
 
     def __call__(self, *args: Any, shape=None, **kwargs: Any) -> torch.Tensor:
         per_sample = super().__call__(*args, shape=shape, **kwargs).loss_per_sample

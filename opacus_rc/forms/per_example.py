@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_leaves
 
-from ..optimizer import RandomizedClippingMixin
+from ..optimizer import RandomizedClippingMixin, torch_ddp_cause
 from ..recompute import forward_replay
 from .fsdp import _contains_fsdp
 
@@ -392,9 +392,9 @@ class PerExampleOptimizerMixin(RandomizedClippingMixin):
         if module is None:
             refusal = "the model is not followed by this optimizer (call module.follow_steps(optimizer))"
         if refusal is None and unclipped:
+            cause = torch_ddp_cause(self) or "set by hand, or its backward pass never reached the model's output"
             refusal = "the gradient of " + ", ".join(self.describe_parameter(p) for p in unclipped) + (
-                " did not come through a clipped backward pass (set by hand, or its backward pass "
-                "never reached the model's output)"
+                f" did not come through a clipped backward pass ({cause})"
             )
         if refusal is not None:
             self._forget_per_example_values()

@@ -3,14 +3,16 @@ stays in ``TrainingArguments``."""
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional, Tuple
 
 from ..config import SketchConfig
 from ..forms import per_example_chosen
 from ..options import DENOISERS as ENGINE_DENOISERS
+from ..options import refuse_unknown
 
 CLIPPINGS = ("randomized", "flat")
 DENOISERS = (None, *ENGINE_DENOISERS)
@@ -120,6 +122,21 @@ class PrivacyArguments:
         if self.clipping != "randomized" or self.per_example(physical_batch_size):
             return None
         return SketchConfig(self.estimator, self.sketch_size, self.sketching)
+
+
+_dataclass_init = PrivacyArguments.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_known_fields_only(self: PrivacyArguments, *args: Any, **kwargs: Any) -> None:
+    """The dataclass's ``__init__``, after refusing a keyword that is not a field with a
+    ValueError naming it and the nearest field (a misspelt option must not silently run at
+    its default)."""
+    refuse_unknown(kwargs, [f.name for f in fields(PrivacyArguments)], "PrivacyArguments")
+    _dataclass_init(self, *args, **kwargs)
+
+
+PrivacyArguments.__init__ = _init_known_fields_only
 
 
 def _real(x: Any) -> bool:

@@ -175,11 +175,91 @@ def test_automatic_with_a_physical_batch_of_one(caplog):
     assert not isinstance(out[1], PerExampleOptimizer)
 
 
-def test_ghost_script_gets_a_plain_criterion():
-    model = seeded(SequenceClassifier)()
-    _, out = private(model, token_task(n=N), per_example_backward=True, grad_sample_mode="ghost",
-                     criterion=nn.CrossEntropyLoss())
-    assert len(out) == 4 and type(out[2]) is nn.CrossEntropyLoss
+class _LM(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V): embedding, tanh, linear head."""
+
+    def __init__(self, vocab: int = 12, d: int = 8):
+        super().__init__()
+        self.tok, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.tok(x)))
+
+
+def _lm_task(n: int = 16, t: int = 6, vocab: int = 12):
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, vocab, (n, t), generator=gen), torch.randint(0, vocab, (n, t), generator=gen)
+    y[::2, -2:] = -100  # padded tails on half the sequences
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _ghost_lm_loss(criterion, model, x, y):
+    """A ghost LM script's loss, as Opacus's LM examples call the criterion."""
+    logits = model(x)
+    return criterion(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), shape=logits.shape[:2])
+
+
+def _sequence_loss(model, x, y):
+    """One sequence's loss: its mean over the positions not labelled -100 (Opacus's ghost
+    criterion per sequence)."""
+    return nn.functional.cross_entropy(model(x).reshape(-1, 12), y.reshape(-1), ignore_index=-100)
+
+
+def test_ghost_lm_script_at_batch_size_one_runs_with_the_ghost_criterion_signature():
+    """A one-flag ghost LM script at batch_size=1 (the per-example form, chosen
+    automatically): ``criterion(logits, targets, shape=(B, T))`` works, and the update at
+    noise 0 is per-sequence clipping computed by hand."""
+    torch.manual_seed(0)
+    model, data = _LM(), _lm_task()
+    reference = _LM()
+    reference.load_state_dict(model.state_dict())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = PrivacyEngine(accountant="rc_prv")
+    module, optimizer, criterion, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=1), noise_multiplier=0.0,
+        max_grad_norm=C, clipping="randomized", seed=5, grad_sample_mode="ghost",
+        criterion=nn.CrossEntropyLoss(),
+    )
+    assert isinstance(optimizer, PerExampleOptimizer)
+    xs, ys = one_logical_step(module, optimizer, loader, lambda m, x, y: _ghost_lm_loss(criterion, m, x, y))
+    assert xs, "the draw was empty: pick another seed"
+    want = per_example_clipped_mean(reference, _sequence_loss, xs, ys, C, 1)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(before[name] - p.detach(), want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_every_form_gives_the_ghost_criterion_value(loss_reduction):
+    """The criterion of every form a ghost script can get (two passes, book-keeping, per
+    example) takes Opacus's ``shape=`` call and gives Opacus's own ghost criterion's value
+    on one sequence: the mean (or sum) over its labelled positions."""
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    from opacus_rc.forms.bookkeeping import BOOKKEEPING_WITH_CRITERION, TWO_PASS
+
+    x, y = _lm_task().tensors
+    x, y = x[:1], y[:1]  # a padded sequence: -100 at its last two positions
+    values = {}
+    for form, options in ((TWO_PASS, {}), (BOOKKEEPING_WITH_CRITERION, {"bookkeeping": True}),
+                          (PER_EXAMPLE, {"per_example_backward": True})):
+        torch.manual_seed(0)
+        model = _LM()
+        engine = PrivacyEngine(accountant="rc_prv")
+        module, optimizer, criterion, _ = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=torch.utils.data.DataLoader(_lm_task(), batch_size=4), noise_multiplier=0.0,
+            max_grad_norm=C, clipping="randomized", grad_sample_mode="ghost", loss_reduction=loss_reduction,
+            criterion=nn.CrossEntropyLoss(reduction=loss_reduction), **options,
+        )
+        values[form] = float(_ghost_lm_loss(criterion, module, x, y).item())
+        if form == TWO_PASS:  # Opacus's own ghost criterion on the same module
+            ghost = DPLossFastGradientClipping(module, optimizer, nn.CrossEntropyLoss(reduction=loss_reduction),
+                                               loss_reduction)
+            values["opacus"] = float(_ghost_lm_loss(ghost, module, x, y).item())
+            token_loss = nn.functional.cross_entropy(module(x)[0, :-2], y[0, :-2], reduction=loss_reduction)
+            values["by hand"] = token_loss.item()
+    assert len({round(v, 5) for v in values.values()}) == 1, values
 
 
 def test_batch_memory_manager_on_top_and_accumulation():
@@ -488,7 +568,8 @@ def test_resume_continues_the_history_and_the_update(tmp_path):
     path = tmp_path / "ckpt.pt"
     engine.save_checkpoint(path=path, module=module, optimizer=optimizer)
     restored = seeded(SequenceClassifier)()
-    engine2, (module2, optimizer2, loader2) = private(restored, token_task(n=N), per_example_backward=True)
+    engine2, (module2, optimizer2, loader2) = private(restored, token_task(n=N), per_example_backward=True,
+                                                 accept_replayed_noise=True)  # seed=5 again, noise 0
     engine2.load_checkpoint(path=path, module=module2, optimizer=optimizer2)
     assert [h[:3] for h in engine2.accountant.history] == [h[:3] for h in engine.accountant.history]
     for p, q in zip(model.parameters(), restored.parameters()):
