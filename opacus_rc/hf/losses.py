@@ -14,13 +14,16 @@ from torch import nn
 
 def per_example_token_loss(logits: torch.Tensor, labels: torch.Tensor, *, shift: bool) -> torch.Tensor:
     """Per-row loss of a token-level task: the mean cross-entropy over the row's supervised
-    tokens (labels != -100; a row without any gives 0), computed in float32. ``shift``: causal
-    language modelling (logits at t predict labels at t + 1)."""
+    tokens (labels != -100; a row without any, e.g. a one-token row when ``shift``, gives 0),
+    computed in float32. ``shift``: causal language modelling (logits at t predict labels at t + 1)."""
     if shift:
         logits, labels = logits[:, :-1], labels[:, 1:]
     batch, steps = labels.shape[:2]
+    # the class dimension by size, not -1: a batch of one-token rows (wrapped packing's last
+    # packed row alone in a physical batch) has no position left after the shift (0 elements)
     tokens = F.cross_entropy(
-        logits.reshape(batch * steps, -1).float(), labels.reshape(-1), ignore_index=-100, reduction="none"
+        logits.reshape(batch * steps, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100,
+        reduction="none",
     ).view(batch, steps)
     valid = (labels != -100).sum(dim=1)
     return tokens.sum(dim=1) / valid.clamp(min=1)
