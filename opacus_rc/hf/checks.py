@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -25,8 +24,6 @@ from .arguments import PrivacyArguments
 from .data import PoissonAccumulationSampler
 from .losses import _base_model
 
-
-logger = logging.getLogger(__package__)
 
 #: file of the privacy state in every checkpoint and saved model folder
 DP_STATE_NAME = "dp_state.json"
@@ -148,19 +145,19 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
     for bad, name, accepted in checks:
         if bad:
             raise ValueError(f"{name} is not supported by {type(trainer).__name__}; accepted value: {accepted}")
+    if getattr(args, "packing", False):
+        raise ValueError(
+            f"packing=True (packing_strategy={getattr(args, 'packing_strategy', None)!r}) is not "
+            "supported: 'wrapped' concatenates the dataset and cuts it into rows of max_length "
+            "tokens, so a row mixes examples and removing one example shifts every later cut "
+            "(epsilon would protect no dataset example); 'bfd' and 'bfd_split' flatten the batch "
+            "into one row (no per-row gradient). Accepted value: packing=False (one dataset row "
+            "per example)"
+        )
     if getattr(trainer, "padding_free", False):
         raise ValueError(
-            "padding_free=True (also implied by packing=True with packing_strategy='bfd' or "
-            "'bfd_split') is not supported: it flattens the batch into one row, so no per-row "
-            "gradient exists; accepted values: padding_free=False with packing=False, or "
-            "packing=True with packing_strategy='wrapped' (the privacy unit is then the packed row "
-            "of max_length tokens, not a dataset example: docs/hf_trainer.md)"
-        )
-    if getattr(args, "packing", False) and getattr(args, "packing_strategy", None) == "wrapped":
-        logger.warning(
-            "packing_strategy='wrapped': each packed row (max_length tokens cut from the concatenated "
-            "dataset) is one example of the Poisson draw, so epsilon protects a packed row, not a "
-            "dataset example (an example can span two rows, and removing one shifts every later cut)"
+            "padding_free=True is not supported: it flattens the batch into one row, so no "
+            "per-row gradient exists; accepted value: padding_free=False"
         )
     if getattr(args, "loss_type", "nll") != "nll":
         raise ValueError(f"loss_type={args.loss_type!r} is not supported; accepted values: 'nll'")

@@ -19,8 +19,8 @@ def per_example_token_loss(logits: torch.Tensor, labels: torch.Tensor, *, shift:
     if shift:
         logits, labels = logits[:, :-1], labels[:, 1:]
     batch, steps = labels.shape[:2]
-    # the class dimension by size, not -1: a batch of one-token rows (wrapped packing's last
-    # packed row alone in a physical batch) has no position left after the shift (0 elements)
+    # the class dimension by size, not -1: a batch of one-token rows has no position left
+    # after the shift (0 elements)
     tokens = F.cross_entropy(
         logits.reshape(batch * steps, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100,
         reduction="none",
@@ -48,7 +48,7 @@ def model_inputs(model: nn.Module, inputs: Dict[str, Any]) -> Tuple[Dict[str, An
     if any(k.startswith("cu_seq_lens") for k in inputs):
         raise ValueError(
             "padding-free batches (cu_seq_lens_*) merge rows: no per-row gradient; accepted values: "
-            "padding_free=False (packing_strategy='wrapped' for packing)"
+            "padding_free=False and packing=False"
         )
     input_ids = inputs.get("input_ids")
     inner = _unwrap(model)

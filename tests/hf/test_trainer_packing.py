@@ -1,88 +1,49 @@
-"""TRL's SFTTrainer with ``packing=True, packing_strategy="wrapped"`` (issue 38 item 7b): the
-dataset is concatenated and cut into rows of ``max_length`` tokens, and each packed row is one
-example of the Poisson draw (the privacy unit). At sigma = 0 the update equals brute-force
-per-row clipping of the packed rows (:func:`tests.oracles.per_example_clipped_mean`), in the
-batched form and in the per-example form. The data leave a last packed row of one token, drawn
-alone in a physical batch: that crashed with ``cannot reshape tensor of 0 elements`` (its causal
-shift leaves no position). Tolerance: float32 summation order."""
+"""TRL packing (issue 38 item 7b). Every strategy is refused by name at construction:
+``"wrapped"`` concatenates the dataset and cuts it into rows of ``max_length`` tokens (a row
+mixes examples and removing one example shifts every later cut, so ε would protect no dataset
+example), ``"bfd"`` / ``"bfd_split"`` flatten the batch into one row. ``"wrapped"`` used to
+crash with ``cannot reshape tensor of 0 elements`` (its last packed row of one token, drawn
+alone in a physical batch, has no position after the causal shift): the per-row loss of such a
+batch is now 0 with a zero gradient."""
 
 from __future__ import annotations
 
-import copy
-import logging
-
+import datasets
 import pytest
 import torch
+import trl
 
 from opacus_rc.hf import PrivacyArguments, private_trainer
+from opacus_rc.hf.losses import per_example_token_loss
 
 from tests.models import tiny_llama
-from tests.oracles import per_example_clipped_mean
 
-from .test_trainer import char_tokenizer, recording
-from .test_trainer_per_example import row_loss
+from .test_trainer import char_tokenizer
 
-C, LR, MAX_LENGTH, STEPS = 0.05, 0.5, 8, 2
 TEXTS = ["abcdefghijklmnop", "bcdefg", "cdefghij"]  # 17 + 7 + 9 tokens with EOS: rows of 8, 8, 8, 8, 1
-ROWS = 5
 
 
-@pytest.mark.parametrize("per_device", [2, 1])  # the batched form; the per-example form
-def test_wrapped_packing_sigma0_equals_brute_force_on_the_packed_rows(tmp_path, per_device, caplog):
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
-    model = tiny_llama()
-    reference = copy.deepcopy(model)
-    config = trl.SFTConfig(
-        output_dir=str(tmp_path / "sft"), per_device_train_batch_size=per_device, gradient_accumulation_steps=ROWS,
-        max_steps=STEPS, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
-        lr_scheduler_type="constant", packing=True, packing_strategy="wrapped", max_length=MAX_LENGTH,
-        bf16=False, gradient_checkpointing=False,
-    )
-    with caplog.at_level(logging.WARNING, logger="opacus_rc.hf"):
-        trainer = recording(private_trainer(trl.SFTTrainer))(
-            model=model, args=config, train_dataset=datasets.Dataset.from_dict({"text": TEXTS}),
-            processing_class=char_tokenizer(), optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None),
-            # rate 1: every packed row in every draw, split one row per physical batch
-            privacy=PrivacyArguments(noise_multiplier=0.0, delta=1e-5, max_grad_norm=C, sample_rate=1.0),
-        )
-    assert "epsilon protects a packed row, not a dataset example" in caplog.text
-    packed = [torch.tensor(r["input_ids"]) for r in trainer.train_dataset]
-    assert sorted(len(r) for r in packed) == [1, 8, 8, 8, 8]
-    trainer.train()
-
-    # every draw is the packed dataset, one packed row per physical batch, as packed
-    assert len(trainer.recorded) == STEPS * ROWS
-    for start in range(0, len(trainer.recorded), ROWS):
-        rows = [b["input_ids"][0] for b in trainer.recorded[start:start + ROWS]]
-        assert all(len(b["input_ids"]) == 1 for b in trainer.recorded[start:start + ROWS])
-        assert [r.tolist() for r in rows] == [r.tolist() for r in packed]
-    normaliser = trainer.expected_batch_size
-    for _ in range(STEPS):
-        update = per_example_clipped_mean(reference, row_loss, packed, packed, C, normaliser)
-        with torch.no_grad():
-            for name, p in reference.named_parameters():
-                p -= LR * update[name]
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.allclose(p, q, atol=1e-6, rtol=1e-5), name
-
-
-@pytest.mark.parametrize("strategy", ["bfd", "bfd_split"])
-def test_bfd_packing_is_refused_naming_what_runs(tmp_path, strategy):
-    """``"bfd"`` packing implies padding-free batches (one flattened row: no per-row gradient):
-    refused at construction, the message naming what runs and its privacy unit."""
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
+@pytest.mark.parametrize("strategy", ["wrapped", "bfd", "bfd_split"])
+def test_packing_is_refused_by_name(tmp_path, strategy):
     config = trl.SFTConfig(
         output_dir=str(tmp_path / "sft"), per_device_train_batch_size=2, max_steps=1, report_to=[],
         save_strategy="no", use_cpu=True, disable_tqdm=True, packing=True, packing_strategy=strategy,
-        max_length=MAX_LENGTH, bf16=False, gradient_checkpointing=False,
+        max_length=8, bf16=False, gradient_checkpointing=False,
     )
-    with pytest.raises(ValueError, match="padding_free") as refused:
+    with pytest.raises(ValueError, match=rf"packing=True \(packing_strategy='{strategy}'\) is not supported") as refused:
         private_trainer(trl.SFTTrainer)(
             model=tiny_llama(), args=config, train_dataset=datasets.Dataset.from_dict({"text": TEXTS}),
             processing_class=char_tokenizer(), privacy=PrivacyArguments(noise_multiplier=0.0, delta=1e-5),
         )
-    message = str(refused.value)
-    assert f"'{strategy}'" in message and "packing=False" in message
-    assert "packing_strategy='wrapped' (the privacy unit is then the packed row" in message
+    assert "epsilon would protect no dataset example" in str(refused.value)
+    assert "Accepted value: packing=False" in str(refused.value)
+
+
+def test_a_batch_of_one_token_rows_has_zero_loss_and_gradient():
+    """A causal shift leaves a one-token row no position: its loss is 0 (no supervised
+    token), as for a row whose labels are all -100, and nothing flows back."""
+    logits = torch.randn(3, 1, 11, requires_grad=True)
+    loss = per_example_token_loss(logits, torch.randint(0, 11, (3, 1)), shift=True)
+    assert loss.shape == (3,) and torch.equal(loss, torch.zeros(3))
+    loss.sum().backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
