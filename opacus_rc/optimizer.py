@@ -199,6 +199,8 @@ class RandomizedClippingMixin:
         self._nonfinite_guard = NonFiniteGuard()
         self.backward_passes = 0  # backward passes accumulated since the last real step
         self._draw_splits = 0  # of them, continuations of one Poisson draw (BatchMemoryManager)
+        self._physical_batches: Optional[int] = None  # delivered since the last step(): see DrawLoader
+        self._draw_refused = False  # a step was refused off a draw boundary: every later one is
         self._awaiting_zero_grad = False  # a real step was taken and zero_grad() not called
         self._holders: "weakref.WeakSet[Any]" = weakref.WeakSet()  # of per-example norms
         self._clipped_marks: Dict[int, Any] = {}  # per parameter: its gradient as a clipped pass left it
@@ -237,6 +239,44 @@ class RandomizedClippingMixin:
             self._draw_splits += 1
         super().signal_skip_step(do_skip)
 
+    # --- the draw boundaries of a loader that splits draws (opacus_rc.draws) ---------------
+
+    def start_physical_batches(self) -> None:
+        """A :class:`~opacus_rc.draws.DrawLoader` starts delivering physical batches: from
+        now on every ``step()`` must follow exactly one of them."""
+        if self._physical_batches is None:
+            self._physical_batches = 0
+
+    def note_physical_batch(self) -> None:
+        """The loader delivered one physical batch to the script."""
+        self._physical_batches = (self._physical_batches or 0) + 1
+
+    def end_physical_batches(self) -> None:
+        """The loader's iteration ended: with every batch stepped, steps are free again."""
+        if self._physical_batches == 0:
+            self._physical_batches = None
+
+    def check_draw_boundary(self) -> None:
+        """Refuse (ValueError) a ``step()`` that does not follow exactly one physical batch
+        of a loader that splits Poisson draws (see :mod:`opacus_rc.draws`): the skip
+        signals it queued would be popped out of step with the batches trained on, and a
+        release would hold part of a draw, or two draws charged as one. Everything
+        accumulated is dropped, and every later step is refused."""
+        batches = self._physical_batches
+        if not self._draw_refused and (batches is None or batches == 1):
+            if batches is not None:
+                self._physical_batches = 0
+            return
+        from .draws import accumulation_error
+
+        self._draw_refused = True
+        self._step_skip_queue.clear()
+        self.backward_passes = self._draw_splits = 0
+        for p in self.params:
+            p.summed_grad = None
+        self._forget_per_example_values()
+        raise accumulation_error(batches or 0)
+
     #: Distributed optimizers agree on refusals across ranks (every rank refuses together).
     _refusals_across_ranks = False
 
@@ -262,6 +302,7 @@ class RandomizedClippingMixin:
         self._raise_deferred_refusal(wait=False)
         self._check_cleared()
         self._check_forward_changes()
+        self.check_draw_boundary()
         self.check_clipped_passes()
         taken = super().pre_step(closure)
         if taken:

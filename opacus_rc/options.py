@@ -562,7 +562,7 @@ class Options:
         denoise = _denoise(options)
         runs, mode = resolve_form(
             clipping, options["bookkeeping"], options["per_example_backward"], opacus["grad_sample_mode"],
-            opacus.get("module"), opacus.get("data_loader"),
+            opacus.get("module"), opacus.get("data_loader"), options["sample_rate"],
         )
         if clipping != RANDOMIZED:
             given = [k for k in RANDOMIZED_ONLY if _given(options, k)]

@@ -2,9 +2,10 @@
 :func:`uninstall`.
 
 Opacus has no registry of engines or clipping modes, nor a same-draw signal, so
-:func:`install` replaces four names (:data:`PATCHES`): ``from opacus import PrivacyEngine``
-gives :class:`opacus_rc.integration.PrivacyEngine`, and BatchMemoryManager's sampler
-declares its physical batches one Poisson draw. The ``rc_prv`` accountant goes through
+:func:`install` replaces five names (:data:`PATCHES`): ``from opacus import PrivacyEngine``
+gives :class:`opacus_rc.integration.PrivacyEngine`, BatchMemoryManager's sampler
+declares its physical batches one Poisson draw, and its loader holds every ``step()`` to
+one physical batch (:mod:`opacus_rc.draws`). The ``rc_prv`` accountant goes through
 Opacus's own registry. :func:`uninstall` restores every replaced name (:data:`ORIGINALS`).
 """
 
@@ -16,10 +17,12 @@ from typing import Any
 
 import opacus
 import opacus.privacy_engine
+import opacus.utils.batch_memory_manager as batch_memory_manager
 from opacus.accountants import register_accountant
 from opacus.utils.batch_memory_manager import BatchSplittingSampler
 
 from .accounting.accountant import RCPRVAccountant
+from .draws import split_draws
 from .integration import OpacusPrivacyEngine, PrivacyEngine
 from .optimizer import RandomizedClippingMixin
 
@@ -91,6 +94,10 @@ PATCHES = (
     # with no way to say that its physical batches are one Poisson draw: it says so to the
     # plugin's optimizers (same_draw=True), which charge them as one micro-batch.
     (BatchSplittingSampler, "__iter__", _splitting_iter),
+    # BatchMemoryManager's loader: Opacus's skip signals are a queue popped by each step(),
+    # with no check that a step falls on a draw boundary; the plugin's loader counts the
+    # batches it delivers, and its optimizers refuse a step that does not follow exactly one.
+    (batch_memory_manager, "wrap_data_loader", split_draws),
 )
 
 #: what each of :data:`PATCHES` replaced, as Opacus defines it (read before install)

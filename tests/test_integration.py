@@ -119,8 +119,8 @@ def probe():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_import_replaces_at_most_four_names_of_opacus(probe):
-    assert len(probe["changed"]) <= 4, probe["changed"]
+def test_import_replaces_at_most_five_names_of_opacus(probe):
+    assert len(probe["changed"]) <= 5, probe["changed"]
     assert probe["changed"] == sorted(
         f"{owner.__module__}.{owner.__qualname__}.{name}" if isinstance(owner, type) else f"{owner.__name__}.{name}"
         for owner, name, _ in registration.PATCHES
@@ -247,7 +247,7 @@ def test_uninstall_undoes_every_patch_and_install_redoes_them():
         assert stock.__new__ is object.__new__ and "__new__" not in vars(stock)
         assert type(stock(accountant="prv")) is stock  # stock Opacus
         assert type(opacus.PrivacyEngine(accountant="prv")) is stock
-        assert BatchSplittingSampler.__iter__ is registration.ORIGINALS[-1]
+        assert BatchSplittingSampler.__iter__ is registration.ORIGINALS[3]
         assert type(opacus_rc.PrivacyEngine(accountant="rc_prv")) is opacus_rc.PrivacyEngine
     finally:
         registration.install()

@@ -23,8 +23,8 @@ from ._broken import VARIANTS
 from .experiment import AuditConfig, AuditResult, run_audit
 from .normaliser import NORMALISER_VARIANTS, NormaliserAuditConfig, run_normaliser_audit
 from .paths import (
-    FORWARD_BUFFER_VARIANTS, FUSED_HEAD_VARIANTS, PATH_DEFAULTS, PATH_VARIANTS, PER_EXAMPLE_VARIANTS,
-    PathAuditConfig, per_example_steps, run_path_audit,
+    ACCUMULATION_EVERY, DRAW_BOUNDARY_VARIANTS, FORWARD_BUFFER_VARIANTS, FUSED_HEAD_VARIANTS, PATH_DEFAULTS,
+    PATH_VARIANTS, PER_EXAMPLE_VARIANTS, PathAuditConfig, per_example_steps, run_path_audit,
 )
 from .reference import exact_epsilon
 
@@ -108,7 +108,8 @@ def path_configs(args: argparse.Namespace) -> List[PathAuditConfig]:
         options = dict(PATH_DEFAULTS[variant])
         options.update({k: getattr(args, k) for k in ("sigma", "micro_batches", "sample_rate", "episode_steps")
                         if getattr(args, k) is not None})
-        steps = per_example_steps(variant, _steps(args)) if variant in PER_EXAMPLE_VARIANTS else _steps(args)
+        per_example = variant in PER_EXAMPLE_VARIANTS or variant in DRAW_BOUNDARY_VARIANTS
+        steps = per_example_steps(variant, _steps(args)) if per_example else _steps(args)
         out.append(PathAuditConfig(
             variant=variant, estimator=args.estimators[0], steps=steps, replicas=args.replicas,
             sketching=options.pop("sketching", args.sketching),  # reentrant_split: per-example
@@ -119,12 +120,13 @@ def path_configs(args: argparse.Namespace) -> List[PathAuditConfig]:
 
 #: the deliberately broken controls: the audit must flag them (eps_lower above eps_accounted)
 CONTROLS = (*VARIANTS[1:], "normaliser_dataset_size", "fused_head_unchecked", "per_example_unchecked",
-            "forward_buffer_unchecked")
+            "draw_boundary_unchecked", "forward_buffer_unchecked")
 LEGEND = (
     "verdict: 'ok' = the empirical lower bound eps_lower stays below the accounted epsilon; "
     "'caught (control)' = a deliberately broken variant (biased estimate, data-dependent "
     "sketch, Opacus's dataset-size normaliser, the unchecked fused head, the per-example form with its batch "
-    "check off, a buffer changed by the forward pass with its check off) was flagged, as the audit must; a real "
+    "check off, its draw-boundary check off, a buffer changed by the forward pass with its check "
+    "off) was flagged, as the audit must; a real "
     "violation would read 'VIOLATION' on a variant that is not a control, and "
     "'MISSED (control)' means the audit failed to flag a broken one: expected only where the "
     "control's exact epsilon is barely above the accounted one (Hutch++ k=4 biased_low with a "
@@ -183,6 +185,11 @@ def _path_note(r: AuditResult, replicas: int) -> Optional[str]:
         off = "" if v == "per_example" else "; its batch check off: two examples per backward pass"
         return (f"{v}: the per-example form (exact clipping, no sketch{off}), {r.trials // replicas} steps, charged "
                 f"as exact steps; the canary's shift {r.mean_score_in:.2f} C")
+    if v in DRAW_BOUNDARY_VARIANTS:
+        return f"{v}: step() every {ACCUMULATION_EVERY} physical batches of the per-example form's loader: " + (
+            f"refused by the plugin ({r.refusal[:60]}...)" if r.refusal
+            else f"released (the canary's shift {r.mean_score_in:.2f} C: two draws), charged as one draw"
+        )
     if v == "hand_built":
         return (f"{v}: {r.episode_steps} steps per trial, eps_exact of the sum test (Monte Carlo), eps_accounted "
                 f"after {r.episode_steps} steps")

@@ -1,8 +1,9 @@
 """Deliberately broken sketchers and batch check, for the audit only (never reached from
 make_private): ``biased_low`` divides the estimate by 4, ``data_dependent_sketch`` draws every
-sketch orthogonal to the batch's gradients (the canary is estimated as 0, not clipped), and
-:func:`unchecked_batches` lets the per-example form clip two examples as one. See
-docs/audit.md, "Broken variants (audit-only)".
+sketch orthogonal to the batch's gradients (the canary is estimated as 0, not clipped),
+:func:`unchecked_batches` lets the per-example form clip two examples as one, and
+:func:`unchecked_draw_boundary` lets a ``step()`` follow several physical batches of a draw.
+See docs/audit.md, "Broken variants (audit-only)".
 """
 
 from __future__ import annotations
@@ -95,3 +96,12 @@ def unchecked_batches(module: Any) -> None:
     module._pre_forward = as_one_example
     module._setup_clipping(module.max_grad_norm)  # the hooks again, with the check off
     module.follow_steps(optimizer)
+
+
+def unchecked_draw_boundary(optimizer: Any) -> None:
+    """Switch the draw-boundary check off on ``optimizer`` (a plugin optimizer): a
+    ``step()`` may follow any number of physical batches of the loader that splits Poisson
+    draws, and the skip signals that loader queued are popped out of step with the batches
+    trained on (the pre-fix behaviour, issue 38 item 1): a release can hold the tail of one
+    draw and the head of the next, charged as the one draw whose end it holds."""
+    optimizer.check_draw_boundary = lambda: None

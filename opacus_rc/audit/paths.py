@@ -5,9 +5,10 @@ Each variant reuses the one-step audit's model, data, canaries and score
 (``accumulation_canary``), objects built by hand (``hand_built``), a layer applied twice per
 forward pass (``reused_layer``), one draw split into physical batches under a reentrant
 checkpoint (``reentrant_split``), a loss that reads the head's weight around the hooks
-(``fused_head``), the per-example form (``per_example``) and a model that keeps a running
-statistic of its inputs in a buffer (``forward_buffer``: refused); ``fused_head_unchecked``,
-``per_example_unchecked`` and ``forward_buffer_unchecked`` are deliberately broken controls. What each runs, its score and
+(``fused_head``), the per-example form (``per_example``), an accumulation loop over its
+loader (``draw_boundary``) and a model that keeps a running statistic of its inputs in a buffer
+(``forward_buffer``: refused); ``fused_head_unchecked``, ``per_example_unchecked``,
+``draw_boundary_unchecked`` and ``forward_buffer_unchecked`` are deliberately broken controls. What each runs, its score and
 its defaults: docs/audit.md, "Side paths" and the sections after it.
 """
 
@@ -17,7 +18,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, fields, replace
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -37,8 +38,9 @@ from .reference import accumulation_exact_epsilon, composed_sum_epsilon, exact_e
 FUSED_HEAD_VARIANTS = ("fused_head", "fused_head_unchecked")
 PER_EXAMPLE_VARIANTS = ("per_example", "per_example_unchecked")
 FORWARD_BUFFER_VARIANTS = ("forward_buffer", "forward_buffer_unchecked")
+DRAW_BOUNDARY_VARIANTS = ("draw_boundary", "draw_boundary_unchecked")
 PATH_VARIANTS = ("accumulation_canary", "hand_built", "reused_layer", "reentrant_split", *FUSED_HEAD_VARIANTS,
-                 *PER_EXAMPLE_VARIANTS, *FORWARD_BUFFER_VARIANTS)
+                 *PER_EXAMPLE_VARIANTS, *DRAW_BOUNDARY_VARIANTS, *FORWARD_BUFFER_VARIANTS)
 
 #: Per variant: sketch size, sigma and the path's own size (why: docs/audit.md).
 PATH_DEFAULTS = {
@@ -49,6 +51,7 @@ PATH_DEFAULTS = {
     **{v: {"sketch_size": 32, "sigma": 1.0} for v in FUSED_HEAD_VARIANTS},
     **{v: {"sketch_size": 4, "sigma": 1.0} for v in PER_EXAMPLE_VARIANTS},  # k only sets the shapes
     **{v: {"sketch_size": 4, "sigma": 1.0} for v in FORWARD_BUFFER_VARIANTS},
+    **{v: {"sketch_size": 4, "sigma": 1.0} for v in DRAW_BOUNDARY_VARIANTS},
 }
 #: the fused-head control's steps at most: its unclipped canary is found at any size
 FUSED_HEAD_MAX_STEPS = 40
@@ -57,6 +60,11 @@ FUSED_HEAD_MAX_STEPS = 40
 PER_EXAMPLE_STEP_SHARE = 5
 #: ...and at most this many for its control
 PER_EXAMPLE_MAX_STEPS = 40
+#: the draw-boundary control's steps at most (its canary shifts by 2 C, charged as C)
+DRAW_BOUNDARY_MAX_STEPS = 20
+#: the accumulation loop's k: ``step()`` every k physical batches (the draws of
+#: :func:`accumulation_draws` are built for k = 2)
+ACCUMULATION_EVERY = 2
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,8 @@ class PathAuditResult(AuditResult):
 
 @dataclass
 class FusedHeadAuditResult(PathAuditResult):
-    """``refusal``: the plugin's error (``fused_head``; empty when the step ran)."""
+    """``refusal``: the plugin's error (``fused_head``, ``draw_boundary``; empty
+    when the step ran)."""
 
     refusal: str = ""
 
@@ -404,6 +413,8 @@ def _fused_head(config: PathAuditConfig, progress: Progress, start: float) -> Fu
 def per_example_steps(variant: str, steps: int) -> int:
     """The steps the command runs for a per-example variant when ``steps`` are requested."""
     share = max(2, steps // PER_EXAMPLE_STEP_SHARE)
+    if variant in DRAW_BOUNDARY_VARIANTS:
+        return min(share, DRAW_BOUNDARY_MAX_STEPS)
     return min(share, PER_EXAMPLE_MAX_STEPS) if variant == "per_example_unchecked" else share
 
 
@@ -529,11 +540,96 @@ def _forward_buffer(config: PathAuditConfig, progress: Progress, start: float) -
                                 refusal=refusal)
 
 
+# --- draw_boundary: step() every k physical batches of the per-example loader --------------
+
+
+def build_draw_boundary(config: PathAuditConfig) -> _PerExampleExperiment:
+    """:func:`build_per_example`'s honest objects; the control switches the optimizer's
+    draw-boundary check off (:func:`~opacus_rc.audit._broken.unchecked_draw_boundary`)."""
+    from ._broken import unchecked_draw_boundary
+
+    built = build_per_example(config)
+    if config.variant == "draw_boundary_unchecked":  # the broken control
+        unchecked_draw_boundary(built.exp.optimizer)
+    return built
+
+
+def accumulation_draws(built: _PerExampleExperiment, include: np.ndarray) -> List[List[int]]:
+    """Two draws of the loader (one per epoch): the "in" canaries then D, and the same one
+    example longer. Each ``step()`` pops one skip signal, and the signals run one per
+    physical batch: with ``step()`` every 2 physical batches, the step that pops draw 1's end
+    (the ``|draw 1|``-th, after batch ``2 |draw 1|``) is taken, and releases all of draw 1 and
+    the same examples again from draw 2, charged as one draw (one draw end among them)."""
+    nb, r = len(built.exp.background[0]), len(include)
+    first = [nb + r + j for j in np.flatnonzero(include)] + list(range(nb))
+    return [first, first + [0]]
+
+
+def accumulation_step(built: _PerExampleExperiment, include: np.ndarray) -> torch.Tensor:
+    """The accumulation loop of a script, ``step()`` and ``zero_grad()`` every
+    :data:`ACCUMULATION_EVERY` physical batches counted across epochs, over the loader
+    ``make_private`` returned, until a step is not skipped: its released ``W.grad``. The
+    skip signals still queued (the rest of draw 2's) are dropped, so that every round
+    releases the same examples."""
+    exp, delivered = built.exp, 0
+    try:
+        for draw in accumulation_draws(built, include):
+            built.sampler.draw = draw
+            for x, y in built.loader:
+                exp.criterion(exp.model(x), y).backward()
+                delivered += 1
+                if delivered % ACCUMULATION_EVERY == 0:
+                    exp.optimizer.step()
+                    released = None if exp.optimizer._is_last_step_skipped else exp.weight.grad.detach().clone()
+                    exp.optimizer.zero_grad()
+                    if released is not None:
+                        return released
+    finally:
+        exp.optimizer._step_skip_queue.clear()
+    raise RuntimeError("draw_boundary: the loop took no step")
+
+
+def _draw_boundary(config: PathAuditConfig, progress: Progress, start: float) -> FusedHeadAuditResult:
+    """``draw_boundary``: the plugin must refuse the loop's first ``step()``
+    (ValueError), nothing released or charged (eps_lower = eps_accounted = 0, no trial); a
+    step taken instead, and the control, are audited: the release holds each "in" canary
+    twice (a shift of 2 C) and is charged one exact step at q = 1 (sensitivity C)."""
+    built = build_draw_boundary(config)
+    if config.variant == "draw_boundary":
+        try:
+            accumulation_step(built, np.ones(config.replicas, dtype=bool))
+        except ValueError as error:
+            if built.exp.accountant.history or built.exp.weight.grad is not None:
+                raise RuntimeError("draw_boundary: the refused step released or charged something")
+            if progress is not None:
+                progress(config.steps)
+            return FusedHeadAuditResult(
+                **{**result_fields(config, None, 0.0, 0, start), "estimator": "exact", "sketch_size": 0},
+                refusal=str(error),
+            )
+        built = build_draw_boundary(config)  # the step was taken: audit it (a fresh accountant)
+    d = built.exp.canaries[0].shape[-1]
+
+    def scores_of(include: np.ndarray, _rng: np.random.Generator) -> np.ndarray:
+        return accumulation_step(built, include)[: config.replicas, d - 1].double().numpy()
+
+    check = lambda h: check_one_step(h, randomized=False, micro_batches=1)  # noqa: E731
+    trials = run_trials(config, built.exp, scores_of, check, progress)
+    scores, included = trials.scores, trials.included
+    return FusedHeadAuditResult(
+        **{**trials.fields(config, start), "estimator": "exact", "sketch_size": 0},
+        mean_score_in=float((scores[included].mean() - scores[~included].mean()) * config.sigma),
+        eps_exact=mixture_epsilon(np.array([2.0 / config.sigma]), config.delta),  # the canary twice
+        history=trials.history,
+    )
+
+
 _AUDITS = {
     "accumulation_canary": _accumulation, "hand_built": _hand_built, "reused_layer": _accumulation,
     "reentrant_split": _reentrant_split, **dict.fromkeys(FUSED_HEAD_VARIANTS, _fused_head),
     **dict.fromkeys(PER_EXAMPLE_VARIANTS, _per_example),
     **dict.fromkeys(FORWARD_BUFFER_VARIANTS, _forward_buffer),
+    **dict.fromkeys(DRAW_BOUNDARY_VARIANTS, _draw_boundary),
 }
 
 

@@ -25,12 +25,13 @@ form                       what runs
 
 from __future__ import annotations
 
-import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from torch import nn
 
+from ..draws import DrawLoader
 from ..grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
 from ..optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingOptimizer
 from .bookkeeping import (
@@ -62,8 +63,6 @@ from .per_example import (
     check_supported,
 )
 
-logger = logging.getLogger(__name__)
-
 #: the option that chooses (or refuses) the per-example form
 PER_EXAMPLE_OPTION = "per_example_backward"
 
@@ -84,18 +83,17 @@ def _with_bookkeeping_criterion(out: Tuple, arguments: Mapping[str, Any]) -> Tup
 
 def _one_example_per_batch(out: Tuple, arguments: Mapping[str, Any]) -> Tuple:
     """The loader split into physical batches of one example (each Poisson draw one
-    logical step, as BatchMemoryManager's); a ghost script gets book-keeping's criterion
-    (:class:`~opacus_rc.forms.bookkeeping.DPLossBookkeeping`): Opacus's call signature
-    (``criterion(logits, targets, shape=(B, T))``), the same loss value as every other form
-    (per-sequence reduction, then ``loss_reduction`` over the examples) and a plain tensor
-    whose ``backward()`` is the one example's pass."""
-    from opacus.utils.batch_memory_manager import wrap_data_loader
-
+    logical step, as BatchMemoryManager's; every ``step()`` follows one batch and every
+    forward takes the batch in hand: :class:`~opacus_rc.draws.DrawLoader`); a ghost script
+    gets book-keeping's criterion (:class:`~opacus_rc.forms.bookkeeping.DPLossBookkeeping`):
+    Opacus's call signature (``criterion(logits, targets, shape=(B, T))``), the same loss
+    value as every other form (per-sequence reduction, then ``loss_reduction`` over the
+    examples) and a plain tensor whose ``backward()`` is the one example's pass."""
     *head, data_loader = out
     optimizer = head[1]
     if len(head) == 3:  # a ghost script's 4-tuple: the two-pass criterion replaced
         head[2] = with_criterion((head[0], optimizer, data_loader), arguments["criterion"], arguments["loss_reduction"])[2]
-    return (*head, wrap_data_loader(data_loader=data_loader, max_batch_size=1, optimizer=optimizer))
+    return (*head, DrawLoader(data_loader=data_loader, max_batch_size=1, optimizer=optimizer))
 
 
 @dataclass(frozen=True)
@@ -170,6 +168,39 @@ FORMS: Dict[str, Form] = {
 _logged_automatic = False
 
 
+def _expected_examples(data_loader: Any, sample_rate: Optional[float]) -> Optional[float]:
+    """``q N``: the expected logical batch of a loader (Opacus's Poisson rate: ``sample_rate``,
+    the loader's own, else ``1 / len(data_loader)``); None when unknown."""
+    try:
+        n = len(data_loader.dataset)
+        q = sample_rate or getattr(data_loader, "sample_rate", None) or 1.0 / len(data_loader)
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return None
+    return q * n
+
+
+def _warn_automatic(data_loader: Any, sample_rate: Optional[float]) -> None:
+    """Warn once (``UserWarning``: shown by a default Python set-up) that a physical batch of
+    one example switched the method to the per-example form, and what a small expected
+    logical batch costs."""
+    global _logged_automatic
+    if _logged_automatic:
+        return
+    _logged_automatic = True
+    expected = _expected_examples(data_loader, sample_rate)
+    size = "q*N examples" if expected is None else f"q*N = {expected:.4g} example(s)"
+    warnings.warn(
+        "the physical batch is one example (batch_size=1), so the per-example form runs: exact "
+        "clipping, one backward pass per example. The expected logical batch (one Poisson draw, "
+        f"one step) is {size}; with a small expected batch the noise swamps each step: accumulate "
+        "a larger logical batch (a larger batch_size, with BatchMemoryManager(max_physical_batch_size=1) "
+        "over the returned loader, or DPTrainer's gradient_accumulation_steps). "
+        f"{PER_EXAMPLE_OPTION}=False keeps a sketched form; {PER_EXAMPLE_OPTION}=True silences this",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
 def per_example_chosen(option: Optional[bool], physical_batch_size: Optional[int]) -> bool:
     """Whether a call runs the per-example form: ``per_example_backward`` when given, else
     when a physical batch holds one example (there exact clipping costs one reduction over
@@ -185,6 +216,7 @@ def resolve_form(
     grad_sample_mode: str,
     module: Optional[nn.Module],
     data_loader: Any,
+    sample_rate: Optional[float] = None,
 ) -> Tuple[str, str]:
     """The form a ``make_private`` call runs and the (Opacus) grad-sample mode of its
     module; the one decision rule:
@@ -193,8 +225,9 @@ def resolve_form(
       returned loader yields one example per physical batch);
     * ``None`` (default) with a loader of ``batch_size=1`` (a physical batch of one; the
       private Trainer: ``per_device_train_batch_size=1``) and neither ``bookkeeping=`` nor
-      ``ghost_fsdp``: the per-example form, logged once (exact clipping is cheaper there
-      than any estimate);
+      ``ghost_fsdp``: the per-example form, with a warning once (exact clipping is cheaper
+      there than any estimate, but the method changed: :func:`_warn_automatic`; the expected
+      logical batch: ``sample_rate``, else the loader's, times the dataset's size);
     * otherwise book-keeping or two passes (:func:`opacus_rc.forms.bookkeeping.resolve_bookkeeping`).
 
     Raises:
@@ -220,13 +253,7 @@ def resolve_form(
     if module is not None:
         check_supported(module)
     if automatic:
-        global _logged_automatic
-        if not _logged_automatic:
-            logger.info(
-                "physical batches of one example: exact clipping, one backward pass per example "
-                "(the per-example form; %s=False chooses a sketched form)", PER_EXAMPLE_OPTION,
-            )
-            _logged_automatic = True
+        _warn_automatic(data_loader, sample_rate)
     return PER_EXAMPLE, "ghost" if grad_sample_mode == "ghost" else "hooks"
 
 

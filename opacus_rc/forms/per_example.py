@@ -127,6 +127,29 @@ def batch_error(n: Optional[int]) -> ValueError:
     )
 
 
+def from_batch(t: torch.Tensor, batch: List[torch.Tensor]) -> bool:
+    """``t`` is a tensor of ``batch``, a view of one (same storage: a transpose, a slice),
+    or a copy of one (same elements, in order: moved to a device, cast)."""
+    for b in batch:
+        if t is b or (t.device == b.device and t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()):
+            return True
+        if t.numel() == b.numel() and torch.equal(
+            t.detach().reshape(-1), b.detach().reshape(-1).to(device=t.device, dtype=t.dtype)
+        ):
+            return True
+    return False
+
+
+def loader_error(why: str) -> ValueError:
+    return ValueError(
+        "the per-example form clips one example per backward pass, and the data loader "
+        f"make_private returned yields one example per batch; a forward of the model: {why}. "
+        "Iterate that loader and give the model its batch (moved to the device, cast, transposed "
+        "or sliced: any view or copy of it), one forward per batch; transform the data in the "
+        "dataset; or choose another form: make_private(..., per_example_backward=False)"
+    )
+
+
 class PerExampleClipping:
     """The per-example form's clipping, attached to the model ``m`` (Opacus's hooks-object
     interface: ``forbid_grad_accumulation``, ``remove_hooks``, ``cleanup``).
@@ -158,6 +181,9 @@ class PerExampleClipping:
         self._refusal: Optional[str] = None
         self._grouped: Optional[bool] = None  # inside one_physical_batch(): whether a backward ran
         self._optimizer: Optional[Any] = None
+        self._loader_bound = False  # the returned loader was iterated: forwards take its batches
+        self._in_hand: Optional[List[torch.Tensor]] = None  # the tensors of its latest batch
+        self._in_hand_from: Any = None  # the iteration that delivered it
         self._handles = []
         for module in self._module.modules():
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
@@ -204,16 +230,51 @@ class PerExampleClipping:
             if ran and optimizer is not None:
                 optimizer.backward_passes += 1
 
+    # --- the batches of the loader make_private returned (opacus_rc.draws.DrawLoader) -------
+
+    def note_batch(self, batch: Any, source: Any) -> None:
+        """The returned loader's iteration ``source`` delivered ``batch`` (one dataset row),
+        or ended (None). Once it delivered a batch, every counted forward must take the batch
+        in hand, once (:meth:`_check_from_loader`); objects built by hand, and a loader never
+        iterated (DPTrainer runs its own), are held to the argument check alone."""
+        if batch is None:
+            if self._in_hand_from is source:
+                self._in_hand = None
+            return
+        self._loader_bound = True
+        self._in_hand = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+        self._in_hand_from = source
+
+    def _check_from_loader(self, args: Any, kwargs: Dict[str, Any]) -> None:
+        """Refuse a forward that does not take the returned loader's batch in hand: none in
+        hand (outside its iteration, or its batch already went through a forward), or a
+        tensor argument not derived from it (:func:`from_batch`: several examples built by
+        hand, in any dimension)."""
+        if not self._loader_bound:
+            return
+        batch, self._in_hand = self._in_hand, None  # one forward per delivered batch
+        if batch is None:
+            raise loader_error("no batch of it is in hand (outside its iteration, or its batch "
+                               "already went through a forward)")
+        foreign = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and not from_batch(t, batch)]
+        if foreign:
+            raise loader_error(f"a tensor argument of shape {tuple(foreign[0].shape)} did not come from "
+                               "the batch in hand")
+
     # --- the forward passes ------------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Dict[str, Any]) -> None:
         if self._depth or not self.hooks_enabled or not torch.is_grad_enabled() or forward_replay() is not None:
             self._depth.append(False)  # inside a counted forward, untracked, or a replay
             return
-        n = examples_in(args, kwargs, self.batch_first)
-        if n is None or n > 1:
+        try:
+            self._check_from_loader(args, kwargs)
+            n = examples_in(args, kwargs, self.batch_first)  # the second line
+            if n is None or n > 1:
+                raise batch_error(n)
+        except ValueError:
             self._depth.append(False)
-            raise batch_error(n)
+            raise
         self._release_zeroed_grads()
         if self._tracked_from is None:
             self._tracked_from = self._last_forward_end = torch.autograd._get_sequence_nr()

@@ -398,3 +398,79 @@ def test_forward_buffer_is_refused_and_its_unchecked_control_is_caught(capsys):
     assert main(["--steps", "2", "--replicas", "16", "--variants", "forward_buffer", "forward_buffer_unchecked"]) == 0
     out = capsys.readouterr().out
     assert "forward_buffer_unchecked        2        inf" in out and "caught (control)" in out
+
+# --- draw_boundary: step() every 2 physical batches of the per-example loader (issue 38, item 1)
+
+
+def _draw_boundary_built(variant):
+    from opacus_rc.audit.paths import build_draw_boundary
+
+    built = build_draw_boundary(PathAuditConfig(variant=variant, sketch_size=4, sigma=1.0, replicas=16, steps=2))
+    built.exp.optimizer.noise_multiplier = 0.0
+    return built
+
+
+def test_draw_boundary_is_refused_and_the_control_releases_the_canary_twice_charged_once():
+    """Noise 0, 16 replicas, half "in", ``step()`` every 2 physical batches over two epochs
+    of one draw each (the "in" canaries then D; the second draw one example longer). The
+    honest objects refuse the first ``step()`` (after 2 physical batches), nothing released
+    or charged. The control (the draw-boundary check off, the pre-fix code) takes its real
+    step after 24 physical batches of one example each: the release holds each "in"
+    canary's clipped gradient twice (+2 C) and is charged as one draw (one exact step at
+    q = 1, ``micro_batches = 1``), the sensitivity C."""
+    from opacus_rc.audit.paths import accumulation_step
+
+    include = np.arange(16) % 2 == 0
+    honest = _draw_boundary_built("draw_boundary")
+    with pytest.raises(ValueError, match="followed 2 physical batches.*never call step\\(\\) every k batches"):
+        accumulation_step(honest, include)
+    assert honest.exp.accountant.history == [] and honest.exp.weight.grad is None
+
+    control = _draw_boundary_built("draw_boundary_unchecked")
+    sizes = []
+    layer = control.exp.model._module
+    handle = layer.register_forward_pre_hook(lambda _m, args: sizes.append(len(args[0])))
+    try:
+        for _ in range(2):  # every round releases the same (the queue's drift dropped)
+            released = accumulation_step(control, include)
+            torch.testing.assert_close(
+                released[:16, -1], torch.where(torch.from_numpy(include), 2.0, 0.0), atol=1e-5, rtol=0
+            )
+    finally:
+        handle.remove()
+    assert sizes == [1] * 48
+    (sigma, q, steps, record), = control.exp.accountant.history
+    assert (sigma, q, steps) == (0.0, 1.0, 2) and record.estimator is None and record.micro_batches == 1
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # Opacus's prv at q = 1
+def test_draw_boundary_audit_refuses_and_catches_its_control():
+    """``draw_boundary``: refused, nothing released or charged (eps 0, no trial). The control:
+    each "in" canary shifts its entry by 2 C (exact epsilon 6.00) while the release is charged
+    as one exact step of sensitivity C (2.33): the audit finds eps_lower above it (measured 2.94,
+    12 steps x 256, seed 11; 2.63 with 20 x 128)."""
+    refused = run_path_audit(PathAuditConfig(variant="draw_boundary", sketch_size=4, sigma=1.0, steps=20, seed=11))
+    assert (refused.eps_lower, refused.eps_accounted, refused.trials) == (0.0, 0.0, 0)
+    assert "optimizer.step() refused" in refused.refusal
+    r = run_path_audit(PathAuditConfig(variant="draw_boundary_unchecked", sketch_size=4, sigma=1.0, steps=12, seed=11))
+    (sigma, q, steps, record), = r.history
+    assert (sigma, q, steps) == (1.0, 1.0, 1) and not record.randomized and record.micro_batches == 1
+    assert r.eps_exact > r.eps_accounted
+    assert r.eps_lower > r.eps_accounted
+    assert abs(r.mean_score_in - 2.0) < 5 * r.sigma * math.sqrt(4 / r.trials)
+
+
+def test_quick_audit_includes_the_draw_boundary_variants(capsys):
+    from opacus_rc.audit.__main__ import CONTROLS, parse_args, path_configs, verdict
+
+    configs = {c.variant: c for c in path_configs(parse_args(["--quick"]))}
+    assert (configs["draw_boundary"].steps, configs["draw_boundary_unchecked"].steps) == (20, 20)
+    assert "draw_boundary_unchecked" in CONTROLS and "draw_boundary" not in CONTROLS
+    assert verdict("draw_boundary_unchecked", 3.0, 2.3) == "caught (control)"
+    assert main(["--steps", "8", "--replicas", "16", "--variants", "draw_boundary", "draw_boundary_unchecked"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    rows = json.loads(out[-1])
+    assert [(r["variant"], r["estimator"], r["sketch_size"], r["eps_lower"], r["eps_accounted"]) for r in rows] == [
+        ("draw_boundary", "exact", 0, 0.0, 0.0), ("draw_boundary_unchecked", "exact", 0, rows[1]["eps_lower"], 2.3282)
+    ]
+    assert "draw_boundary: step() every 2 physical batches of the per-example form's loader: refused" in out[-2]

@@ -12,7 +12,6 @@ in both the oracle and the form, rounded in different orders).
 
 from __future__ import annotations
 
-import logging
 import math
 
 import pytest
@@ -160,15 +159,14 @@ def test_bf16_autocast():
                  per_example_backward=True)
 
 
-def test_automatic_with_a_physical_batch_of_one(caplog):
-    caplog.set_level(logging.INFO, logger="opacus_rc.forms")
+def test_automatic_with_a_physical_batch_of_one():
     import opacus_rc.forms as forms
 
     forms._logged_automatic = False
     model = seeded(SequenceClassifier)()
-    _, out = private(model, token_task(n=N), batch_size=1)
+    with pytest.warns(UserWarning, match="per-example form"):
+        _, out = private(model, token_task(n=N), batch_size=1)
     assert isinstance(out[1], PerExampleOptimizer)
-    assert "per-example form" in caplog.text
     _, out = private(seeded(SequenceClassifier)(), token_task(n=N), batch_size=1, per_example_backward=False)
     assert not isinstance(out[1], PerExampleOptimizer)
     _, out = private(seeded(SequenceClassifier)(), token_task(n=N), batch_size=2)
@@ -264,12 +262,14 @@ def test_every_form_gives_the_ghost_criterion_value(loss_reduction):
 
 def test_batch_memory_manager_on_top_and_accumulation():
     """BatchMemoryManager over the per-example loader changes nothing (one draw, one
-    micro-batch); two draws accumulated into one step are charged as two micro-batches."""
+    micro-batch); two draws accumulated into one step by hand (objects whose loader was
+    never iterated) are charged as two micro-batches."""
     model = seeded(SequenceClassifier)()
     engine, (module, optimizer, loader) = private(model, token_task(n=N), per_example_backward=True)
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer) as managed:
         one_logical_step(module, optimizer, managed, _ce)
     assert engine.accountant.history[-1][3].micro_batches == 1
+    engine, (module, optimizer, _) = private(seeded(SequenceClassifier)(), token_task(n=N), per_example_backward=True)
     x, y = token_task(n=2).tensors
     for i in range(2):  # two independent single-example draws, one step
         _ce(module, x[i:i + 1], y[i:i + 1]).backward()

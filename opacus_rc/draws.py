@@ -1,0 +1,110 @@
+"""Physical batches of Poisson draws, delivered in step with ``optimizer.step()``.
+
+A loader that cuts each Poisson draw into physical batches (the per-example form's, one
+example each; BatchMemoryManager's) tells the optimizer, through Opacus's skip signals,
+which physical batch ends its draw. Those signals are a queue popped by each
+``step()``: a script that calls ``step()`` every ``k`` physical batches (gradient
+accumulation) pops them out of step with the batches it trained on, and a release
+then holds part of a draw, or one draw's examples twice, charged as fewer micro-batches.
+
+:class:`DrawLoader` makes the step boundary structural: it counts the physical batches it
+delivers to the script (in the main process, after any worker prefetch), and the
+plugin's optimizer refuses a ``step()`` that does not follow exactly one of them
+(:meth:`~opacus_rc.optimizer.RandomizedClippingMixin.check_draw_boundary`). Every
+``step()`` then ends one physical batch, and the real steps fall on the draw boundaries:
+one release, one Poisson draw. It also hands each batch to the per-example form's module
+(``note_batch``), which holds every forward to the batch in hand.
+
+``import opacus_rc`` makes ``opacus.utils.batch_memory_manager.wrap_data_loader``
+(BatchMemoryManager's) :func:`split_draws` (:data:`opacus_rc.registration.PATCHES`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator
+
+from opacus.utils.batch_memory_manager import BatchSplittingSampler
+from torch.utils.data import DataLoader
+
+
+def accumulation_error(batches: int) -> ValueError:
+    """The refusal of a ``step()`` that does not follow exactly one physical batch."""
+    got = "no physical batch" if batches == 0 else f"{batches} physical batches"
+    return ValueError(
+        f"optimizer.step() refused: it followed {got} of the loader that splits Poisson draws "
+        "(the per-example form's loader, or BatchMemoryManager's); each physical batch must be "
+        "followed by exactly one optimizer.step() (it only accumulates until the draw ends, then "
+        "releases the whole draw), else a release holds part of a draw or one draw's examples "
+        "twice, charged as fewer micro-batches. To accumulate a larger logical batch, raise the "
+        "sampling rate (a larger batch_size of the loader given to make_private, with "
+        "BatchMemoryManager(max_physical_batch_size=1) over the returned loader), or use "
+        "DPTrainer's gradient_accumulation_steps; never call step() every k batches. Nothing "
+        "was released or charged; a refusal must end the run"
+    )
+
+
+def _split_loader_kwargs(data_loader: DataLoader, max_batch_size: int, optimizer: Any) -> Dict[str, Any]:
+    """Opacus's ``wrap_data_loader``: ``data_loader`` with its batch sampler split."""
+    return dict(
+        dataset=data_loader.dataset,
+        batch_sampler=BatchSplittingSampler(
+            sampler=data_loader.batch_sampler, max_batch_size=max_batch_size, optimizer=optimizer,
+        ),
+        num_workers=data_loader.num_workers,
+        collate_fn=data_loader.collate_fn,
+        pin_memory=data_loader.pin_memory,
+        timeout=data_loader.timeout,
+        worker_init_fn=data_loader.worker_init_fn,
+        multiprocessing_context=data_loader.multiprocessing_context,
+        generator=data_loader.generator,
+        prefetch_factor=data_loader.prefetch_factor,
+        persistent_workers=data_loader.persistent_workers,
+    )
+
+
+class DrawLoader(DataLoader):
+    """``data_loader`` with its batch sampler split into physical batches of at most
+    ``max_batch_size`` rows (Opacus's :class:`BatchSplittingSampler`, which signals the draw
+    boundaries), each delivered batch reported to ``optimizer`` (a plugin optimizer) and to
+    the per-example module it follows, if any."""
+
+    def __init__(self, *, data_loader: DataLoader, max_batch_size: int, optimizer: Any) -> None:
+        super().__init__(**_split_loader_kwargs(data_loader, max_batch_size, optimizer))
+        self.draw_optimizer = optimizer
+
+    @property
+    def rows_per_batch(self) -> int:
+        """The most dataset rows a delivered batch holds (the smallest of nested splits)."""
+        sizes, sampler = [], self.batch_sampler
+        while isinstance(sampler, BatchSplittingSampler):
+            sizes.append(sampler.max_batch_size)
+            sampler = sampler.sampler
+        return min(sizes)
+
+    def __iter__(self) -> Iterator[Any]:
+        optimizer = self.draw_optimizer
+        bound = getattr(optimizer, "_bound_module", lambda: None)()
+        module = bound if self.rows_per_batch == 1 and hasattr(bound, "note_batch") else None
+        source = object()  # this iteration
+        optimizer.start_physical_batches()
+        try:
+            for batch in super().__iter__():
+                optimizer.note_physical_batch()
+                if module is not None:
+                    module.note_batch(batch, source)
+                yield batch
+        finally:
+            optimizer.end_physical_batches()
+            if module is not None:
+                module.note_batch(None, source)
+
+
+def split_draws(*, data_loader: DataLoader, max_batch_size: int, optimizer: Any) -> DataLoader:
+    """Opacus's ``wrap_data_loader`` (BatchMemoryManager's): a :class:`DrawLoader` for a
+    plugin optimizer, Opacus's own loader otherwise."""
+    if not hasattr(optimizer, "note_physical_batch"):  # Opacus's optimizer: Opacus's loader
+        return DataLoader(**_split_loader_kwargs(data_loader, max_batch_size, optimizer))
+    return DrawLoader(data_loader=data_loader, max_batch_size=max_batch_size, optimizer=optimizer)
+
+
+__all__ = ["DrawLoader", "accumulation_error", "split_draws"]
