@@ -18,7 +18,7 @@ change the training loop makes between forward passes are not watched.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -52,6 +52,14 @@ def watched_model(module: nn.Module) -> nn.Module:
 _Slot = Tuple[str, str, Dict[str, Any], str]
 
 
+def _sharded(model: nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` wraps a module of ``model`` (its forward swaps the
+    parameters' shards in and out)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 class ForwardChanges:
     """Watches ``model``'s parameters (``parameters=False``: buffers only, for FSDP2,
     whose forward swaps the shards of the parameters in and out) and buffers across its
@@ -59,10 +67,13 @@ class ForwardChanges:
 
     Args:
         model: the user's model (see :func:`watched_model`).
-        parameters: whether parameters are watched as well as buffers.
+        parameters: whether parameters are watched as well as buffers (None: unless
+            FSDP2 shards the model).
     """
 
-    def __init__(self, model: nn.Module, parameters: bool = True) -> None:
+    def __init__(self, model: nn.Module, parameters: Optional[bool] = None) -> None:
+        if parameters is None:
+            parameters = not _sharded(model)
         self._slots: List[_Slot] = []
         self._containers: List[Dict[str, Any]] = []
         for prefix, module in model.named_modules(remove_duplicate=False):

@@ -344,12 +344,9 @@ class RandomizedClippingMixin:
         """Watch the model's parameters and buffers across its forward passes
         (:mod:`opacus_rc.forward_changes`; buffers only under FSDP2, whose forward swaps the
         parameters' shards): the next step refuses a change one of them made."""
-        from .forms.fsdp import _contains_fsdp  # the forms import this module
-
         if self._forward_changes is not None:
             self._forward_changes.remove()
-        model = watched_model(module)
-        self._forward_changes = ForwardChanges(model, parameters=not _contains_fsdp(model))
+        self._forward_changes = ForwardChanges(watched_model(module))
 
     def _check_forward_changes(self) -> None:
         """Refuse the step (ValueError naming them) when a forward pass of the model changed
