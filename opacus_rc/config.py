@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ESTIMATORS = ("hutchinson", "hutchpp")
-SKETCHINGS = ("shared", "per_example")
+from .values import ESTIMATORS, HUTCHINSON, PER_EXAMPLE_SKETCH, SKETCHINGS
 
 
 @dataclass(frozen=True)
@@ -34,9 +33,9 @@ class SketchConfig:
 
     # The one place of the sketch defaults: make_private's options
     # (opacus_rc.options.OPTIONS), the accountant's records and the audits read them here.
-    estimator: str = "hutchinson"
+    estimator: str = HUTCHINSON
     sketch_size: int = 32
-    sketching: str = "per_example"
+    sketching: str = PER_EXAMPLE_SKETCH
     exact_when_cheaper: bool = True
 
     def __post_init__(self) -> None:

@@ -27,6 +27,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .values import SVD_AUTO, SVD_LOWRANK, SVD_METHODS
+
 logger = logging.getLogger(__name__)
 
 #: Default gate factor ``kappa``: a layer is denoised only if its top singular value exceeds
@@ -35,9 +37,6 @@ logger = logging.getLogger(__name__)
 #: unit is ~1.6% of the edge) while still denoising layers whose spikes sit just above the edge;
 #: see docs/denoising.md for the kappa ablation that supports it.
 DEFAULT_KAPPA: float = 1.1
-
-#: SVD back-ends accepted by the ``svd`` argument.
-SVD_METHODS = ("auto", "full", "lowrank")
 
 #: ``svd="auto"`` uses the randomized truncated SVD only when the smaller side is at least this.
 LOWRANK_MIN_DIM: int = 512
@@ -118,7 +117,7 @@ def _svd_lowrank_adaptive(
 
 
 def _svd(x: torch.Tensor, edge: float, svd: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    use_lowrank = svd == "lowrank" or (svd == "auto" and min(x.shape[-2:]) >= LOWRANK_MIN_DIM)
+    use_lowrank = svd == SVD_LOWRANK or (svd == SVD_AUTO and min(x.shape[-2:]) >= LOWRANK_MIN_DIM)
     return _svd_lowrank_adaptive(x, edge) if use_lowrank else _svd_full(x)
 
 

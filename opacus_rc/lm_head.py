@@ -24,6 +24,7 @@ from .estimators import ghost_sq_norms, sketch_side
 from .forms.bookkeeping import Record, keep_rows
 from .grad_sample import PerExampleStore
 from .recompute import NON_REENTRANT, REENTRANT, forward_replay
+from .values import HUTCHINSON, HUTCHPP
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -319,7 +320,7 @@ class _HeadNorms:
         else:  # "hutchinson" | "hutchpp", the same keys and order as Sketcher.estimate's
             self.how, self.side = config.estimator, sketch_side(d, vocab, "auto")
             rows = vocab if self.side == "output" else d
-            for name in ("tail", "head") if self.how == "hutchpp" else ("tail",):
+            for name in ("tail", "head") if self.how == HUTCHPP else ("tail",):
                 self.sketches[name] = sketcher.gaussian(batch, rows, k, device, key=(weight, name))
         if self.bias:
             self.out["bias"] = torch.zeros(batch, vocab, dtype=torch.float32, device=device)
@@ -350,9 +351,9 @@ class _HeadNorms:
             out["proj"] = self.products.get(
                 "tail", torch.zeros(batch, self.hidden.shape[-1], self.sketches["tail"].shape[-1], device=self.hidden.device)
             )
-        elif self.how == "hutchinson":
+        elif self.how == HUTCHINSON:
             out["sq"] = self.products["tail"].pow(2).sum(dim=(1, 2))
-        elif self.how == "hutchpp":  # exact head on the range of M S, Hutchinson on the residual
+        elif self.how == HUTCHPP:  # exact head on the range of M S, Hutchinson on the residual
             q, _ = torch.linalg.qr(self.products["head"])  # (B, rows_left, r)
             head = None
             for _, a, g in recompute():

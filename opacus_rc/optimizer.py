@@ -27,6 +27,7 @@ from .config import SketchConfig
 from .finite import FORWARD_CHANGE, OUTSIDE_USE, NonFiniteGuard, failed_kinds
 from .forward_changes import ForwardChanges, watched_model
 from .sketch import NOISE_STREAM, DeviceStreams, check_seed
+from .values import RAISE
 
 
 _LEGACY_STATE_KEY = "opacus_rc"  # generator states stored by versions up to 0.1.0
@@ -173,7 +174,7 @@ class RandomizedClippingMixin:
         *,
         sketch_config: SketchConfig = SketchConfig(),
         noise_seed: Optional[int] = None,
-        nonfinite: str = "raise",
+        nonfinite: str = RAISE,
         accept_replayed_noise: bool = False,
         **kwargs,
     ) -> None:

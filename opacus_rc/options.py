@@ -29,17 +29,17 @@ from .accounting.accountant import get_noise_multiplier_rc
 from .config import SketchConfig
 from .denoise import DEFAULT_KAPPA
 from .forms import FORMS, resolve_form
-from .forms.bookkeeping import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, BOOKKEEPING_MODE, OUTPUT_PASSES, TWO_PASS
-from .forms.fsdp import FSDP_MODE
+from .forms.bookkeeping import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES, TWO_PASS
 from .sketch import check_seed
+from .values import (
+    ADAPTIVE, BOOKKEEPING_MODE, DENOISERS, FLAT, FSDP_MODE, GHOST, HOOKS, NONFINITE_MODES, PER_LAYER, RAISE, RANDOMIZED,
+    RC_PRV, SKIP, SVD_FULL,
+)
 
-RANDOMIZED = "randomized"
 #: every clipping mode make_private accepts: Opacus's three and the plugin's
-CLIPPING_MODES = ("flat", "per_layer", "adaptive", RANDOMIZED)
-RC_ACCOUNTANTS = ("rc_prv",)
-RC_GRAD_SAMPLE_MODES = (BOOKKEEPING_MODE, "ghost", "hooks", FSDP_MODE)
-NONFINITE_MODES = ("raise", "skip")
-DENOISERS = ("spectral",)
+CLIPPING_MODES = (FLAT, PER_LAYER, ADAPTIVE, RANDOMIZED)
+RC_ACCOUNTANTS = (RC_PRV,)
+RC_GRAD_SAMPLE_MODES = (BOOKKEEPING_MODE, GHOST, HOOKS, FSDP_MODE)
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ OPTIONS: Tuple[Option, ...] = (
         "batch). None (default) does so when the data loader's ``batch_size`` is 1;\n"
         "False never (:mod:`opacus_rc.forms`)."
     )),
-    Option("nonfinite", "raise", "str", (
+    Option("nonfinite", RAISE, "str", (
         "*randomized*. ``\"raise\"`` (a non-finite norm or gradient refuses the\n"
         "step) or ``\"skip\"`` (book-keeping and the per-example form only: drop\n"
         "that example's contribution,\n"
@@ -137,7 +137,7 @@ OPTIONS: Tuple[Option, ...] = (
     Option("denoise_kappa", DEFAULT_KAPPA, "float", (
         "the denoiser's gate factor (finite, > 0; needs ``denoise``)."
     )),
-    Option("denoise_svd", "full", "str", (
+    Option("denoise_svd", SVD_FULL, "str", (
         "``\"full\"``, ``\"lowrank\"`` or ``\"auto\"`` (needs ``denoise``)."
     )),
 )
@@ -201,7 +201,7 @@ def check_keywords(
     """
     given = list(given)
     for name in given:
-        if name in ADAPTIVE_KEYWORDS and clipping != "adaptive":
+        if name in ADAPTIVE_KEYWORDS and clipping != ADAPTIVE:
             raise ValueError(f"{name} only applies with clipping='adaptive'; got clipping={clipping!r}")
     accepted = set(opacus_keywords) | {"clipping"} | set(DEFAULTS) | ADAPTIVE_KEYWORDS
     if accountant is not None:
@@ -375,16 +375,7 @@ def public_sampling(
                 "int, the expected logical batch size"
             )
     if sample_rate is not None:
-        if (
-            isinstance(sample_rate, bool)
-            or not isinstance(sample_rate, numbers.Real)
-            or not math.isfinite(sample_rate)
-            or not 0.0 < sample_rate <= 1.0
-        ):
-            raise ValueError(
-                f"sample_rate={sample_rate!r} is invalid; accepted values: a float in "
-                f"(0, 1] or None (1 / len(data_loader))"
-            )
+        check_sample_rate(sample_rate)
         if not poisson_sampling:
             sample_rate = _matching_loader_rate(data_loader, float(sample_rate))
         return PublicSampling(batch_size, float(sample_rate), explicit_sample_rate=True)
@@ -393,7 +384,34 @@ def public_sampling(
     return PublicSampling(batch_size, 1.0 / len(data_loader))
 
 
-def _denoise(options: Mapping[str, Any]) -> Optional[Tuple[Tuple[str, Any], ...]]:
+def check_sample_rate(sample_rate: Any, when_none: str = "1 / len(data_loader)") -> None:
+    """``sample_rate=``: None or a float in (0, 1]; ``when_none``: the rate None stands for
+    (named in the error).
+
+    Raises:
+        ValueError: naming the parameter and its accepted values.
+    """
+    if sample_rate is None:
+        return
+    if (
+        isinstance(sample_rate, bool)
+        or not isinstance(sample_rate, numbers.Real)
+        or not math.isfinite(sample_rate)
+        or not 0.0 < sample_rate <= 1.0
+    ):
+        raise ValueError(
+            f"sample_rate={sample_rate!r} is invalid; accepted values: a float in "
+            f"(0, 1] or None ({when_none})"
+        )
+
+
+def sketch_of(options: Mapping[str, Any]) -> SketchConfig:
+    """The :class:`~opacus_rc.config.SketchConfig` of ``options`` (its keywords,
+    :data:`SKETCH_OPTIONS`; it validates them)."""
+    return SketchConfig(**{k: options[k] for k in SKETCH_OPTIONS})
+
+
+def parse_denoise(options: Mapping[str, Any]) -> Optional[Tuple[Tuple[str, Any], ...]]:
     """``denoise=`` and its ``denoise_kappa`` / ``denoise_svd``: None (no denoising) or
     the keyword arguments of :func:`~opacus_rc.denoise.attach_spectral_denoiser`."""
     given = {k: options[f"denoise_{k}"] for k in ("kappa", "svd") if _given(options, f"denoise_{k}")}
@@ -449,7 +467,7 @@ def _nonfinite(mode: Any, grad_sample_mode: str, runs: str) -> str:
             f"nonfinite={mode!r} is not supported; accepted values: "
             f"{', '.join(repr(m) for m in NONFINITE_MODES)}"
         )
-    if mode == "skip" and not FORMS[runs].drops_examples:
+    if mode == SKIP and not FORMS[runs].drops_examples:
         raise ValueError(
             "nonfinite='skip' needs book-keeping: use grad_sample_mode='bookkeeping' (or its "
             "aliases 'hooks', 'ghost' with bookkeeping=True); the two-pass backward cannot drop one example's "
@@ -519,14 +537,14 @@ class Options:
         sampling: the public normaliser and sample rate (randomized only, else None).
     """
 
-    clipping: str = "flat"
-    grad_sample_mode: str = "hooks"
+    clipping: str = FLAT
+    grad_sample_mode: str = HOOKS
     runs: str = TWO_PASS
     denoise: Optional[Tuple[Tuple[str, Any], ...]] = None
     sketch: Optional[SketchConfig] = None
     sketch_seed: Optional[int] = None
     seed: Optional[int] = None
-    nonfinite: str = "raise"
+    nonfinite: str = RAISE
     accept_replayed_noise: bool = False
     sampling: Optional[PublicSampling] = None
 
@@ -559,7 +577,7 @@ class Options:
         """
         clipping = _clipping(clipping)
         _noise_multiplier(opacus)
-        denoise = _denoise(options)
+        denoise = parse_denoise(options)
         runs, mode = resolve_form(
             clipping, options["bookkeeping"], options["per_example_backward"], opacus["grad_sample_mode"],
             opacus.get("module"), opacus.get("data_loader"), options["sample_rate"],
@@ -572,7 +590,7 @@ class Options:
                 )
             return cls(clipping=clipping, grad_sample_mode=mode, denoise=denoise)
         check_randomized_setup(engine, mode)
-        sketch = None if FORMS[runs].exact else SketchConfig(**{k: options[k] for k in SKETCH_OPTIONS})
+        sketch = None if FORMS[runs].exact else sketch_of(options)
         nonfinite = _nonfinite(options["nonfinite"], mode, runs)
         seed = _seed(options["seed"], options, opacus, engine.secure_mode)
         accept_replayed_noise = _accept_replayed_noise(options["accept_replayed_noise"], seed)

@@ -25,6 +25,7 @@ from .accounting.accountant import RCPRVAccountant
 from .draws import split_draws
 from .integration import OpacusPrivacyEngine, PrivacyEngine
 from .optimizer import RandomizedClippingMixin
+from .values import RC_PRV
 
 #: Opacus's own ``__init__`` of its engine and ``__iter__`` of BatchMemoryManager's sampler
 _OPACUS_INIT = OpacusPrivacyEngine.__init__
@@ -109,7 +110,7 @@ def install() -> None:
     accountant with Opacus (idempotent)."""
     for owner, name, value in PATCHES:
         setattr(owner, name, value)
-    register_accountant("rc_prv", RCPRVAccountant, force=True)
+    register_accountant(RC_PRV, RCPRVAccountant, force=True)
 
 
 def uninstall() -> None:

@@ -28,6 +28,7 @@ import torch
 
 from .config import SketchConfig
 from .estimators import hutchinson_sq_norms, hutchpp_sq_norms, sketch_rows
+from .values import HUTCHINSON, PER_EXAMPLE_SKETCH
 
 
 def entropy_seed() -> int:
@@ -135,7 +136,7 @@ class Sketcher:
         self.secure_mode = secure_mode
         # seed None: 128 bits from the OS; the integer is never used as a generator seed
         self._streams = DeviceStreams(
-            np.random.SeedSequence(seed), SKETCH_STREAM, per_rank=config.sketching == "per_example"
+            np.random.SeedSequence(seed), SKETCH_STREAM, per_rank=config.sketching == PER_EXAMPLE_SKETCH
         )
         self._step_sketches: Dict[Any, torch.Tensor] = {}
         self._clock: Callable[[], Optional[int]] = lambda: None
@@ -168,7 +169,7 @@ class Sketcher:
         would); per-example sketches belong to the examples of one pass and are dropped
         here (reused across passes, they would tie different examples' sketches)."""
         self._passes += 1
-        if self.config.sketching == "per_example":
+        if self.config.sketching == PER_EXAMPLE_SKETCH:
             self._step_sketches.clear()
 
     def _refresh(self) -> None:
@@ -205,7 +206,7 @@ class Sketcher:
         return sketch
 
     def _draw(self, batch: int, rows: int, cols: int, device: torch.device) -> torch.Tensor:
-        shape = (batch, rows, cols) if self.config.sketching == "per_example" else (rows, cols)
+        shape = (batch, rows, cols) if self.config.sketching == PER_EXAMPLE_SKETCH else (rows, cols)
         if torch.device(device).type == "meta":  # shape-only runs (memory/FLOP counting)
             return torch.empty(shape, device=device, dtype=torch.float32)
         if self.secure_mode:  # AES-256-CTR keystream keyed from os.urandom, no pseudo-random generator
@@ -225,7 +226,7 @@ class Sketcher:
         rows = sketch_rows(activations.shape[-1], backprops.shape[-1], "auto")
         k = self.config.sketch_size
         tail = self.gaussian(batch, rows, k, device, key=(key, "tail") if key is not None else None)
-        if self.config.estimator == "hutchinson":
+        if self.config.estimator == HUTCHINSON:
             return hutchinson_sq_norms(activations, backprops, tail)
         head = self.gaussian(batch, rows, k, device, key=(key, "head") if key is not None else None)
         return hutchpp_sq_norms(activations, backprops, head, tail)

@@ -173,3 +173,33 @@ def test_privacy_arguments_refuse_an_unknown_field_by_name():
     with pytest.raises(ValueError, match=r"unknown keyword 'privacy_unit'"):
         PrivacyArguments(noise_multiplier=1.0, delta=1e-5, privacy_unit="user")
     assert PrivacyArguments(noise_multiplier=1.0, delta=1e-5, sketch_size=8).sketch_size == 8
+
+
+def test_privacy_arguments_take_make_private_options_with_its_defaults():
+    """PrivacyArguments' fields named like make_private's options have their annotation and
+    default (one place: opacus_rc.options.OPTIONS); the others are the Trainer's own."""
+    import dataclasses
+
+    from opacus_rc.hf import PrivacyArguments
+    from opacus_rc.hf.arguments import PLUGIN_FIELDS
+    from opacus_rc.options import OPTIONS
+
+    options = {o.name: o for o in OPTIONS}
+    shared = [f for f in dataclasses.fields(PrivacyArguments) if f.name in options]
+    assert [f.name for f in shared] == list(PLUGIN_FIELDS)
+    assert {"estimator", "sketch_size", "sketching", "per_example_backward", "denoise", "sample_rate"} <= set(PLUGIN_FIELDS)
+    for f in shared:
+        assert (f.type, f.default) == (options[f.name].annotation, options[f.name].default), f.name
+
+
+@pytest.mark.parametrize("bad", [dict(sketch_size=0), dict(estimator="hutch"), dict(sketching="none"), dict(denoise="svd")])
+def test_privacy_arguments_refuse_an_option_as_make_private_does(bad):
+    """The Trainer's options are checked by make_private's own checks: the same message."""
+    from opacus_rc.hf import PrivacyArguments
+
+    with pytest.raises(ValueError) as engine_error:
+        make_private(noise_multiplier=1.0, clipping="randomized", **bad)
+    with pytest.raises(ValueError) as trainer_error:
+        PrivacyArguments(noise_multiplier=1.0, delta=1e-5, **bad)
+    assert str(trainer_error.value) == str(engine_error.value)
+    assert next(iter(bad)) in str(trainer_error.value)

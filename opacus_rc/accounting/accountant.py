@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from opacus.accountants.accountant import IAccountant
 
 from ..config import ESTIMATORS, SKETCHINGS, SketchConfig
+from ..values import PER_EXAMPLE_SKETCH, RC_PRV, SHARED_SKETCH
 from .multiplicity import AccumulatedStepPRV, multiplicity_weights
 from .secant import _LogLogSecant
 from .prv import (
@@ -36,7 +37,7 @@ from .prv import (
 
 logger = logging.getLogger(__name__)
 
-MECHANISM = "rc_prv"
+MECHANISM = RC_PRV
 #: Fraction of delta spent on the Z mass beyond the cut-off (treated as infinite loss).
 TAIL_DELTA_FRACTION = 1e-3
 MAX_SIGMA = 1e6
@@ -46,7 +47,7 @@ MULTIPLICITY_BIN_RATIO = 0.05
 #: How a record or query that does not name its sketching is read: as one shared sketch,
 #: the larger epsilon (the plugin's own records always name it; ``SketchConfig``'s default
 #: is ``"per_example"``).
-UNNAMED_SKETCHING = "shared"
+UNNAMED_SKETCHING = SHARED_SKETCH
 
 
 def _check_micro_batches(micro_batches: Any) -> int:
@@ -161,7 +162,7 @@ def _step_prv(sigma: float, q: float, record: StepRecord, tail_mass: float, bin_
         mixture = envelope_mixture(
             record.sketch_size,
             float(tail_mass),
-            hidden=m == 1 and record.sketching == "per_example",
+            hidden=m == 1 and record.sketching == PER_EXAMPLE_SKETCH,
             bin_ratio=bin_ratio if m == 1 else max(bin_ratio, MULTIPLICITY_BIN_RATIO),
             draws=m,
         )

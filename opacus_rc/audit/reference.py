@@ -16,6 +16,8 @@ import numpy as np
 from scipy.special import log_ndtr, logsumexp
 from scipy.stats import binom, chi2
 
+from ..values import HUTCHPP
+
 
 def sensitivity_atoms(
     estimator: str, sketch_size: int, variant: str, canary_norm: float, m: int = 4000
@@ -24,7 +26,7 @@ def sensitivity_atoms(
     if variant == "data_dependent_sketch":
         return np.array([float(canary_norm)])
     factor = 2.0 if variant == "biased_low" else 1.0
-    if estimator == "hutchpp":
+    if estimator == HUTCHPP:
         return np.array([factor])
     w = chi2.ppf((np.arange(m) + 0.5) / m, sketch_size) / sketch_size
     return np.minimum(factor / np.sqrt(w), canary_norm)
@@ -106,7 +108,7 @@ def composed_sum_epsilon(
     """Epsilon at ``delta`` of ``N(0, 1)`` against ``E N(sum_s Z_s / (sigma sqrt(steps)), 1)``,
     Z_s i.i.d. and hidden (fresh sketches): a Monte Carlo quadrature over ``draws`` sums."""
     rng = np.random.default_rng(seed)
-    if estimator == "hutchpp":
+    if estimator == HUTCHPP:
         total = np.full(draws, float(steps))
     else:
         w = rng.chisquare(sketch_size, size=(draws, steps)) / sketch_size

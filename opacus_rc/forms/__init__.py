@@ -62,6 +62,7 @@ from .per_example import (
     PerExampleOptimizer,
     check_supported,
 )
+from ..values import GHOST, HOOKS, RANDOMIZED
 
 #: the option that chooses (or refuses) the per-example form
 PER_EXAMPLE_OPTION = "per_example_backward"
@@ -235,16 +236,16 @@ def resolve_form(
     """
     if per_example is not None and not isinstance(per_example, bool):
         raise ValueError(f"{PER_EXAMPLE_OPTION}={per_example!r} is invalid; accepted values: None, True, False")
-    if clipping != "randomized" and per_example is not None:
+    if clipping != RANDOMIZED and per_example is not None:
         raise ValueError(f"{PER_EXAMPLE_OPTION}={per_example!r} only applies with clipping='randomized'; got clipping={clipping!r}")
     automatic = (
-        per_example is None and clipping == "randomized" and bookkeeping is None
+        per_example is None and clipping == RANDOMIZED and bookkeeping is None
         and grad_sample_mode != FSDP_MODE and per_example_chosen(None, getattr(data_loader, "batch_size", None))
     )
     if not (per_example or automatic):
         runs, mode = resolve_bookkeeping(clipping, bookkeeping, grad_sample_mode, module)
         return (FSDP_MODE if mode == FSDP_MODE else runs), mode
-    if bookkeeping is not None or grad_sample_mode not in ("hooks", "ghost", BOOKKEEPING_MODE):
+    if bookkeeping is not None or grad_sample_mode not in (HOOKS, GHOST, BOOKKEEPING_MODE):
         raise ValueError(
             f"{PER_EXAMPLE_OPTION}=True runs one example per backward pass; it does not combine "
             f"with bookkeeping={bookkeeping!r}, grad_sample_mode={grad_sample_mode!r}; accepted "
@@ -254,7 +255,7 @@ def resolve_form(
         check_supported(module)
     if automatic:
         _warn_automatic(data_loader, sample_rate)
-    return PER_EXAMPLE, "ghost" if grad_sample_mode == "ghost" else "hooks"
+    return PER_EXAMPLE, GHOST if grad_sample_mode == GHOST else HOOKS
 
 
 __all__ = ["Form", "FORMS", "PER_EXAMPLE", "PER_EXAMPLE_OPTION", "resolve_form", "per_example_chosen"]

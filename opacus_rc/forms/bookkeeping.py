@@ -53,12 +53,11 @@ from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from ..finite import OUTSIDE_USE
 from ..optimizer import RandomizedClippingMixin, complete_unused, in_module_excess
 from ..recompute import is_checkpointed, late_use_error, missing_per_sample_error
+from ..values import BOOKKEEPING_MODE, GHOST, HOOKS, RANDOMIZED, SKIP
 
 # --- Which form a make_private call runs --------------------------------------------------
 
 OPTION = "bookkeeping"
-#: the public grad-sample mode name of book-keeping (aliases: see the module docstring)
-BOOKKEEPING_MODE = "bookkeeping"
 
 #: What a randomized make_private call runs (see :func:`resolve_bookkeeping`).
 TWO_PASS, BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES = (
@@ -87,7 +86,7 @@ def resolve_bookkeeping(
     """
     if value is not None and not isinstance(value, bool):
         raise ValueError(f"{OPTION}={value!r} is invalid; accepted values: None, True, False")
-    if clipping != "randomized":
+    if clipping != RANDOMIZED:
         if value is not None or grad_sample_mode == BOOKKEEPING_MODE:
             given = f"{OPTION}={value!r}" if value is not None else f"grad_sample_mode={BOOKKEEPING_MODE!r}"
             raise ValueError(f"{given} only applies with clipping='randomized'; got clipping={clipping!r}")
@@ -98,22 +97,22 @@ def resolve_bookkeeping(
                 f"bookkeeping=False contradicts grad_sample_mode={BOOKKEEPING_MODE!r}; accepted "
                 "values with it: None, True"
             )
-        return BOOKKEEPING, "hooks"
-    if grad_sample_mode == "hooks":
+        return BOOKKEEPING, HOOKS
+    if grad_sample_mode == HOOKS:
         checkpointed = module is not None and is_checkpointed(module)
         if value is True or (value is None and not checkpointed):
-            return BOOKKEEPING, "hooks"  # one backward pass (3-tuple, plain loss)
-        return OUTPUT_PASSES, "ghost"
+            return BOOKKEEPING, HOOKS  # one backward pass (3-tuple, plain loss)
+        return OUTPUT_PASSES, GHOST
     if not value:
         return TWO_PASS, grad_sample_mode
-    if grad_sample_mode != "ghost":
+    if grad_sample_mode != GHOST:
         raise ValueError(
             f"bookkeeping=True runs a grad_sample_mode='ghost' script in one backward pass; got "
             f"grad_sample_mode={grad_sample_mode!r}; accepted values with bookkeeping=True: 'ghost', "
             f"'hooks', {BOOKKEEPING_MODE!r} (under FSDP2 book-keeping does not fit: use "
             "grad_sample_mode='ghost_fsdp' without it)"
         )
-    return BOOKKEEPING_WITH_CRITERION, "hooks"
+    return BOOKKEEPING_WITH_CRITERION, HOOKS
 
 
 # --- Records: what one backward pass leaves for a parameter -------------------------------
@@ -503,7 +502,7 @@ class BookkeepingClippingMixin:
         to keep; the others contribute nothing (a per-example transform before the sum,
         so the step is still the accounted mechanism) and are counted in
         :attr:`skipped_examples` only. No host synchronisation either way."""
-        if self.nonfinite != "skip":
+        if self.nonfinite != SKIP:
             self.note_finite("per-sample gradient norm", sq)
             return None
         finite = sq.isfinite()

@@ -63,10 +63,9 @@ from ..optimizer import RandomizedClippingMixin
 from ..norm_samplers import TIED_PROJECTIONS
 from ..recompute import late_use_error
 from ..sketch import entropy_seed
+from ..values import FSDP_MODE
 
 logger = logging.getLogger(__name__)
-
-FSDP_MODE = "ghost_fsdp"
 
 
 def is_fsdp_module(module: Any) -> bool:

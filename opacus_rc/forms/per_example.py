@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..optimizer import RandomizedClippingMixin, torch_ddp_cause
 from ..recompute import forward_replay
+from ..values import SKIP
 from .fsdp import _contains_fsdp
 
 #: the name of this form in the table of forms (:mod:`opacus_rc.forms`)
@@ -365,7 +366,7 @@ class PerExampleClipping:
             torch.stack(torch._foreach_norm([g for _, g in grads], dtype=torch.float32))
         )
         factor = (self.max_grad_norm / (norm + _EPS)).clamp(max=1.0)
-        if optimizer.nonfinite == "skip":
+        if optimizer.nonfinite == SKIP:
             finite = torch.isfinite(norm)
             factor = torch.where(finite, factor, torch.zeros_like(factor))
             optimizer.note_skipped(~finite)

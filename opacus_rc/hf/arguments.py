@@ -6,15 +6,16 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from dataclasses import dataclass, fields
-from typing import Any, Optional, Tuple
+from dataclasses import field, fields, make_dataclass
+from typing import Any, Dict, Optional, Tuple, Union
 
 from ..config import SketchConfig
 from ..forms import per_example_chosen
-from ..options import DENOISERS as ENGINE_DENOISERS
-from ..options import refuse_unknown
+from ..options import DEFAULTS, OPTIONS, check_sample_rate, parse_denoise, refuse_unknown, sketch_of
+from ..values import DENOISERS as ENGINE_DENOISERS
+from ..values import FLAT, RANDOMIZED
 
-CLIPPINGS = ("randomized", "flat")
+CLIPPINGS = (RANDOMIZED, FLAT)
 DENOISERS = (None, *ENGINE_DENOISERS)
 
 
@@ -26,9 +27,35 @@ PRIVATE_LOG_KEYS = (
 )
 LOSS_LOG_KEYS = ("loss", "train_loss")
 
+#: The fields of :class:`PrivacyArguments`, in order: the Trainer's own as
+#: ``(name, annotation, default)``, and by name the options of ``make_private`` it passes
+#: on (their annotation, default and checks: :data:`opacus_rc.options.OPTIONS`).
+_FIELDS: Tuple[Union[str, Tuple[str, str, Any]], ...] = (
+    ("target_epsilon", "Optional[float]", None),
+    ("noise_multiplier", "Optional[float]", None),
+    ("delta", "Optional[float]", None),
+    ("max_grad_norm", "float", 1.0),
+    ("clipping", "str", RANDOMIZED),
+    "estimator", "sketch_size", "sketching", "per_example_backward",
+    ("lm_head_block_size", "Optional[int]", None),
+    "denoise",
+    ("secure_mode", "bool", False),
+    "sample_rate",
+    ("stop_at_epsilon", "Optional[float]", None),
+    ("log_train_loss", "bool", False),
+)
+#: the options of ``make_private`` that are fields of :class:`PrivacyArguments`
+PLUGIN_FIELDS = tuple(f for f in _FIELDS if isinstance(f, str))
+_OPTION = {o.name: o for o in OPTIONS}
 
-@dataclass
-class PrivacyArguments:
+
+def _field(spec: Union[str, Tuple[str, str, Any]]) -> Tuple[str, str, Any]:
+    """One field for :func:`dataclasses.make_dataclass` (an option's from :data:`OPTIONS`)."""
+    name, annotation, default = spec if isinstance(spec, tuple) else (spec, _OPTION[spec].annotation, DEFAULTS[spec])
+    return name, annotation, field(default=default)
+
+
+class _PrivacyArgumentsMethods:
     """The privacy options of :class:`DPTrainer` (everything else stays in ``TrainingArguments``;
     each field: docs/hf_trainer.md).
 
@@ -48,23 +75,10 @@ class PrivacyArguments:
         sample_rate: the public Poisson rate; ``None``: ``1 / ceil(len(train_dataset) / B)``.
         stop_at_epsilon: stop training before a step would make epsilon exceed this value.
         log_train_loss: also log the training loss (an un-noised statistic outside epsilon).
-    """
 
-    target_epsilon: Optional[float] = None
-    noise_multiplier: Optional[float] = None
-    delta: Optional[float] = None
-    max_grad_norm: float = 1.0
-    clipping: str = "randomized"
-    estimator: str = SketchConfig.estimator
-    sketch_size: int = SketchConfig.sketch_size
-    sketching: str = SketchConfig.sketching
-    per_example_backward: Optional[bool] = None
-    lm_head_block_size: Optional[int] = None
-    denoise: Optional[str] = None
-    secure_mode: bool = False
-    sample_rate: Optional[float] = None
-    stop_at_epsilon: Optional[float] = None
-    log_train_loss: bool = False
+    The options of ``make_private`` among them (:data:`PLUGIN_FIELDS`) have its defaults
+    and are checked by its functions (:mod:`opacus_rc.options`).
+    """
 
     def __post_init__(self) -> None:
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
@@ -87,24 +101,23 @@ class PrivacyArguments:
                 f"clipping={self.clipping!r} is not supported; accepted values: "
                 f"{', '.join(repr(c) for c in CLIPPINGS)}"
             )
-        if self.clipping == "randomized":
-            SketchConfig(self.estimator, self.sketch_size, self.sketching)  # validates
-        if self.denoise not in DENOISERS:
-            raise ValueError(f"denoise={self.denoise!r} is not supported; accepted values: None, 'spectral'")
+        options = self.options()
+        if self.clipping == RANDOMIZED:
+            sketch_of(options)  # validates
+        parse_denoise(options)
+        check_sample_rate(self.sample_rate, when_none="1 / ceil(len(train_dataset) / B)")
         self._refuse_invalid(
-            ("sample_rate", self.sample_rate is None or (_real(self.sample_rate) and 0.0 < self.sample_rate <= 1.0),
-             "a float in (0, 1] or None"),
             ("stop_at_epsilon", self.stop_at_epsilon is None or _positive(self.stop_at_epsilon), "a float > 0 or None"),
             ("secure_mode", isinstance(self.secure_mode, bool), "True, False"),
             ("log_train_loss", isinstance(self.log_train_loss, bool), "True, False"),
             ("per_example_backward",
              self.per_example_backward is None or isinstance(self.per_example_backward, bool)
-             and (self.clipping == "randomized" or not self.per_example_backward),
+             and (self.clipping == RANDOMIZED or not self.per_example_backward),
              "None, True, False (True with clipping='randomized' only)"),
             ("lm_head_block_size",
              self.lm_head_block_size is None or isinstance(self.lm_head_block_size, int)
              and not isinstance(self.lm_head_block_size, bool) and self.lm_head_block_size > 0
-             and self.clipping == "randomized",
+             and self.clipping == RANDOMIZED,
              "None or a positive int (with clipping='randomized' only)"),
         )
 
@@ -113,16 +126,26 @@ class PrivacyArguments:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid; accepted values: {accepted}")
 
+    def options(self) -> Dict[str, Any]:
+        """Every option of ``make_private`` (:data:`~opacus_rc.options.DEFAULTS`), with this
+        one's :data:`PLUGIN_FIELDS`."""
+        return {**DEFAULTS, **{name: getattr(self, name) for name in PLUGIN_FIELDS}}
+
     def per_example(self, physical_batch_size: int) -> bool:
         """Whether training runs the per-example form (:func:`opacus_rc.forms.per_example_chosen`)."""
-        return self.clipping == "randomized" and per_example_chosen(self.per_example_backward, physical_batch_size)
+        return self.clipping == RANDOMIZED and per_example_chosen(self.per_example_backward, physical_batch_size)
 
     def sketch_config(self, physical_batch_size: int) -> Optional[SketchConfig]:
         """The sketch the accountant charges (None: exact clipping, flat or per-example)."""
-        if self.clipping != "randomized" or self.per_example(physical_batch_size):
+        if self.clipping != RANDOMIZED or self.per_example(physical_batch_size):
             return None
-        return SketchConfig(self.estimator, self.sketch_size, self.sketching)
+        return sketch_of(self.options())
 
+
+PrivacyArguments = make_dataclass(
+    "PrivacyArguments", [_field(spec) for spec in _FIELDS], bases=(_PrivacyArgumentsMethods,),
+    namespace={"__doc__": _PrivacyArgumentsMethods.__doc__, "__module__": __name__},
+)
 
 _dataclass_init = PrivacyArguments.__init__
 
@@ -147,4 +170,4 @@ def _positive(x: Any) -> bool:
     return _real(x) and x > 0
 
 
-__all__ = ["PrivacyArguments", "CLIPPINGS", "DENOISERS", "PRIVATE_LOG_KEYS", "LOSS_LOG_KEYS"]
+__all__ = ["PrivacyArguments", "CLIPPINGS", "DENOISERS", "PLUGIN_FIELDS", "PRIVATE_LOG_KEYS", "LOSS_LOG_KEYS"]

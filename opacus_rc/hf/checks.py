@@ -20,6 +20,7 @@ from transformers import Trainer
 from ..accounting.accountant import RCPRVAccountant
 from ..finite import agree_across_ranks, all_finite
 from ..optimizer import complete_unused
+from ..values import RANDOMIZED
 from .arguments import PrivacyArguments
 from .data import PoissonAccumulationSampler
 from .losses import _base_model
@@ -99,7 +100,7 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
     args.max_grad_norm = 0.0  # per-example clipping replaces the Trainer's clipping
     # Activation checkpointing works with randomized clipping: make_private runs the two
     # passes from the model's output on a checkpointed model (opacus_rc.forms.output_passes).
-    refuse_checkpointing = trainer.privacy.clipping != "randomized"
+    refuse_checkpointing = trainer.privacy.clipping != RANDOMIZED
     base = _base_model(trainer.model)
     model_type = getattr(getattr(base, "config", None), "model_type", None)
     checks = [

@@ -18,6 +18,7 @@ from ..integration import PrivacyEngine
 from ..optimizer import RandomizedClippingMixin
 from ..options import per_rank_normaliser
 from ..sketch import entropy_seed
+from ..values import HOOKS, RANDOMIZED, RC_PRV
 from .arguments import PrivacyArguments
 
 logger = logging.getLogger(__package__)
@@ -107,7 +108,7 @@ def make_private(
     if not trainable:
         raise ValueError("the model has no trainable parameter")
     sigma = noise_multiplier(p, sample_rate, steps, physical_batch_size)
-    engine = PrivacyEngine(accountant="rc_prv", secure_mode=p.secure_mode)
+    engine = PrivacyEngine(accountant=RC_PRV, secure_mode=p.secure_mode)
     ddp = None
     if world_size > 1:
         # Opacus's DPDDP (parameters broadcast from rank 0, no gradient all-reduce in the
@@ -116,10 +117,10 @@ def make_private(
         ddp = model = DPDDP(model)
     kwargs: Dict[str, Any] = dict(
         module=model, optimizer=optimizer, data_loader=public_loader(batch_size), noise_multiplier=sigma,
-        max_grad_norm=p.max_grad_norm, clipping=p.clipping, grad_sample_mode="hooks",
+        max_grad_norm=p.max_grad_norm, clipping=p.clipping, grad_sample_mode=HOOKS,
         wrap_model=False, poisson_sampling=True, loss_reduction="mean", batch_first=True,
     )
-    if p.clipping == "randomized":
+    if p.clipping == RANDOMIZED:
         per_example = p.per_example(physical_batch_size)
         kwargs.update(
             estimator=p.estimator, sketch_size=p.sketch_size, sketching=p.sketching,
@@ -127,7 +128,7 @@ def make_private(
         )
         if p.lm_head_block_size is not None and not per_example:
             kwargs["bookkeeping"] = True  # the chunked head's norms: one pass, checkpointed or not
-    if p.clipping != "randomized" and not p.secure_mode:
+    if p.clipping != RANDOMIZED and not p.secure_mode:
         # Opacus's flat clipping would draw from torch's global generator, which the Trainer's
         # set_seed seeds; randomized clipping has its own os.urandom streams, one per device
         kwargs["noise_generator"] = torch.Generator(device=trainable[0].device).manual_seed(entropy_seed())
@@ -139,7 +140,7 @@ def make_private(
         hooks, dp_optimizer, _ = engine.make_private(**kwargs)
     finally:
         model.train(was_training)
-    if p.clipping != "randomized":
+    if p.clipping != RANDOMIZED:
         # The engine refuses sample_rate= with clipping="flat" (Opacus's route) and Opacus
         # charges 1 / len(its loader), which cannot be every public q: the accountant's hook
         # is set to charge q (it replaces Opacus's; the normaliser came from the loader).

@@ -22,6 +22,7 @@ from transformers import Trainer, TrainerCallback
 from ..accounting.accountant import RCPRVAccountant, sketch_record
 from ..integration import PrivacyEngine
 from ..options import per_rank_normaliser
+from ..values import RC_PRV
 from .arguments import LOSS_LOG_KEYS, PRIVATE_LOG_KEYS, PrivacyArguments
 from .checks import (
     DP_STATE_NAME, check_arguments, check_checkpoint_functions, check_loader, check_records, check_setup,
@@ -333,7 +334,7 @@ class DPTrainerMixin:
         """What a checkpoint keeps of the privacy state: the accountant's history and the
         public parameters; no generator state, no seed."""
         return {
-            "accountant": "rc_prv",
+            "accountant": RC_PRV,
             "history": [list(RCPRVAccountant.stored(entry)) for entry in self._dp_history()],
             "delta": self.privacy.delta,
             "epsilon": self.get_epsilon(),

@@ -1,0 +1,35 @@
+"""The values of the plugin's options, each spelled once.
+
+Code compares an option's value with these names, never with a literal string. This
+module imports nothing from the package, so every module can import it (:mod:`opacus_rc.options`
+cannot be imported from the forms, the optimizer or the sketches: it imports them).
+"""
+
+from __future__ import annotations
+
+# clipping=: Opacus's modes and the plugin's
+FLAT, PER_LAYER, ADAPTIVE, RANDOMIZED = "flat", "per_layer", "adaptive", "randomized"
+
+# estimator=
+HUTCHINSON, HUTCHPP = "hutchinson", "hutchpp"
+ESTIMATORS = (HUTCHINSON, HUTCHPP)
+
+# sketching=
+SHARED_SKETCH, PER_EXAMPLE_SKETCH = "shared", "per_example"
+SKETCHINGS = (SHARED_SKETCH, PER_EXAMPLE_SKETCH)
+
+# grad_sample_mode= (Opacus's names, and book-keeping's)
+HOOKS, GHOST, BOOKKEEPING_MODE, FSDP_MODE = "hooks", "ghost", "bookkeeping", "ghost_fsdp"
+
+# nonfinite=
+RAISE, SKIP = "raise", "skip"
+NONFINITE_MODES = (RAISE, SKIP)
+
+# denoise= and denoise_svd=
+SPECTRAL = "spectral"
+DENOISERS = (SPECTRAL,)
+SVD_AUTO, SVD_FULL, SVD_LOWRANK = "auto", "full", "lowrank"
+SVD_METHODS = (SVD_AUTO, SVD_FULL, SVD_LOWRANK)
+
+# PrivacyEngine(accountant=): the plugin's accountant
+RC_PRV = "rc_prv"
