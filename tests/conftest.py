@@ -34,8 +34,6 @@ SLOW_TESTS = (
     "test_empty_poisson_batches_are_skipped_cleanly",
     # reproducibility, not privacy; fast: test_checkpoint_holds_no_generator_state_or_seed_by_default
     "test_checkpoint_with_rng_state_resumes_bit_exactly",
-    # a fresh interpreter; fast: test_opacus_modes_unchanged.py (Opacus's modes behave as without the plugin)
-    "test_import_replaces_at_most_four_names_of_opacus",
     # fast: test_single_accumulated_step_matches_quadrature_on_independent_bins
     "test_deterministic_mixture_matches_dp_accounting_and_exceeds_q_times_m",
     "test_short_run_lowers_the_loss",  # utility; fast: the README quickstart learns
