@@ -150,9 +150,11 @@ class Progress:
         self.last = now
         elapsed = now - self.start
         left = elapsed / self.done * (self.total - self.done)
-        self.reporter.write_line(f"  {self.done}/{self.total} tests in {elapsed:.0f} s, about {left:.0f} s left")
+        # on a line of its own, after the progress dots of -q
+        self.reporter.write_line(f"\n  {self.done}/{self.total} tests in {elapsed:.0f} s, about {left:.0f} s left")
 
 
+@pytest.hookimpl(trylast=True)  # after the terminal reporter's own pytest_configure registers it
 def pytest_configure(config):
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and not config.option.collectonly:

@@ -248,4 +248,4 @@ def test_progress_line_estimates_the_time_left(monkeypatch):
         now[0] = 100.0 + t
         progress.pytest_runtest_logfinish("nodeid", None)
     # at 40 s: 2 of 4 done, 40 s left at 20 s a test; at 70 s: 3 of 4, ~23 s left; none at the end
-    assert lines == ["  2/4 tests in 40 s, about 40 s left", "  3/4 tests in 70 s, about 23 s left"]
+    assert lines == ["\n  2/4 tests in 40 s, about 40 s left", "\n  3/4 tests in 70 s, about 23 s left"]
