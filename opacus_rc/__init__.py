@@ -13,6 +13,7 @@ from . import registration as _registration
 from .config import SketchConfig
 from .estimators import hutchinson_sq_norms, hutchpp_sq_norms
 from .forms.bookkeeping import DistributedRandomizedClippingBookkeepingOptimizer, RandomizedClippingBookkeepingOptimizer
+from .forms.two_pass import DPLossRandomizedClipping
 from .grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
 from .integration import PrivacyEngine
 from .norm_samplers import register_randomized_norm_sampler
@@ -31,6 +32,7 @@ __all__ = [
     "hutchpp_sq_norms",
     "GradSampleModuleRandomizedClipping",
     "GradSampleHooksRandomizedClipping",
+    "DPLossRandomizedClipping",
     "RandomizedClippingOptimizer",
     "DistributedRandomizedClippingOptimizer",
     "RandomizedClippingBookkeepingOptimizer",

@@ -28,6 +28,11 @@ if [ -z "${OPENBLAS_CORETYPE:-}" ] \
   && [ "$(grep -m1 -o -w -E 'avx512(f|cd|bw|dq|vl)' /proc/cpuinfo 2>/dev/null | sort -u | wc -l)" = 5 ]; then
   export OPENBLAS_CORETYPE=SkylakeX
 fi
+# One intra-op thread per test process (unless OMP_NUM_THREADS is set): the tests' tensors are
+# tiny, and on a loaded machine two threads of one process wait for each other at every
+# parallel region (tests/test_lm_head.py at load 8: 38 s with 2 threads, 15 s with 1). Child
+# processes (the README's script, gloo ranks) inherit it.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 .venv/bin/python -m pytest -q "$@" &
 pid=$!
 trap stop INT TERM

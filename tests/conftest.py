@@ -1,4 +1,5 @@
 import pathlib
+import time
 import warnings
 
 import pytest
@@ -21,15 +22,73 @@ SLOW_FILES = (
     "test_scaling.py", "test_bench.py", "test_checkpointing_bench.py", "test_gpu_bench.py",
     "test_utility_report.py",
 )
-#: single slow tests of otherwise fast files: multi-process runs (names with "gloo" or "ddp")
-#: and long sweeps (each has a faster sibling in the fast suite)
+#: single slow tests of otherwise fast files: multi-process runs (names with "gloo" or "ddp"),
+#: long sweeps and end-to-end runs whose path a faster test of the fast suite also covers
 SLOW_TESTS = (
     "gloo", "ddp",
     "test_randomized_accumulation_matches_independent_pld_on_the_same_bins",  # fast: ..._quadrature_...
     "test_large_epsilon_and_100k_steps",
-    "test_unchanged_opacus_loop_learns_with_noise[hutchpp]",  # fast: [hutchinson]
+    "test_unchanged_opacus_loop_learns_with_noise",  # fast: the README quickstart learns (test_readme.py)
     "test_make_private_with_epsilon_parses_once[flat]",
+    # fast: test_empty_poisson_batch_is_a_noise_only_step (every form)
+    "test_empty_poisson_batches_are_skipped_cleanly",
+    # reproducibility, not privacy; fast: test_checkpoint_holds_no_generator_state_or_seed_by_default
+    "test_checkpoint_with_rng_state_resumes_bit_exactly",
+    # fast: test_single_accumulated_step_matches_quadrature_on_independent_bins
+    "test_deterministic_mixture_matches_dp_accounting_and_exceeds_q_times_m",
+    "test_short_run_lowers_the_loss",  # utility; fast: the README quickstart learns
+    "test_norm_sampler_memory_linear_in_t_while_ghost_is_quadratic",  # a memory claim (docs/benchmarks.md)
 )
+#: parametrised sweeps: the cases that stay in the fast suite (each form, path and option
+#: value at least once); the other cases of the sweep run in the slow suite. A name here that
+#: matches no collected case is an error (tests/conftest.py checks it at collection).
+FAST_CASES = {
+    "test_form_equals_the_golden_run": (
+        "two_pass_per_example", "output_passes_reentrant", "bookkeeping", "ghost_bookkeeping",
+        "chunked_head_two_pass", "flat_opacus",
+    ),
+    "test_mode_behaves_as_without_opacus_rc": ("flat-hooks", "flat-ghost"),
+    "test_hf_llama_checkpointing_equals_brute_force": (
+        "llama-none-two_pass", "llama-hf_default-bookkeeping", "llama-hf_reentrant-ghost_bookkeeping",
+        "llama-hf_non_reentrant-hooks_object", "peft_lora-none-bookkeeping_hooks_object",
+        "peft_lora-hf_default-per_example", "peft_lora-hf_reentrant-per_example_hooks_object",
+        "peft_lora-hf_non_reentrant-two_pass",
+    ),
+    "test_sketched_update_unchanged_by_checkpointing": (
+        "hf_reentrant-two_pass-shared", "hf_non_reentrant-bookkeeping-per_example",
+        "hf_reentrant-ghost_bookkeeping-per_example", "hf_non_reentrant-hooks_object-shared",
+        "hf_reentrant-bookkeeping_hooks_object-per_example",
+    ),
+    "test_exact_update_equals_brute_force": (
+        "1-two-pass", "3-book-keeping", "100-ghost-bookkeeping", "3-two-pass-hooks", "1-book-keeping-hooks",
+    ),
+    "test_sketched_update_equals_unchunked": (
+        "8-two-pass", "40-two-pass-shared", "8-two-pass-hutchpp", "40-book-keeping", "8-book-keeping-shared",
+    ),
+    "test_exact_update_with_shifted_labels": ("two-pass-hooks", "book-keeping"),
+    "test_peft_lora_with_frozen_head_equals_unchunked": ("hooks",),
+    "test_frozen_head_gives_the_body_gradient_only": ("two-pass", "book-keeping"),
+    "test_private_trainer_accumulation_draws_fresh_sketches": ("reentrant",),
+    "test_shared_sketches_fresh_per_step_and_shared_within_it": (
+        "make_private_ghost-True", "hand_hooks-False",
+    ),
+    "test_accountant_record_after_one_step": ("ghost-1", "hooks-3", "wrap_model_false-1", "epsilon-1", "bmm_hooks-1"),
+    "test_privacy_engine_secure_mode_end_to_end_without_torchcsprng": ("hooks",),
+    "test_epsilon_is_bit_identical": (
+        "mixed", "det_m3", "det_stepped", "dict_records", "per_example32_m3", "shared32_m3", "hutchpp8_per_example",
+        "3tuple_kwargs_hutchpp32_per_example", "mixed_eps_error_delta",
+    ),
+    "test_virtual_steps_over_independent_batches_are_charged_as_accumulation": ("hooks", "bookkeeping=True"),
+    "test_batch_memory_manager_splits_stay_one_micro_batch": ("ghost", "bookkeeping=True"),
+    "test_host_synchronisations_per_step": ("True-hooks", "False-ghost"),
+    "test_fused_and_unfused_optimizers_take_the_same_clean_steps": ("hooks",),
+    "test_equals_brute_force_per_example_clipping": ("batch1-auto", "checkpointed-reentrant"),
+    "test_honest_audit_stays_below_accountant": ("hutchinson-4", "hutchpp-32"),
+    "test_audit_catches_broken_variants": (
+        "hutchinson-4-biased_low-120", "hutchpp-32-biased_low-60", "hutchinson-32-data_dependent_sketch-10",
+        "hutchpp-4-data_dependent_sketch-10",
+    ),
+}
 
 
 TESTS = pathlib.Path(__file__).resolve().parent
@@ -41,11 +100,65 @@ def tests_path(path: pathlib.Path) -> str:
     return path.relative_to(TESTS).as_posix() if path.is_relative_to(TESTS) else path.name
 
 
+def slow_case(item) -> bool:
+    """A case of a FAST_CASES sweep that is not kept in the fast suite."""
+    spec = getattr(item, "callspec", None)
+    kept = FAST_CASES.get(getattr(item, "originalname", item.name))
+    return kept is not None and spec is not None and spec.id not in kept
+
+
+def check_fast_cases(items) -> None:
+    """Each kept case of FAST_CASES names a collected case of its sweep (a typo would move
+    the whole sweep to the slow suite unnoticed)."""
+    ids = {}
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if spec is not None:
+            ids.setdefault(item.originalname, set()).add(spec.id)
+    missing = {name: sorted(set(kept) - ids[name]) for name, kept in FAST_CASES.items() if name in ids}
+    missing = {name: ids_ for name, ids_ in missing.items() if ids_}
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py FAST_CASES names cases that were not collected: {missing}")
+
+
 def pytest_collection_modifyitems(config, items):
+    check_fast_cases(items)
     for item in items:
         name = item.name.lower()
-        if tests_path(item.path) in SLOW_FILES or any(s in name for s in SLOW_TESTS):
+        if tests_path(item.path) in SLOW_FILES or any(s in name for s in SLOW_TESTS) or slow_case(item):
             item.add_marker(pytest.mark.slow)
+
+
+class Progress:
+    """Every ``every`` seconds: tests done of those selected, and the time left at the mean
+    pace so far (a rough figure: the tests differ in length)."""
+
+    def __init__(self, reporter, every: float = 30.0) -> None:
+        self.reporter, self.every = reporter, every
+        self.total = self.done = 0
+        self.start = self.last = time.monotonic()
+
+    def pytest_collection_finish(self, session) -> None:
+        self.total = len(session.items)
+        self.start = self.last = time.monotonic()
+
+    def pytest_runtest_logfinish(self, nodeid, location) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self.last < self.every or not self.total or self.done >= self.total:
+            return
+        self.last = now
+        elapsed = now - self.start
+        left = elapsed / self.done * (self.total - self.done)
+        # on a line of its own, after the progress dots of -q
+        self.reporter.write_line(f"\n  {self.done}/{self.total} tests in {elapsed:.0f} s, about {left:.0f} s left")
+
+
+@pytest.hookimpl(trylast=True)  # after the terminal reporter's own pytest_configure registers it
+def pytest_configure(config):
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not config.option.collectonly:
+        config.pluginmanager.register(Progress(reporter), "opacus_rc_progress")
 
 
 @pytest.fixture

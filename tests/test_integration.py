@@ -254,3 +254,18 @@ def test_uninstall_undoes_every_patch_and_install_redoes_them():
     assert opacus.PrivacyEngine is opacus_rc.PrivacyEngine
     assert type(stock(accountant="rc_prv")) is opacus_rc.PrivacyEngine
     assert stock.__new__ is object.__new__
+
+
+def test_the_hand_built_objects_the_docs_name_are_exported():
+    """Every plugin class docs/ names for a step built by hand (grad-sample module, optimizer,
+    the two-pass criterion) is importable from ``opacus_rc`` and listed in its ``__all__``."""
+    import re
+
+    from opacus_rc.forms.two_pass import DPLossRandomizedClipping
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    pattern = r"\b(DPLossRandomizedClipping|GradSample\w*RandomizedClipping|\w*RandomizedClipping\w*Optimizer)\b"
+    names = {m for path in docs.glob("*.md") for m in re.findall(pattern, path.read_text())}
+    assert "DPLossRandomizedClipping" in names
+    assert sorted(n for n in names if n not in opacus_rc.__all__ or not hasattr(opacus_rc, n)) == []
+    assert opacus_rc.DPLossRandomizedClipping is DPLossRandomizedClipping

@@ -208,3 +208,44 @@ def test_hf_and_accountant_files_stay_small():
     files = [*(ROOT / "opacus_rc" / "hf").glob("*.py"), ROOT / "opacus_rc" / "accounting" / "accountant.py"]
     long = {f.relative_to(ROOT).as_posix(): n for f in files if (n := len(f.read_text().splitlines())) > 400}
     assert long == {}
+
+
+def _case(name: str, case_id: str):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(originalname=name, name=f"{name}[{case_id}]", callspec=SimpleNamespace(id=case_id))
+
+
+def test_fast_cases_keep_named_cases_and_refuse_a_name_never_collected(monkeypatch):
+    """A sweep of conftest.FAST_CASES keeps its named cases fast and the rest slow; a kept
+    name that matches no collected case (a typo, a renamed parameter) stops the collection."""
+    import pytest
+
+    from tests import conftest
+
+    monkeypatch.setattr(conftest, "FAST_CASES", {"test_sweep": ("a",)})
+    items = [_case("test_sweep", "a"), _case("test_sweep", "b"), _case("test_other", "b")]
+    conftest.check_fast_cases(items)
+    assert [conftest.slow_case(item) for item in items] == [False, True, False]
+    monkeypatch.setattr(conftest, "FAST_CASES", {"test_sweep": ("c", "b")})
+    with pytest.raises(pytest.UsageError, match=r"\{'test_sweep': \['c'\]\}"):
+        conftest.check_fast_cases([_case("test_sweep", "b")])
+
+
+def test_progress_line_estimates_the_time_left(monkeypatch):
+    """The progress plugin prints tests done of those selected and the time left at the pace
+    so far, at most every ``every`` seconds, never after the last test."""
+    from types import SimpleNamespace
+
+    from tests import conftest
+
+    now = [100.0]
+    monkeypatch.setattr(conftest.time, "monotonic", lambda: now[0])
+    lines = []
+    progress = conftest.Progress(SimpleNamespace(write_line=lines.append), every=30.0)
+    progress.pytest_collection_finish(SimpleNamespace(items=[None] * 4))
+    for t in (10.0, 40.0, 70.0, 130.0):  # four tests end at these seconds after the start
+        now[0] = 100.0 + t
+        progress.pytest_runtest_logfinish("nodeid", None)
+    # at 40 s: 2 of 4 done, 40 s left at 20 s a test; at 70 s: 3 of 4, ~23 s left; none at the end
+    assert lines == ["\n  2/4 tests in 40 s, about 40 s left", "\n  3/4 tests in 70 s, about 23 s left"]

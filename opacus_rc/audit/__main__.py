@@ -1,6 +1,8 @@
-"""``python -m opacus_rc.audit [--quick]``: audit randomized clipping, print a table and,
-as the last line, a JSON list with one object per configuration (keys ``estimator``,
-``sketch_size``, ``sigma``, ``variant``, ``eps_lower``, ``eps_accounted``).
+"""``python -m opacus_rc.audit [--quick]``: audit randomized clipping. Prints a short verdict
+first (the honest rows against their bound; the controls caught), then the table, and writes a
+JSON list with one object per configuration (keys ``estimator``, ``sketch_size``, ``sigma``,
+``variant``, ``eps_lower``, ``eps_accounted``) to ``--json PATH`` (default ``out/audit.json``;
+``--json -``: stdout, as the last line).
 
 The sketch variants (honest, biased_low, data_dependent_sketch) run for every estimator and
 sketch size; the normaliser variants (:mod:`opacus_rc.audit.normaliser`) once, with the first
@@ -13,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import pathlib
 import sys
 import time
 import warnings
@@ -34,6 +38,8 @@ from .reference import exact_epsilon
 DEFAULT_SIGMA = {4: 2.0, 32: 1.0}
 QUICK_STEPS = 400
 FULL_STEPS = 2000
+#: the JSON results' default file (relative to the working directory)
+DEFAULT_JSON = "out/audit.json"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -55,6 +61,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--delta", type=float, default=1e-2)
     parser.add_argument("--alpha", type=float, default=0.05, help="the bounds hold with probability >= 1 - alpha each")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=DEFAULT_JSON, metavar="PATH",
+                        help=f"where the JSON results go (default {DEFAULT_JSON}; '-': stdout, last line)")
     args = parser.parse_args(argv)
     missing = [k for k in args.sketch_sizes if args.sigma is None and k not in DEFAULT_SIGMA]
     if missing:
@@ -122,16 +130,10 @@ def path_configs(args: argparse.Namespace) -> List[PathAuditConfig]:
 CONTROLS = (*VARIANTS[1:], "normaliser_dataset_size", "fused_head_unchecked", "per_example_unchecked",
             "draw_boundary_unchecked", "forward_buffer_unchecked")
 LEGEND = (
-    "verdict: 'ok' = the empirical lower bound eps_lower stays below the accounted epsilon; "
-    "'caught (control)' = a deliberately broken variant (biased estimate, data-dependent "
-    "sketch, Opacus's dataset-size normaliser, the unchecked fused head, the per-example form with its batch "
-    "check off, its draw-boundary check off, a buffer changed by the forward pass with its check "
-    "off) was flagged, as the audit must; a real "
-    "violation would read 'VIOLATION' on a variant that is not a control, and "
-    "'MISSED (control)' means the audit failed to flag a broken one: expected only where the "
-    "control's exact epsilon is barely above the accounted one (Hutch++ k=4 biased_low with a "
-    "shared sketch: 2.318 against 2.223, closer than 10^5-10^6 trials resolve; with "
-    "--sketching per_example its hidden-Z charge is lower and it is caught; docs/audit.md)"
+    "verdict column: 'ok' = eps_lower (the audit's 95% lower bound) is below the accounted epsilon; "
+    "'VIOLATION' = it is above, on a variant that is not a control; 'caught (control)' = a "
+    "deliberately broken variant was flagged, as it must be; 'MISSED (control)' = it was not "
+    "(see the verdict above the table; docs/audit.md)"
 )
 
 
@@ -141,6 +143,58 @@ def verdict(variant: str, eps_lower: float, eps_accounted: float) -> str:
     if variant in CONTROLS:
         return "caught (control)" if flagged else "MISSED (control)"
     return "VIOLATION" if flagged else "ok"
+
+
+def _missed_reason(r: AuditResult, exact: float, shortfall: float) -> str:
+    """Why a control was not flagged: its exact epsilon against the accounted one, and the
+    audit's resolution at this trial count (``shortfall``: the largest ``eps_exact - eps_lower``
+    of an honest row, nan without one)."""
+    where = f"{r.estimator} k={r.sketch_size} {r.variant}"
+    margin = exact - r.eps_accounted
+    if margin <= 0:
+        return (f"{where}: at these settings the control is not broken (exact epsilon {exact:.3f} <= "
+                f"accounted {r.eps_accounted:.3f}): unresolvable by any number of trials")
+    if math.isfinite(shortfall) and margin < shortfall:
+        return (f"{where}: unresolvable at {r.trials:,} trials: its exact epsilon {exact:.3f} exceeds the "
+                f"accounted {r.eps_accounted:.3f} by only {margin:.3f}, less than the audit's own shortfall "
+                f"on the honest rows ({shortfall:.3f}); more trials narrow that shortfall (docs/audit.md)")
+    return (f"{where}: not flagged (eps_lower {r.eps_lower:.3f}) although its exact epsilon {exact:.3f} exceeds "
+            f"the accounted {r.eps_accounted:.3f} by {margin:.3f}: too few trials ({r.trials:,}) or a fault: investigate")
+
+
+def summary(results: Sequence[AuditResult], exact: Sequence[float]) -> str:
+    """The verdict printed first: the honest rows against their bound, then the controls
+    caught n of m, each missed one with the reason it can be unresolvable."""
+    rows = [(r, e, verdict(r.variant, r.eps_lower, r.eps_accounted)) for r, e in zip(results, exact)]
+    honest = [(r, e, v) for r, e, v in rows if r.variant not in CONTROLS]
+    controls = [(r, e, v) for r, e, v in rows if r.variant in CONTROLS]
+    bad = [r for r, _, v in honest if v == "VIOLATION"]
+    lines = []
+    if bad:
+        lines.append(f"VIOLATION: {len(bad)} of {len(honest)} honest rows exceed the accounted epsilon: "
+                     + ", ".join(f"{r.estimator} k={r.sketch_size} {r.variant}" for r in bad))
+    elif honest:
+        lines.append(f"PASS: all {len(honest)} honest rows are within the bound (eps_lower < eps_accounted)")
+    if controls:
+        caught = sum(v == "caught (control)" for *_, v in controls)
+        lines.append(f"controls (deliberately broken variants the audit must flag): caught {caught} of {len(controls)}")
+        gaps = [e - r.eps_lower for r, e, _ in honest if math.isfinite(e)]
+        shortfall = max(gaps) if gaps else float("nan")
+        lines += ["  missed: " + _missed_reason(r, e, shortfall) for r, e, v in controls if v != "caught (control)"]
+    return "\n".join(lines)
+
+
+def write_json(results: Sequence[AuditResult], path: str) -> Optional[pathlib.Path]:
+    """The JSON list of the results' contract fields, to ``path`` (its folder created), or to
+    stdout for ``"-"`` (then None)."""
+    text = json.dumps([{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.contract().items()} for r in results])
+    if path == "-":
+        print(text)
+        return None
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+    return out
 
 
 def table(results: Sequence[AuditResult], exact: Sequence[float]) -> str:
@@ -227,6 +281,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else r.eps_exact
         for r in results
     ]
+    print(summary(results, exact))
+    print()
     print(table(results, exact))
     notes = [f"delta={args.delta}, alpha={args.alpha} (one-sided Clopper-Pearson, alpha/2 per rate)"]
     if todo:
@@ -239,7 +295,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
     notes += [n for n in (_path_note(r, args.replicas) for r in results) if n]
     print(", ".join(notes) + f", {time.perf_counter() - start:.0f} s")
-    print(json.dumps([{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.contract().items()} for r in results]))
+    written = write_json(results, args.json)
+    if written is not None:
+        print(f"JSON (one object per row): {written}")
     return 0
 
 

@@ -25,7 +25,7 @@ from opacus_rc import SketchConfig, Sketcher
 from opacus_rc.audit import AuditConfig, clopper_pearson_upper, run_audit, threshold_audit
 from opacus_rc.audit.__main__ import DEFAULT_SIGMA, main
 from opacus_rc.audit._broken import BiasedLowSketcher, DataDependentSketcher, broken_sketcher, install_sketcher
-from opacus_rc.audit.experiment import build_experiment
+from opacus_rc.audit.experiment import AuditResult, build_experiment
 from opacus_rc.audit.reference import exact_epsilon
 
 from tests.oracles import gaussian_epsilon
@@ -206,11 +206,17 @@ def test_audit_catches_broken_variants(estimator, k, variant, steps):
     assert exact_epsilon(estimator, k, r.sigma, variant, DELTA) > r.eps_accounted
 
 
-def test_command_output_contract(capsys):
-    assert main(["--steps", "4", "--replicas", "16", "--sketch-sizes", "4",
+def test_command_output_contract(capsys, tmp_path):
+    """A short verdict first, the JSON in a file (its path printed), not on the terminal."""
+    path = tmp_path / "results" / "audit.json"
+    assert main(["--steps", "4", "--replicas", "16", "--sketch-sizes", "4", "--json", str(path),
                  "--estimators", "hutchinson", "--variants", "honest", "biased_low"]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    rows = json.loads(last)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith(("PASS: all 1 honest rows", "VIOLATION: 1 of 1 honest rows"))
+    assert out[1].startswith("controls (deliberately broken variants the audit must flag): caught ")
+    assert out[-1] == f"JSON (one object per row): {path}"
+    assert not any(line.startswith("[{") for line in out)
+    rows = json.loads(path.read_text())
     assert [r["variant"] for r in rows] == ["honest", "biased_low"]
     for r in rows:
         assert set(r) == {"estimator", "sketch_size", "sigma", "variant", "eps_lower", "eps_accounted"}
@@ -218,6 +224,32 @@ def test_command_output_contract(capsys):
         assert 0.0 <= r["eps_lower"] and r["eps_accounted"] > 0
     with pytest.raises(SystemExit):
         main(["--sketch-sizes", "8"])  # no default sigma for k = 8
+
+
+def _result(variant, eps_lower, eps_accounted=2.223, estimator="hutchpp", trials=102_400):
+    return AuditResult(estimator=estimator, sketch_size=4, sigma=2.0, variant=variant, eps_lower=eps_lower,
+                       eps_accounted=eps_accounted, trials=trials)
+
+
+def test_summary_counts_the_controls_and_says_why_one_is_unresolvable():
+    """The verdict line: honest rows within the bound, controls caught n of m; a missed control
+    whose exact epsilon is above the bound by less than the audit's shortfall on the honest rows
+    is unresolvable at that trial count, one whose exact epsilon is within the bound is not broken
+    at those settings, and any other miss reads 'investigate'."""
+    from opacus_rc.audit.__main__ import summary
+
+    results = [_result("honest", 0.81), _result("biased_low", 2.05), _result("data_dependent_sketch", 8.83)]
+    text = summary(results, [0.919, 2.318, math.inf])  # docs/audit.md's --quick run, Hutch++ k = 4
+    lines = text.splitlines()
+    assert lines[0] == "PASS: all 1 honest rows are within the bound (eps_lower < eps_accounted)"
+    assert lines[1].endswith("caught 1 of 2")
+    assert "hutchpp k=4 biased_low: unresolvable at 102,400 trials" in lines[2]
+    assert "by only 0.095" in lines[2] and "(0.109)" in lines[2]
+    # an exact epsilon within the bound: not broken here; far above it yet missed: investigate
+    assert "not broken" in summary(results[:2], [0.919, 2.0])
+    assert "investigate" in summary([_result("honest", 0.81), _result("biased_low", 2.0)], [0.919, 5.348])
+    violation = summary([_result("honest", 3.0), _result("biased_low", 5.0)], [2.5, 5.348])
+    assert violation.splitlines()[0].startswith("VIOLATION: 1 of 1 honest rows exceed the accounted epsilon: hutchpp k=4 honest")
 
 
 def test_table_labels_the_broken_controls():

@@ -163,7 +163,7 @@ def test_path_config_errors():
 
 
 def test_command_runs_the_path_variants(capsys):
-    assert main(["--steps", "4", "--replicas", "16", "--variants", "accumulation_canary", "hand_built"]) == 0
+    assert main(["--steps", "4", "--replicas", "16", "--variants", "accumulation_canary", "hand_built", "--json", "-"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     rows = json.loads(out[-1])
     assert [r["variant"] for r in rows] == ["accumulation_canary", "hand_built"]
@@ -269,7 +269,7 @@ def test_quick_audit_includes_the_fused_head_variants(capsys):
     from opacus_rc.audit.__main__ import parse_args
 
     assert {"fused_head", "fused_head_unchecked"} <= set(parse_args(["--quick"]).variants)
-    assert main(["--steps", "4", "--replicas", "16", "--variants", "fused_head", "fused_head_unchecked"]) == 0
+    assert main(["--steps", "4", "--replicas", "16", "--variants", "fused_head", "fused_head_unchecked", "--json", "-"]) == 0
     out = capsys.readouterr().out
     assert "fused_head: a loss reading the head's weight outside its module on a checkpointed model: refused" in out
     rows = {r["variant"]: r for r in json.loads(out.strip().splitlines()[-1])}
@@ -370,7 +370,7 @@ def test_quick_audit_includes_the_per_example_variants(capsys):
     assert "per_example_unchecked" in CONTROLS and "per_example" not in CONTROLS
     assert verdict("per_example_unchecked", 3.0, 2.3) == "caught (control)"
     assert verdict("per_example", 3.0, 2.3) == "VIOLATION"
-    assert main(["--steps", "8", "--replicas", "16", "--variants", "per_example", "per_example_unchecked"]) == 0
+    assert main(["--steps", "8", "--replicas", "16", "--variants", "per_example", "per_example_unchecked", "--json", "-"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     rows = json.loads(out[-1])
     assert [(r["variant"], r["estimator"], r["sketch_size"], r["sigma"]) for r in rows] == [
