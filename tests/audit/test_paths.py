@@ -395,7 +395,7 @@ def test_forward_buffer_is_refused_and_its_unchecked_control_is_caught(capsys):
     assert control.refusal == "" and control.eps_lower == math.inf > control.eps_accounted > 0
     assert "forward_buffer_unchecked" in CONTROLS and "forward_buffer" not in CONTROLS
     assert {"forward_buffer", "forward_buffer_unchecked"} <= set(parse_args(["--quick"]).variants)
-    assert main(["--steps", "2", "--replicas", "16", "--variants", "forward_buffer", "forward_buffer_unchecked"]) == 0
+    assert main(["--steps", "2", "--replicas", "16", "--variants", "forward_buffer", "forward_buffer_unchecked", "--json", "-"]) == 0
     out = capsys.readouterr().out
     assert "forward_buffer_unchecked        2        inf" in out and "caught (control)" in out
 
@@ -467,7 +467,7 @@ def test_quick_audit_includes_the_draw_boundary_variants(capsys):
     assert (configs["draw_boundary"].steps, configs["draw_boundary_unchecked"].steps) == (20, 20)
     assert "draw_boundary_unchecked" in CONTROLS and "draw_boundary" not in CONTROLS
     assert verdict("draw_boundary_unchecked", 3.0, 2.3) == "caught (control)"
-    assert main(["--steps", "8", "--replicas", "16", "--variants", "draw_boundary", "draw_boundary_unchecked"]) == 0
+    assert main(["--steps", "8", "--replicas", "16", "--variants", "draw_boundary", "draw_boundary_unchecked", "--json", "-"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     rows = json.loads(out[-1])
     assert [(r["variant"], r["estimator"], r["sketch_size"], r["eps_lower"], r["eps_accounted"]) for r in rows] == [
