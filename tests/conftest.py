@@ -44,8 +44,8 @@ SLOW_TESTS = (
 #: matches no collected case is an error (tests/conftest.py checks it at collection).
 FAST_CASES = {
     "test_form_equals_the_golden_run": (
-        "two_pass_per_example", "output_passes_reentrant", "bookkeeping", "ghost_bookkeeping",
-        "chunked_head_two_pass", "flat_opacus",
+        "two_pass_per_example", "output_passes_checkpointed_reentrant", "bookkeeping", "ghost_bookkeeping",
+        "chunked_head_two_pass", "flat_opacus", "per_example", "ghost_fsdp",
     ),
     "test_mode_behaves_as_without_opacus_rc": ("flat-hooks", "flat-ghost"),
     "test_hf_llama_checkpointing_equals_brute_force": (
