@@ -110,6 +110,11 @@ class Form:
         drops_examples: each example's contribution is assembled on its own, so
             ``nonfinite="skip"`` can drop a non-finite one (a two-pass backward sums them
             inside autograd).
+        one_example_per_backward: each backward pass holds one example (a loop that runs
+            its own passes, the private Trainer's, splits its batches into rows inside the
+            module's ``one_physical_batch()``).
+        per_layer: the module computes per-layer per-example values in its layers' hooks
+            (a chunked LM head, :mod:`opacus_rc.lm_head`, delivers its own head's).
         outputs: Opacus's ``make_private`` outputs -> what the script gets.
     """
 
@@ -119,6 +124,8 @@ class Form:
     takes_bound: bool = True
     exact: bool = False
     drops_examples: bool = False
+    one_example_per_backward: bool = False
+    per_layer: bool = True
     outputs: Callable[[Tuple, Mapping[str, Any]], Tuple] = _as_returned
 
     def build_module(self, module: nn.Module, wrap_model: bool, max_grad_norm: float, **kwargs: Any) -> Any:
@@ -161,10 +168,31 @@ FORMS: Dict[str, Form] = {
             optimizers=(PerExampleOptimizer, DistributedPerExampleOptimizer),
             exact=True,
             drops_examples=True,
+            one_example_per_backward=True,
+            per_layer=False,
             outputs=_one_example_per_batch,
         ),
     )
 }
+
+
+
+def form_of(obj: Any) -> Optional[Form]:
+    """The form whose grad-sample module (or hooks object) or DP optimizer ``obj`` is;
+    None for anything else (Opacus's own objects, None). The one way code outside this
+    package tells the plugin's objects from Opacus's: their traits are then read from the
+    row and from the plugin's declared interface (:class:`~opacus_rc.optimizer.RandomizedClippingMixin`,
+    :class:`~opacus_rc.grad_sample.PerExampleStore`), never by attribute sniffing. Forms
+    that share classes (two passes and ``output_passes``; the book-keeping forms) share
+    their traits: the first such row is returned."""
+    kind = type(obj)
+    for exact in (True, False):
+        for form in FORMS.values():
+            classes = form.modules + form.optimizers
+            if (kind in classes) if exact else isinstance(obj, classes):
+                return form
+    return None
+
 
 _logged_automatic = False
 
@@ -258,4 +286,4 @@ def resolve_form(
     return PER_EXAMPLE, GHOST if grad_sample_mode == GHOST else HOOKS
 
 
-__all__ = ["Form", "FORMS", "PER_EXAMPLE", "PER_EXAMPLE_OPTION", "resolve_form", "per_example_chosen"]
+__all__ = ["Form", "FORMS", "PER_EXAMPLE", "PER_EXAMPLE_OPTION", "form_of", "resolve_form", "per_example_chosen"]

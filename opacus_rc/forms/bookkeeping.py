@@ -51,7 +51,7 @@ from ..estimators import as_sequence
 from ..grad_sample import PerExampleStore, coarsest_dtype, head_used_twice_error
 from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from ..finite import OUTSIDE_USE
-from ..optimizer import RandomizedClippingMixin, complete_unused, in_module_excess
+from ..optimizer import SketchedClippingMixin, complete_unused, in_module_excess
 from ..recompute import is_checkpointed, late_use_error, missing_per_sample_error
 from ..values import BOOKKEEPING_MODE, GHOST, HOOKS, RANDOMIZED, SKIP
 
@@ -471,7 +471,7 @@ class BookkeepingClippingMixin:
     def clip_and_accumulate(self) -> None:
         self._note_outside_uses()
         # counted before the records are consumed: averaging and the accountant read it
-        self.backward_passes += self._passes_recorded()
+        self.count_backward_pass(self._passes_recorded())
         sq = torch.stack([self._per_sample_sq_norms(p).float() for p in self.params]).sum(dim=0)
         keep = self._finite_examples(sq)
         if keep is not None:
@@ -518,19 +518,19 @@ class BookkeepingClippingMixin:
 
 
 class RandomizedClippingBookkeepingOptimizer(
-    BookkeepingClippingMixin, RandomizedClippingMixin, DPOptimizer
+    BookkeepingClippingMixin, SketchedClippingMixin, DPOptimizer
 ):
     """:class:`~opacus.optimizers.DPOptimizer` with randomized clipping by book-keeping
     (one backward pass; ``grad_sample_mode="hooks"``)."""
 
 
 class DistributedRandomizedClippingBookkeepingOptimizer(
-    BookkeepingClippingMixin, RandomizedClippingMixin, DistributedDPOptimizer
+    BookkeepingClippingMixin, SketchedClippingMixin, DistributedDPOptimizer
 ):
     """Distributed (DDP) book-keeping: each rank clips its own examples, rank 0 alone adds
     the noise, and the clipped sums are all-reduced (Opacus's ``DistributedDPOptimizer``)."""
 
-    _refusals_across_ranks = True
+    refusals_across_ranks = True
 
 
 # --- The criterion of ghost-clipping scripts ----------------------------------------------

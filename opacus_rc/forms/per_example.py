@@ -229,7 +229,7 @@ class PerExampleClipping:
             ran, self._grouped = self._grouped, None
             optimizer = self._bound_optimizer()
             if ran and optimizer is not None:
-                optimizer.backward_passes += 1
+                optimizer.count_backward_pass()
 
     # --- the batches of the loader make_private returned (opacus_rc.draws.DrawLoader) -------
 
@@ -359,7 +359,7 @@ class PerExampleClipping:
         if self._grouped is not None:
             self._grouped = True
         else:
-            optimizer.backward_passes += 1
+            optimizer.count_backward_pass()
         if examples == 0 or not grads:  # an empty batch: a zero contribution
             return
         norm = torch.linalg.vector_norm(
@@ -427,13 +427,11 @@ class PerExampleModule(PerExampleClipping, AbstractGradSampleModule):
 
 class PerExampleOptimizerMixin(RandomizedClippingMixin):
     """Releases the per-example form's clipped sums: Opacus's noise and averaging on
-    ``S`` (``sketch_config`` None: the accountant charges exact clipping)."""
+    ``S`` (no sketch: ``sketch_config`` None, the accountant charges exact clipping)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
-        kwargs["sketch_config"] = None
+        kwargs.pop("sketch_config", None)  # the engine's, for every form: exact norms here
         super().__init__(optimizer, **kwargs)
-
-    one_example_per_backward = True
 
     def complete_batch(self, rows: int) -> List[torch.nn.Parameter]:
         """Nothing to complete: each row's whole gradient was clipped exactly, and the
@@ -501,7 +499,7 @@ class DistributedPerExampleOptimizer(PerExampleOptimizerMixin, DistributedDPOpti
     """DDP (Opacus's DPDDP): each rank clips its own examples; the clipped sums are
     all-reduced once per logical step, after rank 0 alone added the noise (Opacus)."""
 
-    _refusals_across_ranks = True
+    refusals_across_ranks = True
 
 
 __all__ = [
