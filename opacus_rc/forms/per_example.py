@@ -43,8 +43,6 @@ from ..recompute import forward_replay
 from ..values import SKIP
 from .fsdp import _contains_fsdp
 
-#: the name of this form in the table of forms (:mod:`opacus_rc.forms`)
-PER_EXAMPLE = "per_example"
 #: Opacus's guard against a zero norm in the clip factor
 _EPS = 1e-6
 #: the sequence number of the autograd nodes that accumulate into a leaf (AccumulateGrad)
@@ -503,6 +501,6 @@ class DistributedPerExampleOptimizer(PerExampleOptimizerMixin, DistributedDPOpti
 
 
 __all__ = [
-    "PER_EXAMPLE", "PerExampleHooks", "PerExampleModule", "PerExampleOptimizer",
+    "PerExampleHooks", "PerExampleModule", "PerExampleOptimizer",
     "DistributedPerExampleOptimizer", "check_supported", "examples_in",
 ]
