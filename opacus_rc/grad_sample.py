@@ -56,6 +56,9 @@ class PerExampleStore:
     _opacus_options: Dict[str, Any] = {}
     #: the form's parameters are FSDP2 shards (a chunked head must be a unit of its own)
     sharded: bool = False
+    #: the two passes from the model's output of a plain-loss script (set by
+    #: :class:`~opacus_rc.forms.output_passes.OutputPasses`; None: the criterion's passes)
+    output_passes: Optional[Any] = None
 
     def __init__(
         self,
@@ -385,7 +388,7 @@ class SketchingMixin(PerExampleStore):
         batch_first: bool,
     ) -> None:
         self._awaiting_forward = True  # the next forward starts a new pass
-        passes = getattr(self, "output_passes", None)  # plain-loss scripts: opacus_rc.forms.output_passes
+        passes = self.output_passes  # plain-loss scripts: opacus_rc.forms.output_passes
         if passes is not None and self.hooks_enabled:
             passes.check_inside(module)
         if self.hooks_enabled and self._is_tied_use(module):

@@ -11,27 +11,19 @@ from recomputed blocks. Forms, tied heads, FSDP2, checkpointing: docs/lm_head.md
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .estimators import ghost_sq_norms, sketch_side
+from .forms import form_of
 from .forms.bookkeeping import Record, keep_rows
-from .grad_sample import PerExampleStore
+from .forms.fsdp import head_unit, is_fsdp_module
 from .recompute import NON_REENTRANT, REENTRANT, forward_replay
 from .values import HUTCHINSON, HUTCHPP
-
-try:
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - torch without FSDP2
-    FSDPModule = None
-
-logger = logging.getLogger(__name__)
 
 REDUCTIONS = ("mean", "sum")
 _LOW = (torch.float16, torch.bfloat16)
@@ -50,100 +42,16 @@ def controlling_module(layer: nn.Module):
     for hook in layer._forward_hooks.values():
         # Opacus's grad-sample modules / hooks objects register ``self.capture_activations_hook``
         owner = getattr(hook, "__self__", None)
-        if owner is None or not hasattr(owner, "capture_backprops_hook"):
+        if owner is None or not hasattr(owner, "capture_backprops_hook"):  # not Opacus's hooks
             continue
-        if isinstance(owner, PerExampleStore):
+        form = form_of(owner)
+        if form is not None and form.per_layer:
             return owner
         raise ValueError(
             f"ChunkedLMHeadLoss needs clipping='randomized' (grad_sample_mode='ghost', "
             f"'hooks' or, under FSDP2, 'ghost_fsdp'); its lm_head is hooked by "
             f"{type(owner).__name__}, which cannot compute per-sample gradients of a head "
             "whose forward it never sees"
-        )
-    return None
-
-
-class _FSDPUnit:
-    """FSDP2's forward hooks on ``lm_head`` (a ``fully_shard`` unit, alone or grouped with
-    its tied embedding), run around the chunked computation in the order and with the
-    arguments ``nn.Module.__call__`` would give them (docs/lm_head.md); Opacus's hooks on
-    ``lm_head`` are not run."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        self.layer = layer
-        self.state = layer._get_fsdp_state()
-
-        def owned(hook) -> bool:  # a bound method of the state, possibly under functools.wraps
-            while hook is not None and getattr(hook, "__self__", None) is not self.state:
-                hook = getattr(hook, "__wrapped__", None)
-            return hook is not None
-
-        self.pre, self.post = (
-            [(i, h) for i, h in hooks.items() if owned(h)] for hooks in (layer._forward_pre_hooks, layer._forward_hooks)
-        )
-        if not (self.pre and self.post):
-            raise RuntimeError(
-                f"ChunkedLMHeadLoss: FSDP2's forward hooks on {type(layer).__name__} were not "
-                "found (an unsupported torch version?); cannot gather the head's weight"
-            )
-
-    def pre_forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Run the pre-hooks on ``(hidden,)``; the hidden states to use (FSDP2 wraps them
-        in its post-backward node and may cast them to its ``param_dtype``)."""
-        args, kwargs = (hidden,), {}
-        for hook_id, hook in self.pre:
-            if hook_id in self.layer._forward_pre_hooks_with_kwargs:
-                result = hook(self.layer, args, kwargs)
-                if result is not None:
-                    args, kwargs = result
-            else:
-                result = hook(self.layer, args)
-                if result is not None:
-                    args = result if isinstance(result, tuple) else (result,)
-        return args[0]
-
-    def _run_post(self, hidden: torch.Tensor, output: Any, only_always: bool) -> Any:
-        layer = self.layer
-        for hook_id, hook in self.post:
-            if only_always and hook_id not in layer._forward_hooks_always_called:
-                continue
-            kwargs = ({},) if hook_id in layer._forward_hooks_with_kwargs else ()
-            result = hook(layer, (hidden,), *kwargs, output)
-            if result is not None:
-                output = result
-        return output
-
-    def post_forward(self, hidden: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
-        """Run the post-hooks on the losses (B,); the losses to return."""
-        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-        losses = self._run_post(hidden, losses, only_always=False)
-        if self.state._training_state == TrainingState.FORWARD:  # partial group: unsharded until backward
-            losses = self.state._register_pre_backward_hook(losses)
-        return losses
-
-    def failed_forward(self, hidden: torch.Tensor) -> None:
-        """The ``always_call`` post-hooks after an exception (as ``nn.Module.__call__``)."""
-        try:
-            self._run_post(hidden, None, only_always=True)
-        except Exception as e:  # the forward's own error is the one raised
-            logger.warning("FSDP2 post-forward hook of lm_head failed after an error: %s", e)
-
-
-def _fsdp_unit(layer: nn.Module, owner: Any) -> Optional[_FSDPUnit]:
-    """The FSDP2 unit whose hooks must run around the head (None when not under FSDP2); a
-    ``ValueError`` when an enclosing unit shards the head's parameters (its gather does not
-    bracket the head's backward passes)."""
-    if FSDPModule is None:  # pragma: no cover - torch without FSDP2
-        return None
-    if isinstance(layer, FSDPModule):
-        return _FSDPUnit(layer)
-    if getattr(owner, "sharded", False) or any(isinstance(p, DTensor) for p in layer.parameters(recurse=False)):
-        raise ValueError(
-            "ChunkedLMHeadLoss under FSDP2 needs lm_head to be a fully_shard unit itself: "
-            "FSDP2Wrapper shards it so; by hand, fully_shard(lm_head) (or "
-            "fully_shard([embedding, lm_head]) for a tied head) before fully_shard(model); got "
-            f"a {type(layer).__name__} whose parameters an enclosing unit manages"
         )
     return None
 
@@ -507,7 +415,7 @@ class ChunkedLMHeadLoss(nn.Module):
         _check_reduction(self.reduction)
         layer = self.lm_head
         owner = controlling_module(layer)
-        if owner is not None and owner.hooks_enabled and getattr(owner, "output_passes", None) is not None:
+        if owner is not None and owner.hooks_enabled and owner.output_passes is not None:
             raise ValueError(
                 "ChunkedLMHeadLoss computes the loss without the LM head's output, which the "
                 "two passes from the model's output (a plain-loss script on a checkpointed "
@@ -521,7 +429,7 @@ class ChunkedLMHeadLoss(nn.Module):
         else:
             reduction = self._forward_reduction = self.reduction
         target, scale = self._targets(labels)
-        fsdp = _fsdp_unit(layer, owner)
+        fsdp = head_unit(layer, owner)
         if fsdp is None:
             return self._reduced(self._losses(layer, owner, hidden, target, scale), reduction)
         hidden = fsdp.pre_forward(hidden)  # lm_head.weight: the unsharded parameter from here
@@ -568,7 +476,7 @@ def hidden_states(model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
     own forward to run."""
     inner = getattr(model, "_module", model)
     base = getattr(inner, "base_model", None)
-    if FSDPModule is not None and isinstance(inner, FSDPModule) and base is not None and base is not inner:
+    if is_fsdp_module(inner) and base is not None and base is not inner:
         raise ValueError(
             f"hidden_states() would call the base model of an FSDP2 root ({type(inner).__name__}), "
             "skipping the root's forward, which FSDP2 needs: shard a module whose forward "

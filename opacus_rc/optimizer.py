@@ -154,13 +154,17 @@ def in_module_excess(
 
 
 class RandomizedClippingMixin:
-    """Adds the sketch parameters an accountant needs to an Opacus optimizer:
-    ``sketch_config`` and its ``estimator``, ``sketch_size``, ``sketching``.
+    """The optimizer side of every clipping form of the plugin (``clipping="randomized"``):
+    its steps and noise (the plugin's noise stream, micro-batch counting, the step's
+    refusals). What the engine, the private Trainer and the accountant read of a form's
+    optimizer is declared here (the form's row, :func:`opacus_rc.forms.form_of`, holds the
+    rest): the traits :attr:`refusals_across_ranks`, :attr:`sketch_config` and the methods
+    :meth:`count_backward_pass`, :meth:`check_cleared`, :meth:`note_finite`,
+    :meth:`complete_batch`, :meth:`check_refused_steps`. The sketched forms add their
+    sketch (:class:`SketchedClippingMixin`).
 
     Args:
         optimizer: wrapped optimizer.
-        sketch_config: how the per-sample norms were estimated (default: Hutchinson,
-            k = 32, one sketch shared by the batch).
         noise_seed: root of the plugin's noise stream (``None``: 128 bits from
             ``os.urandom``); used when no ``generator`` is given. Never torch's global
             generator: a script that re-seeds torch and resumes draws fresh noise.
@@ -168,11 +172,16 @@ class RandomizedClippingMixin:
             expected_batch_size, loss_reduction, generator, secure_mode).
     """
 
+    #: how the step's per-example norms were estimated: None for exact norms (the ``rc_prv``
+    #: accountant charges such steps as Opacus's ``prv``); the sketched forms' sketch
+    sketch_config: Optional[SketchConfig] = None
+    #: a distributed form: the ranks agree on each refusal (every rank refuses together)
+    refusals_across_ranks: bool = False
+
     def __init__(
         self,
         optimizer: Optimizer,
         *,
-        sketch_config: SketchConfig = SketchConfig(),
         noise_seed: Optional[int] = None,
         nonfinite: str = RAISE,
         accept_replayed_noise: bool = False,
@@ -193,7 +202,6 @@ class RandomizedClippingMixin:
         self.noise_streams = DeviceStreams(
             np.random.SeedSequence(noise_seed), NOISE_STREAM, per_rank=True
         )
-        self.sketch_config = sketch_config
         #: "raise" (default) or "skip" (book-keeping only): see ``make_private(nonfinite=)``
         self.nonfinite = nonfinite
         self._skipped = None  # device count of examples dropped under nonfinite="skip"
@@ -225,6 +233,11 @@ class RandomizedClippingMixin:
         as the step's micro-batch multiplicity (an example is in ``Bin(m, q)`` of them).
         """
         return max(1, self.backward_passes - self._draw_splits)
+
+    def count_backward_pass(self, passes: int = 1) -> None:
+        """A form's clipped backward pass (``passes`` of them) joined the next step's sum:
+        one micro-batch each for :attr:`accumulated_iterations`."""
+        self.backward_passes += passes
 
     def signal_skip_step(self, do_skip: bool = True, same_draw: bool = False) -> None:
         """Opacus's virtual step: the next ``step()`` only clips and accumulates.
@@ -278,9 +291,6 @@ class RandomizedClippingMixin:
         self._forget_per_example_values()
         raise accumulation_error(batches or 0)
 
-    #: Distributed optimizers agree on refusals across ranks (every rank refuses together).
-    _refusals_across_ranks = False
-
     @property
     def skipped_examples(self) -> int:
         """Examples dropped for a non-finite norm under ``nonfinite="skip"`` (local to this
@@ -301,7 +311,7 @@ class RandomizedClippingMixin:
         :meth:`_check_skip_next_step`). A refusal decided on the device for an earlier
         step is raised first."""
         self._raise_deferred_refusal(wait=False)
-        self._check_cleared()
+        self.check_cleared()
         self._check_forward_changes()
         self.check_draw_boundary()
         self.check_clipped_passes()
@@ -311,7 +321,7 @@ class RandomizedClippingMixin:
             self._awaiting_zero_grad = True
         return taken
 
-    def _check_cleared(self) -> None:
+    def check_cleared(self) -> None:
         """Opacus's refusal of a loop without ``optimizer.zero_grad()`` between steps
         (its ``_processed`` flag does not survive book-keeping's assembled sums): the
         next backward would add raw, unclipped gradients into the noised sum."""
@@ -358,7 +368,7 @@ class RandomizedClippingMixin:
         changed = [] if watch is None else watch.take()
         if not changed:
             return
-        if self._refusals_across_ranks:
+        if self.refusals_across_ranks:
             self._forward_changed = changed
             device = next((p.device for p in self.params), torch.device("cpu"))
             self.note_finite(FORWARD_CHANGE, torch.full((), float("inf"), device=device))
@@ -392,9 +402,6 @@ class RandomizedClippingMixin:
         empty batch): ``p.grad`` zeros, accepted as clipped."""
         p.grad = torch.zeros_like(p)
         self._clipped_marks[id(p)] = _grad_mark(p.grad)
-
-    #: the form runs one example per backward pass (a loop splits its batches into rows)
-    one_example_per_backward = False
 
     def complete_batch(self, rows: int) -> List[torch.nn.Parameter]:
         """For a loop that runs its own backward passes (the private Trainer): after a
@@ -559,7 +566,7 @@ class RandomizedClippingMixin:
         guard = self._nonfinite_guard
         guard.note("clipped gradient", self._clipped_sums())
         device = next((p.device for p in self.params), torch.device("cpu"))
-        ok, flags = guard.take(device, distributed=self._refusals_across_ranks)
+        ok, flags = guard.take(device, distributed=self.refusals_across_ranks)
         if getattr(self.original_optimizer, "_step_supports_amp_scaling", False):
             self.original_optimizer.found_inf = (~ok).float()
             guard.defer(ok, flags)
@@ -681,6 +688,24 @@ class RandomizedClippingMixin:
                 "accept_replayed_noise=True to make_private to accept the hazard"
             )
 
+
+
+class SketchedClippingMixin(RandomizedClippingMixin):
+    """The optimizer of a sketched form: :class:`RandomizedClippingMixin` plus the sketch
+    its per-example norms were estimated with, which the ``rc_prv`` accountant reads in its
+    step hook (``sketch_config`` and its ``estimator``, ``sketch_size``, ``sketching``).
+
+    Args:
+        optimizer: wrapped optimizer.
+        sketch_config: how the per-sample norms were estimated (default: Hutchinson,
+            k = 32, one sketch shared by the batch).
+        **kwargs: :class:`RandomizedClippingMixin`'s.
+    """
+
+    def __init__(self, optimizer: Optimizer, *, sketch_config: SketchConfig = SketchConfig(), **kwargs: Any) -> None:
+        super().__init__(optimizer, **kwargs)
+        self.sketch_config = sketch_config
+
     @property
     def estimator(self) -> str:
         return self.sketch_config.estimator
@@ -694,13 +719,13 @@ class RandomizedClippingMixin:
         return self.sketch_config.sketching
 
 
-class RandomizedClippingOptimizer(RandomizedClippingMixin, DPOptimizerFastGradientClipping):
+class RandomizedClippingOptimizer(SketchedClippingMixin, DPOptimizerFastGradientClipping):
     """:class:`~opacus.optimizers.DPOptimizerFastGradientClipping` for randomized clipping."""
 
 
 class DistributedRandomizedClippingOptimizer(
-    RandomizedClippingMixin, DistributedDPOptimizerFastGradientClipping
+    SketchedClippingMixin, DistributedDPOptimizerFastGradientClipping
 ):
     """Distributed (DDP) form: noise is added on rank 0 only, gradients are all-reduced."""
 
-    _refusals_across_ranks = True
+    refusals_across_ranks = True

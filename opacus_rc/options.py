@@ -29,7 +29,7 @@ from .accounting.accountant import get_noise_multiplier_rc
 from .config import SketchConfig
 from .denoise import DEFAULT_KAPPA
 from .forms import FORMS, resolve_form
-from .forms.bookkeeping import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES, TWO_PASS
+from .forms import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES, TWO_PASS
 from .sketch import check_seed
 from .values import (
     ADAPTIVE, BOOKKEEPING_MODE, DENOISERS, FLAT, FSDP_MODE, GHOST, HOOKS, NONFINITE_MODES, PER_LAYER, RAISE, RANDOMIZED,
@@ -525,7 +525,7 @@ class Options:
     Attributes:
         clipping: the clipping mode (``"randomized"`` or one of Opacus's).
         grad_sample_mode: the grad-sample mode the call builds (``bookkeeping=`` may
-            switch the requested one, see :func:`opacus_rc.forms.bookkeeping.resolve_bookkeeping`).
+            switch the requested one, see :func:`opacus_rc.forms.resolve_form`).
         runs: the form the randomized call runs, a key of :data:`opacus_rc.forms.FORMS`.
         denoise: keyword arguments of the spectral denoiser, or None (no denoising).
         sketch: the :class:`~opacus_rc.config.SketchConfig` (a sketched randomized form only,

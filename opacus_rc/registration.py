@@ -24,6 +24,7 @@ from opacus.utils.batch_memory_manager import BatchSplittingSampler
 from .accounting.accountant import RCPRVAccountant
 from .draws import split_draws
 from .integration import OpacusPrivacyEngine, PrivacyEngine
+from .forms import form_of
 from .optimizer import RandomizedClippingMixin
 from .values import RC_PRV
 
@@ -65,7 +66,7 @@ def _splitting_iter(self: BatchSplittingSampler):
     that is split already (the per-example form's), its own batches and signals, unsplit
     again: two splitters would each signal the end of a draw. Opacus's optimizers hear
     what they always did."""
-    if not isinstance(self.optimizer, RandomizedClippingMixin):
+    if form_of(self.optimizer) is None:
         return _OPACUS_SPLITTING_ITER(self)
     if isinstance(self.sampler, BatchSplittingSampler):  # over a loader that splits already
         if self.sampler.max_batch_size > self.max_batch_size:

@@ -477,10 +477,10 @@ def test_peft_lora_with_frozen_head_equals_unchunked(mode):
 def test_fsdp_grad_sample_module_controls_the_head_which_must_be_its_own_unit():
     """The FSDP2 form is accepted (tests/test_lm_head_fsdp.py runs it on 2 ranks); a head
     that is not a fully_shard unit itself is refused under it, naming fully_shard."""
-    from opacus_rc.forms.fsdp import FSDPSketchingMixin
-    from opacus_rc.lm_head import _fsdp_unit, controlling_module
+    from opacus_rc.forms.fsdp import GradSampleHooksRandomizedClippingFSDP, head_unit
+    from opacus_rc.lm_head import controlling_module
 
-    class Fake(FSDPSketchingMixin):
+    class Fake(GradSampleHooksRandomizedClippingFSDP):
         def __init__(self):  # no process group needed: only its type is looked at
             pass
 
@@ -492,8 +492,8 @@ def test_fsdp_grad_sample_module_controls_the_head_which_must_be_its_own_unit():
     head.register_forward_hook(owner.capture_activations_hook)
     assert controlling_module(head) is owner
     with pytest.raises(ValueError, match=r"fully_shard\(lm_head\)"):
-        _fsdp_unit(head, owner)
-    assert _fsdp_unit(nn.Linear(4, 8), None) is None  # no FSDP2: nothing to run around the head
+        head_unit(head, owner)
+    assert head_unit(nn.Linear(4, 8), None) is None  # no FSDP2: nothing to run around the head
 
 
 def test_output_passes_on_a_checkpointed_model_are_refused_with_the_alternative():

@@ -370,7 +370,7 @@ def build_fused_head(config: PathAuditConfig) -> _Experiment:
     exp, _ = private_experiment(
         config, _CheckpointedHead, grad_sample_mode="hooks", sketching=config.sketching, exact_when_cheaper=False
     )
-    if getattr(exp.model, "output_passes", None) is None:
+    if exp.model.output_passes is None:
         raise RuntimeError("fused_head: expected the two passes from the output (a checkpointed model)")
     if config.variant == "fused_head_unchecked":
         exp.optimizer.check_clipped_passes = lambda **_: None  # the broken control
@@ -443,7 +443,7 @@ def build_per_example(config: PathAuditConfig) -> _PerExampleExperiment:
     """``make_private(..., per_example_backward=True)`` on the audit's layer over ``D + partners +
     canaries`` (a partner: its canary's target times -1/2) read through a :class:`_DrawSampler`;
     the control switches the form's batch check off and splits the draw into pairs."""
-    from ..forms.per_example import PerExampleOptimizer
+    from ..forms import FORMS, PER_EXAMPLE, form_of
     from ._broken import unchecked_batches
 
     sampler = _DrawSampler()
@@ -456,7 +456,7 @@ def build_per_example(config: PathAuditConfig) -> _PerExampleExperiment:
         config, loader_of=loader_of, per_example_backward=True,
         expected_batch_size=config.background + config.replicas + config.replicas // 2,
     )
-    if not isinstance(exp.optimizer, PerExampleOptimizer):
+    if form_of(exp.optimizer) is not FORMS[PER_EXAMPLE]:
         raise RuntimeError(f"per_example: expected the per-example form, got {type(exp.optimizer).__name__}")
     if config.variant == "per_example_unchecked":  # the broken control
         unchecked_batches(exp.model)

@@ -4,12 +4,12 @@ A form is one :class:`Form` entry of :data:`FORMS`: its grad-sample module (wrap
 ``wrap_model=False`` hooks form), its DP optimizer (one process, DDP), whether the module
 takes the clipping bound, whether its steps are exact clipping (no sketch: the
 ``rc_prv`` accountant charges Opacus's ``prv``), and how Opacus's outputs become what the
-script expects. The engine looks the form up here; :func:`resolve_form` is the one
-decision rule. Each form is one module of this package: :mod:`.two_pass` (the ghost
-criterion; its module and optimizer are the shared sketched base,
+script expects. The engine looks the form up here; the forms' names and
+:func:`resolve_form`, the one decision rule, live here alone; :func:`form_of` tells the
+plugin's objects from Opacus's. Each form is one module of this package: :mod:`.two_pass`
+(the ghost criterion; its module and optimizer are the shared sketched base,
 :mod:`opacus_rc.grad_sample` and :mod:`opacus_rc.optimizer`), :mod:`.bookkeeping` (both
-book-keeping forms and the mode names), :mod:`.output_passes`, :mod:`.fsdp` and
-:mod:`.per_example`.
+book-keeping forms), :mod:`.output_passes`, :mod:`.fsdp` and :mod:`.per_example`.
 
 ========================== ============================================================
 form                       what runs
@@ -34,38 +34,37 @@ from torch import nn
 from ..draws import DrawLoader
 from ..grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
 from ..optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingOptimizer
+from ..recompute import is_checkpointed
 from .bookkeeping import (
-    BOOKKEEPING,
-    BOOKKEEPING_MODE,
-    BOOKKEEPING_WITH_CRITERION,
-    OUTPUT_PASSES,
-    TWO_PASS,
     DistributedRandomizedClippingBookkeepingOptimizer,
     GradSampleHooksBookkeeping,
     GradSampleModuleBookkeeping,
     RandomizedClippingBookkeepingOptimizer,
-    resolve_bookkeeping,
     with_criterion,
 )
 from .fsdp import (
-    FSDP_MODE,
     FSDPRandomizedClippingOptimizer,
     GradSampleHooksRandomizedClippingFSDP,
     GradSampleModuleRandomizedClippingFSDP,
 )
 from .output_passes import attach_output_passes
 from .per_example import (
-    PER_EXAMPLE,
     DistributedPerExampleOptimizer,
     PerExampleHooks,
     PerExampleModule,
     PerExampleOptimizer,
     check_supported,
 )
-from ..values import GHOST, HOOKS, RANDOMIZED
+from ..values import BOOKKEEPING_MODE, FSDP_MODE, GHOST, HOOKS, RANDOMIZED
 
+#: The forms' names: the keys of :data:`FORMS` (``ghost_fsdp``: Opacus's mode name).
+TWO_PASS, BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES, PER_EXAMPLE = (
+    "two_pass", "bookkeeping", "bookkeeping_with_criterion", "output_passes", "per_example"
+)
 #: the option that chooses (or refuses) the per-example form
 PER_EXAMPLE_OPTION = "per_example_backward"
+#: the option that chooses (or refuses) book-keeping
+BOOKKEEPING_OPTION = "bookkeeping"
 
 
 def _as_returned(out: Tuple, arguments: Mapping[str, Any]) -> Tuple:
@@ -110,6 +109,11 @@ class Form:
         drops_examples: each example's contribution is assembled on its own, so
             ``nonfinite="skip"`` can drop a non-finite one (a two-pass backward sums them
             inside autograd).
+        one_example_per_backward: each backward pass holds one example (a loop that runs
+            its own passes, the private Trainer's, splits its batches into rows inside the
+            module's ``one_physical_batch()``).
+        per_layer: the module computes per-layer per-example values in its layers' hooks
+            (a chunked LM head, :mod:`opacus_rc.lm_head`, delivers its own head's).
         outputs: Opacus's ``make_private`` outputs -> what the script gets.
     """
 
@@ -119,6 +123,8 @@ class Form:
     takes_bound: bool = True
     exact: bool = False
     drops_examples: bool = False
+    one_example_per_backward: bool = False
+    per_layer: bool = True
     outputs: Callable[[Tuple, Mapping[str, Any]], Tuple] = _as_returned
 
     def build_module(self, module: nn.Module, wrap_model: bool, max_grad_norm: float, **kwargs: Any) -> Any:
@@ -161,10 +167,31 @@ FORMS: Dict[str, Form] = {
             optimizers=(PerExampleOptimizer, DistributedPerExampleOptimizer),
             exact=True,
             drops_examples=True,
+            one_example_per_backward=True,
+            per_layer=False,
             outputs=_one_example_per_batch,
         ),
     )
 }
+
+
+
+def form_of(obj: Any) -> Optional[Form]:
+    """The form whose grad-sample module (or hooks object) or DP optimizer ``obj`` is;
+    None for anything else (Opacus's own objects, None). The one way code outside this
+    package tells the plugin's objects from Opacus's: their traits are then read from the
+    row and from the plugin's declared interface (:class:`~opacus_rc.optimizer.RandomizedClippingMixin`,
+    :class:`~opacus_rc.grad_sample.PerExampleStore`), never by attribute sniffing. Forms
+    that share classes (two passes and ``output_passes``; the book-keeping forms) share
+    their traits: the first such row is returned."""
+    kind = type(obj)
+    for exact in (True, False):
+        for form in FORMS.values():
+            classes = form.modules + form.optimizers
+            if (kind in classes) if exact else isinstance(obj, classes):
+                return form
+    return None
+
 
 _logged_automatic = False
 
@@ -210,6 +237,56 @@ def per_example_chosen(option: Optional[bool], physical_batch_size: Optional[int
     return option if option is not None else physical_batch_size == 1
 
 
+def _resolve_bookkeeping(
+    clipping: str, value: Any, grad_sample_mode: str, module: Optional[nn.Module]
+) -> Tuple[str, str]:
+    """What a make_private call with ``bookkeeping=value`` runs, and the (Opacus)
+    grad-sample mode of the module that does it:
+
+    * ``grad_sample_mode="bookkeeping"``: book-keeping (``bookkeeping`` ``None``/``True``;
+      mode ``"hooks"``), also on a checkpointed model;
+    * ``grad_sample_mode="ghost"``: two passes (``bookkeeping`` ``None``/``False``), or
+      book-keeping behind the ghost criterion (``True``; mode ``"hooks"``);
+    * ``grad_sample_mode="hooks"`` (a plain-loss script): book-keeping (``True``, or
+      ``None`` on a model without activation checkpointing), or two passes run from the
+      model's output (``False``, or ``None`` on a checkpointed model: book-keeping would
+      keep the activations checkpointing frees; :mod:`opacus_rc.forms.output_passes`; mode
+      ``"ghost"``).
+
+    Raises:
+        ValueError: naming the parameter and its accepted values.
+    """
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{BOOKKEEPING_OPTION}={value!r} is invalid; accepted values: None, True, False")
+    if clipping != RANDOMIZED:
+        if value is not None or grad_sample_mode == BOOKKEEPING_MODE:
+            given = f"{BOOKKEEPING_OPTION}={value!r}" if value is not None else f"grad_sample_mode={BOOKKEEPING_MODE!r}"
+            raise ValueError(f"{given} only applies with clipping='randomized'; got clipping={clipping!r}")
+        return TWO_PASS, grad_sample_mode
+    if grad_sample_mode == BOOKKEEPING_MODE:
+        if value is False:
+            raise ValueError(
+                f"bookkeeping=False contradicts grad_sample_mode={BOOKKEEPING_MODE!r}; accepted "
+                "values with it: None, True"
+            )
+        return BOOKKEEPING, HOOKS
+    if grad_sample_mode == HOOKS:
+        checkpointed = module is not None and is_checkpointed(module)
+        if value is True or (value is None and not checkpointed):
+            return BOOKKEEPING, HOOKS  # one backward pass (3-tuple, plain loss)
+        return OUTPUT_PASSES, GHOST
+    if not value:
+        return TWO_PASS, grad_sample_mode
+    if grad_sample_mode != GHOST:
+        raise ValueError(
+            f"bookkeeping=True runs a grad_sample_mode='ghost' script in one backward pass; got "
+            f"grad_sample_mode={grad_sample_mode!r}; accepted values with bookkeeping=True: 'ghost', "
+            f"'hooks', {BOOKKEEPING_MODE!r} (under FSDP2 book-keeping does not fit: use "
+            "grad_sample_mode='ghost_fsdp' without it)"
+        )
+    return BOOKKEEPING_WITH_CRITERION, HOOKS
+
+
 def resolve_form(
     clipping: str,
     bookkeeping: Any,
@@ -229,7 +306,7 @@ def resolve_form(
       ``ghost_fsdp``: the per-example form, with a warning once (exact clipping is cheaper
       there than any estimate, but the method changed: :func:`_warn_automatic`; the expected
       logical batch: ``sample_rate``, else the loader's, times the dataset's size);
-    * otherwise book-keeping or two passes (:func:`opacus_rc.forms.bookkeeping.resolve_bookkeeping`).
+    * otherwise book-keeping or two passes (:func:`_resolve_bookkeeping`).
 
     Raises:
         ValueError: naming the parameter and its accepted values.
@@ -243,7 +320,7 @@ def resolve_form(
         and grad_sample_mode != FSDP_MODE and per_example_chosen(None, getattr(data_loader, "batch_size", None))
     )
     if not (per_example or automatic):
-        runs, mode = resolve_bookkeeping(clipping, bookkeeping, grad_sample_mode, module)
+        runs, mode = _resolve_bookkeeping(clipping, bookkeeping, grad_sample_mode, module)
         return (FSDP_MODE if mode == FSDP_MODE else runs), mode
     if bookkeeping is not None or grad_sample_mode not in (HOOKS, GHOST, BOOKKEEPING_MODE):
         raise ValueError(
@@ -258,4 +335,7 @@ def resolve_form(
     return PER_EXAMPLE, GHOST if grad_sample_mode == GHOST else HOOKS
 
 
-__all__ = ["Form", "FORMS", "PER_EXAMPLE", "PER_EXAMPLE_OPTION", "resolve_form", "per_example_chosen"]
+__all__ = [
+    "Form", "FORMS", "TWO_PASS", "BOOKKEEPING", "BOOKKEEPING_WITH_CRITERION", "OUTPUT_PASSES", "PER_EXAMPLE",
+    "FSDP_MODE", "PER_EXAMPLE_OPTION", "form_of", "resolve_form", "per_example_chosen",
+]

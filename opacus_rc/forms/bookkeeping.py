@@ -25,8 +25,8 @@ Per-sample norms come from the same estimators as the two-pass method (sketched 
 exact bias/embedding), so the clipped gradient is the same for the same sketches. Other
 trainable layers get Opacus's exact per-sample gradients (``p.grad_sample``).
 
-This module holds the whole form: which form a ``make_private`` call runs
-(:func:`resolve_bookkeeping`), the records (:class:`Record`), the grad-sample module
+This module holds the whole form (which form a ``make_private`` call runs is decided by
+:func:`opacus_rc.forms.resolve_form`): the records (:class:`Record`), the grad-sample module
 (:class:`BookkeepingMixin`), the optimizer (:class:`BookkeepingClippingMixin`) and the
 criterion of ghost scripts (:class:`DPLossBookkeeping`).
 """
@@ -51,69 +51,9 @@ from ..estimators import as_sequence
 from ..grad_sample import PerExampleStore, coarsest_dtype, head_used_twice_error
 from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from ..finite import OUTSIDE_USE
-from ..optimizer import RandomizedClippingMixin, complete_unused, in_module_excess
-from ..recompute import is_checkpointed, late_use_error, missing_per_sample_error
-from ..values import BOOKKEEPING_MODE, GHOST, HOOKS, RANDOMIZED, SKIP
-
-# --- Which form a make_private call runs --------------------------------------------------
-
-OPTION = "bookkeeping"
-
-#: What a randomized make_private call runs (see :func:`resolve_bookkeeping`).
-TWO_PASS, BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES = (
-    "two_pass", "bookkeeping", "bookkeeping_with_criterion", "output_passes"
-)
-
-
-def resolve_bookkeeping(
-    clipping: str, value: Any, grad_sample_mode: str, module: Optional[nn.Module]
-) -> Tuple[str, str]:
-    """What a make_private call with ``bookkeeping=value`` runs, and the (Opacus)
-    grad-sample mode of the module that does it:
-
-    * ``grad_sample_mode="bookkeeping"``: book-keeping (``bookkeeping`` ``None``/``True``;
-      mode ``"hooks"``), also on a checkpointed model;
-    * ``grad_sample_mode="ghost"``: two passes (``bookkeeping`` ``None``/``False``), or
-      book-keeping behind the ghost criterion (``True``; mode ``"hooks"``);
-    * ``grad_sample_mode="hooks"`` (a plain-loss script): book-keeping (``True``, or
-      ``None`` on a model without activation checkpointing), or two passes run from the
-      model's output (``False``, or ``None`` on a checkpointed model: book-keeping would
-      keep the activations checkpointing frees; :mod:`opacus_rc.forms.output_passes`; mode
-      ``"ghost"``).
-
-    Raises:
-        ValueError: naming the parameter and its accepted values.
-    """
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"{OPTION}={value!r} is invalid; accepted values: None, True, False")
-    if clipping != RANDOMIZED:
-        if value is not None or grad_sample_mode == BOOKKEEPING_MODE:
-            given = f"{OPTION}={value!r}" if value is not None else f"grad_sample_mode={BOOKKEEPING_MODE!r}"
-            raise ValueError(f"{given} only applies with clipping='randomized'; got clipping={clipping!r}")
-        return TWO_PASS, grad_sample_mode
-    if grad_sample_mode == BOOKKEEPING_MODE:
-        if value is False:
-            raise ValueError(
-                f"bookkeeping=False contradicts grad_sample_mode={BOOKKEEPING_MODE!r}; accepted "
-                "values with it: None, True"
-            )
-        return BOOKKEEPING, HOOKS
-    if grad_sample_mode == HOOKS:
-        checkpointed = module is not None and is_checkpointed(module)
-        if value is True or (value is None and not checkpointed):
-            return BOOKKEEPING, HOOKS  # one backward pass (3-tuple, plain loss)
-        return OUTPUT_PASSES, GHOST
-    if not value:
-        return TWO_PASS, grad_sample_mode
-    if grad_sample_mode != GHOST:
-        raise ValueError(
-            f"bookkeeping=True runs a grad_sample_mode='ghost' script in one backward pass; got "
-            f"grad_sample_mode={grad_sample_mode!r}; accepted values with bookkeeping=True: 'ghost', "
-            f"'hooks', {BOOKKEEPING_MODE!r} (under FSDP2 book-keeping does not fit: use "
-            "grad_sample_mode='ghost_fsdp' without it)"
-        )
-    return BOOKKEEPING_WITH_CRITERION, HOOKS
-
+from ..optimizer import SketchedClippingMixin, complete_unused, in_module_excess
+from ..recompute import late_use_error, missing_per_sample_error
+from ..values import SKIP
 
 # --- Records: what one backward pass leaves for a parameter -------------------------------
 
@@ -471,7 +411,7 @@ class BookkeepingClippingMixin:
     def clip_and_accumulate(self) -> None:
         self._note_outside_uses()
         # counted before the records are consumed: averaging and the accountant read it
-        self.backward_passes += self._passes_recorded()
+        self.count_backward_pass(self._passes_recorded())
         sq = torch.stack([self._per_sample_sq_norms(p).float() for p in self.params]).sum(dim=0)
         keep = self._finite_examples(sq)
         if keep is not None:
@@ -518,19 +458,19 @@ class BookkeepingClippingMixin:
 
 
 class RandomizedClippingBookkeepingOptimizer(
-    BookkeepingClippingMixin, RandomizedClippingMixin, DPOptimizer
+    BookkeepingClippingMixin, SketchedClippingMixin, DPOptimizer
 ):
     """:class:`~opacus.optimizers.DPOptimizer` with randomized clipping by book-keeping
     (one backward pass; ``grad_sample_mode="hooks"``)."""
 
 
 class DistributedRandomizedClippingBookkeepingOptimizer(
-    BookkeepingClippingMixin, RandomizedClippingMixin, DistributedDPOptimizer
+    BookkeepingClippingMixin, SketchedClippingMixin, DistributedDPOptimizer
 ):
     """Distributed (DDP) book-keeping: each rank clips its own examples, rank 0 alone adds
     the noise, and the clipped sums are all-reduced (Opacus's ``DistributedDPOptimizer``)."""
 
-    _refusals_across_ranks = True
+    refusals_across_ranks = True
 
 
 # --- The criterion of ghost-clipping scripts ----------------------------------------------

@@ -55,11 +55,12 @@ from opacus.grad_sample import (
 from opacus.optimizers import FSDPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _generate_noise
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..grad_sample import (
     SketchingMixin, _saves_inputs, check_norms_cover_batch, head_used_twice_error, unmatched_tied_uses_error,
 )
-from ..optimizer import RandomizedClippingMixin
+from ..optimizer import SketchedClippingMixin
 from ..norm_samplers import TIED_PROJECTIONS
 from ..recompute import late_use_error
 from ..sketch import entropy_seed
@@ -307,13 +308,13 @@ class GradSampleHooksRandomizedClippingFSDP(
     _opacus_options: Dict[str, Any] = {}  # Opacus's FSDP hooks always use ghost clipping
 
 
-class FSDPRandomizedClippingOptimizer(RandomizedClippingMixin, FSDPOptimizerFastGradientClipping):
+class FSDPRandomizedClippingOptimizer(SketchedClippingMixin, FSDPOptimizerFastGradientClipping):
     """:class:`~opacus.optimizers.FSDPOptimizerFastGradientClipping` for randomized
     clipping: each rank noises the shard it owns (std ``sigma C / world_size`` for a
     mean loss), so every parameter element is noised once; the step and the accountant
     hook run on every rank with the same history."""
 
-    _refusals_across_ranks = True
+    refusals_across_ranks = True
 
     def _clipped_sums(self) -> List[Optional[torch.Tensor]]:
         return [self.grad_state[p]["summed_grad"] for p in self.params]
@@ -350,3 +351,89 @@ class FSDPRandomizedClippingOptimizer(RandomizedClippingMixin, FSDPOptimizerFast
                     std=std, reference=summed, generator=self.noise_generator(summed.device)
                 )
                 p.grad = (summed + noise).view_as(p)
+
+
+# --- FSDP2's hooks around a chunked LM head (opacus_rc.lm_head) ----------------------------
+
+class HeadUnit:
+    """FSDP2's forward hooks on the LM head of :class:`~opacus_rc.lm_head.ChunkedLMHeadLoss`
+    (a ``fully_shard`` unit, alone or grouped with
+    its tied embedding), run around the chunked computation in the order and with the
+    arguments ``nn.Module.__call__`` would give them (docs/lm_head.md); Opacus's hooks on
+    ``lm_head`` are not run."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+        self.state = layer._get_fsdp_state()
+
+        def owned(hook) -> bool:  # a bound method of the state, possibly under functools.wraps
+            while hook is not None and getattr(hook, "__self__", None) is not self.state:
+                hook = getattr(hook, "__wrapped__", None)
+            return hook is not None
+
+        self.pre, self.post = (
+            [(i, h) for i, h in hooks.items() if owned(h)] for hooks in (layer._forward_pre_hooks, layer._forward_hooks)
+        )
+        if not (self.pre and self.post):
+            raise RuntimeError(
+                f"ChunkedLMHeadLoss: FSDP2's forward hooks on {type(layer).__name__} were not "
+                "found (an unsupported torch version?); cannot gather the head's weight"
+            )
+
+    def pre_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Run the pre-hooks on ``(hidden,)``; the hidden states to use (FSDP2 wraps them
+        in its post-backward node and may cast them to its ``param_dtype``)."""
+        args, kwargs = (hidden,), {}
+        for hook_id, hook in self.pre:
+            if hook_id in self.layer._forward_pre_hooks_with_kwargs:
+                result = hook(self.layer, args, kwargs)
+                if result is not None:
+                    args, kwargs = result
+            else:
+                result = hook(self.layer, args)
+                if result is not None:
+                    args = result if isinstance(result, tuple) else (result,)
+        return args[0]
+
+    def _run_post(self, hidden: torch.Tensor, output: Any, only_always: bool) -> Any:
+        layer = self.layer
+        for hook_id, hook in self.post:
+            if only_always and hook_id not in layer._forward_hooks_always_called:
+                continue
+            kwargs = ({},) if hook_id in layer._forward_hooks_with_kwargs else ()
+            result = hook(layer, (hidden,), *kwargs, output)
+            if result is not None:
+                output = result
+        return output
+
+    def post_forward(self, hidden: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
+        """Run the post-hooks on the losses (B,); the losses to return."""
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        losses = self._run_post(hidden, losses, only_always=False)
+        if self.state._training_state == TrainingState.FORWARD:  # partial group: unsharded until backward
+            losses = self.state._register_pre_backward_hook(losses)
+        return losses
+
+    def failed_forward(self, hidden: torch.Tensor) -> None:
+        """The ``always_call`` post-hooks after an exception (as ``nn.Module.__call__``)."""
+        try:
+            self._run_post(hidden, None, only_always=True)
+        except Exception as e:  # the forward's own error is the one raised
+            logger.warning("FSDP2 post-forward hook of lm_head failed after an error: %s", e)
+
+
+def head_unit(layer: nn.Module, owner: Any) -> Optional[HeadUnit]:
+    """The FSDP2 unit whose hooks must run around the head (None when not under FSDP2); a
+    ``ValueError`` when an enclosing unit shards the head's parameters (its gather does not
+    bracket the head's backward passes)."""
+    if is_fsdp_module(layer):
+        return HeadUnit(layer)
+    if (owner is not None and owner.sharded) or any(isinstance(p, DTensor) for p in layer.parameters(recurse=False)):
+        raise ValueError(
+            "ChunkedLMHeadLoss under FSDP2 needs lm_head to be a fully_shard unit itself: "
+            "FSDP2Wrapper shards it so; by hand, fully_shard(lm_head) (or "
+            "fully_shard([embedding, lm_head]) for a tied head) before fully_shard(model); got "
+            f"a {type(layer).__name__} whose parameters an enclosing unit manages"
+        )
+    return None

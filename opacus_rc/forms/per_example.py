@@ -43,8 +43,6 @@ from ..recompute import forward_replay
 from ..values import SKIP
 from .fsdp import _contains_fsdp
 
-#: the name of this form in the table of forms (:mod:`opacus_rc.forms`)
-PER_EXAMPLE = "per_example"
 #: Opacus's guard against a zero norm in the clip factor
 _EPS = 1e-6
 #: the sequence number of the autograd nodes that accumulate into a leaf (AccumulateGrad)
@@ -229,7 +227,7 @@ class PerExampleClipping:
             ran, self._grouped = self._grouped, None
             optimizer = self._bound_optimizer()
             if ran and optimizer is not None:
-                optimizer.backward_passes += 1
+                optimizer.count_backward_pass()
 
     # --- the batches of the loader make_private returned (opacus_rc.draws.DrawLoader) -------
 
@@ -359,7 +357,7 @@ class PerExampleClipping:
         if self._grouped is not None:
             self._grouped = True
         else:
-            optimizer.backward_passes += 1
+            optimizer.count_backward_pass()
         if examples == 0 or not grads:  # an empty batch: a zero contribution
             return
         norm = torch.linalg.vector_norm(
@@ -427,13 +425,11 @@ class PerExampleModule(PerExampleClipping, AbstractGradSampleModule):
 
 class PerExampleOptimizerMixin(RandomizedClippingMixin):
     """Releases the per-example form's clipped sums: Opacus's noise and averaging on
-    ``S`` (``sketch_config`` None: the accountant charges exact clipping)."""
+    ``S`` (no sketch: ``sketch_config`` None, the accountant charges exact clipping)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
-        kwargs["sketch_config"] = None
+        kwargs.pop("sketch_config", None)  # the engine's, for every form: exact norms here
         super().__init__(optimizer, **kwargs)
-
-    one_example_per_backward = True
 
     def complete_batch(self, rows: int) -> List[torch.nn.Parameter]:
         """Nothing to complete: each row's whole gradient was clipped exactly, and the
@@ -501,10 +497,10 @@ class DistributedPerExampleOptimizer(PerExampleOptimizerMixin, DistributedDPOpti
     """DDP (Opacus's DPDDP): each rank clips its own examples; the clipped sums are
     all-reduced once per logical step, after rank 0 alone added the noise (Opacus)."""
 
-    _refusals_across_ranks = True
+    refusals_across_ranks = True
 
 
 __all__ = [
-    "PER_EXAMPLE", "PerExampleHooks", "PerExampleModule", "PerExampleOptimizer",
+    "PerExampleHooks", "PerExampleModule", "PerExampleOptimizer",
     "DistributedPerExampleOptimizer", "check_supported", "examples_in",
 ]

@@ -29,7 +29,7 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
         non-finite check, decided in ``optimizer.step()`` without a host
         synchronisation here (see :mod:`opacus_rc.finite`)."""
         optimizer = self.optimizer
-        optimizer._check_cleared()  # before Opacus's own zero_grad between the passes
+        optimizer.check_cleared()  # before Opacus's own zero_grad between the passes
         check = getattr(optimizer, "check_clipped_passes", None)
         if check is not None:  # the earlier sums kept below must be clipped ones
             check(before_pass=True)
@@ -66,12 +66,10 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
             if e is not None:
                 p.grad = e if p.grad is None else p.grad.add_(e)
         mark()  # p.grad is now exactly the step's clipped sum so far
-        optimizer.backward_passes += 1
-        note = getattr(optimizer, "note_finite", None)
-        if note is not None:
-            note("per-sample loss", self.loss_per_sample)
-            note("per-sample gradient norm", getattr(self.module, "per_sample_gradient_norms", None))
-            optimizer.forget_after_step(self.module)
+        optimizer.count_backward_pass()
+        optimizer.note_finite("per-sample loss", self.loss_per_sample)
+        optimizer.note_finite("per-sample gradient norm", getattr(self.module, "per_sample_gradient_norms", None))
+        optimizer.forget_after_step(self.module)
 
 
 def _randomized(loss: DPTensorFastGradientClipping) -> DPTensorRandomizedClipping:

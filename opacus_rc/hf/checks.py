@@ -19,6 +19,7 @@ from transformers import Trainer
 
 from ..accounting.accountant import RCPRVAccountant
 from ..finite import agree_across_ranks, all_finite
+from ..forms import form_of
 from ..optimizer import complete_unused
 from ..values import RANDOMIZED
 from .arguments import PrivacyArguments
@@ -242,9 +243,8 @@ def check_records(optimizer: DPOptimizer, rows: int, names: Dict[int, str]) -> N
     a parameter the batch did not use contributes exact zeros); Opacus's flat optimizer
     gets zero per-sample gradients for those. A parameter with a gradient that no hook saw
     is refused (``names``: parameter names by ``id``)."""
-    complete = getattr(optimizer, "complete_batch", None)
-    if complete is not None:
-        unseen = complete(rows)
+    if form_of(optimizer) is not None:
+        unseen = optimizer.complete_batch(rows)
     else:
         unseen = complete_unused(
             optimizer.params, rows, lambda p: getattr(p, "grad_sample", None) is not None,

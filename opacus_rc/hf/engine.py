@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
 from ..integration import PrivacyEngine
-from ..optimizer import RandomizedClippingMixin
+from ..forms import form_of
 from ..options import per_rank_normaliser
 from ..sketch import entropy_seed
 from ..values import HOOKS, RANDOMIZED, RC_PRV
@@ -159,7 +159,7 @@ def signal_same_draw(optimizer: DPOptimizer) -> None:
     """A skipped step whose next physical batch continues the same Poisson draw (charged
     once, averaged once). Opacus's flat optimizer has no ``same_draw=``: it counts a
     skipped step as part of the same logical step anyway."""
-    if isinstance(optimizer, RandomizedClippingMixin):
+    if form_of(optimizer) is not None:
         optimizer.signal_skip_step(do_skip=True, same_draw=True)
     else:
         optimizer.signal_skip_step(do_skip=True)

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
 from ..accounting.accountant import RCPRVAccountant, sketch_record
+from ..forms import Form, form_of
 from ..integration import PrivacyEngine
 from ..options import per_rank_normaliser
 from ..values import RC_PRV
@@ -75,6 +76,7 @@ class DPTrainerMixin:
         self._dp_engine: Optional[PrivacyEngine] = None
         self._dp_optimizer: Optional[DPOptimizer] = None
         self._dp_hooks = None
+        self._dp_form: Optional[Form] = None  # the optimizer's form (None: Opacus's flat optimizer)
         self._dp_ddp: Optional[DPDDP] = None
         self._dp_max_steps: Optional[int] = None
         self._dp_micro = 0
@@ -156,6 +158,7 @@ class DPTrainerMixin:
             physical_batch_size=self.args.per_device_train_batch_size, history=self._dp_resumed_history,
         )
         self._dp_engine, self._dp_hooks, self._dp_optimizer = private.engine, private.hooks, private.optimizer
+        self._dp_form = form_of(private.optimizer)
         self._dp_ddp, self._dp_sigma = private.ddp, private.sigma
         model = self.model if private.ddp is None else private.ddp
         self._dp_names = {id(q): n for n, q in model.named_parameters()}
@@ -226,7 +229,7 @@ class DPTrainerMixin:
         rows = 0
         if not is_empty_batch(inputs):
             inputs = self._prepare_inputs(inputs)
-            per_example = getattr(optimizer, "one_example_per_backward", False)
+            per_example = self._dp_form is not None and self._dp_form.one_example_per_backward
             batches = one_row_batches(inputs) if per_example else [inputs]
             del inputs
             total = torch.zeros((), device=self.args.device)
@@ -243,7 +246,7 @@ class DPTrainerMixin:
                 report = total / per_rank_normaliser(self.expected_batch_size, self.args.world_size > 1)
         if rows or last:
             self._dp_check_records(rows)
-        if not hasattr(optimizer, "note_finite"):  # every batch, on every rank (an agreement)
+        if self._dp_form is None:  # every batch, on every rank (an agreement)
             refuse_non_finite(self, optimizer)
         if not last and rows:
             signal_same_draw(optimizer)
@@ -268,9 +271,8 @@ class DPTrainerMixin:
     def _dp_check_refused_steps(self) -> None:
         """Raise a step a fused optimizer refused on the device (``found_inf``; waits for the
         flag), before anything computed from the model is logged, evaluated or saved."""
-        check = getattr(self._dp_optimizer, "check_refused_steps", None)
-        if check is not None:
-            check()
+        if self._dp_form is not None:
+            self._dp_optimizer.check_refused_steps()
 
     def _dp_after_step(self) -> None:
         if self._dp_optimizer is not None:

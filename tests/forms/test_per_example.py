@@ -234,7 +234,7 @@ def test_every_form_gives_the_ghost_criterion_value(loss_reduction):
     on one sequence: the mean (or sum) over its labelled positions."""
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
-    from opacus_rc.forms.bookkeeping import BOOKKEEPING_WITH_CRITERION, TWO_PASS
+    from opacus_rc.forms import BOOKKEEPING_WITH_CRITERION, TWO_PASS
 
     x, y = _lm_task().tensors
     x, y = x[:1], y[:1]  # a padded sequence: -100 at its last two positions

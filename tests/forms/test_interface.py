@@ -1,0 +1,82 @@
+"""The declared interface of a clipping form (issue 39 item 1): the row of
+:data:`opacus_rc.forms.FORMS`, :func:`~opacus_rc.forms.form_of` to tell the plugin's
+objects from Opacus's, and the traits declared on the optimizer base; no code outside
+forms/ sniffs a form's traits by name."""
+
+import ast
+import pathlib
+
+import pytest
+import torch
+from opacus.grad_sample import GradSampleModule
+from opacus.optimizers import DPOptimizer
+from torch import nn
+
+from opacus_rc.config import SketchConfig
+from opacus_rc.forms import FORMS, PER_EXAMPLE, form_of
+from opacus_rc.forms.per_example import PerExampleOptimizer
+from opacus_rc.optimizer import RandomizedClippingOptimizer, SketchedClippingMixin
+
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "opacus_rc"
+
+#: traits of a form: declared on the row or the plugin's base classes, never sniffed
+TRAITS = {
+    "one_example_per_backward", "note_finite", "check_refused_steps", "complete_batch", "sharded",
+    "output_passes", "refusals_across_ranks", "_refusals_across_ranks", "_notes_in_module_grads",
+    "check_cleared", "_check_cleared", "count_backward_pass", "backward_passes",
+}
+#: reads inside the clip guard (optimizer.py's _refuse_unclipped): item 2 of issue 39 moves them
+GUARD_READS = {("optimizer.py", "output_passes")}
+
+
+def _opt(cls, **kwargs):
+    p = nn.Parameter(torch.zeros(2))
+    return cls(torch.optim.SGD([p], lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0,
+               expected_batch_size=1, **kwargs)
+
+
+def test_form_of_names_each_forms_objects_and_nothing_else():
+    for form in FORMS.values():
+        for cls in form.modules + form.optimizers:
+            found = form_of(object.__new__(cls))
+            assert found is not None and cls in found.modules + found.optimizers, (form.name, cls)
+    assert form_of(_opt(PerExampleOptimizer)) is FORMS[PER_EXAMPLE]
+    assert FORMS[PER_EXAMPLE].one_example_per_backward and not FORMS[PER_EXAMPLE].per_layer
+    assert all(not f.one_example_per_backward and f.per_layer for n, f in FORMS.items() if n != PER_EXAMPLE)
+    for other in (None, _opt(DPOptimizer), GradSampleModule(nn.Linear(2, 2)), nn.Linear(2, 2)):
+        assert form_of(other) is None
+
+
+def test_the_exact_form_optimizer_has_no_sketch():
+    """Steps-and-noise base without the sketch: the per-example optimizer's sketch_config is
+    None (what the accountant's step hook reads) and it has no estimator / sketch_size
+    (they raised AttributeError from a property before); the sketched ones have them."""
+    exact = _opt(PerExampleOptimizer, sketch_config=SketchConfig())
+    assert exact.sketch_config is None and not isinstance(exact, SketchedClippingMixin)
+    for name in ("estimator", "sketch_size", "sketching"):
+        assert not hasattr(type(exact), name), name
+    sketched = _opt(RandomizedClippingOptimizer, sketch_config=SketchConfig(sketch_size=4))
+    assert (sketched.estimator, sketched.sketch_size) == ("hutchinson", 4)
+
+
+def test_count_backward_pass_is_the_optimizers_own_counter():
+    opt = _opt(RandomizedClippingOptimizer)
+    opt.count_backward_pass()
+    opt.count_backward_pass(2)
+    assert opt.accumulated_iterations == 3
+
+
+def _sniffed(path: pathlib.Path):
+    """(trait, line) of every getattr/hasattr/setattr call on a trait name in ``path``."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant) and node.args[1].value in TRAITS):
+            yield node.args[1].value, node.lineno
+
+
+@pytest.mark.parametrize("path", sorted(p for p in ROOT.rglob("*.py") if "forms" not in p.parts), ids=str)
+def test_no_code_outside_forms_sniffs_a_form_trait(path):
+    rel = str(path.relative_to(ROOT))
+    found = [(t, line) for t, line in _sniffed(path) if (rel, t) not in GUARD_READS]
+    assert not found, f"{rel} reads form traits by name: {found}"
