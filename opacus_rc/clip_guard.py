@@ -79,34 +79,27 @@ def torch_ddp_cause(optimizer: Any) -> Optional[str]:
     )
 
 
-def unclipped_gradient_error(
-    what: str, clipped_pass_ran: bool, output_passes: bool, ddp_cause: Optional[str] = None
-) -> ValueError:
-    """The refusal of a step whose gradient did not (all) come through the clipped pass
-    (``ddp_cause``: :func:`torch_ddp_cause`, named first when it applies)."""
-    if ddp_cause is not None:
-        cause = ddp_cause
-    elif output_passes:
-        cause = (
-            "the loss was not computed from the model's output that the privacy engine clips "
-            "at, or read a trainable weight outside its module's forward (e.g. a fused LM head: "
-            "F.linear(hidden, model.lm_head.weight)): compute the loss from the model's output "
-            "(its logits), or freeze that parameter"
-        )
-    elif not clipped_pass_ran:
-        cause = (
-            "no clipped pass ran: with grad_sample_mode='ghost' (two passes) the loss must come "
-            "from the criterion returned by make_private (model, optimizer, criterion, "
-            "data_loader = engine.make_private(...); loss = criterion(output, target); "
-            "loss.backward()), not from a plain loss.backward()"
-        )
-    else:
-        cause = (
-            "a gradient was added outside the clipped pass: a backward on a loss that is not the "
-            "criterion returned by make_private (loss = criterion(output, target)), or a trainable "
-            "weight read outside its module's forward (e.g. F.linear(hidden, model.lm_head.weight))"
-        )
-    return step_refusal(f"{what} did not come through the clipped pass of this step ({cause})")
+#: Why a gradient missed the clip (the refusal's cause; torch's DDP first, :func:`torch_ddp_cause`):
+#: the two passes run from the model's output ...
+_OUTPUT_PASSES_CAUSE = (
+    "the loss was not computed from the model's output that the privacy engine clips "
+    "at, or read a trainable weight outside its module's forward (e.g. a fused LM head: "
+    "F.linear(hidden, model.lm_head.weight)): compute the loss from the model's output "
+    "(its logits), or freeze that parameter"
+)
+#: ... a clipped pass ran ...
+_ADDED_OUTSIDE_CAUSE = (
+    "a gradient was added outside the clipped pass: a backward on a loss that is not the "
+    "criterion returned by make_private (loss = criterion(output, target)), or a trainable "
+    "weight read outside its module's forward (e.g. F.linear(hidden, model.lm_head.weight))"
+)
+#: ... none ran.
+_NO_CLIPPED_PASS_CAUSE = (
+    "no clipped pass ran: with grad_sample_mode='ghost' (two passes) the loss must come "
+    "from the criterion returned by make_private (model, optimizer, criterion, "
+    "data_loader = engine.make_private(...); loss = criterion(output, target); "
+    "loss.backward()), not from a plain loss.backward()"
+)
 
 
 def complete_unused(
@@ -247,18 +240,27 @@ class ClipGuard:
             self._refuse_unclipped(unclipped, pending or nothing, module)
 
     def _refuse_unclipped(self, unclipped: List[torch.Tensor], pending: bool, module: Any, outside: bool = False) -> None:
+        """Refuse the step: ``unclipped`` parameters' gradients (or, when none, per-example
+        norms ``pending`` without their clipped pass, or no clipped pass at all) did not come
+        through the clipped pass; the cause named is torch's DDP (:func:`torch_ddp_cause`)
+        when it applies, else the most likely one for the form and what ran."""
         optimizer = self.optimizer
         if unclipped:
-            what = "the gradient of " + ", ".join(optimizer.describe_parameter(p) for p in unclipped)
+            what = self._gradient_of(unclipped)
         elif pending and optimizer.backward_passes > 0:
             what = "the per-example norms of a backward pass (their clipped pass never ran)"
         else:
             what = "the step's update (no clipped pass ran since the last step)"
         output_passes = module is not None and getattr(module, "output_passes", None) is not None
         ran = outside or (optimizer.backward_passes > 0 and not pending)  # else: no clipped pass at all
-        error = unclipped_gradient_error(what, ran, output_passes, torch_ddp_cause(optimizer))
+        cause = torch_ddp_cause(optimizer) or (
+            _OUTPUT_PASSES_CAUSE if output_passes else _ADDED_OUTSIDE_CAUSE if ran else _NO_CLIPPED_PASS_CAUSE
+        )
         optimizer._forget_per_example_values()
-        raise error
+        raise step_refusal(f"{what} did not come through the clipped pass of this step ({cause})")
+
+    def _gradient_of(self, params: List[torch.Tensor]) -> str:
+        return "the gradient of " + ", ".join(self.optimizer.describe_parameter(p) for p in params)
 
     # --- the norm pass (two passes) ---------------------------------------------------------
 
@@ -353,9 +355,7 @@ class ClipGuard:
         for params, flags in self._flags:
             outside += [p for p, e in zip(params, flags.tolist()) if e and p not in outside]
         self._flags = []
-        what = "the gradient of " + (
-            ", ".join(self.optimizer.describe_parameter(p) for p in outside) if outside else "a parameter (on another rank)"
-        )
+        what = self._gradient_of(outside) if outside else "the gradient of a parameter (on another rank)"
         return step_refusal(
             f"{what} did not come through the clipped pass of this step (it was used outside its "
             "module's forward as well as inside it, e.g. h @ model.emb.weight.T or "
@@ -407,9 +407,7 @@ class PerExampleGuard(ClipGuard):
             refusal = "the model is not followed by this optimizer (call module.follow_steps(optimizer))"
         if refusal is None and unclipped:
             cause = torch_ddp_cause(optimizer) or "set by hand, or its backward pass never reached the model's output"
-            refusal = "the gradient of " + ", ".join(optimizer.describe_parameter(p) for p in unclipped) + (
-                f" did not come through a clipped backward pass ({cause})"
-            )
+            refusal = f"{self._gradient_of(unclipped)} did not come through a clipped backward pass ({cause})"
         if refusal is not None:
             optimizer._forget_per_example_values()
             for p in optimizer.params:  # the step's clipped sums so far: never released
