@@ -26,6 +26,7 @@ from opacus.grad_sample import (
 from opacus.utils.module_utils import requires_grad, trainable_parameters
 from torch import nn
 
+from .clip_guard import InModuleSums
 from .config import SketchConfig
 from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, third_party_layers
 from .recompute import (
@@ -286,6 +287,8 @@ class SketchingMixin(PerExampleStore):
         # Opacus's per-sample gradients of the other layers (hooks or functorch): their batch
         # sum is noted too (:meth:`note_in_module_grad`)
         self.GRAD_SAMPLERS = _SummingGradSamplers(self, type(self).GRAD_SAMPLERS)
+        #: the norm pass's in-module gradient sums, checked by the optimizer's clip guard
+        self.in_module_sums = InModuleSums()
         self._unscaled_backprops = False
         # The first backward pass only needs output gradients: linear layers compute
         # their weight gradients in the second (clipped) pass only, when hooks are off.
@@ -325,24 +328,16 @@ class SketchingMixin(PerExampleStore):
         ``torch.save(model)``), and the norm pass's in-module gradient sums."""
         for p in self.trainable_parameters:
             p._norm_sample = p._tied_sketch_sum = None
-            p._in_module_grad = None
+        self.in_module_sums.clear()
 
-    # --- the in-module gradient of the norm pass (see RandomizedClippingMixin._check_norm_pass)
+    # --- the in-module gradient of the norm pass (see opacus_rc.clip_guard.ClipGuard.check_norm_pass)
 
     def note_in_module_grad(self, param: nn.Parameter, grad_sum: torch.Tensor, dtype: torch.dtype) -> None:
         """One use of ``param`` inside its module in the norm pass contributed ``grad_sum``
-        (the batch sum of its per-example gradients, in units of ``p.grad``) to the
-        gradient autograd accumulates; ``dtype``: that of the output gradient it came
-        from (the check's tolerance). Kept as the pass's running sum, one
-        parameter-sized tensor, until the check after the norm pass."""
-        if not (self._notes_in_module_grads and self.hooks_enabled and param.requires_grad):
-            return
-        total = getattr(param, "_in_module_grad", None)
-        grad_sum = grad_sum.detach().float()
-        if total is None:
-            param._in_module_grad = (grad_sum, dtype)
-        else:
-            param._in_module_grad = (total[0].add_(grad_sum), coarsest_dtype((dtype, total[1])))
+        to the gradient autograd accumulates (:meth:`InModuleSums.add`), kept until the
+        check after the norm pass."""
+        if self._notes_in_module_grads and self.hooks_enabled and param.requires_grad:
+            self.in_module_sums.add(param, grad_sum, dtype)
 
     def _backprops_scale(self, module: nn.Module) -> float:
         """The factor turning a batch sum of the (rearranged) per-example gradients into
@@ -494,12 +489,6 @@ class SketchingMixin(PerExampleStore):
         if slot._forward_counter == 0:
             slot._norm_sample = slot._tied_sketch_sum.flatten(start_dim=1).norm(2, dim=1)
             slot._tied_sketch_sum = None
-
-
-def coarsest_dtype(dtypes: Any) -> torch.dtype:
-    """The least precise of ``dtypes`` (the largest machine epsilon): the outside-use
-    check's tolerance follows it."""
-    return max(dtypes, key=lambda t: torch.finfo(t).eps)
 
 
 def embedding_grad_sum(ids: torch.Tensor, g: torch.Tensor, rows: int, padding_idx: Optional[int]) -> torch.Tensor:

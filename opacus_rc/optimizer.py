@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Type
 
 import numpy as np
 import torch
@@ -23,8 +23,9 @@ from opacus.optimizers.optimizer import (
 )
 from torch.optim import Optimizer
 
+from .clip_guard import ClipGuard
 from .config import SketchConfig
-from .finite import FORWARD_CHANGE, OUTSIDE_USE, NonFiniteGuard, failed_kinds
+from .finite import FORWARD_CHANGE, NonFiniteGuard, failed_kinds
 from .forward_changes import ForwardChanges, watched_model
 from .sketch import NOISE_STREAM, DeviceStreams, check_seed
 from .values import RAISE
@@ -34,123 +35,6 @@ _LEGACY_STATE_KEY = "opacus_rc"  # generator states stored by versions up to 0.1
 #: key of ``optimizer.state_dict()`` saying the run drew its noise from ``seed=``
 SEEDED_STATE_KEY = "opacus_rc_seeded"
 logger = logging.getLogger(__name__)
-
-
-def _grad_mark(grad: torch.Tensor) -> Any:
-    """What identifies a gradient tensor as it is now: the object and its version
-    counters (a DTensor's and its local shard's; autograd bumps them on every in-place
-    accumulation)."""
-    local = getattr(grad, "_local_tensor", grad)
-    return weakref.ref(grad), grad._version, local._version
-
-
-def _marked(mark: Any, grad: torch.Tensor) -> bool:
-    """``grad`` is the tensor ``mark`` was taken of, unmodified since."""
-    return mark is not None and mark[0]() is grad and mark[1:] == _grad_mark(grad)[1:]
-
-
-def torch_ddp_cause(optimizer: Any) -> Optional[str]:
-    """Why a gradient can miss the clip when a single-process ``optimizer`` steps inside a
-    process group of several ranks: torch's ``DistributedDataParallel`` applied to the model
-    after ``make_private`` (its backward pass all-reduces the gradients, outside the clip).
-    None when no such group runs or the optimizer is a distributed one."""
-    from opacus.optimizers import (
-        DistributedDPOptimizer,
-        DistributedDPOptimizerFastGradientClipping,
-        FSDPOptimizerFastGradientClipping,
-    )
-
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return None
-    distributed = (DistributedDPOptimizer, DistributedDPOptimizerFastGradientClipping, FSDPOptimizerFastGradientClipping)
-    if isinstance(optimizer, distributed):
-        return None
-    return (
-        f"this optimizer is a single-process one but {dist.get_world_size()} ranks run: torch's "
-        "DistributedDataParallel wrapping the model after make_private all-reduces the gradients "
-        "in its backward pass, outside the clip. Wrap the model in Opacus's DPDDP before "
-        "make_private instead (from opacus.distributed import "
-        "DifferentiallyPrivateDistributedDataParallel as DPDDP; model = DPDDP(model); "
-        "engine.make_private(module=model, ...)), and do not wrap what it returns"
-    )
-
-
-def unclipped_gradient_error(
-    what: str, clipped_pass_ran: bool, output_passes: bool, ddp_cause: Optional[str] = None
-) -> ValueError:
-    """The refusal of a step whose gradient did not (all) come through the clipped pass
-    (``ddp_cause``: :func:`torch_ddp_cause`, named first when it applies)."""
-    if ddp_cause is not None:
-        cause = ddp_cause
-    elif output_passes:
-        cause = (
-            "the loss was not computed from the model's output that the privacy engine clips "
-            "at, or read a trainable weight outside its module's forward (e.g. a fused LM head: "
-            "F.linear(hidden, model.lm_head.weight)): compute the loss from the model's output "
-            "(its logits), or freeze that parameter"
-        )
-    elif not clipped_pass_ran:
-        cause = (
-            "no clipped pass ran: with grad_sample_mode='ghost' (two passes) the loss must come "
-            "from the criterion returned by make_private (model, optimizer, criterion, "
-            "data_loader = engine.make_private(...); loss = criterion(output, target); "
-            "loss.backward()), not from a plain loss.backward()"
-        )
-    else:
-        cause = (
-            "a gradient was added outside the clipped pass: a backward on a loss that is not the "
-            "criterion returned by make_private (loss = criterion(output, target)), or a trainable "
-            "weight read outside its module's forward (e.g. F.linear(hidden, model.lm_head.weight))"
-        )
-    return ValueError(
-        f"optimizer.step() refused: {what} did not come through the clipped pass of this step "
-        f"({cause}). Nothing was released or charged; call optimizer.zero_grad() before the "
-        "next step"
-    )
-
-
-def complete_unused(
-    params: List[torch.nn.Parameter], rows: int, has_values: Callable, zero: Callable
-) -> List[torch.nn.Parameter]:
-    """After a batch of ``rows`` examples, a parameter without per-example values
-    (``has_values(p)`` False) gets exact zeros (``zero(p)``) when the batch did not use it
-    (or was empty); returned instead when it has a gradient (no hook saw it: used outside its
-    module), for the caller to refuse."""
-    unseen = []
-    for p in params:
-        if has_values(p):
-            continue
-        if p.grad is not None and rows:
-            unseen.append(p)
-        else:
-            zero(p)
-    return unseen
-
-
-#: Relative tolerance of the norm pass's in-module gradient check, by the dtype of the output
-#: gradients it came from: float32 summation-order differences over up to ~10^6 terms
-#: (B x T) stay below 1e-4 of the scale; half-precision output gradients are rounded once
-#: more by autograd's own layer backward.
-IN_MODULE_RTOL = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
-
-
-def in_module_excess(
-    grad: Optional[torch.Tensor], expected: torch.Tensor, dtype: torch.dtype, per_example: Optional[torch.Tensor]
-) -> torch.Tensor:
-    """Whether autograd's gradient ``grad`` of a parameter (after the norm pass) differs from
-    ``expected``, the batch sum of its in-module gradients (float32), by more than float
-    rounding: ``||grad - expected|| > rtol S`` (:data:`IN_MODULE_RTOL`), with the scale
-    ``S = ||expected|| + ||grad|| + sum_i ||g_i||`` (``per_example``: the examples' norms
-    ``||g_i||`` in ``p.grad``'s units; the batch sum can cancel far below them while the
-    rounding of its terms does not), as a 0-dim bool tensor on the device (no host
-    synchronisation)."""
-    got = torch.zeros_like(expected) if grad is None else grad.detach().float().view_as(expected)
-    rtol = IN_MODULE_RTOL.get(dtype, 2e-2)
-    scale = expected.norm() + got.norm()
-    if per_example is not None:
-        scale = scale + per_example.detach().float().sum().to(scale.device)
-    return (got - expected).norm() > rtol * scale
 
 
 class RandomizedClippingMixin:
@@ -212,12 +96,10 @@ class RandomizedClippingMixin:
         self._draw_refused = False  # a step was refused off a draw boundary: every later one is
         self._awaiting_zero_grad = False  # a real step was taken and zero_grad() not called
         self._holders: "weakref.WeakSet[Any]" = weakref.WeakSet()  # of per-example norms
-        self._clipped_marks: Dict[int, Any] = {}  # per parameter: its gradient as a clipped pass left it
         self._grad_sample_module: Optional[Callable[[], Any]] = None  # weak: see bind_module()
         self._parameter_names: Dict[int, str] = {}
-        self._norm_pass_module: Any = None  # set by the criterion's backward during its norm pass
-        self._outside_flags: List[Any] = []  # (parameters, device flags) of the step's norm passes
-        self._elsewhere_cache: Any = None  # (module, ids): see _used_elsewhere()
+        #: whether every gradient a step would release came through the form's clip
+        self.clip_guard = self.clip_guard_class(self)
         self._forward_changes: Optional[ForwardChanges] = None  # see bind_module()
         self._forward_changed: List[str] = []  # what it saw, when the ranks decide together
 
@@ -314,7 +196,7 @@ class RandomizedClippingMixin:
         self.check_cleared()
         self._check_forward_changes()
         self.check_draw_boundary()
-        self.check_clipped_passes()
+        self.clip_guard.check()
         taken = super().pre_step(closure)
         if taken:
             self.backward_passes = self._draw_splits = 0
@@ -333,12 +215,10 @@ class RandomizedClippingMixin:
             )
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        module = self._norm_pass_module
-        if module is not None:  # Opacus's zero_grad between the two passes: the norm pass is over
-            self._check_norm_pass(module)
+        self.clip_guard.end_norm_pass()  # Opacus's zero_grad between the two passes ends one
         super().zero_grad(set_to_none)
         self._awaiting_zero_grad = False
-        self.mark_clipped()  # zeroed in place (or None): a zero contribution
+        self.clip_guard.zeroed()  # zeroed in place (or None): a zero contribution
 
     # --- every gradient through a clipped pass --------------------------------------------
 
@@ -385,137 +265,25 @@ class RandomizedClippingMixin:
         name = self._parameter_names.get(id(p))
         return f"parameter {name!r}" if name is not None else f"a trainable parameter of shape {tuple(p.shape)}"
 
+    #: the guard of the form's clipped passes (:mod:`opacus_rc.clip_guard`)
+    clip_guard_class: Type[ClipGuard] = ClipGuard
+
     def mark_clipped(self) -> None:
-        """Called by the plugin's clipped pass when it has left in ``p.grad`` exactly the
-        step's clipped sum so far (and by ``zero_grad``): :meth:`check_clipped_passes`
-        accepts these tensors, unmodified, and nothing else."""
-        for p in self.params:
-            if p.grad is not None:
-                self._clipped_marks[id(p)] = _grad_mark(p.grad)
-
-    def is_marked_clipped(self, p: torch.Tensor) -> bool:
-        """``p.grad`` is what the last clipped pass (or ``zero_grad``) left, unmodified."""
-        return p.grad is not None and _marked(self._clipped_marks.get(id(p)), p.grad)
-
-    def zero_contribution(self, p: torch.Tensor) -> None:
-        """``p``'s contribution is exact zeros (a parameter the batch did not use, an
-        empty batch): ``p.grad`` zeros, accepted as clipped."""
-        p.grad = torch.zeros_like(p)
-        self._clipped_marks[id(p)] = _grad_mark(p.grad)
+        """Called by a clipped pass when it has left in ``p.grad`` exactly the step's clipped
+        sum so far (and by ``zero_grad``): the step accepts these tensors, unmodified, and
+        nothing else (:meth:`~opacus_rc.clip_guard.ClipGuard.mark`)."""
+        self.clip_guard.mark()
 
     def complete_batch(self, rows: int) -> List[torch.nn.Parameter]:
         """For a loop that runs its own backward passes (the private Trainer): after a
         physical batch of ``rows`` examples, a parameter the batch did not use contributes
         exact zeros; returns the parameters whose gradient no per-example hook saw (the
         caller refuses them). Two passes: the clipped sum is ``p.grad``, and the step
-        refuses a gradient no clipped pass produced (:meth:`check_clipped_passes`)."""
+        refuses a gradient no clipped pass produced (:meth:`ClipGuard.check`)."""
         for p in self.params:
             if p.grad is None and getattr(p, "summed_grad", None) is None:
-                self.zero_contribution(p)
+                self.clip_guard.zero(p)
         return []
-
-    def check_clipped_passes(self, *, before_pass: bool = False) -> None:
-        """Refuse (ValueError) unless every gradient the step would release came through a
-        clipped pass of the plugin: each ``p.grad`` is the tensor the last clipped pass (or
-        ``zero_grad``) left, unmodified, and no per-example norm waits for its clipped pass
-        (a backward pass with the hooks on that was not the criterion's). Run by every
-        ``step()`` (before anything is accumulated, noised or charged) and, with
-        ``before_pass``, by each clipped pass before it keeps the step's earlier sums. A
-        refusal forgets the per-example values of the pass."""
-        module = self._bound_module()
-        pending = module is not None and bool(getattr(module, "norm_pass_pending", lambda: False)())
-        unclipped = [] if before_pass and self.backward_passes == 0 else [
-            p for p in self.params if p.grad is not None and not _marked(self._clipped_marks.get(id(p)), p.grad)
-        ]
-        # a step with no gradient at all and no clipped pass (main: an internal AttributeError)
-        nothing = not before_pass and self.backward_passes == 0 and all(p.grad is None for p in self.params)
-        if pending or unclipped or nothing:
-            self._refuse_unclipped(unclipped, pending or nothing, module)
-
-    def _check_norm_pass(self, module: Any) -> None:
-        """After the criterion's norm pass, refuse (before the clipped pass) a parameter whose
-        gradient in it did not all come from its modules' forward, which the norms miss
-        and the clipped pass would release (e.g. ``loss = criterion(model(x), y) +
-        f(F.linear(h, lm_head.weight))``, or ``h @ emb.weight.T`` beside the embedding):
-
-        * the linear layers of ``module`` compute no parameter gradient in it
-          (:meth:`~opacus_rc.grad_sample.SketchingMixin._defer_weight_grads`), so a
-          gradient of theirs came from a use outside the module's forward;
-        * every other parameter whose hooks computed its per-example gradients (an
-          embedding, Opacus's grad samplers: LayerNorm, RMSNorm, biases, ...) has the
-          batch sum of its in-module gradients noted by them
-          (:meth:`~opacus_rc.grad_sample.SketchingMixin.note_in_module_grad`): ``p.grad``
-          must equal it, up to float rounding (:func:`in_module_excess`)."""
-        patched = getattr(module, "_patched", ())
-        elsewhere = self._used_elsewhere(module, patched)
-        unclipped = [
-            p for m in patched for p in m.parameters(recurse=False)
-            if p.requires_grad and id(p) not in elsewhere and p.grad is not None
-            and not _marked(self._clipped_marks.get(id(p)), p.grad)
-        ]
-        if unclipped:
-            self._norm_pass_module = None
-            self._refuse_unclipped(unclipped, False, module, outside=True)
-        checked, excess = [], []
-        for p in self.params:
-            noted = getattr(p, "_in_module_grad", None)
-            p._in_module_grad = None
-            if noted is not None:
-                checked.append(p)
-                norms = getattr(p, "_norm_sample", None)  # the pass's per-example norms
-                if norms is not None and getattr(self, "loss_reduction", "mean") == "mean":
-                    norms = norms / max(1, norms.shape[0])  # p.grad is of the mean loss
-                excess.append(in_module_excess(p.grad, *noted, norms))
-        if excess:
-            # decided on the device with the step's non-finite checks (no host
-            # synchronisation here): refused by step() before anything is released
-            excess = torch.stack([e.to(excess[0].device) for e in excess])
-            self._outside_flags.append((checked, excess))
-            self.note_finite(OUTSIDE_USE, torch.where(excess, float("inf"), 0.0))
-
-    def _used_elsewhere(self, module: Any, patched: Any) -> set:
-        """Ids of the parameters also owned by a layer that is not a deferred linear one (a
-        weight tied to an embedding legitimately gets its gradient there); the model does
-        not change during training: computed once per grad-sample module."""
-        cached = self._elsewhere_cache
-        if cached is None or cached[0] is not module:
-            ids = {id(m) for m in patched}
-            inner = getattr(module, "_module", module)
-            found = {id(p) for m in inner.modules() if id(m) not in ids for p in m.parameters(recurse=False)}
-            cached = self._elsewhere_cache = (module, found)
-        return cached[1]
-
-    def _outside_use_error(self) -> ValueError:
-        """The refusal of a step one of whose norm passes found a parameter's gradient that
-        did not all come from its modules' forward (reads the device flags: a refusal path)."""
-        outside = []
-        for params, flags in self._outside_flags:
-            outside += [p for p, e in zip(params, flags.tolist()) if e and p not in outside]
-        self._outside_flags = []
-        what = "the gradient of " + (
-            ", ".join(self.describe_parameter(p) for p in outside) if outside else "a parameter (on another rank)"
-        )
-        return ValueError(
-            f"optimizer.step() refused: {what} did not come through the clipped pass of this step "
-            "(it was used outside its module's forward as well as inside it, e.g. "
-            "h @ model.emb.weight.T or F.layer_norm(h, ..., weight=model.norm.weight) beside the "
-            "layer itself: the per-example norms miss that use). Use the parameter only through "
-            "its module, or freeze it. Nothing was released or charged; call "
-            "optimizer.zero_grad() before the next step"
-        )
-
-    def _refuse_unclipped(self, unclipped: List[torch.Tensor], pending: bool, module: Any, outside: bool = False) -> None:
-        if unclipped:
-            what = "the gradient of " + ", ".join(self.describe_parameter(p) for p in unclipped)
-        elif pending and self.backward_passes > 0:
-            what = "the per-example norms of a backward pass (their clipped pass never ran)"
-        else:
-            what = "the step's update (no clipped pass ran since the last step)"
-        output_passes = module is not None and getattr(module, "output_passes", None) is not None
-        ran = outside or (self.backward_passes > 0 and not pending)  # else: no clipped pass at all
-        error = unclipped_gradient_error(what, ran, output_passes, torch_ddp_cause(self))
-        self._forget_per_example_values()
-        raise error
 
     def check_refused_steps(self) -> None:
         """Raise ``FloatingPointError`` if a step was refused on the device and not yet
@@ -531,13 +299,9 @@ class RandomizedClippingMixin:
                 "buffer in place (parameters and optimizer state were not updated by it; the "
                 "privacy accountant counted it). A refusal must end the run"
             )
-        if refused is not None and OUTSIDE_USE in refused:
-            raise ValueError(
-                "an earlier step was refused on the device: the gradient of a parameter did not "
-                "come through the clipped pass (it was used outside its module's forward as well "
-                "as inside it; parameters and optimizer state were not updated by it; the privacy "
-                "accountant counted it). A refusal must end the run"
-            )
+        outside = None if refused is None else self.clip_guard.deferred_refusal(refused)
+        if outside is not None:
+            raise outside
         if refused is not None:
             raise FloatingPointError(
                 f"an earlier step met a non-finite {refused}: it was refused on the device "
@@ -572,12 +336,13 @@ class RandomizedClippingMixin:
             guard.defer(ok, flags)
             return
         if not bool(ok):  # the step's one host synchronisation
-            if OUTSIDE_USE in flags and not bool(flags[OUTSIDE_USE]):
-                raise self._outside_use_error()
+            outside = self.clip_guard.refusal(flags)
+            if outside is not None:
+                raise outside
             if FORWARD_CHANGE in flags:
                 changed, self._forward_changed = self._forward_changed, []
                 raise ForwardChanges.refusal(changed)
-            self._outside_flags = []
+            self.clip_guard.clear_flags()
             raise FloatingPointError(
                 f"non-finite {failed_kinds(flags)} in this batch: the step is refused "
                 "before noise is added; parameters and the privacy accountant are "
@@ -589,7 +354,7 @@ class RandomizedClippingMixin:
             return super().step(closure)
         finally:  # a device-side refusal flag is for this step only
             self.original_optimizer.__dict__.pop("found_inf", None)
-            self._outside_flags = []
+            self.clip_guard.clear_flags()
             self._forget_per_example_values()
 
     def forget_after_step(self, holder: Any) -> None:

@@ -373,7 +373,7 @@ def build_fused_head(config: PathAuditConfig) -> _Experiment:
     if exp.model.output_passes is None:
         raise RuntimeError("fused_head: expected the two passes from the output (a checkpointed model)")
     if config.variant == "fused_head_unchecked":
-        exp.optimizer.check_clipped_passes = lambda **_: None  # the broken control
+        exp.optimizer.clip_guard.check = lambda **_: None  # the broken control
     inner = InnerProductLoss(reduction="sum")
 
     def fused_loss(h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # TRL-style fused head

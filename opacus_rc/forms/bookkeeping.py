@@ -47,11 +47,11 @@ from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 
+from ..clip_guard import BuiltSumsGuard, Expected, coarsest_dtype, complete_unused
 from ..estimators import as_sequence
-from ..grad_sample import PerExampleStore, coarsest_dtype, head_used_twice_error
+from ..grad_sample import PerExampleStore, head_used_twice_error
 from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
-from ..finite import OUTSIDE_USE
-from ..optimizer import SketchedClippingMixin, complete_unused, in_module_excess
+from ..optimizer import SketchedClippingMixin
 from ..recompute import late_use_error, missing_per_sample_error
 from ..values import SKIP
 
@@ -300,13 +300,16 @@ class BookkeepingClippingMixin:
     the clipped sum ``sum_i c_i grad_i`` of a book-kept parameter comes from its records
     (:mod:`opacus_rc.forms.bookkeeping`), of the others from ``p.grad_sample`` as in Opacus."""
 
+    #: the step releases only the sums built here, never ``p.grad``
+    clip_guard_class = BuiltSumsGuard
+
     @staticmethod
     def _records(p: torch.nn.Parameter):
         return getattr(p, "_bookkeeping_records", None)
 
     def complete_batch(self, rows: int) -> List[torch.nn.Parameter]:
         """After a backward pass of ``rows`` examples (a loop's own, the private Trainer's):
-        :func:`~opacus_rc.optimizer.complete_unused` over the parameters with neither records
+        :func:`~opacus_rc.clip_guard.complete_unused` over the parameters with neither records
         nor Opacus per-sample gradients (zeros: a record of zero norms and clipped sum)."""
         return complete_unused(
             self.params, rows, lambda p: bool(self._records(p)) or getattr(p, "grad_sample", None) is not None,
@@ -318,12 +321,6 @@ class BookkeepingClippingMixin:
         if getattr(p, "grad_sample", None) is None:
             raise missing_per_sample_error(self.describe_parameter(p))
         return self._get_flat_grad_sample(p)
-
-    def check_clipped_passes(self, *, before_pass: bool = False) -> None:
-        """Book-keeping releases only what it clips itself: :meth:`clip_and_accumulate`
-        builds every sum from the parameter's records or Opacus's per-sample gradients
-        (refusing a parameter with neither), and Opacus's ``add_noise`` replaces
-        ``p.grad``, which is never read (a gradient from outside the hooks is dropped)."""
 
     def _per_sample_sq_norms(self, p: torch.nn.Parameter) -> torch.Tensor:
         records = self._records(p)
@@ -356,32 +353,26 @@ class BookkeepingClippingMixin:
         emb.weight.T``, ``F.linear(h, W)`` beside the layer) would be dropped from the update:
         a wrong update, refused instead. Autograd's ``p.grad`` must equal the in-module
         batch sum (exactly zero for the linear layers, whose gradients book-keeping defers;
-        else up to float rounding (:func:`~opacus_rc.optimizer.in_module_excess`)); decided on the
-        device with the step's non-finite checks. Cost: one unclipped sum per non-linear parameter.
-        Not compared: the non-linear parameters of a physical batch after a skipped step
-        with no ``zero_grad()`` between (``p.grad`` then also holds the earlier batch's)."""
+        else up to float rounding), checked by the clip guard
+        (:meth:`~opacus_rc.clip_guard.ClipGuard.flag_outside_uses`). Cost: one unclipped sum
+        per non-linear parameter. Not compared: the non-linear parameters of a physical batch
+        after a skipped step with no ``zero_grad()`` between (``p.grad`` then also holds the
+        earlier batch's)."""
         module = self._bound_module()
         deferred = {id(p) for m in getattr(module, "_patched", ()) for p in m.parameters(recurse=False)}
-        # p.grad of the others also holds the passes of an earlier physical batch of the step
-        # (a skipped step) unless zero_grad() came since: compared only when it did
-        fresh, self._grads_since_zero = getattr(self, "_grads_since_zero", True), False
-        checked, excess = [], []
+        fresh = self.clip_guard.take_fresh()
+        expected: List[Tuple[torch.nn.Parameter, Expected]] = []
         for p in self.params:
             if p.grad is None or p.grad.is_sparse:
                 continue
             if id(p) in deferred:
                 if self._records(p):  # autograd computes none of it: any entry is an outside use
-                    checked.append(p)
-                    excess.append(p.grad.detach().ne(0).any())
+                    expected.append((p, None))
                 continue  # (no record: the step's "no record" refusal applies)
-            expected = self._in_module_sum(p) if fresh else None
-            if expected is not None:
-                checked.append(p)
-                excess.append(in_module_excess(p.grad, *expected))
-        if excess:
-            flags = torch.stack([e.to(excess[0].device) for e in excess])
-            self._outside_flags.append((checked, flags))
-            self.note_finite(OUTSIDE_USE, torch.where(flags, float("inf"), 0.0))
+            sums = self._in_module_sum(p) if fresh else None
+            if sums is not None:
+                expected.append((p, sums))
+        self.clip_guard.flag_outside_uses(expected)
 
     def _in_module_sum(self, p: torch.nn.Parameter):
         """``(sum, dtype, norms)`` of a parameter that is not deferred: the unclipped batch
@@ -452,7 +443,6 @@ class BookkeepingClippingMixin:
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         super().zero_grad(set_to_none)
-        self._grads_since_zero = True  # p.grad holds only the passes recorded from here
         for p in self.params:
             p._bookkeeping_records = None
 

@@ -38,7 +38,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_leaves
 
-from ..optimizer import RandomizedClippingMixin, torch_ddp_cause
+from ..clip_guard import PerExampleGuard
+from ..optimizer import RandomizedClippingMixin
 from ..recompute import forward_replay
 from ..values import SKIP
 from .fsdp import _contains_fsdp
@@ -327,7 +328,7 @@ class PerExampleClipping:
         for p in self._params:
             if p.grad is None:
                 continue
-            if optimizer is None or not optimizer.is_marked_clipped(p):  # only zero_grad marks here
+            if optimizer is None or not optimizer.clip_guard.accepts(p):  # only zero_grad marks here
                 self._refuse(
                     f"a gradient of {_describe(optimizer, p)} was added outside a clipped backward pass"
                 )
@@ -431,6 +432,9 @@ class PerExampleOptimizerMixin(RandomizedClippingMixin):
         kwargs.pop("sketch_config", None)  # the engine's, for every form: exact norms here
         super().__init__(optimizer, **kwargs)
 
+    #: the step refuses what the module recorded and a gradient no clip consumed
+    clip_guard_class = PerExampleGuard
+
     def complete_batch(self, rows: int) -> List[torch.nn.Parameter]:
         """Nothing to complete: each row's whole gradient was clipped exactly, and the
         step refuses a gradient that did not come through a clip."""
@@ -440,28 +444,6 @@ class PerExampleOptimizerMixin(RandomizedClippingMixin):
         """Count an example dropped for a non-finite norm (``nonfinite="skip"``; on the device)."""
         dropped = dropped.to(torch.int64)
         self._skipped = dropped if self._skipped is None else self._skipped + dropped
-
-    def check_clipped_passes(self, *, before_pass: bool = False) -> None:
-        """Refuse the step when a backward pass broke the premise (two examples in it, no
-        optimizer followed) or a gradient did not come through a clip."""
-        module = self._bound_module()
-        refusal = None if module is None else module.take_refusal()
-        unclipped = [p for p in self.params if p.grad is not None and not self.is_marked_clipped(p)]
-        if module is None:
-            refusal = "the model is not followed by this optimizer (call module.follow_steps(optimizer))"
-        if refusal is None and unclipped:
-            cause = torch_ddp_cause(self) or "set by hand, or its backward pass never reached the model's output"
-            refusal = "the gradient of " + ", ".join(self.describe_parameter(p) for p in unclipped) + (
-                f" did not come through a clipped backward pass ({cause})"
-            )
-        if refusal is not None:
-            self._forget_per_example_values()
-            for p in self.params:  # the step's clipped sums so far: never released
-                p.summed_grad = None
-            raise ValueError(
-                f"optimizer.step() refused: {refusal}. Nothing was released or charged; call "
-                "optimizer.zero_grad() before the next step"
-            )
 
     def add_clipped(self, grads: List[Any], factor: torch.Tensor) -> None:
         """``p.summed_grad += factor * g`` (float32) for each ``(p, g)`` of one example's

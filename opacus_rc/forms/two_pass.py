@@ -30,42 +30,33 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
         synchronisation here (see :mod:`opacus_rc.finite`)."""
         optimizer = self.optimizer
         optimizer.check_cleared()  # before Opacus's own zero_grad between the passes
-        check = getattr(optimizer, "check_clipped_passes", None)
-        if check is not None:  # the earlier sums kept below must be clipped ones
-            check(before_pass=True)
-        mark = getattr(optimizer, "mark_clipped", lambda: None)
+        guard = optimizer.clip_guard
+        guard.check(before_pass=True)  # the earlier sums kept below must be clipped ones
         # Clipped sums of earlier micro-batches of this step (Opacus zeroes p.grad
         # between the two passes); nothing to keep on a step's first pass. Set aside, not
         # copied: the norm pass starts from no gradient where p.grad is a clipped sum (or
         # zero_grad's zeros), so what it leaves in p.grad is its own, checked against the
-        # hooks' in-module sums (RandomizedClippingMixin._check_norm_pass).
+        # hooks' in-module sums (ClipGuard.check_norm_pass, by the zero_grad between the passes).
         earlier = [
             None if p.grad is None or optimizer.backward_passes == 0 else p.grad.detach()
             for p in optimizer.params
         ]
-        clipped = getattr(optimizer, "is_marked_clipped", lambda p: False)
         for p in optimizer.params:
-            if p.grad is not None and clipped(p):  # (an unclipped one stays: the norm pass refuses it)
+            if guard.accepts(p):  # (an unclipped one stays: the norm pass refuses it)
                 p.grad = None
-        if hasattr(optimizer, "_norm_pass_module"):
-            optimizer._norm_pass_module = self.module  # its zero_grad between the passes checks the norm pass
         try:
-            try:
-                with quiet_hook_notes():
-                    super().backward()
-            finally:
-                if hasattr(optimizer, "_norm_pass_module"):
-                    optimizer._norm_pass_module = None
+            with guard.norm_pass(self.module), quiet_hook_notes():
+                super().backward()
         except BaseException:
             # Drop whatever this pass left (possibly unclipped) and keep the earlier sums.
             for p, e in zip(optimizer.params, earlier):
                 p.grad = e
-            mark()
+            guard.mark()
             raise
         for p, e in zip(optimizer.params, earlier):
             if e is not None:
                 p.grad = e if p.grad is None else p.grad.add_(e)
-        mark()  # p.grad is now exactly the step's clipped sum so far
+        guard.mark()  # p.grad is now exactly the step's clipped sum so far
         optimizer.count_backward_pass()
         optimizer.note_finite("per-sample loss", self.loss_per_sample)
         optimizer.note_finite("per-sample gradient norm", getattr(self.module, "per_sample_gradient_norms", None))

@@ -18,9 +18,9 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 
 from ..accounting.accountant import RCPRVAccountant
+from ..clip_guard import complete_unused
 from ..finite import agree_across_ranks, all_finite
 from ..forms import form_of
-from ..optimizer import complete_unused
 from ..values import RANDOMIZED
 from .arguments import PrivacyArguments
 from .data import PoissonAccumulationSampler

@@ -25,8 +25,8 @@ TRAITS = {
     "output_passes", "refusals_across_ranks", "_refusals_across_ranks", "_notes_in_module_grads",
     "check_cleared", "_check_cleared", "count_backward_pass", "backward_passes",
 }
-#: reads inside the clip guard (optimizer.py's _refuse_unclipped): item 2 of issue 39 moves them
-GUARD_READS = {("optimizer.py", "output_passes")}
+#: a read inside the clip guard (its refusal names the output-passes cause for modules of any form)
+GUARD_READS = {("clip_guard.py", "output_passes")}
 
 
 def _opt(cls, **kwargs):

@@ -1,6 +1,6 @@
 """Every optimizer step verifies that each trainable parameter's gradient came through a
 clipped pass of the plugin in this step, whatever the path, and refuses otherwise
-(RandomizedClippingMixin.check_clipped_passes).
+(opacus_rc.clip_guard.ClipGuard.check).
 
 Attacks measured by the review on main (noise 0, exact norms T <= k):
 
@@ -446,7 +446,7 @@ def test_ghost_criterion_with_a_parameter_also_used_outside_its_module_is_refuse
     x, y = classification_data()
     criterion(module(x), y).backward()  # decided on the device, with the non-finite checks
     assert_refused(engine, model, module, optimizer, match=f"{named}.*outside its module")
-    assert all(getattr(p, "_in_module_grad", None) is None for p in model.parameters())
+    assert len(module.in_module_sums) == 0  # the norm pass's in-module sums are forgotten
 
 
 class CheckpointedOutsideUse(OutsideUse):
@@ -555,3 +555,34 @@ def test_honest_tied_head_and_norms_equal_brute_force(micro_batches, tied):
             assert (got - want[name]).norm() <= 0.2 * want[name].norm(), name
         else:
             assert torch.allclose(got, want[name], rtol=1e-4, atol=1e-7), name
+
+
+# --- the guard is one module (issue 39, item 2) -----------------------------------------------
+
+#: the guard's state and its rules: kept and read in opacus_rc/clip_guard.py alone
+GUARD_NAMES = (
+    r"_grad_mark\b", r"_clipped_marks\b", r"[.\"']_in_module_grad\b", r"_outside_flags\b", r"\bin_module_excess\b",
+    r"_norm_pass_module\b", r"\bIN_MODULE_RTOL\b", r"\bOUTSIDE_USE\b",
+)
+
+
+def test_the_clip_guard_is_one_module():
+    """Marks, the in-module sums and the deferred outside-use flags are kept and decided in
+    opacus_rc/clip_guard.py alone (finite.py only names the flag's kind); each form's optimizer,
+    one process and DDP, owns a ClipGuard of its own."""
+    import pathlib
+    import re
+
+    package = pathlib.Path(opacus_rc.__file__).parent
+    found = {
+        f"{path.relative_to(package)}: {name}"
+        for path in package.rglob("*.py") if path.name not in ("clip_guard.py", "finite.py")
+        for name in GUARD_NAMES if re.search(name, path.read_text())
+    }
+    assert not found, sorted(found)
+    from opacus_rc.clip_guard import ClipGuard
+    from opacus_rc.forms import FORMS
+
+    for form in FORMS.values():
+        for cls in form.optimizers:
+            assert issubclass(cls.clip_guard_class, ClipGuard), (form.name, cls)
