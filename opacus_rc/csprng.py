@@ -421,6 +421,29 @@ def loader_settings(data_loader: Any) -> Dict[str, Any]:
     }
 
 
+def init_poisson_loader(
+    loader: DataLoader, dataset: Dataset, batch_sampler: Any, *, collate_fn=None, drop_last: bool = False,
+    batch_first: bool = True, rand_on_empty: bool = False, **kwargs: Any,
+) -> None:
+    """``DataLoader.__init__`` of ``loader`` as Opacus's ``DPDataLoader`` builds it, over the
+    Poisson ``batch_sampler`` given: the collate function wrapped for empty batches."""
+    if drop_last:
+        logger.warning("Ignoring drop_last as it is not compatible with DPDataLoader.")
+    DataLoader.__init__(
+        loader,
+        dataset=dataset,
+        batch_sampler=batch_sampler,
+        collate_fn=wrap_collate_with_empty(
+            collate_fn=collate_fn if collate_fn is not None else default_collate,
+            batch_first=batch_first,
+            rand_on_empty=rand_on_empty,
+            sample_empty_shapes=[(0, *shape_safe(x)) for x in dataset[0]],
+            dtypes=[dtype_safe(x) for x in dataset[0]],
+        ),
+        **kwargs,
+    )
+
+
 class SecureDPDataLoader(DPDataLoader):
     """Opacus's :class:`~opacus.data_loader.DPDataLoader` (Poisson sampling, collate
     function wrapped for empty batches) with a :class:`SecurePoissonSampler` as its batch
@@ -463,20 +486,9 @@ class SecureDPDataLoader(DPDataLoader):
             world_size=world_size,
             generator=generator,
         )
-        if drop_last:
-            logger.warning("Ignoring drop_last as it is not compatible with DPDataLoader.")
-        DataLoader.__init__(
-            self,
-            dataset=dataset,
-            batch_sampler=batch_sampler,
-            collate_fn=wrap_collate_with_empty(
-                collate_fn=collate_fn if collate_fn is not None else default_collate,
-                batch_first=batch_first,
-                rand_on_empty=rand_on_empty,
-                sample_empty_shapes=[(0, *shape_safe(x)) for x in dataset[0]],
-                dtypes=[dtype_safe(x) for x in dataset[0]],
-            ),
-            **kwargs,
+        init_poisson_loader(
+            self, dataset, batch_sampler, collate_fn=collate_fn, drop_last=drop_last,
+            batch_first=batch_first, rand_on_empty=rand_on_empty, **kwargs,
         )
 
     @classmethod

@@ -195,8 +195,8 @@ class RandomizedClippingMixin:
         self._raise_deferred_refusal(wait=False)
         self.check_cleared()
         self._check_forward_changes()
+        self.clip_guard.check()  # first: its refusal names torch's DDP when that is the cause
         self.check_draw_boundary()
-        self.clip_guard.check()
         taken = super().pre_step(closure)
         if taken:
             self.backward_passes = self._draw_splits = 0

@@ -12,7 +12,7 @@ its own generator (never torch's global one) and the two-pass criterion.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import opacus.privacy_engine
@@ -20,11 +20,12 @@ import torch
 from opacus.data_loader import DPDataLoader
 from opacus.grad_sample import AbstractGradSampleModule
 from opacus.optimizers import DPOptimizer
+from opacus.utils.uniform_sampler import DistributedUniformWithReplacementSampler
 from torch import nn
 from torch.utils.data import IterableDataset
 
 from . import checkpoint
-from .csprng import SecureDPDataLoader, loader_settings
+from .csprng import SecureDPDataLoader, init_poisson_loader, loader_settings
 from .forms import FORMS
 from .forms.fsdp import check_fsdp_mode
 from .forms.two_pass import DPLossRandomizedClipping
@@ -49,6 +50,43 @@ def poisson_generator(data_loader, seed: Optional[int], distributed: bool) -> to
         return user
     root = np.random.SeedSequence(user.initial_seed() if user is not None else seed)
     return DeviceStreams(root, POISSON_STREAM, per_rank=True).generator("cpu")
+
+
+class EveryDrawDistributedSampler(DistributedUniformWithReplacementSampler):
+    """Opacus's distributed Poisson sampler (this rank's share of a shuffled dataset, each
+    example in a draw with probability ``sample_rate``, the same masks from ``generator``)
+    that yields every draw, an empty one too, as Opacus's one-process sampler does.
+
+    Opacus's own skips a draw that is empty on this rank: the ranks then take different
+    numbers of steps (each step's collectives, the refusal agreement and the gradient
+    all-reduce, pair rank 0's draw ``t`` with another rank's ``t + 1``, and a rank that
+    runs out first leaves the other waiting in one: a crash when a local draw of a few
+    expected examples is empty), and the released steps are no longer the Poisson draws
+    that the accountant charges."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        if self.shuffle:
+            order = torch.Generator().manual_seed(self.shuffle_seed + self.epoch)
+            indices = torch.randperm(self.total_size, generator=order)
+        else:
+            indices = torch.arange(self.total_size)
+        indices = indices[self.rank:self.total_size:self.num_replicas]
+        for _ in range(self.num_batches):
+            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
+            yield indices[mask.nonzero(as_tuple=False).reshape(-1)]
+
+
+class DistributedDPDataLoader(DPDataLoader):
+    """Opacus's ``DPDataLoader(distributed=True)`` over :class:`EveryDrawDistributedSampler`:
+    every rank yields every draw of the epoch (an empty one as an empty batch), so the
+    ranks' steps stay paired."""
+
+    def __init__(self, dataset: Any, *, sample_rate: float, generator: Optional[torch.Generator] = None,
+                 **kwargs: Any) -> None:
+        self.sample_rate = sample_rate
+        self.distributed = True
+        sampler = EveryDrawDistributedSampler(total_size=len(dataset), sample_rate=sample_rate, generator=generator)
+        init_poisson_loader(self, dataset, sampler, **kwargs)
 
 
 class MakePrivateCall:
@@ -175,10 +213,10 @@ class MakePrivateCall:
             return SecureDPDataLoader.from_data_loader(data_loader, **settings)
         generator = poisson_generator(data_loader, self.options.seed, distributed)
         setattr(self, checkpoint.POISSON_GENERATOR_ATTR, generator)  # include_rng_state
-        # Opacus's DPDataLoader.from_data_loader, at the public rate and with our generator
-        return DPDataLoader(
-            dataset=data_loader.dataset, **loader_settings(data_loader), generator=generator, **settings
-        )
+        # Opacus's DPDataLoader.from_data_loader, at the public rate and with our generator;
+        # distributed: every draw, an empty one too (EveryDrawDistributedSampler)
+        loader = DistributedDPDataLoader if settings.pop("distributed") else DPDataLoader
+        return loader(dataset=data_loader.dataset, **loader_settings(data_loader), generator=generator, **settings)
 
     def _check_dataset(self, data_loader) -> None:
         """Opacus's one-dataset-per-engine check. Copied: Opacus runs it only inside its
@@ -197,4 +235,7 @@ class MakePrivateCall:
         return DPLossRandomizedClipping(module, optimizer, criterion, kwargs.get("loss_reduction", "mean"))
 
 
-__all__ = ["MakePrivateCall", "OpacusPrivacyEngine", "poisson_generator"]
+__all__ = [
+    "DistributedDPDataLoader", "EveryDrawDistributedSampler", "MakePrivateCall", "OpacusPrivacyEngine",
+    "poisson_generator",
+]
