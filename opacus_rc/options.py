@@ -170,6 +170,10 @@ _CALIBRATION_SET = frozenset(("target_epsilon", "target_delta", "sample_rate", "
 RC_CALIBRATION_KEYWORDS = keywords(get_noise_multiplier_rc) - _CALIBRATION_SET - {"sketch_config", "sigma_lower"}
 
 
+#: keywords of ``PrivacyEngine(...)`` itself (a user may pass them to make_private by mistake)
+_ENGINE_KEYWORDS = frozenset(("accountant", "secure_mode"))
+
+
 def refuse_unknown(given: Iterable[str], accepted: Collection[str], where: str) -> None:
     """A ValueError naming the first keyword of ``given`` that is not in ``accepted``, with
     the nearest accepted one (:func:`difflib.get_close_matches`) and all of them: a
@@ -179,6 +183,8 @@ def refuse_unknown(given: Iterable[str], accepted: Collection[str], where: str) 
             continue
         near = difflib.get_close_matches(name, sorted(accepted), n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
+        if name in _ENGINE_KEYWORDS:  # e.g. secure_mode: the engine's, not the call's
+            hint = f" (it is PrivacyEngine's: PrivacyEngine({name}=...))"
         raise ValueError(
             f"{where} got an unknown keyword {name!r}{hint}; accepted keywords: {', '.join(sorted(accepted))}"
         )

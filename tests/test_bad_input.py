@@ -125,6 +125,7 @@ UNKNOWN = [
     (dict(clipping="flat", totally_bogus=1), r"unknown keyword 'totally_bogus'"),
     (dict(clipping="flat", noise_generater=None), r"'noise_generater' \(did you mean 'noise_generator'\?\)"),
     (dict(clipping="randomized", noise_seed=3), r"unknown keyword 'noise_seed'"),  # internal: seed= is the option
+    (dict(clipping="randomized", secure_mode=True), r"unknown keyword 'secure_mode' \(it is PrivacyEngine's"),
     (dict(clipping="flat", target_unclipped_quantile=0.5), r"target_unclipped_quantile only applies with clipping='adaptive'"),
 ]
 
