@@ -21,6 +21,20 @@ from .test_randomized_clipping import loader
 from .test_rng_streams import D, _build, _loader
 
 
+def make_private_classifier(engine, model, n: int, **options):
+    """``engine.make_private`` of ``model`` on ``n`` token examples in batches of 8
+    (sigma 1, C 1, SGD at lr 0.1)."""
+    return engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=loader(token_task(n=n), 8),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        **options,
+    )
+
+
 def test_the_options_are_the_parsed_ones():
     assert set(OPTIONS) == set(DEFAULTS)
 
@@ -124,15 +138,7 @@ def test_bad_options_raise_clear_errors(model_factory, kwargs, param, accepted):
     model = model_factory()
     options = {"grad_sample_mode": "ghost", "clipping": "randomized", **kwargs}
     with pytest.raises(ValueError) as err:
-        engine.make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            criterion=nn.CrossEntropyLoss(),
-            data_loader=loader(token_task(n=16), 8),
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            **options,
-        )
+        make_private_classifier(engine, model, n=16, **options)
     assert param in str(err.value) and accepted in str(err.value)
 
 
