@@ -27,18 +27,6 @@ def make_private(**kwargs):
     )
 
 
-def test_misspelled_clipping_names_the_parameter_and_the_near_value():
-    with pytest.raises(ValueError, match=r"clipping='randomised'.*did you mean 'randomized'.*'flat'"):
-        make_private(clipping="randomised", noise_multiplier=1.0)
-
-
-@pytest.mark.parametrize("clipping", ["randomized", "flat"])
-@pytest.mark.parametrize("sigma", [-1.0, math.nan, math.inf, "1.0"])
-def test_invalid_noise_multiplier_refused_at_make_private(clipping, sigma):
-    with pytest.raises(ValueError, match="noise_multiplier=.*finite real >= 0"):
-        make_private(clipping=clipping, noise_multiplier=sigma)
-
-
 def test_zero_noise_is_said_once_and_epsilon_is_infinite():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -105,65 +93,6 @@ def test_dp_trainer_at_full_batch_without_noise_reports_infinite_epsilon(tmp_pat
     )
     trainer.train()
     assert trainer.get_epsilon() == math.inf
-
-
-def _epsilon_call(engine, **kwargs):
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
-    return engine.make_private_with_epsilon(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=torch.utils.data.DataLoader(data, batch_size=4), max_grad_norm=1.0,
-        target_epsilon=50.0, target_delta=1e-3, epochs=1, **kwargs,
-    )
-
-
-UNKNOWN = [
-    (dict(clipping="randomized", sketchsize=8), r"'sketchsize' \(did you mean 'sketch_size'\?\)"),
-    (dict(clipping="randomized", totally_bogus=1), r"unknown keyword 'totally_bogus'"),
-    (dict(clipping="randomized", privacy_unit="user"), r"unknown keyword 'privacy_unit'"),
-    (dict(clipping="flat", totally_bogus=1), r"unknown keyword 'totally_bogus'"),
-    (dict(clipping="flat", noise_generater=None), r"'noise_generater' \(did you mean 'noise_generator'\?\)"),
-    (dict(clipping="randomized", noise_seed=3), r"unknown keyword 'noise_seed'"),  # internal: seed= is the option
-    (dict(clipping="randomized", secure_mode=True), r"unknown keyword 'secure_mode' \(it is PrivacyEngine's"),
-    (dict(clipping="flat", target_unclipped_quantile=0.5), r"target_unclipped_quantile only applies with clipping='adaptive'"),
-]
-
-
-@pytest.mark.parametrize("kwargs, message", UNKNOWN)
-def test_unknown_keyword_of_make_private_is_refused_by_name(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        make_private(noise_multiplier=1.0, **kwargs)
-
-
-@pytest.mark.parametrize(
-    "kwargs, message, accountant",
-    [  # randomized clipping is accounted by rc_prv only
-        (kwargs, message, accountant) for kwargs, message in UNKNOWN for accountant in ("rc_prv", "prv")
-        if kwargs["clipping"] != "randomized" or accountant == "rc_prv"
-    ],
-)
-def test_unknown_keyword_of_make_private_with_epsilon_is_refused_by_name(kwargs, message, accountant):
-    with pytest.raises(ValueError, match=message):
-        _epsilon_call(PrivacyEngine(accountant=accountant), **kwargs)
-    with pytest.raises(ValueError, match=r"unknown keyword 'noise_multiplier'"):  # it calibrates sigma
-        _epsilon_call(PrivacyEngine(accountant=accountant), noise_multiplier=1.0, clipping=kwargs["clipping"])
-
-
-def test_opacus_documented_keywords_still_pass_through():
-    """Opacus's own keywords run: make_private's named ones, the adaptive optimizer's,
-    make_private_with_epsilon's calibration (Opacus's get_noise_multiplier and the
-    accountant's get_epsilon; rc_prv's for randomized, which they reach)."""
-    make_private(noise_multiplier=1.0, clipping="flat", rand_on_empty=True, batch_first=True,
-                 noise_generator=torch.Generator().manual_seed(1), wrap_model=True)
-    make_private(noise_multiplier=1.0, clipping="adaptive", target_unclipped_quantile=0.5,
-                 clipbound_learning_rate=0.2, max_clipbound=10.0, min_clipbound=0.1, unclipped_num_std=1.0)
-    _epsilon_call(PrivacyEngine(accountant="prv"), clipping="flat", epsilon_tolerance=0.5, eps_error=0.05,
-                  rand_on_empty=True)
-    _epsilon_call(PrivacyEngine(accountant="rdp"), clipping="flat", alphas=[1.1 + x / 10.0 for x in range(100)] + list(range(12, 64)))
-    coarse = _epsilon_call(PrivacyEngine(accountant="rc_prv"), clipping="randomized", epsilon_tolerance=5.0)[1]
-    fine = _epsilon_call(PrivacyEngine(accountant="rc_prv"), clipping="randomized", epsilon_tolerance=0.01)[1]
-    assert coarse.noise_multiplier != fine.noise_multiplier  # the tolerance reached the calibration
 
 
 def test_privacy_arguments_refuse_an_unknown_field_by_name():
