@@ -231,8 +231,8 @@ class ClipGuard:
         ``before_pass``, by each clipped pass before it keeps the step's earlier sums. A
         refusal forgets the per-example values of the pass."""
         optimizer = self.optimizer
-        module = optimizer._bound_module()
-        pending = module is not None and bool(getattr(module, "norm_pass_pending", lambda: False)())
+        module = optimizer.bound_module()
+        pending = module is not None and module.norm_pass_pending()
         unclipped = [] if before_pass and optimizer.backward_passes == 0 else self.unaccepted()
         # a step with no gradient at all and no clipped pass (main: an internal AttributeError)
         nothing = not before_pass and optimizer.backward_passes == 0 and all(p.grad is None for p in optimizer.params)
@@ -251,12 +251,12 @@ class ClipGuard:
             what = "the per-example norms of a backward pass (their clipped pass never ran)"
         else:
             what = "the step's update (no clipped pass ran since the last step)"
-        output_passes = module is not None and getattr(module, "output_passes", None) is not None
+        output_passes = module is not None and module.output_passes is not None
         ran = outside or (optimizer.backward_passes > 0 and not pending)  # else: no clipped pass at all
         cause = torch_ddp_cause(optimizer) or (
             _OUTPUT_PASSES_CAUSE if output_passes else _ADDED_OUTSIDE_CAUSE if ran else _NO_CLIPPED_PASS_CAUSE
         )
-        optimizer._forget_per_example_values()
+        optimizer.forget_per_example_values()
         raise step_refusal(f"{what} did not come through the clipped pass of this step ({cause})")
 
     def _gradient_of(self, params: List[torch.Tensor]) -> str:
@@ -400,7 +400,7 @@ class PerExampleGuard(ClipGuard):
         ``take_refusal()``; two examples in it, no optimizer followed) or a gradient did not
         come through a clip; the step's clipped sums so far are dropped."""
         optimizer = self.optimizer
-        module = optimizer._bound_module()
+        module = optimizer.bound_module()
         refusal = None if module is None else module.take_refusal()
         unclipped = self.unaccepted()
         if module is None:
@@ -409,7 +409,5 @@ class PerExampleGuard(ClipGuard):
             cause = torch_ddp_cause(optimizer) or "set by hand, or its backward pass never reached the model's output"
             refusal = f"{self._gradient_of(unclipped)} did not come through a clipped backward pass ({cause})"
         if refusal is not None:
-            optimizer._forget_per_example_values()
-            for p in optimizer.params:  # the step's clipped sums so far: never released
-                p.summed_grad = None
+            optimizer.drop_step()
             raise step_refusal(refusal)

@@ -83,7 +83,7 @@ class DrawLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         optimizer = self.draw_optimizer
-        bound = getattr(optimizer, "_bound_module", lambda: None)()
+        bound = optimizer.bound_module()
         module = bound if self.rows_per_batch == 1 and hasattr(bound, "note_batch") else None
         source = object()  # this iteration
         optimizer.start_physical_batches()

@@ -77,6 +77,9 @@ class PerExampleStore:
         self._sketcher.bind_step_clock(self._optimizer_steps)
         self._awaiting_forward = True
         self._patched: List[nn.Module] = []
+        #: tied parameters' running sums of sketched per-sample gradients in this pass, by slot
+        #: (:meth:`_tied_slot`), until their last use
+        self._tied_sums: Dict[Any, torch.Tensor] = {}
         self._setup()  # defined by each mixin
 
     @property
@@ -104,9 +107,7 @@ class PerExampleStore:
         target = getattr(optimizer, "original_optimizer", optimizer)
         self._steps_taken = 0
         self._step_hook = target.register_step_post_hook(self._count_step)
-        bind = getattr(optimizer, "bind_module", None)
-        if bind is not None:  # its steps check and forget this module's per-example norms
-            bind(self)
+        optimizer.bind_module(self)  # its steps check and forget this module's per-example norms
 
     def _count_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self._steps_taken += 1
@@ -318,16 +319,16 @@ class SketchingMixin(PerExampleStore):
     def norm_pass_pending(self) -> bool:
         """True if a backward pass left per-example norms that no clipped pass consumed
         (a plain ``loss.backward()`` with the hooks on): the optimizer refuses the step."""
-        return any(
-            getattr(p, "_norm_sample", None) is not None or getattr(p, "_tied_sketch_sum", None) is not None
-            for p in self.trainable_parameters
+        return bool(self._tied_sums) or any(
+            getattr(p, "_norm_sample", None) is not None for p in self.trainable_parameters
         )
 
     def forget_per_example_values(self) -> None:
         """Drop the per-example norms kept on the parameters (they would reach
         ``torch.save(model)``), and the norm pass's in-module gradient sums."""
         for p in self.trainable_parameters:
-            p._norm_sample = p._tied_sketch_sum = None
+            p._norm_sample = None
+        self._tied_sums.clear()
         self.in_module_sums.clear()
 
     # --- the in-module gradient of the norm pass (see opacus_rc.clip_guard.ClipGuard.check_norm_pass)
@@ -353,7 +354,7 @@ class SketchingMixin(PerExampleStore):
     def _check_norm_samples(self) -> None:
         """Every trainable parameter has this pass's per-sample norms, over the batch, and
         no tied running sum waits for a use (its norm would miss that use)."""
-        if any(getattr(p, "_tied_sketch_sum", None) is not None for p in self.trainable_parameters):
+        if self._tied_sums:
             raise unmatched_tied_uses_error()
         missing = [name for name, p in trainable_parameters(self._module) if getattr(p, "_norm_sample", None) is None]
         if missing:
@@ -434,7 +435,7 @@ class SketchingMixin(PerExampleStore):
         """An untied layer's per-example norms, of this use alone: any other use of it in the
         pass (a use still to come, one summed as tied, one already delivered) is refused."""
         params = [getattr(layer, name) for name in norms]
-        if any(p._forward_counter != 1 or getattr(p, "_tied_sketch_sum", None) is not None for p in params):
+        if any(p._forward_counter != 1 or p in self._tied_sums for p in params):
             raise head_used_twice_error()
         for p, norm in zip(params, norms.values()):
             p._norm_sample = norm
@@ -444,12 +445,11 @@ class SketchingMixin(PerExampleStore):
         """True if one of the module's trainable parameters is used more than once in
         this forward pass (tied weights) or has a pending sum from an earlier use."""
         return any(
-            p._forward_counter > 1 or getattr(p, "_tied_sketch_sum", None) is not None
-            for _, p in trainable_parameters(module)
+            p._forward_counter > 1 or p in self._tied_sums for _, p in trainable_parameters(module)
         )
 
     def _tied_slot(self, module: nn.Module, param: nn.Parameter) -> Any:
-        """What keeps a tied parameter's running sum (``_tied_sketch_sum``), its uses
+        """What keys a tied parameter's running sum (in ``_tied_sums``), keeps its uses
         still to come in this pass (``_forward_counter``, Opacus's) and its per-sample
         norm (``_norm_sample``): in one process, the parameter itself."""
         return param
@@ -483,12 +483,13 @@ class SketchingMixin(PerExampleStore):
         """One use of the tied ``param`` through ``module``: ``contribution`` joins the
         running sum; at the last use, the norm of the sum is the per-sample norm."""
         slot = self._tied_slot(module, param)
-        total = getattr(slot, "_tied_sketch_sum", None)
-        slot._tied_sketch_sum = contribution if total is None else total + contribution
+        total = self._tied_sums.pop(slot, None)
+        total = contribution if total is None else total + contribution
         slot._forward_counter -= 1
         if slot._forward_counter == 0:
-            slot._norm_sample = slot._tied_sketch_sum.flatten(start_dim=1).norm(2, dim=1)
-            slot._tied_sketch_sum = None
+            slot._norm_sample = total.flatten(start_dim=1).norm(2, dim=1)
+        else:
+            self._tied_sums[slot] = total
 
 
 def embedding_grad_sum(ids: torch.Tensor, g: torch.Tensor, rows: int, padding_idx: Optional[int]) -> torch.Tensor:

@@ -168,9 +168,7 @@ class RandomizedClippingMixin:
         self._draw_refused = True
         self._step_skip_queue.clear()
         self.backward_passes = self._draw_splits = 0
-        for p in self.params:
-            p.summed_grad = None
-        self._forget_per_example_values()
+        self.drop_step()
         raise accumulation_error(batches or 0)
 
     @property
@@ -253,12 +251,11 @@ class RandomizedClippingMixin:
             device = next((p.device for p in self.params), torch.device("cpu"))
             self.note_finite(FORWARD_CHANGE, torch.full((), float("inf"), device=device))
             return
-        self._forget_per_example_values()
-        for p in self.params:
-            p.summed_grad = None
+        self.drop_step()
         raise watch.refusal(changed)
 
-    def _bound_module(self) -> Any:
+    def bound_module(self) -> Any:
+        """The grad-sample module this optimizer follows (:meth:`bind_module`); None if none."""
         return None if self._grad_sample_module is None else self._grad_sample_module()
 
     def describe_parameter(self, p: torch.Tensor) -> str:
@@ -355,7 +352,7 @@ class RandomizedClippingMixin:
         finally:  # a device-side refusal flag is for this step only
             self.original_optimizer.__dict__.pop("found_inf", None)
             self.clip_guard.clear_flags()
-            self._forget_per_example_values()
+            self.forget_per_example_values()
 
     def forget_after_step(self, holder: Any) -> None:
         """``holder.per_sample_gradient_norms`` (Opacus's debugging copy of the last
@@ -363,15 +360,24 @@ class RandomizedClippingMixin:
         outlive the step that used them (nor reach ``torch.save``/``deepcopy``)."""
         self._holders.add(holder)
 
-    def _forget_per_example_values(self) -> None:
+    def forget_per_example_values(self) -> None:
+        """Drop the step's per-example values: Opacus's per-sample gradients, the holders'
+        norms (:meth:`forget_after_step`) and what the followed module keeps (norms a refused
+        step left; a clipped one consumes them)."""
         for holder in self._holders:
             holder.per_sample_gradient_norms = None
         for p in self.params:
             p.grad_sample = None  # consumed by clipping (book-keeping's exact layers)
-        module = self._bound_module()
-        forget = getattr(module, "forget_per_example_values", None)
-        if forget is not None:  # norms a refused step left (consumed by a clipped one)
-            forget()
+        module = self.bound_module()
+        if module is not None:
+            module.forget_per_example_values()
+
+    def drop_step(self) -> None:
+        """A refused step: its clipped sums so far (``p.summed_grad``) are never released,
+        and its per-example values are forgotten."""
+        self.forget_per_example_values()
+        for p in self.params:
+            p.summed_grad = None
 
     def accumulate(self) -> None:
         """Move the clipped gradient into ``p.summed_grad`` without copying it (Opacus

@@ -18,7 +18,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, fields, replace
-from typing import List, NamedTuple, Optional
+from typing import Any, Callable, List, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -476,17 +476,26 @@ def per_example_step(built: _PerExampleExperiment, include: np.ndarray) -> torch
 def _per_example(config: PathAuditConfig, progress: Progress, start: float) -> PathAuditResult:
     """Charged one exact-clipping step at q = 1; the canary shifts its entry by C (the control:
     ``(1 + 1/sqrt(2)) C``), and ``eps_exact`` is the Gaussian mechanism's for that shift."""
+    shift = 1.0 + math.sqrt(0.5) if config.variant == "per_example_unchecked" else 1.0
     built = build_per_example(config)
+    return _exact_step_audit(config, built, per_example_step, shift, progress, start, PathAuditResult)
+
+
+def _exact_step_audit(
+    config: PathAuditConfig, built: Any, step: Callable, shift: float, progress: Progress, start: float, result: type
+) -> Any:
+    """Trials of one exact-clipping step at q = 1 (``step(built, include)``: the released
+    updates, scored at the canary's last coordinate); ``eps_exact`` is the Gaussian
+    mechanism's for a canary shift of ``shift`` C. Returned as a ``result``."""
     d = built.exp.canaries[0].shape[-1]
 
     def scores_of(include: np.ndarray, _rng: np.random.Generator) -> np.ndarray:
-        return per_example_step(built, include)[: config.replicas, d - 1].double().numpy()
+        return step(built, include)[: config.replicas, d - 1].double().numpy()
 
     check = lambda h: check_one_step(h, randomized=False, micro_batches=1)  # noqa: E731
     trials = run_trials(config, built.exp, scores_of, check, progress)
     scores, included = trials.scores, trials.included
-    shift = 1.0 + math.sqrt(0.5) if config.variant == "per_example_unchecked" else 1.0
-    return PathAuditResult(
+    return result(
         **{**trials.fields(config, start), "estimator": "exact", "sketch_size": 0},
         mean_score_in=float((scores[included].mean() - scores[~included].mean()) * config.sigma),
         eps_exact=mixture_epsilon(np.array([shift / config.sigma]), config.delta),
@@ -608,20 +617,8 @@ def _draw_boundary(config: PathAuditConfig, progress: Progress, start: float) ->
                 refusal=str(error),
             )
         built = build_draw_boundary(config)  # the step was taken: audit it (a fresh accountant)
-    d = built.exp.canaries[0].shape[-1]
-
-    def scores_of(include: np.ndarray, _rng: np.random.Generator) -> np.ndarray:
-        return accumulation_step(built, include)[: config.replicas, d - 1].double().numpy()
-
-    check = lambda h: check_one_step(h, randomized=False, micro_batches=1)  # noqa: E731
-    trials = run_trials(config, built.exp, scores_of, check, progress)
-    scores, included = trials.scores, trials.included
-    return FusedHeadAuditResult(
-        **{**trials.fields(config, start), "estimator": "exact", "sketch_size": 0},
-        mean_score_in=float((scores[included].mean() - scores[~included].mean()) * config.sigma),
-        eps_exact=mixture_epsilon(np.array([2.0 / config.sigma]), config.delta),  # the canary twice
-        history=trials.history,
-    )
+    # the canary twice: a shift of 2 C
+    return _exact_step_audit(config, built, accumulation_step, 2.0, progress, start, FusedHeadAuditResult)
 
 
 _AUDITS = {

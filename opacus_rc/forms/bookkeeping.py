@@ -75,6 +75,35 @@ class Record:
         return int(self.sq_norms.shape[0])
 
 
+class RecordStore:
+    """The records of the step, per parameter (by identity): owned by the book-keeping
+    module (:attr:`BookkeepingMixin.records`), filled by its layers' hooks (and the chunked
+    head), consumed by the optimizer's step; never kept on the parameters."""
+
+    def __init__(self) -> None:
+        self._records: Dict[int, List[Record]] = {}
+
+    def add(self, param: nn.Parameter, record: Record) -> None:
+        """Keep ``record`` (one backward pass) for ``param`` until the optimizer's step."""
+        self._records.setdefault(id(param), []).append(record)
+
+    def of(self, param: nn.Parameter) -> List[Record]:
+        """``param``'s records of the step (empty: none)."""
+        return self._records.get(id(param), [])
+
+    def take(self, param: nn.Parameter) -> List[Record]:
+        """``param``'s records of the step, consumed."""
+        return self._records.pop(id(param), [])
+
+    def __len__(self) -> int:
+        """The parameters with records."""
+        return len(self._records)
+
+    def clear(self) -> None:
+        """Drop every record (per-example values: they would reach ``torch.save(model)``)."""
+        self._records.clear()
+
+
 def keep_rows(t: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
     """``t`` with the rows (first dimension) of dropped examples set to 0."""
     if keep is None:
@@ -153,6 +182,8 @@ class BookkeepingMixin(PerExampleStore):
         owners = collections.Counter(id(p) for m in layers for p in m.parameters(recurse=False))
         if any(count > 1 for count in owners.values()):
             raise tied_weights_error()
+        #: the step's records, read by the optimizer that follows this module
+        self.records = RecordStore()
         self._pending_uses: Dict[nn.Module, List[Any]] = {}  # this pass's uses, per layer
         self._recorded_in_pass: set = set()  # layers whose record of this pass is complete
         self._clear_queued = False  # end-of-backward reset of _recorded_in_pass queued
@@ -183,7 +214,7 @@ class BookkeepingMixin(PerExampleStore):
         for p in params:
             p._forward_counter -= 1
         for p, record in values.records().items():
-            append_record(p, record)
+            self.records.add(p, record)
 
     def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
         """A replayed use of a layer whose record of this backward pass is already
@@ -240,21 +271,13 @@ class BookkeepingMixin(PerExampleStore):
         self._recorded_in_pass.add(module)
         norms = RANDOMIZED_NORM_SAMPLERS[type(module)](module, [a], g, self.sketcher)
         for param, norm in norms.items():
-            append_record(param, Record(norm.pow(2), _clipped_sum(module, param, a, g)))
+            self.records.add(param, Record(norm.pow(2), _clipped_sum(module, param, a, g)))
 
     def forget_per_example_values(self) -> None:
         """Drop what a refused step left: the layers' pending uses and the parameters'
         records (per-example values; they would reach ``torch.save(model)``)."""
         self._pending_uses.clear()
-        for _, p in trainable_parameters(self._module):
-            p._bookkeeping_records = None
-
-
-def append_record(param: nn.Parameter, record: Record) -> None:
-    """Keep ``record`` (one backward pass) on ``param`` until the optimizer's step."""
-    records = getattr(param, "_bookkeeping_records", None) or []
-    records.append(record)
-    param._bookkeeping_records = records
+        self.records.clear()
 
 
 def concatenate_uses(module: nn.Module, uses: List[Any]) -> Any:
@@ -303,9 +326,19 @@ class BookkeepingClippingMixin:
     #: the step releases only the sums built here, never ``p.grad``
     clip_guard_class = BuiltSumsGuard
 
-    @staticmethod
-    def _records(p: torch.nn.Parameter):
-        return getattr(p, "_bookkeeping_records", None)
+    @property
+    def _record_store(self) -> RecordStore:
+        """The records of the module this optimizer follows (refused when it follows none)."""
+        module = self.bound_module()
+        if module is None:
+            raise ValueError(
+                "the book-keeping optimizer clips from the records of the module it follows: "
+                "call module.follow_steps(optimizer) (make_private does)"
+            )
+        return module.records
+
+    def _records(self, p: torch.nn.Parameter) -> List[Record]:
+        return self._record_store.of(p)
 
     def complete_batch(self, rows: int) -> List[torch.nn.Parameter]:
         """After a backward pass of ``rows`` examples (a loop's own, the private Trainer's):
@@ -313,7 +346,7 @@ class BookkeepingClippingMixin:
         nor Opacus per-sample gradients (zeros: a record of zero norms and clipped sum)."""
         return complete_unused(
             self.params, rows, lambda p: bool(self._records(p)) or getattr(p, "grad_sample", None) is not None,
-            lambda p: append_record(p, Record(torch.zeros(rows, device=p.device), lambda c, keep=None: torch.zeros_like(p))),
+            lambda p: self._record_store.add(p, Record(torch.zeros(rows, device=p.device), lambda c, keep=None: torch.zeros_like(p))),
         )
 
     def _exact_grad_sample(self, p: torch.nn.Parameter) -> torch.Tensor:
@@ -358,7 +391,7 @@ class BookkeepingClippingMixin:
         per non-linear parameter. Not compared: the non-linear parameters of a physical batch
         after a skipped step with no ``zero_grad()`` between (``p.grad`` then also holds the
         earlier batch's)."""
-        module = self._bound_module()
+        module = self.bound_module()
         deferred = {id(p) for m in getattr(module, "_patched", ()) for p in m.parameters(recurse=False)}
         fresh = self.clip_guard.take_fresh()
         expected: List[Tuple[torch.nn.Parameter, Expected]] = []
@@ -411,7 +444,7 @@ class BookkeepingClippingMixin:
         if keep is not None:
             clip = clip * keep
         for p in self.params:
-            records = self._records(p)
+            records = self._record_store.take(p)
             if records:
                 grad, start = None, 0
                 for r in records:
@@ -420,7 +453,6 @@ class BookkeepingClippingMixin:
                     part = r.clipped(clip[rows], kept).to(p.dtype).view_as(p)
                     grad = part if grad is None else grad + part
                     start += r.batch_size
-                p._bookkeeping_records = None
             else:
                 gs = keep_rows(self._exact_grad_sample(p).to(p.dtype), keep)
                 grad = torch.einsum("i,i...", clip.to(gs), gs)
@@ -443,8 +475,9 @@ class BookkeepingClippingMixin:
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         super().zero_grad(set_to_none)
-        for p in self.params:
-            p._bookkeeping_records = None
+        module = self.bound_module()
+        if module is not None:
+            module.records.clear()
 
 
 class RandomizedClippingBookkeepingOptimizer(

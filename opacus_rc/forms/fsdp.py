@@ -129,7 +129,6 @@ class _TiedSlot:
     (:meth:`SketchingMixin._tied_slot`), kept under the sharded parameter's identity."""
 
     _forward_counter = 0  # uses still to come in this backward pass
-    _tied_sketch_sum: Optional[torch.Tensor] = None  # sketched per-sample gradients so far
     _norm_sample: Optional[torch.Tensor] = None  # this pass's per-sample norm
 
 
@@ -266,7 +265,8 @@ class FSDPSketchingMixin(SketchingMixin):
             for norm in getattr(module, "norm_sample", [])
         ]
         slots, self._tied_slots = list(self._tied_slots.values()), {}
-        pending = [s for s in slots if s._forward_counter != 0 or s._tied_sketch_sum is not None]
+        pending = bool(self._tied_sums) or any(s._forward_counter != 0 for s in slots)
+        self._tied_sums.clear()  # (dropped with their slots)
         per_param += [(self._module, s._norm_sample) for s in slots if s._norm_sample is not None]
         if pending:  # never clip with part of a tied parameter's norm
             raise unmatched_tied_uses_error()
@@ -285,13 +285,14 @@ class FSDPSketchingMixin(SketchingMixin):
         modules, or in a tied parameter's slot)."""
         return any(
             getattr(m, "norm_sample", None) is not None for m in self.iterate_submodules(self._module)
-        ) or any(s._norm_sample is not None or s._tied_sketch_sum is not None for s in self._tied_slots.values())
+        ) or bool(self._tied_sums) or any(s._norm_sample is not None for s in self._tied_slots.values())
 
     def forget_per_example_values(self) -> None:
         for module in self.iterate_submodules(self._module):
             module.__dict__.pop("norm_sample", None)
         for slot in self._tied_slots.values():
-            slot._norm_sample = slot._tied_sketch_sum = None
+            slot._norm_sample = None
+        self._tied_sums.clear()
 
 
 class GradSampleModuleRandomizedClippingFSDP(

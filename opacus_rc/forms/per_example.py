@@ -200,9 +200,7 @@ class PerExampleClipping:
         """Clip for ``optimizer`` (``make_private`` links them; call it once for objects
         built by hand): every backward pass's clipped gradient joins its next ``step()``."""
         self._optimizer = weakref.ref(optimizer)
-        bind = getattr(optimizer, "bind_module", None)
-        if bind is not None:
-            bind(self)
+        optimizer.bind_module(self)
 
     def forget_per_example_values(self) -> None:
         """Drop what a refused step left (forward counts)."""

@@ -221,7 +221,8 @@ def test_evaluate_and_generate_leave_no_records_and_no_charge(tmp_path):
     model.generate(input_ids=torch.zeros(1, 3, dtype=torch.long), max_new_tokens=2, do_sample=False)
     assert trainer.accountant.history == history
     for p in model.parameters():
-        assert getattr(p, "_bookkeeping_records", None) is None and getattr(p, "grad_sample", None) is None
+        assert getattr(p, "grad_sample", None) is None
+    assert not len(trainer._dp_hooks.records)  # book-keeping's records
     for m in model.modules():
         assert not getattr(m, "activations", [])
 
