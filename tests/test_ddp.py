@@ -7,6 +7,7 @@ with noise on, noise is added once (rank 0), not once per rank. Per-example sket
 differ across ranks (independent examples), shared sketches do not.
 """
 
+import gc
 import os
 
 import pytest
@@ -288,6 +289,11 @@ def torch_ddp_after_worker(rank, init_file, batch_size, mode, out_dir):
     except ValueError as e:
         error = str(e)
     torch.save(error, os.path.join(out_dir, f"rank{rank}.pt"))
+    # DDP's reducer freed after its process group can deadlock in gloo's teardown (its worker
+    # thread waits for the GIL the freeing thread holds): wait for the ranks, free it first
+    dist.barrier()
+    del net, out
+    gc.collect()
     dist.destroy_process_group()
 
 
