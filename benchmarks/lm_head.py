@@ -154,6 +154,8 @@ def head_peak_bytes(form: str, *, batch: int = 1, seq_len: int = 1024, d: int = 
     elif form == "bookkeeping":
         gsm = GradSampleModuleBookkeeping(model, sketch_config=config, sketch_seed=0)
         opt = RandomizedClippingBookkeepingOptimizer(sgd, sketch_config=config, noise_seed=0, **opts)
+    if gsm is not None:
+        gsm.follow_steps(opt)  # objects built by hand: the optimizer clips from this module's records
     x = torch.randn(batch, seq_len, d, device=device)
     y = torch.randint(0, vocab, (batch, seq_len), device=device)
     amp = torch.autocast(device, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
