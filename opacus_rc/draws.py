@@ -21,10 +21,12 @@ one release, one Poisson draw. It also hands each batch to the per-example form'
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, Optional
 
 from opacus.utils.batch_memory_manager import BatchSplittingSampler
 from torch.utils.data import DataLoader
+
+from .units import RecordingBatchSampler, UserDataLoader, UserIndex, delivered_units
 
 
 def accumulation_error(batches: int) -> ValueError:
@@ -69,13 +71,21 @@ class DrawLoader(DataLoader):
     the per-example module it follows, if any."""
 
     def __init__(self, *, data_loader: DataLoader, max_batch_size: int, optimizer: Any) -> None:
-        super().__init__(**_split_loader_kwargs(data_loader, max_batch_size, optimizer))
+        kwargs = _split_loader_kwargs(data_loader, max_batch_size, optimizer)
+        #: a user-level loader's index: each physical batch's users are announced
+        self.user_index: Optional[UserIndex] = None
+        if isinstance(data_loader, UserDataLoader):
+            self.user_index = data_loader.user_index
+            kwargs["batch_sampler"] = RecordingBatchSampler(kwargs["batch_sampler"])
+        super().__init__(**kwargs)
         self.draw_optimizer = optimizer
 
     @property
     def rows_per_batch(self) -> int:
         """The most dataset rows a delivered batch holds (the smallest of nested splits)."""
         sizes, sampler = [], self.batch_sampler
+        if isinstance(sampler, RecordingBatchSampler):
+            sampler = sampler.batch_sampler
         while isinstance(sampler, BatchSplittingSampler):
             sizes.append(sampler.max_batch_size)
             sampler = sampler.sampler
@@ -86,9 +96,12 @@ class DrawLoader(DataLoader):
         bound = optimizer.bound_module()
         module = bound if self.rows_per_batch == 1 and hasattr(bound, "note_batch") else None
         source = object()  # this iteration
+        batches = super().__iter__()
+        if self.user_index is not None:
+            batches = delivered_units(batches, self.batch_sampler, self.user_index, optimizer.note_units)
         optimizer.start_physical_batches()
         try:
-            for batch in super().__iter__():
+            for batch in batches:
                 optimizer.note_physical_batch()
                 if module is not None:
                     module.note_batch(batch, source)

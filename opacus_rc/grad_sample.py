@@ -60,6 +60,8 @@ class PerExampleStore:
     #: the two passes from the model's output of a plain-loss script (set by
     #: :class:`~opacus_rc.forms.output_passes.OutputPasses`; None: the criterion's passes)
     output_passes: Optional[Any] = None
+    #: the units of the physical batch in hand (privacy_unit="user"; None: rows are examples)
+    row_units: Optional[Any] = None
 
     def __init__(
         self,
@@ -108,6 +110,11 @@ class PerExampleStore:
         self._steps_taken = 0
         self._step_hook = target.register_step_post_hook(self._count_step)
         optimizer.bind_module(self)  # its steps check and forget this module's per-example norms
+
+    def note_units(self, units: Any) -> None:
+        """The rows of the batch in hand belong to ``units`` (:class:`~opacus_rc.units.RowUnits`;
+        the optimizer it follows forwards what the loader announces)."""
+        self.row_units = units
 
     def _count_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self._steps_taken += 1

@@ -241,6 +241,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
         form the script expects (the form's ``outputs``, :mod:`opacus_rc.forms`)."""
         sampling: PublicSampling = options.sampling
         out[0].follow_steps(out[1])  # fresh sketches after every step the optimizer takes
+        if options.users is not None:
+            out[-1].follow(out[1])  # each batch's users, announced to the optimizer
         # Opacus charged 1 / len(its DPDataLoader); charge the public rate instead.
         out[1].attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sampling.sample_rate))
         logger.info(

@@ -28,7 +28,8 @@ from .config import SketchConfig
 from .finite import FORWARD_CHANGE, NonFiniteGuard, failed_kinds
 from .forward_changes import ForwardChanges, watched_model
 from .sketch import NOISE_STREAM, DeviceStreams, check_seed
-from .values import RAISE
+from .units import RowUnits, UserIndex
+from .values import EXAMPLE_UNIT, RAISE, USER_UNIT
 
 
 _LEGACY_STATE_KEY = "opacus_rc"  # generator states stored by versions up to 0.1.0
@@ -69,9 +70,14 @@ class RandomizedClippingMixin:
         noise_seed: Optional[int] = None,
         nonfinite: str = RAISE,
         accept_replayed_noise: bool = False,
+        user_index: Optional[UserIndex] = None,
         **kwargs,
     ) -> None:
         super().__init__(optimizer, **kwargs)
+        #: privacy_unit="user": who owns each dataset row (None: example level)
+        self.user_index = user_index
+        #: the units of the physical batch in hand (:meth:`note_units`; user level only)
+        self.row_units: Optional[RowUnits] = None
         self.seeded = noise_seed is not None  # the noise stream replays from its seed
         self.accept_replayed_noise = accept_replayed_noise
         #: set while PrivacyEngine.load_checkpoint runs: a seeded state is checked after it
@@ -253,6 +259,19 @@ class RandomizedClippingMixin:
             return
         self.drop_step()
         raise watch.refusal(changed)
+
+    @property
+    def privacy_unit(self) -> str:
+        """``"example"`` or ``"user"``: what one clip bounds (see :mod:`opacus_rc.units`)."""
+        return EXAMPLE_UNIT if self.user_index is None else USER_UNIT
+
+    def note_units(self, units: RowUnits) -> None:
+        """The loader make_private returned delivers a batch whose rows belong to ``units``
+        (user level): the form clips per user (the module it follows is told too)."""
+        self.row_units = units
+        module = self.bound_module()
+        if module is not None:
+            module.note_units(units)
 
     def bound_module(self) -> Any:
         """The grad-sample module this optimizer follows (:meth:`bind_module`); None if none."""

@@ -31,9 +31,10 @@ from .denoise import DEFAULT_KAPPA
 from .forms import FORMS, resolve_form
 from .forms import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES, TWO_PASS
 from .sketch import check_seed
+from .units import DEFAULT_MAX_EXAMPLES_PER_USER, UserIndex, check_max_examples_per_user, check_privacy_unit
 from .values import (
-    ADAPTIVE, BOOKKEEPING_MODE, DENOISERS, FLAT, FSDP_MODE, GHOST, HOOKS, NONFINITE_MODES, PER_LAYER, RAISE, RANDOMIZED,
-    RC_PRV, SKIP, SVD_FULL,
+    ADAPTIVE, BOOKKEEPING_MODE, DENOISERS, EXAMPLE_UNIT, FLAT, FSDP_MODE, GHOST, HOOKS, NONFINITE_MODES, PER_LAYER,
+    RAISE, RANDOMIZED, RC_PRV, SKIP, SVD_FULL, USER_UNIT,
 )
 
 #: every clipping mode make_private accepts: Opacus's three and the plugin's
@@ -129,6 +130,21 @@ OPTIONS: Tuple[Option, ...] = (
     Option("expected_batch_size", None, "Optional[int]", (
         "*randomized*. The public normaliser of the averaged\n"
         "update (a positive int, summed over ranks); None: the loader's batch_size."
+    )),
+    Option("privacy_unit", EXAMPLE_UNIT, "str", (
+        "*randomized*. What one clip bounds and epsilon protects: ``\"example\"``\n"
+        "(a dataset row) or ``\"user\"`` (a person with all their rows: Poisson sampling\n"
+        "over users at ``sample_rate``, else the loader's ``batch_size`` / number of users,\n"
+        "and one clip of the mean of a sampled user's rows; :mod:`opacus_rc.units`)."
+    )),
+    Option("user_ids", None, "Optional[Sequence]", (
+        "*randomized*, with ``privacy_unit=\"user\"``. One hashable id per dataset\n"
+        "row: the person who owns it."
+    )),
+    Option("max_examples_per_user", DEFAULT_MAX_EXAMPLES_PER_USER, "int", (
+        "*randomized*, with ``privacy_unit=\"user\"``. The contribution bound k: a\n"
+        "sampled user contributes min(k, n_u) of their rows, drawn uniformly at each step.\n"
+        "It bounds compute, not privacy (a user's clipped mean has norm <= C for any k)."
     )),
     Option("denoise", None, "Optional[str]", (
         "None or ``\"spectral\"`` (any clipping mode): SVD shrinkage of the\n"
@@ -256,8 +272,11 @@ SKETCH_OPTIONS = tuple(f.name for f in fields(SketchConfig))
 SAMPLING_OPTIONS = ("expected_batch_size", "sample_rate")
 #: keywords that only apply with clipping="randomized" (bookkeeping has its own message)
 RANDOMIZED_ONLY = (
-    *SKETCH_OPTIONS, "sketch_seed", "seed", "accept_replayed_noise", "nonfinite", *SAMPLING_OPTIONS
+    *SKETCH_OPTIONS, "sketch_seed", "seed", "accept_replayed_noise", "nonfinite", *SAMPLING_OPTIONS,
+    "privacy_unit", "user_ids", "max_examples_per_user",
 )
+#: keywords that only apply with privacy_unit="user"
+USER_ONLY = ("user_ids", "max_examples_per_user")
 
 
 def _given(options: Mapping[str, Any], name: str) -> bool:
@@ -524,6 +543,65 @@ def _accept_replayed_noise(accept: Any, seed: Optional[int]) -> bool:
     return accept
 
 
+def _user_index(options: Mapping[str, Any], opacus: Mapping[str, Any], runs: str) -> Optional[UserIndex]:
+    """``privacy_unit=`` with ``user_ids=`` and ``max_examples_per_user=``: the
+    :class:`~opacus_rc.units.UserIndex` of a user-level call (None: example level).
+    Refused where the plugin cannot clip per user exactly: a form that does not honour
+    the user unit (:attr:`~opacus_rc.forms.Form.honours_users`), DDP / FSDP2, and
+    ``poisson_sampling=False`` (the guarantee is for Poisson sampling over users).
+
+    Raises:
+        ValueError: naming the parameter and its accepted values, or the combination.
+    """
+    unit = check_privacy_unit(options["privacy_unit"])
+    check_max_examples_per_user(options["max_examples_per_user"])
+    if unit == EXAMPLE_UNIT:
+        given = [k for k in USER_ONLY if _given(options, k)]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with privacy_unit='user'; got privacy_unit='example'")
+        return None
+    if not FORMS[runs].honours_users:
+        raise ValueError(
+            f"privacy_unit='user' is not supported by the {runs!r} form (it clips rows inside one autograd "
+            "pass); accepted with it: book-keeping (grad_sample_mode='hooks' or 'bookkeeping', or 'ghost' "
+            "with bookkeeping=True) and the per-example form (per_example_backward=True)"
+        )
+    module = opacus.get("module")
+    if module is not None and _distributed(module):
+        raise ValueError(
+            "privacy_unit='user' does not support DDP or FSDP2 yet (a user's rows would be split "
+            "across ranks): train in one process"
+        )
+    if not opacus["poisson_sampling"]:
+        raise ValueError(
+            "privacy_unit='user' needs poisson_sampling=True: the guarantee is for Poisson sampling over users"
+        )
+    dataset = getattr(opacus.get("data_loader"), "dataset", None)
+    try:
+        size = len(dataset)
+    except TypeError:
+        raise ValueError("privacy_unit='user' needs a data_loader over a dataset with a length") from None
+    return UserIndex(options["user_ids"], size, options["max_examples_per_user"])
+
+
+def _distributed(module: Any) -> bool:
+    """Whether ``module`` is wrapped for several processes (DPDDP, DDP, an FSDP2 module)."""
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return isinstance(module, (DPDDP, DDP, FSDPModule))
+
+
+def user_sampling(sampling: PublicSampling, users: UserIndex) -> PublicSampling:
+    """The public sampling of a user-level run: the rate ``q_u`` is ``sample_rate=`` when
+    given, else the normaliser (expected users per step: ``expected_batch_size``, else the
+    loader's ``batch_size``) over the number of users, capped at 1."""
+    if sampling.explicit_sample_rate:
+        return sampling
+    return PublicSampling(sampling.batch_size, min(1.0, sampling.batch_size / users.num_users))
+
+
 @dataclass(frozen=True)
 class Options:
     """The plugin's options of one ``make_private`` call, parsed once (:meth:`parse`).
@@ -540,7 +618,10 @@ class Options:
         seed: ``seed=``, root of the noise and Poisson streams (None: ``os.urandom``).
         nonfinite: ``"raise"`` or ``"skip"``.
         accept_replayed_noise: a resumed seeded run may replay its noise (see :data:`OPTIONS`).
-        sampling: the public normaliser and sample rate (randomized only, else None).
+        sampling: the public normaliser and sample rate (randomized only, else None);
+            at user level, of users.
+        users: the :class:`~opacus_rc.units.UserIndex` of a ``privacy_unit="user"`` call
+            (None: example level).
     """
 
     clipping: str = FLAT
@@ -553,10 +634,15 @@ class Options:
     nonfinite: str = RAISE
     accept_replayed_noise: bool = False
     sampling: Optional[PublicSampling] = None
+    users: Optional[UserIndex] = None
 
     @property
     def randomized(self) -> bool:
         return self.clipping == RANDOMIZED
+
+    @property
+    def privacy_unit(self) -> str:
+        return EXAMPLE_UNIT if self.users is None else USER_UNIT
 
     @property
     def denoise_kwargs(self) -> Optional[Dict[str, Any]]:
@@ -566,7 +652,7 @@ class Options:
         """What the randomized optimizer takes through Opacus's ``**kwargs``."""
         return {
             "sketch_config": self.sketch, "nonfinite": self.nonfinite, "noise_seed": self.seed,
-            "accept_replayed_noise": self.accept_replayed_noise,
+            "accept_replayed_noise": self.accept_replayed_noise, "user_index": self.users,
         }
 
     @classmethod
@@ -605,11 +691,14 @@ class Options:
             opacus.get("data_loader"), options["expected_batch_size"], options["sample_rate"],
             opacus["poisson_sampling"],
         )
+        users = _user_index(options, opacus, runs)
+        if users is not None:
+            sampling = user_sampling(sampling, users)
         sketch_seed = options["sketch_seed"]
         return cls(
             clipping=clipping, grad_sample_mode=mode, runs=runs, denoise=denoise, sketch=sketch,
             sketch_seed=seed if sketch_seed is None else sketch_seed, seed=seed,
-            nonfinite=nonfinite, accept_replayed_noise=accept_replayed_noise, sampling=sampling,
+            nonfinite=nonfinite, accept_replayed_noise=accept_replayed_noise, sampling=sampling, users=users,
         )
 
 

@@ -12,7 +12,7 @@ its own generator (never torch's global one) and the two-pass criterion.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
 import opacus.privacy_engine
@@ -25,13 +25,14 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from . import checkpoint
-from .csprng import SecureDPDataLoader, init_poisson_loader, loader_settings
+from .csprng import SecureDPDataLoader, default_generator, init_poisson_loader, loader_settings
 from .forms import FORMS
 from .forms.fsdp import check_fsdp_mode
 from .forms.two_pass import DPLossRandomizedClipping
 from .forward_changes import check_no_max_norm
 from .options import Options, per_rank_normaliser
 from .sketch import POISSON_STREAM, DeviceStreams
+from .units import UserDataLoader
 
 #: Opacus's engine, as ``opacus.privacy_engine`` defines it
 OpacusPrivacyEngine = opacus.privacy_engine.PrivacyEngine
@@ -209,6 +210,8 @@ class MakePrivateCall:
             batch_first=kwargs.get("batch_first", True),
             rand_on_empty=kwargs.get("rand_on_empty", False),
         )
+        if self.options.users is not None:  # privacy_unit="user": Poisson over users
+            return self._user_data_loader(data_loader, settings)
         if self.secure_mode:  # CSPRNG Poisson sampler, no torchcsprng
             return SecureDPDataLoader.from_data_loader(data_loader, **settings)
         generator = poisson_generator(data_loader, self.options.seed, distributed)
@@ -217,6 +220,21 @@ class MakePrivateCall:
         # distributed: every draw, an empty one too (EveryDrawDistributedSampler)
         loader = DistributedDPDataLoader if settings.pop("distributed") else DPDataLoader
         return loader(dataset=data_loader.dataset, **loader_settings(data_loader), generator=generator, **settings)
+
+    def _user_data_loader(self, data_loader, settings: Dict[str, Any]) -> UserDataLoader:
+        """The user-level loader (:class:`~opacus_rc.units.UserDataLoader`): Poisson over
+        users at the public rate, with the masks' generator as the example-level loader's
+        (the CSPRNG in secure mode)."""
+        if self.secure_mode:
+            generator = default_generator()
+        else:
+            generator = poisson_generator(data_loader, self.options.seed, False)
+            setattr(self, checkpoint.POISSON_GENERATOR_ATTR, generator)  # include_rng_state
+        return UserDataLoader(
+            data_loader.dataset, index=self.options.users, sample_rate=settings["sample_rate"], generator=generator,
+            batch_first=settings["batch_first"], rand_on_empty=settings["rand_on_empty"],
+            **loader_settings(data_loader),
+        )
 
     def _check_dataset(self, data_loader) -> None:
         """Opacus's one-dataset-per-engine check. Copied: Opacus runs it only inside its

@@ -33,3 +33,7 @@ SVD_METHODS = (SVD_AUTO, SVD_FULL, SVD_LOWRANK)
 
 # PrivacyEngine(accountant=): the plugin's accountant
 RC_PRV = "rc_prv"
+
+# privacy_unit=: what one clip bounds and epsilon protects
+EXAMPLE_UNIT, USER_UNIT = "example", "user"
+PRIVACY_UNITS = (EXAMPLE_UNIT, USER_UNIT)

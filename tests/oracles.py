@@ -128,3 +128,26 @@ def per_example_clipped_mean(model, loss_of, xs, ys, max_grad_norm: float, norma
         for (n, _), g in zip(params.items(), grads):
             total[n] += scale * g
     return {n: t / normaliser for n, t in total.items()}
+
+
+def per_user_clipped_mean(model, loss_of, xs, ys, users, max_grad_norm: float, normaliser: float):
+    """Brute-force user-level DP-SGD update without noise: for each user, the mean of plain
+    autograd's gradients of ``loss_of(model, x_r, y_r)`` over their rows (``users[r]``: the
+    owner of row r), clipped to ``max_grad_norm`` (flat L2), summed over users and divided
+    by the public ``normaliser``. Returns ``{name: update}``."""
+    import torch
+
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    for user in dict.fromkeys(users):
+        rows = [r for r, u in enumerate(users) if u == user]
+        mean = [torch.zeros_like(p, dtype=torch.float64) for p in params.values()]
+        for r in rows:
+            grads = torch.autograd.grad(loss_of(model, xs[r][None], ys[r][None]), list(params.values()))
+            for m, g in zip(mean, grads):
+                m += g.double() / len(rows)
+        norm = torch.sqrt(sum(m.pow(2).sum() for m in mean))
+        scale = min(1.0, max_grad_norm / (float(norm) + 1e-6))
+        for (n, _), m in zip(params.items(), mean):
+            total[n] += (scale * m).to(total[n].dtype)
+    return {n: t / normaliser for n, t in total.items()}

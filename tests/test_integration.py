@@ -23,7 +23,7 @@ from .models import token_task
 OPTIONS = (
     "estimator", "sketch_size", "sketching", "exact_when_cheaper", "sketch_seed", "seed", "accept_replayed_noise",
     "bookkeeping", "per_example_backward", "denoise", "denoise_kappa", "denoise_svd", "nonfinite", "sample_rate",
-    "expected_batch_size",
+    "expected_batch_size", "privacy_unit", "user_ids", "max_examples_per_user",
 )
 ENTRY_POINTS = ("make_private", "make_private_with_epsilon")
 

@@ -72,7 +72,7 @@ def _epsilon_call(engine, **kwargs):
 UNKNOWN = [
     (dict(clipping="randomized", sketchsize=8), r"'sketchsize' \(did you mean 'sketch_size'\?\)"),
     (dict(clipping="randomized", totally_bogus=1), r"unknown keyword 'totally_bogus'"),
-    (dict(clipping="randomized", privacy_unit="user"), r"unknown keyword 'privacy_unit'"),
+    (dict(clipping="randomized", privacy_units="user"), r"unknown keyword 'privacy_units' \(did you mean 'privacy_unit'\?\)"),
     (dict(clipping="flat", totally_bogus=1), r"unknown keyword 'totally_bogus'"),
     (dict(clipping="flat", noise_generater=None), r"'noise_generater' \(did you mean 'noise_generator'\?\)"),
     (dict(clipping="randomized", noise_seed=3), r"unknown keyword 'noise_seed'"),  # internal: seed= is the option

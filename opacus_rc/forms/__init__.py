@@ -114,6 +114,9 @@ class Form:
             module's ``one_physical_batch()``).
         per_layer: the module computes per-layer per-example values in its layers' hooks
             (a chunked LM head, :mod:`opacus_rc.lm_head`, delivers its own head's).
+        honours_users: it clips per user (``privacy_unit="user"``, :mod:`opacus_rc.units`):
+            a user's rows regrouped within a physical batch, or accumulated over backward
+            passes; the other forms refuse the user unit.
         outputs: Opacus's ``make_private`` outputs -> what the script gets.
     """
 
@@ -125,6 +128,7 @@ class Form:
     drops_examples: bool = False
     one_example_per_backward: bool = False
     per_layer: bool = True
+    honours_users: bool = False
     outputs: Callable[[Tuple, Mapping[str, Any]], Tuple] = _as_returned
 
     def build_module(self, module: nn.Module, wrap_model: bool, max_grad_norm: float, **kwargs: Any) -> Any:
@@ -146,6 +150,7 @@ _BOOKKEEPING_CLASSES = dict(
     optimizers=(RandomizedClippingBookkeepingOptimizer, DistributedRandomizedClippingBookkeepingOptimizer),
     takes_bound=False,  # it clips after the pass, in the optimizer
     drops_examples=True,
+    honours_users=True,
 )
 
 #: Every form, by name.
@@ -169,6 +174,7 @@ FORMS: Dict[str, Form] = {
             drops_examples=True,
             one_example_per_backward=True,
             per_layer=False,
+            honours_users=True,
             outputs=_one_example_per_batch,
         ),
     )

@@ -53,6 +53,7 @@ from ..grad_sample import PerExampleStore, head_used_twice_error
 from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from ..optimizer import SketchedClippingMixin
 from ..recompute import late_use_error, missing_per_sample_error
+from ..units import RowUnits, regroup_rows, sum_rows_by_unit, unit_sizes
 from ..values import SKIP
 
 # --- Records: what one backward pass leaves for a parameter -------------------------------
@@ -69,6 +70,13 @@ class Record:
 
     sq_norms: torch.Tensor
     clipped: Callable[[torch.Tensor], torch.Tensor]
+    #: the physical batch's rows (None: one per entry of ``sq_norms``; fewer entries when
+    #: the rows were regrouped into users, :func:`~opacus_rc.units.regroup_rows`)
+    rows: Optional[int] = None
+
+    @property
+    def row_count(self) -> int:
+        return self.batch_size if self.rows is None else self.rows
 
     @property
     def batch_size(self) -> int:
@@ -269,9 +277,13 @@ class BookkeepingMixin(PerExampleStore):
             return  # more uses of this layer in this pass are still to come
         a, g = concatenate_uses(module, self._pending_uses.pop(module))
         self._recorded_in_pass.add(module)
+        rows = None
+        if self.row_units is not None:  # privacy_unit="user": one sequence of all a user's tokens
+            rows = int(g.shape[0])
+            a, g = regroup_uses(module, a, g, self.row_units)
         norms = RANDOMIZED_NORM_SAMPLERS[type(module)](module, [a], g, self.sketcher)
         for param, norm in norms.items():
-            self.records.add(param, Record(norm.pow(2), _clipped_sum(module, param, a, g)))
+            self.records.add(param, Record(norm.pow(2), _clipped_sum(module, param, a, g), rows))
 
     def forget_per_example_values(self) -> None:
         """Drop what a refused step left: the layers' pending uses and the parameters'
@@ -297,6 +309,14 @@ def concatenate_uses(module: nn.Module, uses: List[Any]) -> Any:
     a = torch.cat([x.reshape(x.shape[0], math.prod(x.shape[1:])) if ids else as_sequence(x) for x, _ in uses], dim=1)
     g = torch.cat([as_sequence(y) for _, y in uses], dim=1)
     return a, g
+
+
+def regroup_uses(module: nn.Module, a: torch.Tensor, g: torch.Tensor, units: RowUnits) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A layer's ``(A, G)`` of a batch regrouped into its users (:func:`~opacus_rc.units.regroup_rows`):
+    ``sum_{r in u} A_r^T G_r`` is the gradient of one sequence of all user ``u``'s tokens."""
+    ids = isinstance(module, nn.Embedding)
+    a = a.reshape(a.shape[0], math.prod(a.shape[1:])) if ids else as_sequence(a)
+    return regroup_rows(a, units), regroup_rows(as_sequence(g), units)
 
 
 def _clipped_sum(module: nn.Module, param: nn.Parameter, a: torch.Tensor, g: torch.Tensor):
@@ -350,10 +370,12 @@ class BookkeepingClippingMixin:
         )
 
     def _exact_grad_sample(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """Opacus's per-sample gradient of a parameter that is not book-kept."""
+        """Opacus's per-sample gradient of a parameter that is not book-kept (per user at
+        user level: the sum of the user's rows')."""
         if getattr(p, "grad_sample", None) is None:
             raise missing_per_sample_error(self.describe_parameter(p))
-        return self._get_flat_grad_sample(p)
+        gs = self._get_flat_grad_sample(p)
+        return gs if self.row_units is None else sum_rows_by_unit(gs, self.row_units)
 
     def _per_sample_sq_norms(self, p: torch.nn.Parameter) -> torch.Tensor:
         records = self._records(p)
@@ -416,7 +438,7 @@ class BookkeepingClippingMixin:
         if records:
             parts = [r.clipped(torch.ones_like(r.sq_norms)) for r in records]
             dtype = coarsest_dtype(x.dtype for x in parts)
-            sizes = [r.batch_size for r in records]
+            sizes = [r.row_count for r in records]
             norms = torch.cat([r.sq_norms for r in records]).float().sqrt()
         elif isinstance(getattr(p, "grad_sample", None), (torch.Tensor, list)):
             gs = p.grad_sample if isinstance(p.grad_sample, list) else [p.grad_sample]
@@ -432,7 +454,23 @@ class BookkeepingClippingMixin:
             norms = norms / max(1, max(sizes))
         return sum(parts), dtype, norms
 
+    def _check_user_records(self) -> None:
+        """At user level, the step must be one physical batch holding whole users, whose
+        records were regrouped into them (a record of rows would clip rows, not users)."""
+        if self.user_index is None:
+            return
+        regrouped = all(r.rows is not None for p in self.params for r in self._records(p))
+        if self.row_units is None or self._passes_recorded() != 1 or not regrouped:
+            self.drop_step()
+            raise ValueError(
+                "privacy_unit='user' with book-keeping clips the users of one physical batch, the whole "
+                "draw of the loader make_private returned: one backward pass per step, on its batch "
+                "(no gradient accumulation, no BatchMemoryManager; per_example_backward=True spreads "
+                "a user's rows over backward passes)"
+            )
+
     def clip_and_accumulate(self) -> None:
+        self._check_user_records()
         self._note_outside_uses()
         # counted before the records are consumed: averaging and the accountant read it
         self.count_backward_pass(self._passes_recorded())
@@ -440,7 +478,9 @@ class BookkeepingClippingMixin:
         keep = self._finite_examples(sq)
         if keep is not None:
             sq = torch.where(keep, sq, torch.zeros_like(sq))
-        clip = (self.max_grad_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+        # a user's unit is the mean of their m_u rows: norm ||S_u|| / m_u, factor c_u / m_u on S_u
+        rows = 1.0 if self.row_units is None else unit_sizes(self.row_units).to(sq)
+        clip = (self.max_grad_norm / (sq.sqrt() / rows + 1e-6)).clamp(max=1.0) / rows
         if keep is not None:
             clip = clip * keep
         for p in self.params:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from opacus.grad_sample.gsm_base import AbstractGradSampleHooks, AbstractGradSampleModule
@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_leaves
 from ..clip_guard import PerExampleGuard
 from ..optimizer import RandomizedClippingMixin
 from ..recompute import forward_replay
+from ..units import RowUnits
 from ..values import SKIP
 from .fsdp import _contains_fsdp
 
@@ -184,6 +185,10 @@ class PerExampleClipping:
         self._loader_bound = False  # the returned loader was iterated: forwards take its batches
         self._in_hand: Optional[List[torch.Tensor]] = None  # the tensors of its latest batch
         self._in_hand_from: Any = None  # the iteration that delivered it
+        #: privacy_unit="user": the units of the row in hand (:meth:`note_units`) and the
+        #: running gradient of the user whose rows are passing (one gradient-sized buffer)
+        self.row_units: Optional[RowUnits] = None
+        self._user_sum: Optional[Dict[int, Tuple[nn.Parameter, torch.Tensor]]] = None
         self._handles = []
         for module in self._module.modules():
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
@@ -203,7 +208,9 @@ class PerExampleClipping:
         optimizer.bind_module(self)
 
     def forget_per_example_values(self) -> None:
-        """Drop what a refused step left (forward counts)."""
+        """Drop what a refused step left (forward counts). Called at every ``step()``, so a
+        user's running sum, which spans the skipped steps of one draw, is kept (a refusal
+        drops it: :meth:`_refuse`)."""
         self._examples = 0
         self._forward_ids.clear()
         self._reached.clear()
@@ -242,6 +249,32 @@ class PerExampleClipping:
         self._loader_bound = True
         self._in_hand = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
         self._in_hand_from = source
+
+    def note_units(self, units: RowUnits) -> None:
+        """The row in hand belongs to ``units`` (privacy_unit="user", announced by the loader)."""
+        self.row_units = units
+
+    @property
+    def user_pending(self) -> bool:
+        """A user's rows have started and not ended: the step must not release yet."""
+        return self._user_sum is not None
+
+    def _add_to_user(self, grads: List[Tuple[nn.Parameter, torch.Tensor]]) -> Optional[List[Tuple[nn.Parameter, torch.Tensor]]]:
+        """Add one row's gradient to its user's running sum; at the user's last row, the
+        user's mean ``(1/m_u) sum_r g_r`` (the unit that is clipped), else None."""
+        units = self.row_units
+        total = self._user_sum if self._user_sum is not None else {}
+        for p, g in grads:
+            if id(p) in total:
+                total[id(p)][1].add_(g)
+            else:
+                total[id(p)] = (p, g)
+        if not bool(units.last[0]):
+            self._user_sum = total
+            return None
+        self._user_sum = None
+        size = float(units.sizes[0])
+        return [(p, g.div_(size)) for p, g in total.values()]
 
     def _check_from_loader(self, args: Any, kwargs: Dict[str, Any]) -> None:
         """Refuse a forward that does not take the returned loader's batch in hand: none in
@@ -357,6 +390,15 @@ class PerExampleClipping:
             self._grouped = True
         else:
             optimizer.count_backward_pass()
+        if optimizer.user_index is not None and examples:  # privacy_unit="user": clip per user
+            if self.row_units is None or len(self.row_units) != 1:
+                return self._refuse(
+                    "privacy_unit='user': a backward pass ran on a row the loader make_private returned "
+                    "did not deliver (its users are unknown): train on the returned loader's batches"
+                )
+            grads = self._add_to_user(grads)
+            if grads is None:
+                return  # the user's rows continue
         if examples == 0 or not grads:  # an empty batch: a zero contribution
             return
         norm = torch.linalg.vector_norm(
@@ -375,6 +417,7 @@ class PerExampleClipping:
 
     def _refuse(self, why: str) -> None:
         self._refusal = self._refusal or why
+        self._user_sum = None
         self.forget_per_example_values()
 
     def _bound_optimizer(self) -> Optional[Any]:
@@ -462,7 +505,15 @@ class PerExampleOptimizerMixin(RandomizedClippingMixin):
                 p.summed_grad = torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
 
     def add_noise(self) -> None:
-        """Opacus's noise on the float32 sum; ``p.grad`` in the parameter's dtype."""
+        """Opacus's noise on the float32 sum; ``p.grad`` in the parameter's dtype. At user
+        level, refused while a user's rows are still passing (the sum holds none of them)."""
+        module = self.bound_module()
+        if module is not None and module.user_pending:
+            self.drop_step()
+            raise ValueError(
+                "privacy_unit='user': the step came before the last of a user's rows in the draw; each "
+                "physical batch of the loader make_private returned must be followed by one step()"
+            )
         super().add_noise()
         for p in self.params:
             if p.grad is not None and p.grad.dtype != p.dtype:

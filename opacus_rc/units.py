@@ -1,0 +1,342 @@
+"""The privacy unit: what one clip bounds, what the sampler draws, what epsilon protects.
+
+``privacy_unit="example"`` (the default) protects one dataset row. ``privacy_unit="user"``
+protects a person with all their rows (user-level DP by user-level sampling, "ULS" in
+Charles et al. 2024, "user-wise DP-SGD" in Chua et al. 2024):
+
+* sampling: Poisson over users at the public rate ``q_u``; a sampled user contributes
+  ``m_u = min(k, n_u)`` of their ``n_u`` rows, chosen uniformly at random without
+  replacement, fresh at each draw (``k``: ``max_examples_per_user``);
+* clipping: one clip per user, of the mean of their selected rows' gradients,
+  ``g_u = clip_C((1/m_u) sum_{r in u} g_r)``; the update is
+  ``(sum_u g_u + N(0, sigma^2 C^2)) / E[U]`` (the public expected number of users);
+* accounting: adding or removing one user changes one unit of one draw by at most C, so
+  ``rc_prv`` charges each step at ``q_u`` as it charges examples at ``q``.
+
+This module holds the user index (:class:`UserIndex`), the user-level Poisson sampler
+(:class:`UserPoissonSampler`), what a delivered batch's rows are in units
+(:class:`RowUnits`, :class:`UnitStream`) and the regrouping of a batch's rows into its
+users (:func:`regroup_rows`, :func:`sum_rows_by_unit`). The forms honour the unit through
+:class:`RowUnits` alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import numbers
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Hashable, Iterator, List, Optional, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .csprng import init_poisson_loader
+from .values import EXAMPLE_UNIT, PRIVACY_UNITS, USER_UNIT
+
+#: default contribution bound k: the rows a sampled user contributes to one step
+DEFAULT_MAX_EXAMPLES_PER_USER = 8
+
+
+def check_privacy_unit(privacy_unit: Any) -> str:
+    """``privacy_unit=``: ``"example"`` or ``"user"``.
+
+    Raises:
+        ValueError: naming the parameter and its accepted values.
+    """
+    if privacy_unit not in PRIVACY_UNITS:
+        raise ValueError(
+            f"privacy_unit={privacy_unit!r} is invalid; accepted values: "
+            + ", ".join(repr(u) for u in PRIVACY_UNITS)
+        )
+    return privacy_unit
+
+
+def check_max_examples_per_user(k: Any) -> int:
+    """``max_examples_per_user=``: a positive int.
+
+    Raises:
+        ValueError: naming the parameter and its accepted values.
+    """
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ValueError(
+            f"max_examples_per_user={k!r} is invalid; accepted values: a positive int (the rows "
+            f"a sampled user contributes to one step; default {DEFAULT_MAX_EXAMPLES_PER_USER})"
+        )
+    return int(k)
+
+
+class UserIndex:
+    """Which user owns each dataset row.
+
+    Args:
+        user_ids: one hashable id per dataset row (``len(user_ids) == len(dataset)``).
+        dataset_size: the dataset's length.
+        max_examples_per_user: the contribution bound k.
+
+    Raises:
+        ValueError: naming ``user_ids`` (missing, wrong length, a None or unhashable id).
+    """
+
+    def __init__(self, user_ids: Any, dataset_size: int, max_examples_per_user: int) -> None:
+        if user_ids is None:
+            raise ValueError(
+                "privacy_unit='user' needs user_ids=: one id per dataset row (any hashable: "
+                "an int, a string), the person who wrote it"
+            )
+        if isinstance(user_ids, torch.Tensor):
+            user_ids = user_ids.tolist()
+        try:
+            ids = list(user_ids)
+        except TypeError:
+            raise ValueError(f"user_ids={type(user_ids).__name__} is invalid; accepted values: a sequence of "
+                             "hashable ids, one per dataset row") from None
+        if len(ids) != dataset_size:
+            raise ValueError(
+                f"user_ids has {len(ids)} ids for a dataset of {dataset_size} rows; accepted values: "
+                "one id per dataset row"
+            )
+        position: dict = {}
+        owner = []
+        for row, uid in enumerate(ids):
+            if uid is None or not isinstance(uid, Hashable):
+                raise ValueError(f"user_ids[{row}]={uid!r} is invalid; accepted values: a hashable id (not None)")
+            owner.append(position.setdefault(uid, len(position)))
+        self.user_of_row = torch.tensor(owner, dtype=torch.long)
+        self.num_users = len(position)
+        counts = torch.bincount(self.user_of_row, minlength=self.num_users)
+        order = torch.argsort(self.user_of_row, stable=True)
+        self._rows = list(torch.split(order, counts.tolist()))  # rows of each user, ascending
+        self.max_examples_per_user = check_max_examples_per_user(max_examples_per_user)
+        #: m_u: the rows a sampled user contributes (min(k, n_u)), per user
+        self.contributed = counts.clamp(max=self.max_examples_per_user)
+
+    def rows_of(self, user: int) -> torch.Tensor:
+        """The dataset rows of ``user`` (ascending)."""
+        return self._rows[user]
+
+    def units_of(self, rows: Sequence[int]) -> "RowUnits":
+        """The users of dataset ``rows`` (a delivered batch) and their ``m_u``."""
+        users = self.user_of_row[torch.as_tensor(list(rows), dtype=torch.long)]
+        return RowUnits(users=users, sizes=self.contributed[users])
+
+
+class _Uniform:
+    """Uniform draws from a torch generator or the plugin's CSPRNG (secure mode)."""
+
+    def __init__(self, generator: Any) -> None:
+        self.generator = generator
+
+    def __call__(self, n: int) -> torch.Tensor:
+        if isinstance(self.generator, torch.Generator) or self.generator is None:
+            return torch.rand(n, generator=self.generator, dtype=torch.float64)
+        return self.generator.uniform(n)
+
+
+class UserPoissonSampler(Sampler[List[int]]):
+    """Poisson sampling over users: each of ``steps`` draws holds every user independently
+    with probability ``sample_rate``, and a sampled user's ``min(k, n_u)`` rows, chosen
+    uniformly without replacement (fresh at each draw). A user's rows are contiguous in
+    the draw. ``steps`` defaults to ``round(1 / sample_rate)`` (an epoch over users).
+
+    Args:
+        index: the :class:`UserIndex`.
+        sample_rate: q_u in (0, 1].
+        generator: a ``torch.Generator`` or the plugin's CSPRNG (secure mode).
+        steps: draws per epoch.
+    """
+
+    def __init__(self, index: UserIndex, sample_rate: float, generator: Any = None,
+                 steps: Optional[int] = None) -> None:
+        self.index = index
+        self.sample_rate = float(sample_rate)
+        self.uniform = _Uniform(generator)
+        self.steps = steps if steps is not None else max(1, round(1.0 / self.sample_rate))
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[List[int]]:
+        k = self.index.max_examples_per_user
+        for _ in range(self.steps):
+            users = (self.uniform(self.index.num_users) < self.sample_rate).nonzero().reshape(-1)
+            draw: List[int] = []
+            for user in users.tolist():
+                rows = self.index.rows_of(user)
+                if len(rows) > k:  # a uniform k-subset: the k smallest of i.i.d. uniforms
+                    rows = rows[torch.argsort(self.uniform(len(rows)))[:k]]
+                draw.extend(rows.tolist())
+            yield draw
+
+
+@dataclass(frozen=True)
+class RowUnits:
+    """The units of a delivered batch's rows: ``users`` (B,) the owner of each row,
+    ``sizes`` (B,) its owner's ``m_u`` (the rows the owner contributes to the draw), and
+    ``last`` (B,) whether the row is its owner's last one in the draw (set by
+    :class:`UnitStream`)."""
+
+    users: torch.Tensor
+    sizes: torch.Tensor
+    last: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return int(self.users.shape[0])
+
+
+class UnitStream:
+    """Marks each delivered row that ends its user's rows in the draw (``RowUnits.last``),
+    from the rows in delivery order (a user's rows are contiguous: a row of another user
+    before the count is reached is refused)."""
+
+    def __init__(self) -> None:
+        self.user: Optional[int] = None
+        self.seen = 0
+
+    def mark(self, units: RowUnits) -> RowUnits:
+        last = []
+        for user, size in zip(units.users.tolist(), units.sizes.tolist()):
+            if self.seen and user != self.user:
+                raise ValueError(
+                    f"privacy_unit='user': a user's rows were interrupted ({self.seen} of its rows "
+                    "delivered, then another user's): a user's rows must be contiguous in a draw"
+                )
+            self.user, self.seen = user, self.seen + 1
+            last.append(self.seen == size)
+            if self.seen == size:
+                self.user, self.seen = None, 0
+        return RowUnits(units.users, units.sizes, torch.tensor(last, dtype=torch.bool))
+
+
+class RecordingBatchSampler(Sampler[List[int]]):
+    """``batch_sampler`` that keeps the index list of each batch it yields until the loader
+    delivers that batch (:meth:`take`; the loader fetches in order, workers too)."""
+
+    def __init__(self, batch_sampler: Any) -> None:
+        self.batch_sampler = batch_sampler
+        self.pending: Deque[List[int]] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        self.pending.clear()
+        for rows in self.batch_sampler:
+            self.pending.append(list(rows))
+            yield rows
+
+    def take(self) -> List[int]:
+        """The index list of the next delivered batch."""
+        return self.pending.popleft()
+
+    def __getattr__(self, name: str) -> Any:  # sample_rate, max_batch_size, ...: the wrapped sampler's
+        if name in ("batch_sampler", "pending"):
+            raise AttributeError(name)
+        return getattr(self.batch_sampler, name)
+
+
+def delivered_units(loader_iter: Iterator[Any], recorder: RecordingBatchSampler, index: UserIndex,
+                    listener: Callable[[RowUnits], None]) -> Iterator[Any]:
+    """The batches of ``loader_iter``, each announced to ``listener`` with its rows' units
+    (:class:`RowUnits`, ``last`` marked) before it is yielded."""
+    stream = UnitStream()
+    for batch in loader_iter:
+        listener(stream.mark(index.units_of(recorder.take())))
+        yield batch
+
+
+class UserDataLoader(DataLoader):
+    """The loader ``make_private(..., privacy_unit="user")`` returns: one batch per draw of
+    :class:`UserPoissonSampler` (Opacus's ``DPDataLoader`` conventions: the collate
+    function wrapped for empty draws), each batch's units announced to the optimizer it
+    follows (:meth:`follow`) before the batch is yielded.
+
+    Args:
+        dataset: the dataset.
+        index: its :class:`UserIndex`.
+        sample_rate: q_u.
+        generator: of the masks and subsets (a ``torch.Generator``, or the CSPRNG).
+        **kwargs: the worker and collate settings of the loader it replaces.
+    """
+
+    def __init__(self, dataset: Dataset, *, index: UserIndex, sample_rate: float, generator: Any = None,
+                 **kwargs: Any) -> None:
+        self.sample_rate = float(sample_rate)
+        self.distributed = False
+        self.user_index = index
+        self.recorder = RecordingBatchSampler(UserPoissonSampler(index, sample_rate, generator))
+        self._listener: Optional[Callable[[], Any]] = None
+        init_poisson_loader(self, dataset, self.recorder, **kwargs)
+
+    def follow(self, optimizer: Any) -> None:
+        """Announce each batch's :class:`RowUnits` to ``optimizer`` (``note_units``)."""
+        self._listener = weakref.ref(optimizer)
+
+    def __iter__(self) -> Iterator[Any]:
+        optimizer = None if self._listener is None else self._listener()
+        if optimizer is None:
+            raise ValueError(
+                "privacy_unit='user': this loader clips per user only for the optimizer make_private "
+                "returned with it (loader.follow(optimizer) for objects built by hand)"
+            )
+        return delivered_units(super().__iter__(), self.recorder, self.user_index, optimizer.note_units)
+
+
+# --- a batch's rows regrouped into its units -----------------------------------------------
+
+def unit_layout(units: RowUnits, batch: int):
+    """``(slot, position, count)`` for a batch of ``batch`` rows whose users all end in it:
+    the unit slot of each row (users in order of first appearance), the row's position
+    among its unit's rows, and the number of units.
+
+    Raises:
+        ValueError: when ``units`` does not describe ``batch`` rows, or a user's rows in the
+            batch are not all of its rows of the draw (a user split across physical batches).
+    """
+    if len(units) != batch:
+        raise ValueError(
+            f"privacy_unit='user': a forward pass took {batch} rows, but the loader make_private "
+            f"returned delivered a batch of {len(units)}: train on the batches of the returned loader"
+        )
+    users, slot = torch.unique_consecutive(units.users, return_inverse=True)
+    counts = torch.bincount(slot, minlength=len(users))
+    sizes = torch.zeros_like(counts).scatter_(0, slot, units.sizes)
+    if not torch.equal(counts, sizes) or len(torch.unique(users)) != len(users):
+        raise ValueError(
+            "privacy_unit='user' with a physical batch that holds part of a user's rows: this form "
+            "clips a user within one physical batch (the whole draw); use per_example_backward=True "
+            "to spread a user's rows over backward passes, and no BatchMemoryManager"
+        )
+    start = torch.cumsum(counts, 0) - counts
+    position = torch.arange(batch) - start[slot]
+    return slot, position, len(users)
+
+
+def regroup_rows(t: torch.Tensor, units: RowUnits) -> torch.Tensor:
+    """``t`` (B, T, n) regrouped into its units: (U, L * T, n) where unit ``u``'s sequence is
+    its rows' sequences one after another (zero-padded to the longest unit, L rows): a
+    user's gradient ``sum_r A_r^T G_r`` is that of one sequence of all their tokens."""
+    slot, position, count = unit_layout(units, t.shape[0])
+    longest = int(units.sizes.max()) if len(units) else 0
+    out = t.new_zeros((count, longest, *t.shape[1:]))
+    out[slot, position] = t
+    return out.reshape(count, longest * t.shape[1], *t.shape[2:])
+
+
+def sum_rows_by_unit(t: torch.Tensor, units: RowUnits) -> torch.Tensor:
+    """``t`` (B, ...) summed over each unit's rows: (U, ...)."""
+    slot, _, count = unit_layout(units, t.shape[0])
+    return t.new_zeros((count, *t.shape[1:])).index_add_(0, slot, t)
+
+
+def unit_sizes(units: RowUnits) -> torch.Tensor:
+    """``m_u`` of each unit of the batch (U,), in slot order."""
+    slot, _, count = unit_layout(units, len(units))
+    return torch.zeros(count, dtype=units.sizes.dtype).scatter_(0, slot, units.sizes)
+
+
+__all__ = [
+    "DEFAULT_MAX_EXAMPLES_PER_USER", "EXAMPLE_UNIT", "USER_UNIT", "PRIVACY_UNITS", "RowUnits", "UnitStream",
+    "UserDataLoader", "UserIndex", "UserPoissonSampler", "RecordingBatchSampler", "check_max_examples_per_user",
+    "check_privacy_unit", "delivered_units", "regroup_rows", "sum_rows_by_unit", "unit_layout", "unit_sizes",
+]

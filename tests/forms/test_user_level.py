@@ -1,0 +1,169 @@
+"""User-level privacy (``privacy_unit="user"``) in the forms that honour it.
+
+At sigma = 0 the released update equals brute-force per-user clipping
+(:func:`tests.oracles.per_user_clipped_mean`: autograd on each row alone, the mean over a
+user's rows, one clip per user, no hook) in book-keeping (exact norms: the regrouped
+sequence is no longer than the sketch, so ghost norms replace the estimate) and in the
+per-example form (a user's rows over several backward passes). Removing one user with all
+their rows moves the released sum by at most C, where example-level clipping moves it by
+up to ``m_u C``. Tolerance: float32 summation order (1e-6 absolute on updates of order
+1e-2).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from opacus import PrivacyEngine
+from opacus.accountants import PRVAccountant
+from opacus.utils.batch_memory_manager import BatchMemoryManager
+from torch import nn
+
+import opacus_rc  # noqa: F401
+
+from tests.models import SequenceClassifier
+from tests.oracles import per_user_clipped_mean
+
+C, USERS_PER_STEP, K = 0.05, 3, 4
+FORMS = {"bookkeeping": dict(per_example_backward=False, sketch_size=64), "per_example": dict(per_example_backward=True)}
+
+
+def _ce(model, x, y):
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def user_data(n: int = 40, users: int = 7, t: int = 6, seed: int = 0):
+    """Rows (x, y, row index) and their owners: user ``r % users`` owns row ``r`` (5 or 6
+    rows each, more than K: each draw takes a subset)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 32, (n, t), generator=gen)
+    y = torch.randint(0, 2, (n,), generator=gen)
+    return torch.utils.data.TensorDataset(x, y, torch.arange(n)), [r % users for r in range(n)]
+
+
+def private(model, data, user_ids, *, noise=0.0, seed=3, **options):
+    engine = PrivacyEngine(accountant="rc_prv")
+    out = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=USERS_PER_STEP), noise_multiplier=noise,
+        max_grad_norm=C, clipping="randomized", privacy_unit="user", user_ids=user_ids,
+        max_examples_per_user=K, seed=seed, **options,
+    )
+    return engine, out
+
+
+def one_logical_step(module, optimizer, loader):
+    """Train on the loader's batches until a step is taken; returns the rows used."""
+    rows = []
+    for x, y, index in loader:
+        rows += index.tolist()
+        _ce(module, x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if not optimizer._is_last_step_skipped:
+            return rows
+    raise AssertionError("the loader ended before a step was taken")
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_update_equals_brute_force_per_user_clipping(form):
+    data, owners = user_data()
+    torch.manual_seed(0)
+    model = SequenceClassifier()
+    reference = copy.deepcopy(model)
+    _, (module, optimizer, loader) = private(model, data, owners, **FORMS[form])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(4):  # until a step holds at least two users
+        rows = one_logical_step(module, optimizer, loader)
+        if len({owners[r] for r in rows}) >= 2:
+            break
+        reference.load_state_dict(model.state_dict())
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    users = [owners[r] for r in rows]
+    assert all(users.count(u) == min(K, owners.count(u)) for u in users)  # m_u rows of each sampled user
+    x, y, _ = data[rows]
+    expected = per_user_clipped_mean(reference, _ce, x, y, users, C, USERS_PER_STEP)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(before[name] - p.detach(), expected[name], atol=1e-6, rtol=0)
+
+
+def released_sum(form: str, data, owners, unit: str) -> dict:
+    """The released sum (update x normaliser) of one step at sigma = 0 in which every user
+    is sampled with all their rows (q_u = 1, k above every user's count)."""
+    torch.manual_seed(0)
+    model = SequenceClassifier()
+    options = dict(FORMS[form], sample_rate=1.0)
+    engine = PrivacyEngine(accountant="rc_prv")
+    if unit == "user":
+        options.update(privacy_unit="user", user_ids=owners, max_examples_per_user=64)
+    module, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=1), noise_multiplier=0.0,
+        max_grad_norm=C, clipping="randomized", seed=1, **options,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    one_logical_step(module, optimizer, loader)
+    return torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_removing_one_user_moves_the_sum_by_at_most_C(form):
+    """Neighbouring datasets: all rows, and all rows but user 0's (6 rows). The released
+    sums differ by at most C at user level; at example level by more (the control: each of
+    the user's rows has a clipped gradient of norm C, summed)."""
+    data, owners = user_data()
+    keep = [r for r in range(len(data)) if owners[r] != 0]
+    without = torch.utils.data.TensorDataset(*(t[keep] for t in data.tensors))
+    owners_without = [owners[r] for r in keep]
+    user = (released_sum(form, data, owners, "user") - released_sum(form, without, owners_without, "user")).norm()
+    assert user <= C * (1 + 1e-5)
+    example = (released_sum(form, data, owners, "example") - released_sum(form, without, owners_without, "example")).norm()
+    assert example > 2 * C
+
+
+def test_per_example_form_charges_opacus_prv_at_the_user_rate():
+    data, owners = user_data()
+    model = SequenceClassifier()
+    engine, (module, optimizer, loader) = private(model, data, owners, noise=1.0, per_example_backward=True)
+    steps = sum(1 for _ in range(3) if one_logical_step(module, optimizer, loader) is not None)
+    q_u = USERS_PER_STEP / len(set(owners))
+    assert engine.accountant.history[-1][1] == pytest.approx(q_u)
+    reference = PRVAccountant()
+    reference.history = [(1.0, q_u, steps)]
+    assert engine.get_epsilon(1e-5) == pytest.approx(reference.get_epsilon(1e-5), rel=1e-6)
+
+
+def test_bookkeeping_refuses_a_physical_batch_that_splits_a_user():
+    data, owners = user_data()
+    _, (module, optimizer, loader) = private(SequenceClassifier(), data, owners, **FORMS["bookkeeping"])
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=optimizer) as split:
+        with pytest.raises(ValueError, match="part of a user's rows|one backward pass per step"):
+            for x, y, _ in split:
+                _ce(module, x, y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(privacy_unit="person"), "privacy_unit='person' is invalid; accepted values: 'example', 'user'"),
+        (dict(privacy_unit="user"), "needs user_ids="),
+        (dict(privacy_unit="user", user_ids=[0] * 5), "user_ids has 5 ids for a dataset of 40 rows"),
+        (dict(privacy_unit="user", user_ids=[0] * 39 + [None]), r"user_ids\[39\]=None is invalid"),
+        (dict(privacy_unit="user", user_ids=[0] * 40, max_examples_per_user=0), "max_examples_per_user=0 is invalid"),
+        (dict(user_ids=[0] * 40), "user_ids only apply with privacy_unit='user'"),
+        (dict(privacy_unit="user", user_ids=[0] * 40, grad_sample_mode="ghost"), "not supported by the 'two_pass' form"),
+    ],
+)
+def test_bad_input_names_the_parameter(options, message):
+    data, _ = user_data()
+    model = SequenceClassifier()
+    with pytest.raises(ValueError, match=message):
+        PrivacyEngine(accountant="rc_prv").make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=torch.utils.data.DataLoader(data, batch_size=3), noise_multiplier=1.0, max_grad_norm=C,
+            clipping="randomized", **options,
+        )
