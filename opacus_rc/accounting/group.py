@@ -47,24 +47,25 @@ from .accountant import (
 from .prv import DEFAULT_BIN_RATIO
 
 
-def _check_group_size(group_size: Any) -> int:
+def check_group_size(group_size: Any, name: str = "group_size") -> int:
+    """``group_size`` as an int; a ValueError naming ``name`` unless it is an integer >= 1."""
     valid = isinstance(group_size, numbers.Real) and not isinstance(group_size, bool)
     if not (valid and int(group_size) == group_size and group_size >= 1):
-        raise ValueError(f"group_size={group_size!r}; accepted values: an integer >= 1")
+        raise ValueError(f"{name}={group_size!r}; accepted values: an integer >= 1")
     return int(group_size)
 
 
 def group_record(record: StepRecord, group_size: int) -> StepRecord:
     """The record of a step seen by a person with ``group_size`` rows: ``micro_batches``
     multiplied by ``group_size`` (the sketch, if any, unchanged)."""
-    k = _check_group_size(group_size)
+    k = check_group_size(group_size)
     return dataclasses.replace(record, micro_batches=record.micro_batches * k)
 
 
 def group_history(history: Sequence[Sequence[Any]], group_size: int) -> List[Tuple[float, float, int, StepRecord]]:
     """``history`` (entries of :class:`RCPRVAccountant` or ``(sigma, q, steps)`` of Opacus's
     accountants: exact clipping) with every record grouped by :func:`group_record`."""
-    k = _check_group_size(group_size)
+    k = check_group_size(group_size)
     grouped = []
     for raw in history:
         sigma, q, n, record = RCPRVAccountant.entry(raw)
