@@ -208,8 +208,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
 
         Each step is the mixture over how many of the person's rows the draw holds
         (``J ~ Bin(max_examples_per_user, q)``, shift ``J * C``), composed with the PRV
-        accountant (:func:`~opacus_rc.accounting.group.group_epsilon`), never the loose
-        ``k * epsilon``. Works for any accountant with a history (Opacus's: exact clipping);
+        accountant (:func:`~opacus_rc.accounting.group.group_epsilon`); ``k * epsilon`` is not
+        a bound at the same delta. Works for any accountant with a history (Opacus's: exact clipping);
         with ``max_examples_per_user=1`` and ``rc_prv`` it is ``get_epsilon(delta)``.
 
         Raises:

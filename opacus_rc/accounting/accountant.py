@@ -275,7 +275,8 @@ class RCPRVAccountant(IAccountant):
         """Epsilon at ``delta`` for a person who owns at most ``group_size`` rows of an
         example-level run: each step the mixture over ``J ~ Bin(group_size, q)`` of the
         person's rows in the draw (:func:`~opacus_rc.accounting.group.group_epsilon`),
-        never ``group_size * epsilon``. ``group_size=1`` is :meth:`get_epsilon`."""
+        (``group_size * epsilon`` is not a bound at the same delta). ``group_size=1`` is
+        :meth:`get_epsilon`."""
         from .group import group_epsilon  # group.py builds on this module
 
         return group_epsilon(

@@ -15,7 +15,9 @@ steps by the PRV accountant. That is exactly the step :mod:`~opacus_rc.accountin
 accounts for ``m`` independently sampled micro-batches: a person's ``k`` rows are ``k``
 independent draws at rate ``q`` of one unit, so a recorded step with ``micro_batches = m``
 becomes one with ``m * k`` (the person's ``k`` rows in each of the ``m`` micro-batches:
-``J ~ Bin(m k, q)``), and nothing else changes. It is never the loose ``k * eps`` bound.
+``J ~ Bin(m k, q)``), and nothing else changes. It is neither ``k * eps`` (not an upper
+bound at the same delta: the exact figure exceeds it from k = 2) nor the group-privacy
+theorem's ``(k eps, k e^{(k-1) eps} delta)``, valid but loose (infinite for large k).
 
 Sketched (randomized) records: ``Z_max`` is union-bounded over the ``m * k`` sketch slots
 (one per row and micro-batch), ``P(Z_max > z) <= m k P(Z* > z)``, which holds whatever the
