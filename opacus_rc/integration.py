@@ -39,7 +39,8 @@ from typing import Any, Callable, Dict, List, Optional
 from torch import nn
 
 from . import checkpoint
-from .accounting.accountant import get_noise_multiplier_rc
+from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
+from .accounting.group import check_group_size, group_epsilon
 from .forms import FORMS
 from .options import (  # noqa: F401  (loader_batch_size, loader_rate, public_sampling: public here too)
     RC_ACCOUNTANTS,
@@ -200,6 +201,31 @@ class PrivacyEngine(OpacusPrivacyEngine):
         logger.info("rc_prv calibrated noise_multiplier=%.4f for %s", noise_multiplier, options.sketch)
         kwargs = {**kwargs, "noise_multiplier": noise_multiplier}
         return self._make_private(options, {**arguments, **kwargs}, kwargs)
+
+    def get_user_epsilon(self, delta: float, max_examples_per_user: int) -> float:
+        """Epsilon at ``delta`` for a person who owns at most ``max_examples_per_user`` rows,
+        after the steps of an example-level run (``get_epsilon`` protects one row).
+
+        Each step is the mixture over how many of the person's rows the draw holds
+        (``J ~ Bin(max_examples_per_user, q)``, shift ``J * C``), composed with the PRV
+        accountant (:func:`~opacus_rc.accounting.group.group_epsilon`); ``k * epsilon`` is not
+        a bound at the same delta. Works for any accountant with a history (Opacus's: exact clipping);
+        with ``max_examples_per_user=1`` and ``rc_prv`` it is ``get_epsilon(delta)``.
+
+        Raises:
+            ValueError: ``max_examples_per_user`` not an integer >= 1; a user-level run
+                (``privacy_unit="user"``: ``get_epsilon`` is already per user).
+        """
+        unit = getattr(self, "privacy_unit", "example")  # set by make_private (issue 40)
+        if unit != "example":
+            raise ValueError(
+                f"get_user_epsilon is for example-level runs; this engine's privacy_unit={unit!r}: "
+                "its get_epsilon(delta) is already per user"
+            )
+        k = check_group_size(max_examples_per_user, "max_examples_per_user")
+        if isinstance(self.accountant, RCPRVAccountant):
+            return self.accountant.get_group_epsilon(delta, k)
+        return group_epsilon(self.accountant.history, delta, k)
 
     def save_checkpoint(self, *, include_rng_state: bool = False, **kwargs: Any) -> None:
         """Opacus's ``save_checkpoint``; no generator state is stored unless

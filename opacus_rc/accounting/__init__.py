@@ -5,6 +5,7 @@ Nothing is registered with Opacus here; ``opacus_rc.registration`` registers
 """
 
 from .accountant import RCPRVAccountant, StepRecord, get_noise_multiplier_rc, sketch_record
+from .group import get_group_noise_multiplier, group_epsilon
 from .prv import (
     DETERMINISTIC,
     SensitivityMixture,
@@ -21,6 +22,8 @@ __all__ = [
     "StepPRV",
     "compose_epsilon",
     "envelope_mixture",
+    "get_group_noise_multiplier",
     "get_noise_multiplier_rc",
+    "group_epsilon",
     "sketch_record",
 ]

@@ -264,6 +264,25 @@ class RCPRVAccountant(IAccountant):
         self._cache[key] = eps
         return eps
 
+    def get_group_epsilon(
+        self,
+        delta: float,
+        group_size: int,
+        *,
+        eps_error: float = 0.01,
+        delta_error: Optional[float] = None,
+    ) -> float:
+        """Epsilon at ``delta`` for a person who owns at most ``group_size`` rows of an
+        example-level run: each step the mixture over ``J ~ Bin(group_size, q)`` of the
+        person's rows in the draw (:func:`~opacus_rc.accounting.group.group_epsilon`),
+        (``group_size * epsilon`` is not a bound at the same delta). ``group_size=1`` is
+        :meth:`get_epsilon`."""
+        from .group import group_epsilon  # group.py builds on this module
+
+        return group_epsilon(
+            self.history, delta, group_size, eps_error=eps_error, delta_error=delta_error, bin_ratio=self.bin_ratio
+        )
+
     def __len__(self) -> int:
         return len(self.history)
 
@@ -340,6 +359,27 @@ def get_noise_multiplier_rc(
     exceeds the randomized one) is only a starting point. ``sketch_config=None``
     calibrates deterministic clipping.
     """
+    return noise_multiplier_for_record(
+        target_epsilon,
+        target_delta,
+        sample_rate,
+        calibration_steps(target_epsilon, sample_rate, epsilon_tolerance, epochs, steps),
+        StepRecord.from_config(sketch_config),
+        epsilon_tolerance=epsilon_tolerance,
+        eps_error=eps_error,
+        sigma_lower=sigma_lower,
+    )
+
+
+def calibration_steps(
+    target_epsilon: float,
+    sample_rate: float,
+    epsilon_tolerance: float,
+    epochs: Optional[float],
+    steps: Optional[int],
+) -> int:
+    """The number of steps of a planned run (``steps``, or ``epochs / sample_rate``), once
+    the calibration's arguments are checked (ValueError naming the parameter)."""
     if (steps is None) == (epochs is None):
         raise ValueError("give exactly one of steps= or epochs=")
     if not target_epsilon > 0:
@@ -348,13 +388,26 @@ def get_noise_multiplier_rc(
         raise ValueError(f"sample_rate={sample_rate} must lie in (0, 1]")
     if not epsilon_tolerance > 0:
         raise ValueError(f"epsilon_tolerance={epsilon_tolerance} must be > 0")
-    if steps is None:
-        steps = int(epochs / sample_rate)
-    record = StepRecord.from_config(sketch_config)
+    return int(steps) if epochs is None else int(epochs / sample_rate)
+
+
+def noise_multiplier_for_record(
+    target_epsilon: float,
+    target_delta: float,
+    sample_rate: float,
+    steps: int,
+    record: StepRecord,
+    *,
+    epsilon_tolerance: float = 0.01,
+    eps_error: float = 0.01,
+    sigma_lower: Optional[float] = None,
+) -> float:
+    """The search of :func:`get_noise_multiplier_rc` (arguments checked there) for
+    ``steps`` steps of one :class:`StepRecord` (any ``micro_batches``)."""
     acc = RCPRVAccountant()
 
     def eps_at(sigma: float, err: float) -> float:
-        acc.history = [(sigma, sample_rate, int(steps), record)]
+        acc.history = [(sigma, sample_rate, steps, record)]
         return acc.get_epsilon(target_delta, eps_error=err)
 
     def search(err: float, tol: float, start: float, slope: float) -> _LogLogSecant:
