@@ -56,6 +56,7 @@ from .options import (  # noqa: F401  (loader_batch_size, loader_rate, public_sa
     with_options,
 )
 from .prepare import MakePrivateCall, OpacusPrivacyEngine
+from .values import EXAMPLE_UNIT
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ class PrivacyEngine(OpacusPrivacyEngine):
 
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False) -> None:
         self._torchcsprng_error: Optional[ImportError] = None
+        #: what ``get_epsilon`` protects: ``"example"`` (a row), or ``"user"`` after a
+        #: ``make_private(..., privacy_unit="user")`` call (:mod:`opacus_rc.units`)
+        self.privacy_unit = EXAMPLE_UNIT
         try:
             super().__init__(accountant=accountant, secure_mode=secure_mode)
         except ImportError as error:  # Opacus's secure mode needs torchcsprng
@@ -202,6 +206,23 @@ class PrivacyEngine(OpacusPrivacyEngine):
         kwargs = {**kwargs, "noise_multiplier": noise_multiplier}
         return self._make_private(options, {**arguments, **kwargs}, kwargs)
 
+    def get_epsilon(self, delta: float) -> float:
+        """Opacus's ``get_epsilon``: epsilon at ``delta`` for one unit of
+        :attr:`privacy_unit` (a row; at ``privacy_unit="user"`` a user with all their rows),
+        which the log line names."""
+        epsilon = super().get_epsilon(delta)
+        logger.info("epsilon %.4g at delta %g, per %s", epsilon, delta, self.privacy_unit)
+        return epsilon
+
+    def _set_privacy_unit(self, unit: str) -> None:
+        """One accountant, one unit: a call at another unit than the engine's earlier steps is refused."""
+        if unit != self.privacy_unit and len(self.accountant) > 0:
+            raise ValueError(
+                f"privacy_unit={unit!r} on an engine whose accountant already charged steps at "
+                f"privacy_unit={self.privacy_unit!r}: epsilon of the two would mix units; use a new PrivacyEngine"
+            )
+        self.privacy_unit = unit
+
     def get_user_epsilon(self, delta: float, max_examples_per_user: int) -> float:
         """Epsilon at ``delta`` for a person who owns at most ``max_examples_per_user`` rows,
         after the steps of an example-level run (``get_epsilon`` protects one row).
@@ -216,8 +237,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
             ValueError: ``max_examples_per_user`` not an integer >= 1; a user-level run
                 (``privacy_unit="user"``: ``get_epsilon`` is already per user).
         """
-        unit = getattr(self, "privacy_unit", "example")  # set by make_private (issue 40)
-        if unit != "example":
+        unit = self.privacy_unit
+        if unit != EXAMPLE_UNIT:
             raise ValueError(
                 f"get_user_epsilon is for example-level runs; this engine's privacy_unit={unit!r}: "
                 "its get_epsilon(delta) is already per user"
@@ -267,6 +288,7 @@ class PrivacyEngine(OpacusPrivacyEngine):
         form the script expects (the form's ``outputs``, :mod:`opacus_rc.forms`)."""
         sampling: PublicSampling = options.sampling
         out[0].follow_steps(out[1])  # fresh sketches after every step the optimizer takes
+        self._set_privacy_unit(options.privacy_unit)
         if options.users is not None:
             out[-1].follow(out[1])  # each batch's users, announced to the optimizer
         # Opacus charged 1 / len(its DPDataLoader); charge the public rate instead.
