@@ -547,7 +547,7 @@ def _user_index(options: Mapping[str, Any], opacus: Mapping[str, Any], runs: str
     """``privacy_unit=`` with ``user_ids=`` and ``max_examples_per_user=``: the
     :class:`~opacus_rc.units.UserIndex` of a user-level call (None: example level).
     Refused where the plugin cannot clip per user exactly: a form that does not honour
-    the user unit (:attr:`~opacus_rc.forms.Form.honours_users`), DDP / FSDP2, and
+    the user unit (:attr:`~opacus_rc.forms.Form.honours_users`; FSDP2's among them), and
     ``poisson_sampling=False`` (the guarantee is for Poisson sampling over users).
 
     Raises:
@@ -566,12 +566,6 @@ def _user_index(options: Mapping[str, Any], opacus: Mapping[str, Any], runs: str
             "pass); accepted with it: book-keeping (grad_sample_mode='hooks' or 'bookkeeping', or 'ghost' "
             "with bookkeeping=True) and the per-example form (per_example_backward=True)"
         )
-    module = opacus.get("module")
-    if module is not None and _distributed(module):
-        raise ValueError(
-            "privacy_unit='user' does not support DDP or FSDP2 yet (a user's rows would be split "
-            "across ranks): train in one process"
-        )
     if not opacus["poisson_sampling"]:
         raise ValueError(
             "privacy_unit='user' needs poisson_sampling=True: the guarantee is for Poisson sampling over users"
@@ -582,15 +576,6 @@ def _user_index(options: Mapping[str, Any], opacus: Mapping[str, Any], runs: str
     except TypeError:
         raise ValueError("privacy_unit='user' needs a data_loader over a dataset with a length") from None
     return UserIndex(options["user_ids"], size, options["max_examples_per_user"])
-
-
-def _distributed(module: Any) -> bool:
-    """Whether ``module`` is wrapped for several processes (DPDDP, DDP, an FSDP2 module)."""
-    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    return isinstance(module, (DPDDP, DDP, FSDPModule))
 
 
 def user_sampling(sampling: PublicSampling, users: UserIndex) -> PublicSampling:

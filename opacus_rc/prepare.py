@@ -223,16 +223,17 @@ class MakePrivateCall:
 
     def _user_data_loader(self, data_loader, settings: Dict[str, Any]) -> UserDataLoader:
         """The user-level loader (:class:`~opacus_rc.units.UserDataLoader`): Poisson over
-        users at the public rate, with the masks' generator as the example-level loader's
-        (the CSPRNG in secure mode)."""
+        users at the public rate (under DDP, over this rank's share of the users), with the
+        masks' generator as the example-level loader's (the CSPRNG in secure mode)."""
+        distributed = settings["distributed"]
         if self.secure_mode:
             generator = default_generator()
         else:
-            generator = poisson_generator(data_loader, self.options.seed, False)
+            generator = poisson_generator(data_loader, self.options.seed, distributed)
             setattr(self, checkpoint.POISSON_GENERATOR_ATTR, generator)  # include_rng_state
         return UserDataLoader(
             data_loader.dataset, index=self.options.users, sample_rate=settings["sample_rate"], generator=generator,
-            batch_first=settings["batch_first"], rand_on_empty=settings["rand_on_empty"],
+            distributed=distributed, batch_first=settings["batch_first"], rand_on_empty=settings["rand_on_empty"],
             **loader_settings(data_loader),
         )
 

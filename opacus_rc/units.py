@@ -139,19 +139,26 @@ class UserPoissonSampler(Sampler[List[int]]):
     uniformly without replacement (fresh at each draw). A user's rows are contiguous in
     the draw. ``steps`` defaults to ``round(1 / sample_rate)`` (an epoch over users).
 
+    Distributed (``world_size > 1``): rank ``r`` owns users ``r, r + world_size, ...``
+    (a fixed split of the user index; each user's rows stay on one rank) and samples them
+    at the same rate with its own generator, so the union over ranks is one Poisson draw
+    of users at ``sample_rate``; every rank yields every draw (an empty one too).
+
     Args:
         index: the :class:`UserIndex`.
         sample_rate: q_u in (0, 1].
         generator: a ``torch.Generator`` or the plugin's CSPRNG (secure mode).
         steps: draws per epoch.
+        rank, world_size: this process's share of the users.
     """
 
     def __init__(self, index: UserIndex, sample_rate: float, generator: Any = None,
-                 steps: Optional[int] = None) -> None:
+                 steps: Optional[int] = None, rank: int = 0, world_size: int = 1) -> None:
         self.index = index
         self.sample_rate = float(sample_rate)
         self.uniform = _Uniform(generator)
         self.steps = steps if steps is not None else max(1, round(1.0 / self.sample_rate))
+        self.users = torch.arange(index.num_users)[rank::world_size]  # this rank's users
 
     def __len__(self) -> int:
         return self.steps
@@ -159,7 +166,7 @@ class UserPoissonSampler(Sampler[List[int]]):
     def __iter__(self) -> Iterator[List[int]]:
         k = self.index.max_examples_per_user
         for _ in range(self.steps):
-            users = (self.uniform(self.index.num_users) < self.sample_rate).nonzero().reshape(-1)
+            users = self.users[self.uniform(len(self.users)) < self.sample_rate]
             draw: List[int] = []
             for user in users.tolist():
                 rows = self.index.rows_of(user)
@@ -255,16 +262,19 @@ class UserDataLoader(DataLoader):
         dataset: the dataset.
         index: its :class:`UserIndex`.
         sample_rate: q_u.
-        generator: of the masks and subsets (a ``torch.Generator``, or the CSPRNG).
+        generator: of the masks and subsets (a ``torch.Generator``, or the CSPRNG); under
+            DDP this rank's own.
+        distributed: sample this rank's share of the users (:class:`UserPoissonSampler`).
         **kwargs: the worker and collate settings of the loader it replaces.
     """
 
     def __init__(self, dataset: Dataset, *, index: UserIndex, sample_rate: float, generator: Any = None,
-                 **kwargs: Any) -> None:
+                 distributed: bool = False, **kwargs: Any) -> None:
         self.sample_rate = float(sample_rate)
-        self.distributed = False
+        self.distributed = distributed
         self.user_index = index
-        self.recorder = RecordingBatchSampler(UserPoissonSampler(index, sample_rate, generator))
+        share = dict(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size()) if distributed else {}
+        self.recorder = RecordingBatchSampler(UserPoissonSampler(index, sample_rate, generator, **share))
         self._listener: Optional[Callable[[], Any]] = None
         init_poisson_loader(self, dataset, self.recorder, **kwargs)
 
