@@ -214,8 +214,14 @@ class BookkeepingMixin(PerExampleStore):
     def deliver_head(self, layer: nn.Module, values: Any) -> None:
         """The chunked head's records of this pass (``values.records()``: per-example
         squared norms and the clipped sums, recomputed at the step); a later use of the
-        head in the pass is refused (its record would miss it)."""
+        head in the pass is refused (its record would miss it). At ``privacy_unit="user"``
+        refused: its records are per row (the per-example form runs the head per user)."""
         self.expect_forward()
+        if self.row_units is not None:
+            raise ValueError(
+                "privacy_unit='user' with the chunked LM head in book-keeping is not supported: its records "
+                "are per row; use per_example_backward=True (the head then runs in each row's backward pass)"
+            )
         params = values.params
         if any(p._forward_counter != 1 for p in params) or layer in self._pending_uses:
             raise head_used_twice_error(bookkeeping=True)

@@ -167,3 +167,42 @@ def test_bad_input_names_the_parameter(options, message):
             data_loader=torch.utils.data.DataLoader(data, batch_size=3), noise_multiplier=1.0, max_grad_norm=C,
             clipping="randomized", **options,
         )
+
+
+def test_chunked_head_per_user_in_the_per_example_form_refused_in_bookkeeping():
+    """The per-example form runs the chunked head inside each row's backward pass: a user's
+    rows still sum into one gradient, clipped once (brute force over the plain loss); book-keeping's
+    head records are per row, so a user-level step with it is refused by name."""
+    from opacus_rc.lm_head import ChunkedLMHeadLoss
+
+    from tests.models import HeadModel
+
+    def head_loss(model, x):
+        return ChunkedLMHeadLoss(getattr(model, "_module", model).head, block_size=4)(model(x), x)
+
+    data, owners = user_data()
+    torch.manual_seed(0)
+    model = HeadModel()
+    reference = copy.deepcopy(model)
+    _, (module, optimizer, loader) = private(model, data, owners, per_example_backward=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rows = []
+    for x, _, index in loader:
+        rows += index.tolist()
+        head_loss(module, x).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if not optimizer._is_last_step_skipped:
+            break
+    assert len({owners[r] for r in rows}) >= 2
+    x = data.tensors[0][rows]
+    expected = per_user_clipped_mean(reference, lambda m, xi, _: head_loss(m, xi), x, x, [owners[r] for r in rows],
+                                     C, USERS_PER_STEP)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(before[name] - p.detach(), expected[name], atol=1e-6, rtol=0)
+
+    _, (module, optimizer, loader) = private(HeadModel(), data, owners, **FORMS["bookkeeping"])
+    with pytest.raises(ValueError, match="chunked LM head in book-keeping is not supported"):
+        for x, _, _ in loader:
+            if len(x):
+                head_loss(module, x).backward()
