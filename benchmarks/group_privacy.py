@@ -16,7 +16,7 @@ import time
 import numpy as np
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
-from opacus_rc.accounting import RCPRVAccountant
+from opacus_rc.accounting import RCPRVAccountant, group_epsilon
 
 ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 1025))
 
@@ -47,7 +47,7 @@ def main() -> None:
     print(f"{'k':>4} {'k*eps_1':>10} {'theorem':>10} {'group_epsilon':>14} {'seconds':>8}")
     for k in args.ks:
         start = time.perf_counter()
-        eps_k = acc.get_group_epsilon(args.delta, k)
+        eps_k = group_epsilon(acc.history, args.delta, k, bin_ratio=acc.bin_ratio)
         seconds = time.perf_counter() - start
         bound = theorem_bound(args.sigma, args.q, args.steps, args.delta, k)
         print(f"{k:>4} {k * eps_1:>10.2f} {bound:>10.2f} {eps_k:>14.2f} {seconds:>8.1f}")

@@ -40,6 +40,7 @@ from .recompute import (
     save_inputs,
 )
 from .sketch import Sketcher
+from .units import in_row_slots, mean_clip_factors, per_row, regroup_uses, sum_rows_by_unit, unit_sizes
 
 
 class PerExampleStore:
@@ -311,6 +312,17 @@ class SketchingMixin(PerExampleStore):
     def _in_second_pass(self) -> bool:
         return not self.hooks_enabled
 
+    def get_clipping_coef(self) -> torch.Tensor:
+        """Opacus's per-example clipping factors of the second pass; at user level each
+        row's factor is its user's (:func:`~opacus_rc.units.mean_clip_factors`: the mean of
+        the user's rows clipped once)."""
+        if self.row_units is None:
+            return super().get_clipping_coef()
+        sizes = unit_sizes(self.row_units)
+        norms = self.get_norm_sample()[: len(sizes)]  # the users' summed gradients' (in_row_slots)
+        sizes = sizes.to(norms)
+        return per_row(mean_clip_factors(norms, sizes, self.max_grad_norm), self.row_units)
+
     def get_norm_sample(self) -> torch.Tensor:
         """Per-example norms over all trainable parameters (L2 of the per-parameter
         norms), with a clear error when a layer did not see the batch dimension or took
@@ -395,6 +407,11 @@ class SketchingMixin(PerExampleStore):
         if passes is not None and self.hooks_enabled:
             passes.check_inside(module)
         if self.hooks_enabled and self._is_tied_use(module):
+            if self.row_units is not None:
+                raise ValueError(
+                    "privacy_unit='user' with tied parameters in the two-pass form is not supported: use "
+                    "per_example_backward=True"
+                )
             self._capture_tied_backprops(module, forward_output, loss_reduction, batch_first)
             return
         # The randomized norm samplers apply the "mean" factor to the norms (see
@@ -418,9 +435,15 @@ class SketchingMixin(PerExampleStore):
         )
 
     def _scaled_norms(self, norm_sampler, module, activations, backprops):
-        norms = norm_sampler(module, activations, backprops, self.sketcher)
         if self._get_module_type(module) is nn.Embedding:  # (backprops unscaled here)
             self._note_embedding_use(module, activations, backprops, 1.0)
+        if self.row_units is not None:  # privacy_unit="user": one sequence of all a user's tokens
+            rows = len(self.row_units)
+            a, g = regroup_uses(module, activations[0], backprops, self.row_units)
+            norms = norm_sampler(module, [a], g, self.sketcher)
+            norms = {p: in_row_slots(n, rows) for p, n in norms.items()}  # Opacus keeps B slots
+        else:
+            norms = norm_sampler(module, activations, backprops, self.sketcher)
         if self.loss_reduction == "mean":
             norms = {p: n * module.max_batch_len for p, n in norms.items()}
         return norms
@@ -533,6 +556,9 @@ class _SummingGradSamplers(dict):
     def _summed(self, fn: Callable, module: nn.Module, activations: Any, backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
         grad_samples = fn(module, activations, backprops)
         owner = self._owner
+        units = owner.row_units
+        if units is not None:  # privacy_unit="user": a user's rows summed, in the first U slots
+            grad_samples = {p: in_row_slots(sum_rows_by_unit(gs, units), len(units)) for p, gs in grad_samples.items()}
         scale = owner._backprops_scale(module)
         for param, gs in grad_samples.items():
             total = gs.sum(dim=0)

@@ -245,7 +245,7 @@ class PrivacyEngine(OpacusPrivacyEngine):
             )
         k = check_group_size(max_examples_per_user, "max_examples_per_user")
         if isinstance(self.accountant, RCPRVAccountant):
-            return self.accountant.get_group_epsilon(delta, k)
+            return group_epsilon(self.accountant.history, delta, k, bin_ratio=self.accountant.bin_ratio)
         return group_epsilon(self.accountant.history, delta, k)
 
     def save_checkpoint(self, *, include_rng_state: bool = False, **kwargs: Any) -> None:

@@ -562,9 +562,9 @@ def _user_index(options: Mapping[str, Any], opacus: Mapping[str, Any], runs: str
         return None
     if not FORMS[runs].honours_users:
         raise ValueError(
-            f"privacy_unit='user' is not supported by the {runs!r} form (it clips rows inside one autograd "
-            "pass); accepted with it: book-keeping (grad_sample_mode='hooks' or 'bookkeeping', or 'ghost' "
-            "with bookkeeping=True) and the per-example form (per_example_backward=True)"
+            f"privacy_unit='user' is not supported by the {runs!r} form; accepted with it: book-keeping "
+            "(grad_sample_mode='hooks' or 'bookkeeping'), two passes (grad_sample_mode='ghost') and the "
+            "per-example form (per_example_backward=True)"
         )
     if not opacus["poisson_sampling"]:
         raise ValueError(

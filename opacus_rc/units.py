@@ -23,15 +23,18 @@ users (:func:`regroup_rows`, :func:`sum_rows_by_unit`). The forms honour the uni
 from __future__ import annotations
 
 import collections
+import math
 import numbers
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Hashable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Deque, Hashable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .csprng import init_poisson_loader
+from .estimators import as_sequence
 from .values import EXAMPLE_UNIT, PRIVACY_UNITS, USER_UNIT
 
 #: default contribution bound k: the rows a sampled user contributes to one step
@@ -333,10 +336,39 @@ def regroup_rows(t: torch.Tensor, units: RowUnits) -> torch.Tensor:
     return out.reshape(count, longest * t.shape[1], *t.shape[2:])
 
 
+def regroup_uses(module: nn.Module, a: torch.Tensor, g: torch.Tensor, units: RowUnits) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A layer's ``(A, G)`` of a batch regrouped into its users (:func:`regroup_rows`; an
+    embedding's ``A`` is its ids): ``sum_{r in u} A_r^T G_r`` is the gradient of one
+    sequence of all user ``u``'s tokens."""
+    ids = isinstance(module, nn.Embedding)
+    a = a.reshape(a.shape[0], math.prod(a.shape[1:])) if ids else as_sequence(a)
+    return regroup_rows(a, units), regroup_rows(as_sequence(g), units)
+
+
 def sum_rows_by_unit(t: torch.Tensor, units: RowUnits) -> torch.Tensor:
     """``t`` (B, ...) summed over each unit's rows: (U, ...)."""
     slot, _, count = unit_layout(units, t.shape[0])
     return t.new_zeros((count, *t.shape[1:])).index_add_(0, slot, t)
+
+
+def in_row_slots(values: torch.Tensor, rows: int) -> torch.Tensor:
+    """Per-unit ``values`` (U, ...) in the first U of ``rows`` slots, zeros after: the shape
+    of per-row values that Opacus's ghost-clipping hooks keep (a unit's norm in slot u)."""
+    out = values.new_zeros((rows, *values.shape[1:]))
+    out[: values.shape[0]] = values
+    return out
+
+
+def mean_clip_factors(norms: torch.Tensor, sizes: Any, max_grad_norm: float) -> torch.Tensor:
+    """The factors on each unit's summed gradient ``S_u`` that clip its mean ``S_u / m_u``:
+    ``min(1, C / (||S_u|| / m_u + 1e-6)) / m_u`` (``sizes``: m_u, or 1 for examples)."""
+    return (max_grad_norm / (norms / sizes + 1e-6)).clamp(max=1.0) / sizes
+
+
+def per_row(values: torch.Tensor, units: RowUnits) -> torch.Tensor:
+    """Each row's value of its unit: ``values`` (U,) -> (B,)."""
+    slot, _, _ = unit_layout(units, len(units))
+    return values[slot.to(values.device)]
 
 
 def unit_sizes(units: RowUnits) -> torch.Tensor:
@@ -348,5 +380,5 @@ def unit_sizes(units: RowUnits) -> torch.Tensor:
 __all__ = [
     "DEFAULT_MAX_EXAMPLES_PER_USER", "EXAMPLE_UNIT", "USER_UNIT", "PRIVACY_UNITS", "RowUnits", "UnitStream",
     "UserDataLoader", "UserIndex", "UserPoissonSampler", "RecordingBatchSampler", "check_max_examples_per_user",
-    "check_privacy_unit", "delivered_units", "regroup_rows", "sum_rows_by_unit", "unit_layout", "unit_sizes",
+    "check_privacy_unit", "delivered_units", "in_row_slots", "mean_clip_factors", "per_row", "regroup_rows", "regroup_uses", "sum_rows_by_unit", "unit_layout", "unit_sizes",
 ]

@@ -264,25 +264,6 @@ class RCPRVAccountant(IAccountant):
         self._cache[key] = eps
         return eps
 
-    def get_group_epsilon(
-        self,
-        delta: float,
-        group_size: int,
-        *,
-        eps_error: float = 0.01,
-        delta_error: Optional[float] = None,
-    ) -> float:
-        """Epsilon at ``delta`` for a person who owns at most ``group_size`` rows of an
-        example-level run: each step the mixture over ``J ~ Bin(group_size, q)`` of the
-        person's rows in the draw (:func:`~opacus_rc.accounting.group.group_epsilon`),
-        (``group_size * epsilon`` is not a bound at the same delta). ``group_size=1`` is
-        :meth:`get_epsilon`."""
-        from .group import group_epsilon  # group.py builds on this module
-
-        return group_epsilon(
-            self.history, delta, group_size, eps_error=eps_error, delta_error=delta_error, bin_ratio=self.bin_ratio
-        )
-
     def __len__(self) -> int:
         return len(self.history)
 

@@ -144,6 +144,7 @@ class Form:
 _TWO_PASS_CLASSES = dict(
     modules=(GradSampleModuleRandomizedClipping, GradSampleHooksRandomizedClipping),
     optimizers=(RandomizedClippingOptimizer, DistributedRandomizedClippingOptimizer),
+    honours_users=True,
 )
 _BOOKKEEPING_CLASSES = dict(
     modules=(GradSampleModuleBookkeeping, GradSampleHooksBookkeeping),

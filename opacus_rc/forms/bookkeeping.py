@@ -53,7 +53,7 @@ from ..grad_sample import PerExampleStore, head_used_twice_error
 from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from ..optimizer import SketchedClippingMixin
 from ..recompute import late_use_error, missing_per_sample_error
-from ..units import RowUnits, regroup_rows, sum_rows_by_unit, unit_sizes
+from ..units import mean_clip_factors, regroup_uses, sum_rows_by_unit, unit_sizes
 from ..values import SKIP
 
 # --- Records: what one backward pass leaves for a parameter -------------------------------
@@ -317,14 +317,6 @@ def concatenate_uses(module: nn.Module, uses: List[Any]) -> Any:
     return a, g
 
 
-def regroup_uses(module: nn.Module, a: torch.Tensor, g: torch.Tensor, units: RowUnits) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A layer's ``(A, G)`` of a batch regrouped into its users (:func:`~opacus_rc.units.regroup_rows`):
-    ``sum_{r in u} A_r^T G_r`` is the gradient of one sequence of all user ``u``'s tokens."""
-    ids = isinstance(module, nn.Embedding)
-    a = a.reshape(a.shape[0], math.prod(a.shape[1:])) if ids else as_sequence(a)
-    return regroup_rows(a, units), regroup_rows(as_sequence(g), units)
-
-
 def _clipped_sum(module: nn.Module, param: nn.Parameter, a: torch.Tensor, g: torch.Tensor):
     if isinstance(module, nn.Embedding):
         return functools.partial(clipped_embedding, a, g, layer=module)
@@ -486,7 +478,7 @@ class BookkeepingClippingMixin:
             sq = torch.where(keep, sq, torch.zeros_like(sq))
         # a user's unit is the mean of their m_u rows: norm ||S_u|| / m_u, factor c_u / m_u on S_u
         rows = 1.0 if self.row_units is None else unit_sizes(self.row_units).to(sq)
-        clip = (self.max_grad_norm / (sq.sqrt() / rows + 1e-6)).clamp(max=1.0) / rows
+        clip = mean_clip_factors(sq.sqrt(), rows, self.max_grad_norm)
         if keep is not None:
             clip = clip * keep
         for p in self.params:

@@ -70,7 +70,7 @@ def _accountant(sketch=None, steps: int = 300) -> RCPRVAccountant:
 def test_group_size_one_is_get_epsilon_bit_for_bit(sketch):
     acc = _accountant(sketch)
     eps = acc.get_epsilon(DELTA)
-    assert acc.get_group_epsilon(DELTA, 1) == eps
+    assert group_epsilon(acc.history, DELTA, 1, bin_ratio=acc.bin_ratio) == eps
     assert group_epsilon(acc.history, DELTA, 1, bin_ratio=acc.bin_ratio) == eps
 
 
@@ -78,14 +78,14 @@ def test_group_epsilon_grows_with_k_within_the_group_privacy_theorem():
     """Monotone in k, never below k=1; and at delta_k = k e^{(k-1) eps_1} delta_1 never
     above k eps_1 (the theorem's bound, finite there)."""
     acc = _accountant(steps=200)
-    eps = [acc.get_group_epsilon(DELTA, k) for k in (1, 2, 3, 5)]
+    eps = [group_epsilon(acc.history, DELTA, k, bin_ratio=acc.bin_ratio) for k in (1, 2, 3, 5)]
     assert all(a < b for a, b in zip(eps, eps[1:]))
     delta_1 = 1e-9
     eps_1 = acc.get_epsilon(delta_1)
     for k in (2, 3, 5):
         delta_k = k * math.exp((k - 1) * eps_1) * delta_1
         assert delta_k < 0.1
-        assert acc.get_group_epsilon(delta_k, k) <= k * eps_1
+        assert group_epsilon(acc.history, delta_k, k, bin_ratio=acc.bin_ratio) <= k * eps_1
 
 
 @pytest.mark.parametrize("sketching", ["shared", "per_example"])
@@ -95,7 +95,7 @@ def test_sketched_history_is_charged_at_least_the_exact_one(sketching):
     exact = _accountant(None, steps=100)
     sketched = _accountant(SketchConfig(sketch_size=32, sketching=sketching), steps=100)
     for k in (1, 3):
-        assert sketched.get_group_epsilon(DELTA, k) >= exact.get_group_epsilon(DELTA, k)
+        assert group_epsilon(sketched.history, DELTA, k, bin_ratio=sketched.bin_ratio) >= group_epsilon(exact.history, DELTA, k, bin_ratio=exact.bin_ratio)
 
 
 def test_calibration_meets_the_group_target():

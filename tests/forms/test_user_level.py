@@ -27,7 +27,12 @@ from tests.models import SequenceClassifier
 from tests.oracles import per_user_clipped_mean
 
 C, USERS_PER_STEP, K = 0.05, 3, 4
-FORMS = {"bookkeeping": dict(per_example_backward=False, sketch_size=64), "per_example": dict(per_example_backward=True)}
+FORMS = {
+    "bookkeeping": dict(per_example_backward=False, sketch_size=64),
+    "per_example": dict(per_example_backward=True),
+    "two_pass": dict(grad_sample_mode="ghost", sketch_size=64),
+    "output_passes": dict(grad_sample_mode="hooks", bookkeeping=False, sketch_size=64),
+}
 
 
 def _ce(model, x, y):
@@ -46,7 +51,7 @@ def user_data(n: int = 40, users: int = 7, t: int = 6, seed: int = 0):
 def private(model, data, user_ids, *, noise=0.0, seed=3, **options):
     engine = PrivacyEngine(accountant="rc_prv")
     out = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), criterion=nn.CrossEntropyLoss(),
         data_loader=torch.utils.data.DataLoader(data, batch_size=USERS_PER_STEP), noise_multiplier=noise,
         max_grad_norm=C, clipping="randomized", privacy_unit="user", user_ids=user_ids,
         max_examples_per_user=K, seed=seed, **options,
@@ -54,12 +59,14 @@ def private(model, data, user_ids, *, noise=0.0, seed=3, **options):
     return engine, out
 
 
-def one_logical_step(module, optimizer, loader):
-    """Train on the loader's batches until a step is taken; returns the rows used."""
+def one_logical_step(module, optimizer, *rest):
+    """Train on the loader's batches until a step is taken (``rest``: the loader, after
+    the criterion of a ghost script); returns the rows used."""
+    *criterion, loader = rest
     rows = []
     for x, y, index in loader:
         rows += index.tolist()
-        _ce(module, x, y).backward()
+        (criterion[0](module(x), y) if criterion else _ce(module, x, y)).backward()
         optimizer.step()
         optimizer.zero_grad()
         if not optimizer._is_last_step_skipped:
@@ -73,10 +80,10 @@ def test_update_equals_brute_force_per_user_clipping(form):
     torch.manual_seed(0)
     model = SequenceClassifier()
     reference = copy.deepcopy(model)
-    _, (module, optimizer, loader) = private(model, data, owners, **FORMS[form])
+    _, out = private(model, data, owners, **FORMS[form])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for _ in range(4):  # until a step holds at least two users
-        rows = one_logical_step(module, optimizer, loader)
+        rows = one_logical_step(*out)
         if len({owners[r] for r in rows}) >= 2:
             break
         reference.load_state_dict(model.state_dict())
@@ -98,13 +105,13 @@ def released_sum(form: str, data, owners, unit: str) -> dict:
     engine = PrivacyEngine(accountant="rc_prv")
     if unit == "user":
         options.update(privacy_unit="user", user_ids=owners, max_examples_per_user=64)
-    module, optimizer, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+    out = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), criterion=nn.CrossEntropyLoss(),
         data_loader=torch.utils.data.DataLoader(data, batch_size=1), noise_multiplier=0.0,
         max_grad_norm=C, clipping="randomized", seed=1, **options,
     )
     before = [p.detach().clone() for p in model.parameters()]
-    one_logical_step(module, optimizer, loader)
+    one_logical_step(*out)
     return torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])
 
 
@@ -155,7 +162,7 @@ def test_bookkeeping_refuses_a_physical_batch_that_splits_a_user():
         (dict(privacy_unit="user", user_ids=[0] * 39 + [None]), r"user_ids\[39\]=None is invalid"),
         (dict(privacy_unit="user", user_ids=[0] * 40, max_examples_per_user=0), "max_examples_per_user=0 is invalid"),
         (dict(user_ids=[0] * 40), "user_ids only apply with privacy_unit='user'"),
-        (dict(privacy_unit="user", user_ids=[0] * 40, grad_sample_mode="ghost"), "not supported by the 'two_pass' form"),
+        (dict(privacy_unit="user", user_ids=[0] * 40, grad_sample_mode="ghost_fsdp"), "not supported by the 'ghost_fsdp' form"),
     ],
 )
 def test_bad_input_names_the_parameter(options, message):
