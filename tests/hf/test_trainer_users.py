@@ -237,3 +237,10 @@ def test_a_batch_without_its_users_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match=r"privacy_unit='user': a physical batch came without its users"):
         train(tmp_path, 2, 2, FORMS["bookkeeping"][2], trainer_class=Foreign, max_steps=1)
+
+
+def test_gradient_checkpointing_outside_the_per_example_form_is_refused_by_name(tmp_path):
+    """A checkpointed model with a sketched form runs the two passes from the output, which
+    clip rows inside one autograd pass: refused when the optimizer is made private."""
+    with pytest.raises(ValueError, match=r"privacy_unit='user' is not supported by the 'output_passes' form"):
+        train(tmp_path, 2, 2, FORMS["bookkeeping"][2], max_steps=1, gradient_checkpointing=True)
