@@ -193,6 +193,11 @@ class RowUnits:
     def __len__(self) -> int:
         return int(self.users.shape[0])
 
+    def rows(self, start: int, stop: int) -> "RowUnits":
+        """The units of rows ``start:stop`` of the batch (e.g. one row of a per-example pass)."""
+        last = None if self.last is None else self.last[start:stop]
+        return RowUnits(self.users[start:stop], self.sizes[start:stop], last)
+
 
 class UnitStream:
     """Marks each delivered row that ends its user's rows in the draw (``RowUnits.last``),

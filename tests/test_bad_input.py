@@ -100,8 +100,9 @@ def test_privacy_arguments_refuse_an_unknown_field_by_name():
 
     with pytest.raises(ValueError, match=r"PrivacyArguments got an unknown keyword 'sketchsize' \(did you mean 'sketch_size'"):
         PrivacyArguments(noise_multiplier=1.0, delta=1e-5, sketchsize=8)
-    with pytest.raises(ValueError, match=r"unknown keyword 'privacy_unit'"):
-        PrivacyArguments(noise_multiplier=1.0, delta=1e-5, privacy_unit="user")
+    with pytest.raises(ValueError, match=r"unknown keyword 'privacy_units' \(did you mean 'privacy_unit'"):
+        PrivacyArguments(noise_multiplier=1.0, delta=1e-5, privacy_units="user")
+    assert PrivacyArguments(noise_multiplier=1.0, delta=1e-5, privacy_unit="user", user_column="author").privacy_unit == "user"
     assert PrivacyArguments(noise_multiplier=1.0, delta=1e-5, sketch_size=8).sketch_size == 8
 
 
@@ -117,7 +118,8 @@ def test_privacy_arguments_take_make_private_options_with_its_defaults():
     options = {o.name: o for o in OPTIONS}
     shared = [f for f in dataclasses.fields(PrivacyArguments) if f.name in options]
     assert [f.name for f in shared] == list(PLUGIN_FIELDS)
-    assert {"estimator", "sketch_size", "sketching", "per_example_backward", "denoise", "sample_rate"} <= set(PLUGIN_FIELDS)
+    assert {"estimator", "sketch_size", "sketching", "per_example_backward", "denoise", "sample_rate",
+            "privacy_unit", "max_examples_per_user"} <= set(PLUGIN_FIELDS)
     for f in shared:
         assert (f.type, f.default) == (options[f.name].annotation, options[f.name].default), f.name
 

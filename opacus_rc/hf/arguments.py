@@ -13,7 +13,8 @@ from ..config import SketchConfig
 from ..forms import per_example_chosen
 from ..options import DEFAULTS, OPTIONS, check_sample_rate, parse_denoise, refuse_unknown, sketch_of
 from ..values import DENOISERS as ENGINE_DENOISERS
-from ..values import FLAT, RANDOMIZED
+from ..units import DEFAULT_MAX_EXAMPLES_PER_USER, check_max_examples_per_user, check_privacy_unit
+from ..values import EXAMPLE_UNIT, FLAT, RANDOMIZED, USER_UNIT
 
 CLIPPINGS = (RANDOMIZED, FLAT)
 DENOISERS = (None, *ENGINE_DENOISERS)
@@ -41,6 +42,9 @@ _FIELDS: Tuple[Union[str, Tuple[str, str, Any]], ...] = (
     "denoise",
     ("secure_mode", "bool", False),
     "sample_rate",
+    "privacy_unit",
+    ("user_column", "Optional[str]", None),
+    "max_examples_per_user",
     ("stop_at_epsilon", "Optional[float]", None),
     ("log_train_loss", "bool", False),
 )
@@ -72,7 +76,15 @@ class _PrivacyArgumentsMethods:
             (:class:`~opacus_rc.lm_head.ChunkedLMHeadLoss`; ``None``: the model's own logits).
         denoise: ``None`` or ``"spectral"`` (post-processing of the noisy gradient).
         secure_mode: noise, sketches and Poisson masks from :mod:`opacus_rc.csprng`.
-        sample_rate: the public Poisson rate; ``None``: ``1 / ceil(len(train_dataset) / B)``.
+        sample_rate: the public Poisson rate; ``None``: ``1 / ceil(len(train_dataset) / B)``
+            (at ``privacy_unit="user"``: ``min(1, B / number of users)``, B counting users).
+        privacy_unit: ``"example"`` (a dataset row, default) or ``"user"`` (a person with all
+            their rows: Poisson over users, one clip of the mean of a user's rows; epsilon
+            per user; :mod:`opacus_rc.units`).
+        user_column: with ``privacy_unit="user"``, the ``train_dataset`` column (a
+            ``datasets.Dataset`` column) naming each row's user; dropped before collation.
+        max_examples_per_user: with ``privacy_unit="user"``, the rows k a sampled user
+            contributes to a step (``min(k, n_u)``, drawn uniformly each step).
         stop_at_epsilon: stop training before a step would make epsilon exceed this value.
         log_train_loss: also log the training loss (an un-noised statistic outside epsilon).
 
@@ -106,6 +118,7 @@ class _PrivacyArgumentsMethods:
             sketch_of(options)  # validates
         parse_denoise(options)
         check_sample_rate(self.sample_rate, when_none="1 / ceil(len(train_dataset) / B)")
+        self._check_unit()
         self._refuse_invalid(
             ("stop_at_epsilon", self.stop_at_epsilon is None or _positive(self.stop_at_epsilon), "a float > 0 or None"),
             ("secure_mode", isinstance(self.secure_mode, bool), "True, False"),
@@ -120,6 +133,35 @@ class _PrivacyArgumentsMethods:
              and self.clipping == RANDOMIZED,
              "None or a positive int (with clipping='randomized' only)"),
         )
+
+    def _check_unit(self) -> None:
+        """``privacy_unit``, ``user_column`` and ``max_examples_per_user`` (what the Trainer
+        cannot run at user level is refused by name)."""
+        check_privacy_unit(self.privacy_unit)
+        check_max_examples_per_user(self.max_examples_per_user)
+        if self.privacy_unit == EXAMPLE_UNIT:
+            given = [n for n, unset in (("user_column", self.user_column is None),
+                                        ("max_examples_per_user",
+                                         self.max_examples_per_user == DEFAULT_MAX_EXAMPLES_PER_USER)) if not unset]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply with privacy_unit='user'; got privacy_unit='example'")
+            return
+        if not isinstance(self.user_column, str) or not self.user_column:
+            raise ValueError(
+                f"user_column={self.user_column!r} is invalid; privacy_unit='user' needs the name of the "
+                "train_dataset column holding each row's user (e.g. user_column='author')"
+            )
+        refused = [(self.clipping != RANDOMIZED, f"clipping={self.clipping!r}", "clipping='randomized'"),
+                   (self.lm_head_block_size is not None, f"lm_head_block_size={self.lm_head_block_size!r}",
+                    "lm_head_block_size=None (the model's own logits)")]
+        for bad, what, accepted in refused:
+            if bad:
+                raise ValueError(f"privacy_unit='user' is not supported with {what}; accepted: {accepted}")
+
+    @property
+    def user_level(self) -> bool:
+        """Whether the unit of privacy is a user (``privacy_unit="user"``)."""
+        return self.privacy_unit == USER_UNIT
 
     def _refuse_invalid(self, *checks: Tuple[str, bool, str]) -> None:
         for name, ok, accepted in checks:

@@ -23,7 +23,8 @@ from ..finite import agree_across_ranks, all_finite
 from ..forms import form_of
 from ..values import RANDOMIZED
 from .arguments import PrivacyArguments
-from .data import PoissonAccumulationSampler
+from ..units import RowUnits, UserIndex
+from .data import poisson_sampler_of
 from .losses import _base_model
 
 
@@ -183,6 +184,55 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
             )
     if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
         raise ValueError("an IterableDataset train_dataset is not supported: Poisson sampling needs a map-style dataset")
+    if trainer.privacy.user_level:
+        check_user_setup(trainer)
+
+
+def check_user_setup(trainer: Trainer) -> None:
+    """``privacy_unit="user"``: one process, and a ``train_dataset`` with a valid user column
+    (read now, so a bad column is refused at construction)."""
+    if trainer.args.world_size > 1:
+        raise ValueError(
+            f"privacy_unit='user' does not support world_size={trainer.args.world_size} yet (a user's rows "
+            "would be split across ranks); accepted: one process"
+        )
+    if trainer.train_dataset is not None:
+        trainer.user_index()
+
+
+def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
+    """The :class:`~opacus_rc.units.UserIndex` of ``dataset``'s ``privacy.user_column``.
+
+    Raises:
+        ValueError: naming ``user_column``: the dataset is not a ``datasets.Dataset``, has no
+            such column, or a row's user is None.
+    """
+    column = privacy.user_column
+    names = getattr(dataset, "column_names", None)
+    if names is None or not hasattr(dataset, "remove_columns"):
+        raise ValueError(
+            f"user_column={column!r} needs a datasets.Dataset train_dataset (got {type(dataset).__name__}); "
+            "accepted values: the name of a column of a datasets.Dataset"
+        )
+    if column not in names:
+        raise ValueError(f"user_column={column!r} is not a column of train_dataset; its columns: {names}")
+    ids = dataset[column]
+    missing = next((row for row, uid in enumerate(ids) if uid is None), None)
+    if missing is not None:
+        raise ValueError(
+            f"user_column={column!r}: row {missing} has no user (None); accepted values: a user id on every row"
+        )
+    return UserIndex(ids, len(dataset), privacy.max_examples_per_user)
+
+
+def check_units(privacy: PrivacyArguments, units: Optional[RowUnits]) -> None:
+    """A user-level physical batch must carry its rows' units (from the private Trainer's
+    user-level loader)."""
+    if privacy.user_level and units is None:
+        raise ValueError(
+            "privacy_unit='user': a physical batch came without its users (it is not from the private "
+            "Trainer's user-level Poisson loader). " + _LOADING_ACCEPTED
+        )
 
 
 def check_checkpoint_functions(model: nn.Module) -> None:
@@ -216,8 +266,8 @@ def check_loader(trainer: Trainer, made: Optional[DataLoader]) -> None:
     is being drawn from, at the charged rate, split into the accumulation steps, on this
     rank's share (a subclass's ``get_train_dataloader`` may return another loader: refused)."""
     loader = getattr(trainer.callback_handler, "train_dataloader", None)
-    sampler = getattr(loader, "batch_sampler", None)
-    ok = isinstance(sampler, PoissonAccumulationSampler)
+    sampler = poisson_sampler_of(loader)
+    ok = sampler is not None and (sampler.users is not None) == trainer.privacy.user_level
     why = (
         "the loader the training loop iterates is not the private Trainer's Poisson loader"
         if loader is None or loader is not made or not ok
@@ -307,6 +357,6 @@ def replaceable_compute_loss() -> Tuple[Any, ...]:
 
 
 __all__ = [
-    "check_arguments", "check_setup", "check_checkpoint_functions", "check_loader", "check_records", "refuse_non_finite",
+    "check_arguments", "check_setup", "check_units", "check_user_setup", "user_index_of", "check_checkpoint_functions", "check_loader", "check_records", "refuse_non_finite",
     "replaceable_compute_loss", "resumed_history", "DP_STATE_NAME",
 ]

@@ -1,18 +1,23 @@
 """The private Trainer's training data: every logical step is one Poisson draw
-(:class:`PoissonAccumulationSampler`), collated by the Trainer's collator, an empty draw
-becoming a marker batch (:func:`is_empty_batch`)."""
+(:class:`PoissonAccumulationSampler`; at ``privacy_unit="user"`` a draw over users,
+:class:`~opacus_rc.units.UserPoissonSampler`), collated by the Trainer's collator, an empty
+draw becoming a marker batch (:func:`is_empty_batch`); at user level each batch carries its
+rows' units (:func:`take_units`)."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Iterator, List
+from collections.abc import MutableMapping
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..sketch import entropy_seed
+from ..units import RecordingBatchSampler, RowUnits, UserIndex, UserPoissonSampler, delivered_units
 
 _EMPTY = "__opacus_rc_empty_batch__"
+_UNITS = "__opacus_rc_row_units__"
 
 
 class PoissonAccumulationSampler(Sampler[List[int]]):
@@ -24,6 +29,11 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
     from a ``torch.Generator`` seeded from ``os.urandom`` (``secure_mode``: the CSPRNG), never
     from the global generator. Distributed: rank ``r`` samples the fixed share
     ``r, r + world_size, ...`` at the same rate (the union over ranks is one Poisson draw).
+
+    ``users`` (``privacy_unit="user"``, one process): each draw is one draw of
+    :class:`~opacus_rc.units.UserPoissonSampler` (users at ``sample_rate``, a sampled user's
+    ``min(k, n_u)`` rows), split between users, never inside one (each physical batch holds
+    whole users: book-keeping clips a user within one backward pass).
     """
 
     def __init__(
@@ -36,6 +46,7 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
         rank: int = 0,
         world_size: int = 1,
         secure_mode: bool = False,
+        users: Optional[UserIndex] = None,
     ) -> None:
         self.num_samples = int(num_samples)
         self.sample_rate = float(sample_rate)
@@ -45,6 +56,15 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
         self.secure_mode = secure_mode
         self.share = len(range(self.rank, self.num_samples, self.world_size))
         self._generator = None if secure_mode else torch.Generator().manual_seed(entropy_seed())
+        self.users = users
+        self._user_draws: Optional[UserPoissonSampler] = None
+        if users is not None:
+            if self.world_size != 1:
+                raise ValueError("privacy_unit='user' does not support several processes (world_size > 1) yet")
+            from ..csprng import default_generator
+
+            generator = default_generator() if secure_mode else self._generator
+            self._user_draws = UserPoissonSampler(users, self.sample_rate, generator, steps=1)
         self.draws = 0  #: logical steps drawn so far (the loader check: this sampler is iterated)
 
     def __len__(self) -> int:
@@ -57,12 +77,22 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
             return secure_bernoulli(self.sample_rate, self.share)
         return torch.rand(self.share, generator=self._generator) < self.sample_rate
 
+    def _draw(self) -> List[torch.Tensor]:
+        """One logical step's rows, split into ``micro_batches`` physical batches."""
+        if self._user_draws is None:
+            rows = self._mask().nonzero().reshape(-1) * self.world_size + self.rank
+            return list(torch.tensor_split(rows, self.micro_batches))
+        rows = torch.tensor(next(iter(self._user_draws)), dtype=torch.long)
+        # a user's rows are contiguous: split the users, not the rows
+        _, counts = torch.unique_consecutive(self.users.user_of_row[rows], return_counts=True)
+        per_part = [int(c.sum()) for c in torch.tensor_split(counts, self.micro_batches)]
+        return list(torch.split(rows, per_part))
+
     def __iter__(self) -> Iterator[List[int]]:
         for _ in range(self.steps):
-            local = self._mask().nonzero().reshape(-1)
+            parts = self._draw()
             self.draws += 1
-            rows = local * self.world_size + self.rank
-            for part in torch.tensor_split(rows, self.micro_batches):
+            for part in parts:
                 yield part.tolist()
 
     def __getstate__(self):
@@ -72,6 +102,47 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
 def _collate_or_mark(collate: Callable, rows: List[Any]) -> Any:
     """The Trainer's collator; an empty Poisson batch becomes a marker (no forward pass)."""
     return {_EMPTY: True} if len(rows) == 0 else collate(rows)
+
+
+def take_units(inputs: Any) -> Optional[RowUnits]:
+    """Remove and return the units a user-level batch carries (None: example level)."""
+    return inputs.pop(_UNITS, None) if isinstance(inputs, MutableMapping) else None
+
+
+class UserPoissonLoader(DataLoader):
+    """The private Trainer's loader at ``privacy_unit="user"``: each delivered batch (a
+    mapping, or the empty marker) carries its rows' :class:`~opacus_rc.units.RowUnits` under
+    a private key, set in the main process as the batch is delivered
+    (:func:`~opacus_rc.units.delivered_units`); :func:`take_units` removes it before the
+    batch reaches the model. The Trainer fetches a step's batches before training on
+    them, so the units travel with the batch, not beside it."""
+
+    def __init__(self, dataset: Dataset, *, batch_sampler: PoissonAccumulationSampler, **kwargs: Any) -> None:
+        super().__init__(dataset, batch_sampler=RecordingBatchSampler(batch_sampler), **kwargs)
+        self.user_index = batch_sampler.users
+
+    @property
+    def poisson_sampler(self) -> PoissonAccumulationSampler:
+        return self.batch_sampler.batch_sampler
+
+    def __iter__(self) -> Iterator[Any]:
+        noted: List[RowUnits] = []
+        for batch in delivered_units(super().__iter__(), self.batch_sampler, self.user_index, noted.append):
+            if not isinstance(batch, MutableMapping):
+                raise ValueError(
+                    f"privacy_unit='user': the data_collator returned a {type(batch).__name__}; accepted "
+                    "values: a dict (or BatchEncoding) of the batch's tensors"
+                )
+            batch[_UNITS] = noted.pop()
+            yield batch
+
+
+def poisson_sampler_of(loader: Any) -> Optional[PoissonAccumulationSampler]:
+    """The :class:`PoissonAccumulationSampler` ``loader`` draws with (None: another sampler)."""
+    sampler = getattr(loader, "batch_sampler", None)
+    if isinstance(sampler, RecordingBatchSampler):
+        sampler = sampler.batch_sampler
+    return sampler if isinstance(sampler, PoissonAccumulationSampler) else None
 
 
 def is_empty_batch(inputs: Any) -> bool:
@@ -96,14 +167,19 @@ def poisson_loader(
 ) -> DataLoader:
     """The private Trainer's training loader: ``dataset`` drawn by a
     :class:`PoissonAccumulationSampler` (``sampler``: its arguments but ``num_samples``),
-    collated by ``collator`` (an empty batch: the marker of :func:`is_empty_batch`)."""
-    return DataLoader(
+    collated by ``collator`` (an empty batch: the marker of :func:`is_empty_batch`); with
+    ``users=`` a :class:`UserPoissonLoader`."""
+    batch_sampler = PoissonAccumulationSampler(num_samples=len(dataset), **sampler)
+    return (DataLoader if batch_sampler.users is None else UserPoissonLoader)(
         dataset,
-        batch_sampler=PoissonAccumulationSampler(num_samples=len(dataset), **sampler),
+        batch_sampler=batch_sampler,
         collate_fn=functools.partial(_collate_or_mark, collator),
         num_workers=num_workers,
         pin_memory=pin_memory,
     )
 
 
-__all__ = ["PoissonAccumulationSampler", "is_empty_batch", "one_row_batches", "poisson_loader"]
+__all__ = [
+    "PoissonAccumulationSampler", "UserPoissonLoader", "is_empty_batch", "one_row_batches", "poisson_loader",
+    "poisson_sampler_of", "take_units",
+]

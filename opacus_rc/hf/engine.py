@@ -5,7 +5,7 @@ Trainer creates its optimizer; the ``rc_prv`` calibration and epsilon the Traine
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
@@ -68,11 +68,13 @@ def budget_steps(
     return lo
 
 
-def public_loader(batch_size: int) -> DataLoader:
+def public_loader(batch_size: int, rows: Optional[int] = None) -> DataLoader:
     """The ``data_loader`` make_private requires (the Trainer trains on its own Poisson
     loader): one batch of ``batch_size`` rows, from which Opacus's flat route derives the
-    public normaliser ``int(B * 1.0) = B`` (per rank under DDP, divided once by Opacus)."""
-    return DataLoader(TensorDataset(torch.zeros(batch_size)), batch_size=batch_size)
+    public normaliser ``int(B * 1.0) = B`` (per rank under DDP, divided once by Opacus);
+    ``rows``: a placeholder dataset of that many rows instead (privacy_unit="user": the
+    user ids are one per train_dataset row; the randomized route takes B explicitly)."""
+    return DataLoader(TensorDataset(torch.zeros(batch_size if rows is None else rows)), batch_size=batch_size)
 
 
 class Private(NamedTuple):
@@ -97,12 +99,15 @@ def make_private(
     world_size: int,
     physical_batch_size: int,
     history: Optional[List[Any]] = None,
+    user_ids: Optional[Sequence[Any]] = None,
 ) -> Private:
     """The private Trainer's engine: book-keeping hooks (``wrap_model=False``; the
     per-example form's when ``privacy.per_example(physical_batch_size)``) and a DP
     optimizer averaging by the public ``batch_size`` (summed over ranks), charging
     ``sample_rate``, with the noise multiplier of ``privacy`` (calibrated for ``steps``);
-    ``history``: a resumed accountant history."""
+    ``history``: a resumed accountant history. At ``privacy.privacy_unit="user"``,
+    ``user_ids`` (one per train_dataset row): ``batch_size`` counts expected users and
+    ``sample_rate`` is the users' rate q_u (make_private clips per user)."""
     p = privacy
     trainable = [q for q in model.parameters() if q.requires_grad]
     if not trainable:
@@ -115,8 +120,10 @@ def make_private(
         # backward pass): the distributed DP optimizer sums the clipped sums across ranks
         # after rank 0 alone added the noise. The Trainer runs it instead of DDP.
         ddp = model = DPDDP(model)
+    users = p.user_level
     kwargs: Dict[str, Any] = dict(
-        module=model, optimizer=optimizer, data_loader=public_loader(batch_size), noise_multiplier=sigma,
+        module=model, optimizer=optimizer, noise_multiplier=sigma,
+        data_loader=public_loader(batch_size, len(user_ids) if users else None),
         max_grad_norm=p.max_grad_norm, clipping=p.clipping, grad_sample_mode=HOOKS,
         wrap_model=False, poisson_sampling=True, loss_reduction="mean", batch_first=True,
     )
@@ -128,6 +135,8 @@ def make_private(
         )
         if p.lm_head_block_size is not None and not per_example:
             kwargs["bookkeeping"] = True  # the chunked head's norms: one pass, checkpointed or not
+        if users:
+            kwargs.update(privacy_unit=p.privacy_unit, user_ids=user_ids, max_examples_per_user=p.max_examples_per_user)
     if p.clipping != RANDOMIZED and not p.secure_mode:
         # Opacus's flat clipping would draw from torch's global generator, which the Trainer's
         # set_seed seeds; randomized clipping has its own os.urandom streams, one per device

@@ -22,14 +22,15 @@ from transformers import Trainer, TrainerCallback
 from ..accounting.accountant import RCPRVAccountant, sketch_record
 from ..forms import Form, form_of
 from ..integration import PrivacyEngine
-from ..options import per_rank_normaliser
+from ..options import PublicSampling, per_rank_normaliser, user_sampling
+from ..units import RowUnits, UserIndex
 from ..values import RC_PRV
 from .arguments import LOSS_LOG_KEYS, PRIVATE_LOG_KEYS, PrivacyArguments
 from .checks import (
     DP_STATE_NAME, check_arguments, check_checkpoint_functions, check_loader, check_records, check_setup,
-    refuse_non_finite, replaceable_compute_loss, resumed_history,
+    refuse_non_finite, replaceable_compute_loss, resumed_history, check_units, user_index_of,
 )
-from .data import PoissonAccumulationSampler, is_empty_batch, one_row_batches, poisson_loader
+from .data import is_empty_batch, one_row_batches, poisson_loader, poisson_sampler_of, take_units
 from .engine import budget_steps, epsilon, make_private, signal_same_draw
 from .losses import causal_lm, chunked_head_losses, model_inputs, row_losses
 
@@ -84,6 +85,7 @@ class DPTrainerMixin:
         self._dp_loader_checked = False
         self._dp_sigma: Optional[float] = None
         self._dp_resumed_history: Optional[list] = None
+        self._dp_users: Optional[UserIndex] = None
         super().__init__(*args, **kwargs)
         check_setup(self, DPTrainerMixin)
         self.add_callback(_DPCallback(self))
@@ -92,17 +94,33 @@ class DPTrainerMixin:
     @property
     def expected_batch_size(self) -> int:
         """The public logical batch size B (the normaliser): per-device batch size x
-        accumulation steps x world size."""
+        accumulation steps x world size (at ``privacy_unit="user"``: expected users)."""
         return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
 
     @property
     def sample_rate(self) -> float:
-        """The public Poisson rate every logical step samples at and is charged at."""
+        """The public Poisson rate every logical step samples at and is charged at (at
+        ``privacy_unit="user"``, of users: ``min(1, B / number of users)`` by default)."""
         if self.privacy.sample_rate is not None:
             return float(self.privacy.sample_rate)
         if self.train_dataset is None:
             raise ValueError("sample_rate=None needs a train_dataset (or give PrivacyArguments.sample_rate)")
+        if self.privacy.user_level:
+            return user_sampling(PublicSampling(self.expected_batch_size, 1.0), self.user_index()).sample_rate
         return 1.0 / math.ceil(len(self.train_dataset) / self.expected_batch_size)
+
+    @property
+    def privacy_unit(self) -> str:
+        """What epsilon protects: ``"example"`` (a row) or ``"user"`` (a person, all their rows)."""
+        return self.privacy.privacy_unit
+
+    def user_index(self) -> Optional[UserIndex]:
+        """The users of ``train_dataset`` (its ``privacy.user_column``; None at example level)."""
+        if not self.privacy.user_level:
+            return None
+        if self._dp_users is None:
+            self._dp_users = user_index_of(self.train_dataset, self.privacy)
+        return self._dp_users
 
     @property
     def steps_per_epoch(self) -> int:
@@ -125,6 +143,9 @@ class DPTrainerMixin:
             from datasets import Dataset as HFDataset
         except ImportError:  # pragma: no cover
             HFDataset = ()
+        users = self.user_index()
+        if users is not None:  # the users are read; the column never reaches the collator or the model
+            dataset = dataset.remove_columns(self.privacy.user_column)
         if isinstance(dataset, HFDataset):
             dataset = self._remove_unused_columns(dataset, description="Training")
         else:
@@ -133,13 +154,13 @@ class DPTrainerMixin:
             dataset, collator, sample_rate=self.sample_rate, micro_batches=self.args.gradient_accumulation_steps,
             steps=self.steps_per_epoch, rank=self.args.process_index, world_size=self.args.world_size,
             secure_mode=self.privacy.secure_mode, num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory,
+            pin_memory=self.args.dataloader_pin_memory, users=users,
         )
         return self._dp_loader
 
     def num_examples(self, dataloader: DataLoader) -> int:
         """The expected number of rows per epoch (public; never ``len(dataset)``)."""
-        if isinstance(getattr(dataloader, "batch_sampler", None), PoissonAccumulationSampler):
+        if poisson_sampler_of(dataloader) is not None:
             return self.steps_per_epoch * self.expected_batch_size
         return super().num_examples(dataloader)
 
@@ -156,6 +177,7 @@ class DPTrainerMixin:
             self.model, optimizer, self.privacy, batch_size=self.expected_batch_size,
             sample_rate=self.sample_rate, steps=self.planned_steps(), world_size=self.args.world_size,
             physical_batch_size=self.args.per_device_train_batch_size, history=self._dp_resumed_history,
+            user_ids=self.user_index().user_of_row.tolist() if self.privacy.user_level else None,
         )
         self._dp_engine, self._dp_hooks, self._dp_optimizer = private.engine, private.hooks, private.optimizer
         self._dp_form = form_of(private.optimizer)
@@ -182,11 +204,12 @@ class DPTrainerMixin:
         return int(sum(entry[2] for entry in self._dp_history()))
 
     def get_epsilon(self) -> float:
-        """Epsilon spent so far at ``privacy.delta`` (rc_prv)."""
+        """Epsilon spent so far at ``privacy.delta`` (rc_prv), per :attr:`privacy_unit`
+        (a row, or a user with all their rows)."""
         acc = self.accountant
         if acc is None:
             return epsilon(self._dp_resumed_history or [], self.privacy.delta)
-        return float(acc.get_epsilon(delta=self.privacy.delta))
+        return float(self._dp_engine.get_epsilon(delta=self.privacy.delta))
 
     # ---- training --------------------------------------------------------------------
     def per_example_loss(self, model: nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
@@ -227,6 +250,7 @@ class DPTrainerMixin:
         model.train()
         report = torch.zeros((), device=self.args.device)
         rows = 0
+        units = self._dp_units(inputs)
         if not is_empty_batch(inputs):
             inputs = self._prepare_inputs(inputs)
             per_example = self._dp_form is not None and self._dp_form.one_example_per_backward
@@ -234,7 +258,9 @@ class DPTrainerMixin:
             del inputs
             total = torch.zeros((), device=self.args.device)
             with self._dp_hooks.one_physical_batch() if per_example else contextlib.nullcontext():
-                for batch in batches:  # the per-example form: one row, one backward pass each
+                for i, batch in enumerate(batches):  # the per-example form: one row, one backward pass each
+                    if units is not None:  # the users of the rows this backward pass holds
+                        optimizer.note_units(units.rows(i, i + 1) if per_example else units)
                     losses = self._dp_losses(model, batch)
                     rows += int(losses.shape[0])
                     losses.mean().backward()
@@ -255,6 +281,13 @@ class DPTrainerMixin:
         if last:
             self._dp_micro = 0
         return report
+
+    def _dp_units(self, inputs: Dict[str, Any]) -> Optional[RowUnits]:
+        """The units a user-level batch carries (removed from ``inputs``: they never reach
+        the model); None at example level. A user-level batch without them is refused."""
+        units = take_units(inputs)
+        check_units(self.privacy, units)
+        return units
 
     def _dp_losses(self, model: nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
         """``per_example_loss`` under the Trainer's loss context, checked to be one per row."""
@@ -326,6 +359,8 @@ class DPTrainerMixin:
             logs.pop(key, None)
         if self._dp_engine is not None or self._dp_resumed_history:
             logs["epsilon"] = self.get_epsilon()
+            if self.privacy.user_level:
+                logs["privacy_unit"] = self.privacy_unit  # epsilon is per user, not per row
         metrics = getattr(self, "_metrics", None)  # TRL's per-batch training metrics
         if isinstance(metrics, dict) and isinstance(metrics.get("train"), dict):
             metrics["train"].clear()

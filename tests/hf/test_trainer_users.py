@@ -1,0 +1,246 @@
+"""The private Trainer at ``privacy_unit="user"`` (issue 40): Poisson over users at
+``q_u = B / number of users`` (B = per-device batch x accumulation: expected users per
+step), a sampled user's ``min(k, n_u)`` rows, one clip of the mean of their rows, the update
+divided by B, charged at ``q_u``; the user column is read from the ``datasets.Dataset`` and
+dropped before collation. At sigma = 0 one Trainer run equals brute-force per-user clipping
+(:func:`tests.oracles.per_user_clipped_mean`) in book-keeping (exact norms: a user's
+regrouped sequence, at most K x 16 tokens, is no longer than the sketch) and in the
+per-example form. Tolerance: float32 summation order (1e-6)."""
+
+from __future__ import annotations
+
+import copy
+
+import datasets
+import pytest
+import torch
+from opacus.accountants import PRVAccountant
+from transformers import default_data_collator
+
+from opacus_rc.forms.per_example import PerExampleOptimizer
+from opacus_rc.hf import DPTrainer, PrivacyArguments, is_empty_batch, per_example_token_loss, private_trainer
+from opacus_rc.hf.data import take_units
+
+from tests.models import rows, tiny_llama
+from tests.oracles import per_user_clipped_mean
+
+from .test_trainer import training_args
+
+C, LR, K = 0.05, 0.5, 3
+COUNTS = (1, 2, 3, 4, 6, 8)  # rows of each of the 6 users (24 rows): three above K
+FORMS = {
+    "bookkeeping": (2, 2, dict(per_example_backward=False, sketch_size=64)),
+    "per_example": (1, 4, {}),  # per_device_train_batch_size=1: the per-example form
+}
+
+
+def owners() -> list:
+    """The author of each row: user u owns COUNTS[u] rows, interleaved in the dataset."""
+    authors = [f"user{u}" for u, n in enumerate(COUNTS) for _ in range(n)]
+    order = torch.randperm(len(authors), generator=torch.Generator().manual_seed(0)).tolist()
+    return [authors[i] for i in order]
+
+
+def user_dataset(authors=None) -> datasets.Dataset:
+    ids, labels = rows(len(owners()))
+    return datasets.Dataset.from_dict(
+        {"input_ids": ids.tolist(), "labels": labels.tolist(), "author": authors or owners()}
+    )
+
+
+def row_loss(model, ids, labels):
+    logits = model(input_ids=ids, use_cache=False).logits
+    return per_example_token_loss(logits, labels, shift=True).mean()
+
+
+class KeysSeen:
+    """A collator recording the keys of every row it collates."""
+
+    def __init__(self) -> None:
+        self.keys = set()
+
+    def __call__(self, features):
+        for f in features:
+            self.keys.update(f)
+        return default_data_collator(features)
+
+
+def recording_units(trainer_class):
+    """The trainer class recording every physical batch with the units it carries."""
+
+    class Recording(trainer_class):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.recorded = getattr(self, "recorded", [])
+            units = inputs.get("__opacus_rc_row_units__")
+            batch = None if is_empty_batch(inputs) else {k: v.clone() for k, v in inputs.items()
+                                                         if isinstance(v, torch.Tensor)}
+            self.recorded.append((batch, units))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    return Recording
+
+
+def train(tmp_path, per_device, accumulation, privacy=None, *, collator=None, trainer_class=DPTrainer, **args):
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    options = dict(noise_multiplier=0.0, delta=1e-5, max_grad_norm=C, privacy_unit="user", user_column="author",
+                   max_examples_per_user=K)
+    options.update(privacy or {})
+    args.setdefault("remove_unused_columns", False)  # the private Trainer drops the user column itself
+    trainer = recording_units(trainer_class)(
+        model=model,
+        args=training_args(tmp_path, per_device_train_batch_size=per_device,
+                           gradient_accumulation_steps=accumulation, **args),
+        train_dataset=user_dataset(), data_collator=collator or default_data_collator,
+        optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None),
+        privacy=PrivacyArguments(**options),
+    )
+    trainer.train()
+    return model, reference, trainer
+
+
+def brute_force(model, recorded, accumulation: int, normaliser: int, index) -> None:
+    """SGD on ``model`` with the brute-force per-user clipped mean of every logical step
+    (``index``: the Trainer's UserIndex, whose numbering the recorded units use)."""
+    counts = torch.bincount(index.user_of_row).tolist()
+    assert sorted(counts) == list(COUNTS)
+    for start in range(0, len(recorded), accumulation):
+        step = recorded[start:start + accumulation]
+        users = [s for b, u in step for s in u.users.tolist()]
+        parts = [set(u.users.tolist()) for _, u in step]
+        assert sum(map(len, parts)) == len(set(users))  # each physical batch holds whole users
+        assert all(users.count(u) == min(K, counts[u]) for u in users)  # m_u rows of a sampled user
+        batches = [b for b, _ in step if b is not None]
+        if not batches:
+            continue
+        ids = torch.cat([b["input_ids"] for b in batches])
+        labels = torch.cat([b["labels"] for b in batches])
+        update = per_user_clipped_mean(model, row_loss, ids, labels, users, C, normaliser)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p -= LR * update[name]
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_update_equals_brute_force_per_user_clipping(tmp_path, form):
+    per_device, accumulation, privacy = FORMS[form]
+    model, reference, trainer = train(tmp_path, per_device, accumulation, privacy, max_steps=2)
+    assert isinstance(trainer._dp_optimizer, PerExampleOptimizer) == (form == "per_example")
+    assert trainer.sample_rate == pytest.approx(per_device * accumulation / len(COUNTS))
+    assert trainer.user_index().num_users == len(COUNTS) and trainer._dp_optimizer.privacy_unit == "user"
+    recorded = trainer.recorded
+    assert len(recorded) == 2 * accumulation and sum(len(u) for _, u in recorded) > 0
+    brute_force(reference, recorded, accumulation, per_device * accumulation, trainer.user_index())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_user_column_never_reaches_the_collator_or_the_model(tmp_path):
+    collator = KeysSeen()
+    seen = []
+
+    class Watching(DPTrainer):
+        def per_example_loss(self, model, inputs):
+            seen.append(set(inputs))
+            return super().per_example_loss(model, inputs)
+
+    _, _, trainer = train(tmp_path, 2, 2, FORMS["bookkeeping"][2], collator=collator, trainer_class=Watching,
+                          max_steps=2)
+    assert collator.keys == {"input_ids", "labels"}
+    assert seen and all(keys == {"input_ids", "labels"} for keys in seen)
+    assert "author" in trainer.train_dataset.column_names  # the user's dataset is unchanged
+
+
+def test_epsilon_is_opacus_prv_at_the_users_rate(tmp_path):
+    """Per-example form (exact clipping): epsilon after 3 steps at sigma 0.7 is Opacus's
+    PRV at q_u = 4 / 6 (not at the example rate); the log names the unit."""
+    _, _, trainer = train(tmp_path, 1, 4, {"noise_multiplier": 0.7}, max_steps=3, logging_steps=3)
+    q_u = 4 / len(COUNTS)
+    assert [entry[:3] for entry in trainer.accountant.history] == [(0.7, pytest.approx(q_u), 3)]
+    prv = PRVAccountant()
+    prv.history = [(0.7, q_u, 3)]
+    assert trainer.get_epsilon() == pytest.approx(prv.get_epsilon(1e-5), rel=1e-6)
+    logged = [h for h in trainer.state.log_history if "epsilon" in h][0]
+    assert logged["privacy_unit"] == "user" and logged["epsilon"] == pytest.approx(trainer.get_epsilon())
+    assert trainer.privacy_unit == "user" and trainer.privacy_engine.privacy_unit == "user"
+
+
+def test_private_sft_trainer_at_user_level(tmp_path):
+    """TRL's SFTTrainer made private trains at user level: the author column is kept by its
+    tokenisation, read, and dropped before collation; charged at q_u."""
+    import trl
+
+    from .test_trainer import char_tokenizer, sft_dataset
+
+    data = sft_dataset().add_column("author", owners())
+    model = tiny_llama()
+    initial = copy.deepcopy(model)
+    config = trl.SFTConfig(
+        output_dir=str(tmp_path / "sft"), per_device_train_batch_size=1, gradient_accumulation_steps=4,
+        max_steps=2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False,
+        gradient_checkpointing=False, lr_scheduler_type="constant",
+    )
+    trainer = private_trainer(trl.SFTTrainer)(
+        model=model, args=config, train_dataset=data, processing_class=char_tokenizer(),
+        optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None),
+        privacy=PrivacyArguments(noise_multiplier=0.5, delta=1e-5, max_grad_norm=C, privacy_unit="user",
+                                 user_column="author", max_examples_per_user=K),
+    )
+    trainer.train()
+    assert isinstance(trainer._dp_optimizer, PerExampleOptimizer)
+    assert trainer.accountant.history[0][:3] == (0.5, pytest.approx(4 / len(COUNTS)), 2)
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), initial.parameters()))
+
+
+# --- refusals ---------------------------------------------------------------------------
+
+def arguments(**kw):
+    return PrivacyArguments(noise_multiplier=1.0, delta=1e-5, **kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(privacy_unit="user"), r"user_column=None is invalid; privacy_unit='user' needs"),
+    (dict(privacy_unit="user", user_column=""), r"user_column='' is invalid"),
+    (dict(privacy_unit="users", user_column="author"), r"privacy_unit='users' is invalid"),
+    (dict(privacy_unit="user", user_column="author", max_examples_per_user=0), r"max_examples_per_user=0"),
+    (dict(user_column="author"), r"user_column only apply with privacy_unit='user'"),
+    (dict(max_examples_per_user=3), r"max_examples_per_user only apply with privacy_unit='user'"),
+    (dict(privacy_unit="user", user_column="author", clipping="flat"), r"clipping='flat'"),
+    (dict(privacy_unit="user", user_column="author", lm_head_block_size=4), r"lm_head_block_size=4"),
+])
+def test_bad_privacy_arguments_are_refused_by_name(kw, match):
+    with pytest.raises(ValueError, match=match):
+        arguments(**kw)
+
+
+@pytest.mark.parametrize("dataset, match", [
+    (lambda: user_dataset().remove_columns("author"), r"user_column='author' is not a column of train_dataset"),
+    (lambda: user_dataset([None if i == 5 else a for i, a in enumerate(owners())]),
+     r"user_column='author': row 5 has no user \(None\)"),
+    (lambda: torch.utils.data.TensorDataset(torch.zeros(4)), r"user_column='author' needs a datasets.Dataset"),
+])
+def test_bad_user_column_is_refused_at_construction(tmp_path, dataset, match):
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=match):
+        DPTrainer(model=model, args=training_args(tmp_path), train_dataset=dataset(),
+                  privacy=arguments(privacy_unit="user", user_column="author"))
+
+
+def test_a_batch_without_its_users_is_refused(tmp_path):
+    """A subclass feeding the training step a batch that did not come from the user-level
+    loader (no units): refused before any backward pass."""
+
+    class Foreign(DPTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            take_units(inputs)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    with pytest.raises(ValueError, match=r"privacy_unit='user': a physical batch came without its users"):
+        train(tmp_path, 2, 2, FORMS["bookkeeping"][2], trainer_class=Foreign, max_steps=1)
+
+
+def test_gradient_checkpointing_outside_the_per_example_form_is_refused_by_name(tmp_path):
+    """A checkpointed model with a sketched form runs the two passes from the output, which
+    clip rows inside one autograd pass: refused when the optimizer is made private."""
+    with pytest.raises(ValueError, match=r"privacy_unit='user' is not supported by the 'output_passes' form"):
+        train(tmp_path, 2, 2, FORMS["bookkeeping"][2], max_steps=1, gradient_checkpointing=True)
