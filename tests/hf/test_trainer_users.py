@@ -239,8 +239,14 @@ def test_a_batch_without_its_users_is_refused(tmp_path):
         train(tmp_path, 2, 2, FORMS["bookkeeping"][2], trainer_class=Foreign, max_steps=1)
 
 
-def test_gradient_checkpointing_outside_the_per_example_form_is_refused_by_name(tmp_path):
-    """A checkpointed model with a sketched form runs the two passes from the output, which
-    clip rows inside one autograd pass: refused when the optimizer is made private."""
-    with pytest.raises(ValueError, match=r"privacy_unit='user' is not supported by the 'output_passes' form"):
-        train(tmp_path, 2, 2, FORMS["bookkeeping"][2], max_steps=1, gradient_checkpointing=True)
+def test_gradient_checkpointing_runs_the_output_passes_per_user(tmp_path):
+    """A checkpointed model with a sketched form runs the two passes from the output, whose
+    second pass weights each row by its user's clip factor: equal to brute-force per-user
+    clipping."""
+    per_device, accumulation, privacy = FORMS["bookkeeping"]
+    model, reference, trainer = train(tmp_path, per_device, accumulation, privacy, max_steps=2,
+                                      gradient_checkpointing=True)
+    assert trainer.recorded and sum(len(u) for _, u in trainer.recorded) > 0
+    brute_force(reference, trainer.recorded, accumulation, per_device * accumulation, trainer.user_index())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
