@@ -86,6 +86,9 @@ class UserIndex:
             )
         if isinstance(user_ids, torch.Tensor):
             user_ids = user_ids.tolist()
+        if isinstance(user_ids, (str, bytes)):
+            raise ValueError(f"user_ids={user_ids!r} is invalid; accepted values: a sequence of hashable ids, "
+                             "one per dataset row (not a column name)")
         try:
             ids = list(user_ids)
         except TypeError:
@@ -99,8 +102,7 @@ class UserIndex:
         position: dict = {}
         owner = []
         for row, uid in enumerate(ids):
-            if uid is None or not isinstance(uid, Hashable):
-                raise ValueError(f"user_ids[{row}]={uid!r} is invalid; accepted values: a hashable id (not None)")
+            _check_user_id(row, uid)
             owner.append(position.setdefault(uid, len(position)))
         self.user_of_row = torch.tensor(owner, dtype=torch.long)
         self.num_users = len(position)
@@ -119,6 +121,28 @@ class UserIndex:
         """The users of dataset ``rows`` (a delivered batch) and their ``m_u``."""
         users = self.user_of_row[torch.as_tensor(list(rows), dtype=torch.long)]
         return RowUnits(users=users, sizes=self.contributed[users])
+
+
+def _check_user_id(row: int, uid: Any) -> None:
+    """``user_ids[row]``: hashable, not None, equal to itself and compared by value.
+
+    An id hashed by identity (a ``torch.Tensor`` element, e.g. of ``list(tensor)``; an
+    object without ``__eq__``) or a NaN (a missing value) is unequal to another copy of
+    itself, so one person's rows would become several units, each clipped to C: refused.
+
+    Raises:
+        ValueError: naming ``user_ids[row]`` and its accepted values.
+    """
+    accepted = "accepted values: a hashable id compared by value (an int, a string, a tuple), not None"
+    if uid is None or not isinstance(uid, Hashable):
+        raise ValueError(f"user_ids[{row}]={uid!r} is invalid; {accepted}")
+    if isinstance(uid, torch.Tensor) or type(uid).__hash__ is object.__hash__:
+        raise ValueError(
+            f"user_ids[{row}] (a {type(uid).__name__}) is hashed by identity (two copies of one id would be two "
+            f"users); {accepted}: pass the ids as one tensor or as Python values (tensor.tolist())"
+        )
+    if uid != uid:
+        raise ValueError(f"user_ids[{row}]={uid!r} is invalid (a missing id?); {accepted}")
 
 
 class _Uniform:
