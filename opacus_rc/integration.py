@@ -107,6 +107,7 @@ class PrivacyEngine(OpacusPrivacyEngine):
         #: what ``get_epsilon`` protects: ``"example"`` (a row), or ``"user"`` after a
         #: ``make_private(..., privacy_unit="user")`` call (:mod:`opacus_rc.units`)
         self.privacy_unit = EXAMPLE_UNIT
+        self._unit_fixed = False  # a make_private call fixed privacy_unit (one engine, one unit)
         try:
             super().__init__(accountant=accountant, secure_mode=secure_mode)
         except ImportError as error:  # Opacus's secure mode needs torchcsprng
@@ -214,14 +215,14 @@ class PrivacyEngine(OpacusPrivacyEngine):
         logger.info("epsilon %.4g at delta %g, per %s", epsilon, delta, self.privacy_unit)
         return epsilon
 
-    def _set_privacy_unit(self, unit: str) -> None:
-        """One accountant, one unit: a call at another unit than the engine's earlier steps is refused."""
-        if unit != self.privacy_unit and len(self.accountant) > 0:
+    def _check_privacy_unit(self, unit: str) -> None:
+        """One accountant, one unit: a call at another unit than the engine's earlier calls
+        (any clipping mode: their optimizers all charge this accountant) or steps is refused."""
+        if unit != self.privacy_unit and (self._unit_fixed or len(self.accountant) > 0):
             raise ValueError(
-                f"privacy_unit={unit!r} on an engine whose accountant already charged steps at "
+                f"privacy_unit={unit!r} on an engine whose earlier make_private call or steps are at "
                 f"privacy_unit={self.privacy_unit!r}: epsilon of the two would mix units; use a new PrivacyEngine"
             )
-        self.privacy_unit = unit
 
     def get_user_epsilon(self, delta: float, max_examples_per_user: int) -> float:
         """Epsilon at ``delta`` for a person who owns at most ``max_examples_per_user`` rows,
@@ -278,7 +279,9 @@ class PrivacyEngine(OpacusPrivacyEngine):
         for the randomized path and the denoiser."""
         if not options.randomized:
             self._require_torchcsprng(options.clipping)
+        self._check_privacy_unit(options.privacy_unit)
         out = method(MakePrivateCall(self, options), **call)
+        self.privacy_unit, self._unit_fixed = options.privacy_unit, True
         if options.randomized:
             out = self._randomized_outputs(out, options, arguments)
         return self._denoised(out, options, arguments["module"])
@@ -288,7 +291,6 @@ class PrivacyEngine(OpacusPrivacyEngine):
         form the script expects (the form's ``outputs``, :mod:`opacus_rc.forms`)."""
         sampling: PublicSampling = options.sampling
         out[0].follow_steps(out[1])  # fresh sketches after every step the optimizer takes
-        self._set_privacy_unit(options.privacy_unit)
         if options.users is not None:
             out[-1].follow(out[1])  # each batch's users, announced to the optimizer
         # Opacus charged 1 / len(its DPDataLoader); charge the public rate instead.

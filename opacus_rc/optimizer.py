@@ -265,9 +265,10 @@ class RandomizedClippingMixin:
         """``"example"`` or ``"user"``: what one clip bounds (see :mod:`opacus_rc.units`)."""
         return EXAMPLE_UNIT if self.user_index is None else USER_UNIT
 
-    def note_units(self, units: RowUnits) -> None:
+    def note_units(self, units: Optional[RowUnits]) -> None:
         """The loader make_private returned delivers a batch whose rows belong to ``units``
-        (user level): the form clips per user (the module it follows is told too)."""
+        (user level): the form clips per user (the module it follows is told too). None:
+        no batch announced (after each step)."""
         self.row_units = units
         module = self.bound_module()
         if module is not None:
@@ -381,12 +382,15 @@ class RandomizedClippingMixin:
 
     def forget_per_example_values(self) -> None:
         """Drop the step's per-example values: Opacus's per-sample gradients, the holders'
-        norms (:meth:`forget_after_step`) and what the followed module keeps (norms a refused
-        step left; a clipped one consumes them)."""
+        norms (:meth:`forget_after_step`), the batch's units (:meth:`note_units`) and what the
+        followed module keeps (norms a refused step left; a clipped one consumes them)."""
         for holder in self._holders:
             holder.per_sample_gradient_norms = None
         for p in self.params:
             p.grad_sample = None  # consumed by clipping (book-keeping's exact layers)
+        # the users of the batch the step clipped: consumed, so a later batch that the loader
+        # did not announce cannot be clipped with them (privacy_unit="user")
+        self.note_units(None)
         module = self.bound_module()
         if module is not None:
             module.forget_per_example_values()

@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .csprng import init_poisson_loader
 from .estimators import as_sequence
+from .sketch import entropy_seed
 from .values import EXAMPLE_UNIT, PRIVACY_UNITS, USER_UNIT
 
 #: default contribution bound k: the rows a sampled user contributes to one step
@@ -89,6 +90,9 @@ class UserIndex:
             )
         if isinstance(user_ids, torch.Tensor):
             user_ids = user_ids.tolist()
+        if isinstance(user_ids, (str, bytes)):
+            raise ValueError(f"user_ids={user_ids!r} is invalid; accepted values: a sequence of hashable ids, "
+                             "one per dataset row (not a column name)")
         try:
             ids = list(user_ids)
         except TypeError:
@@ -102,8 +106,7 @@ class UserIndex:
         position: dict = {}
         owner = []
         for row, uid in enumerate(ids):
-            if uid is None or not isinstance(uid, Hashable):
-                raise ValueError(f"user_ids[{row}]={uid!r} is invalid; accepted values: a hashable id (not None)")
+            _check_user_id(row, uid)
             owner.append(position.setdefault(uid, len(position)))
         self.user_of_row = torch.tensor(owner, dtype=torch.long)
         self.num_users = len(position)
@@ -124,14 +127,40 @@ class UserIndex:
         return RowUnits(users=users, sizes=self.contributed[users])
 
 
+def _check_user_id(row: int, uid: Any) -> None:
+    """``user_ids[row]``: hashable, not None, equal to itself and compared by value.
+
+    An id hashed by identity (a ``torch.Tensor`` element, e.g. of ``list(tensor)``; an
+    object without ``__eq__``) or a NaN (a missing value) is unequal to another copy of
+    itself, so one person's rows would become several units, each clipped to C: refused.
+
+    Raises:
+        ValueError: naming ``user_ids[row]`` and its accepted values.
+    """
+    accepted = "accepted values: a hashable id compared by value (an int, a string, a tuple), not None"
+    if uid is None or not isinstance(uid, Hashable):
+        raise ValueError(f"user_ids[{row}]={uid!r} is invalid; {accepted}")
+    if isinstance(uid, torch.Tensor) or type(uid).__hash__ is object.__hash__:
+        raise ValueError(
+            f"user_ids[{row}] (a {type(uid).__name__}) is hashed by identity (two copies of one id would be two "
+            f"users); {accepted}: pass the ids as one tensor or as Python values (tensor.tolist())"
+        )
+    if uid != uid:
+        raise ValueError(f"user_ids[{row}]={uid!r} is invalid (a missing id?); {accepted}")
+
+
 class _Uniform:
-    """Uniform draws from a torch generator or the plugin's CSPRNG (secure mode)."""
+    """Uniform draws from a torch generator or the plugin's CSPRNG (secure mode); None: a
+    generator of its own seeded from ``os.urandom`` (never torch's global one, which a
+    script re-seeds)."""
 
     def __init__(self, generator: Any) -> None:
+        if generator is None:
+            generator = torch.Generator().manual_seed(entropy_seed())
         self.generator = generator
 
     def __call__(self, n: int) -> torch.Tensor:
-        if isinstance(self.generator, torch.Generator) or self.generator is None:
+        if isinstance(self.generator, torch.Generator):
             return torch.rand(n, generator=self.generator, dtype=torch.float64)
         return self.generator.uniform(n)
 

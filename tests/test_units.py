@@ -1,0 +1,234 @@
+"""opacus_rc/units.py: the user index, the user-level Poisson sampler and the regrouping
+of a batch's rows into its users.
+
+Statistical tests use fixed generator seeds and 5-sigma bounds from the binomial law
+(a false failure has probability below 1e-6 per bound, and the seeds are fixed, so each
+test is deterministic; the bounds are what a correct sampler meets at any seed):
+
+* a user's inclusion count over N draws is Bin(N, q_u): |count - N q_u| <= 5 sqrt(N q_u (1 - q_u));
+* two users are independent: their joint count is Bin(N, q_u^2) (5 sigma, each pair);
+* a sampled heavy user (n_u > k) keeps each row with probability k / n_u and each pair of
+  rows with probability k (k - 1) / (n_u (n_u - 1)) (a uniform k-subset): counts over the
+  S draws that hold the user, Bin(S, p) at 5 sigma;
+* fresh subsets: two consecutive draws of the user repeat the subset with probability
+  1 / C(n_u, k): over S - 1 consecutive pairs the count is below mean + 5 sigma (a sampler
+  that reused its subset would repeat it S - 1 times).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from opacus_rc.units import (
+    RowUnits,
+    UnitStream,
+    UserIndex,
+    UserPoissonSampler,
+    regroup_rows,
+    sum_rows_by_unit,
+    unit_layout,
+    unit_sizes,
+)
+
+#: rows per user: light users (n_u <= k) and two heavy ones (n_u > k)
+ROWS_PER_USER = [1, 2, 3, 10, 7]
+K = 3
+Q = 0.3
+DRAWS = 3000
+
+
+def owners_of(rows_per_user=ROWS_PER_USER):
+    """Row r's owner, rows of users interleaved (user u owns rows in several places)."""
+    owners = [u for u, n in enumerate(rows_per_user) for _ in range(n)]
+    order = torch.randperm(len(owners), generator=torch.Generator().manual_seed(0)).tolist()
+    return [owners[i] for i in order]
+
+
+def draws(seed: int = 0, n: int = DRAWS, q: float = Q, k: int = K):
+    """``n`` draws; the owners of the rows as the index numbers the users."""
+    labels = owners_of()
+    index = UserIndex(labels, len(labels), k)
+    sampler = UserPoissonSampler(index, q, torch.Generator().manual_seed(seed), steps=n)
+    return index, index.user_of_row.tolist(), list(sampler)
+
+
+def five_sigma(n: int, p: float) -> float:
+    return 5 * math.sqrt(n * p * (1 - p))
+
+
+def users_in(draw, owners):
+    return set(owners[r] for r in draw)
+
+
+def test_each_user_is_sampled_at_q_u_independently_of_the_others():
+    index, owners, out = draws()
+    assert len(out) == DRAWS
+    present = torch.tensor([[u in users_in(d, owners) for u in range(index.num_users)] for d in out])
+    counts = present.sum(dim=0).double()
+    assert (counts - DRAWS * Q).abs().max() <= five_sigma(DRAWS, Q), counts
+    for a, b in itertools.combinations(range(index.num_users), 2):
+        joint = int((present[:, a] & present[:, b]).sum())
+        assert abs(joint - DRAWS * Q * Q) <= five_sigma(DRAWS, Q * Q), (a, b, joint)
+
+
+def test_a_sampled_user_contributes_min_k_n_u_distinct_contiguous_rows_of_their_own():
+    index, owners, out = draws(n=500)
+    for draw in out:
+        assert len(set(draw)) == len(draw)
+        runs = [(u, len(list(g))) for u, g in itertools.groupby(owners[r] for r in draw)]
+        users = [u for u, _ in runs]
+        assert len(users) == len(set(users)), "a user's rows are not contiguous"
+        assert all(size == min(K, len(index.rows_of(u))) == int(index.contributed[u]) for u, size in runs)
+
+
+@pytest.mark.parametrize("rows_of_heavy", [10, 7])
+def test_a_heavy_users_rows_are_a_uniform_subset_fresh_at_each_draw(rows_of_heavy):
+    index, owners, out = draws(seed=1)
+    heavy = [len(index.rows_of(u)) for u in range(index.num_users)].index(rows_of_heavy)
+    rows = index.rows_of(heavy).tolist()
+    n = len(rows)
+    subsets = [tuple(sorted(r for r in d if owners[r] == heavy)) for d in out]
+    subsets = [s for s in subsets if s]
+    s = len(subsets)
+    single, pair = K / n, K * (K - 1) / (n * (n - 1))
+    for row in rows:
+        count = sum(row in sub for sub in subsets)
+        assert abs(count - s * single) <= five_sigma(s, single), (row, count, s)
+    for a, b in itertools.combinations(rows, 2):
+        count = sum(a in sub and b in sub for sub in subsets)
+        assert abs(count - s * pair) <= five_sigma(s, pair), (a, b, count, s)
+    repeat = 1 / math.comb(n, K)
+    repeats = sum(x == y for x, y in zip(subsets, subsets[1:]))
+    assert repeats <= (s - 1) * repeat + five_sigma(s - 1, repeat)
+
+
+def test_draws_come_from_the_given_generator_only_and_replay_with_its_seed():
+    torch.manual_seed(1)
+    global_state = torch.get_rng_state()
+    _, _, first = draws(seed=5, n=50)
+    assert torch.equal(torch.get_rng_state(), global_state), "the sampler drew from torch's global generator"
+    torch.manual_seed(2)
+    _, _, again = draws(seed=5, n=50)
+    assert again == first
+    _, _, other = draws(seed=6, n=50)
+    assert other != first
+
+
+def test_steps_default_to_an_epoch_over_users():
+    index = UserIndex(owners_of(), sum(ROWS_PER_USER), K)
+    assert len(UserPoissonSampler(index, 0.25)) == 4
+    assert len(UserPoissonSampler(index, 1.0)) == 1
+    assert len(list(UserPoissonSampler(index, 0.25, torch.Generator().manual_seed(0), steps=7))) == 7
+
+
+# --- UserIndex -----------------------------------------------------------------------------
+
+
+def test_user_index_of_any_hashable_ids():
+    ids = ["bob", ("org", 2), "bob", 7, ("org", 2), "bob"]
+    index = UserIndex(ids, 6, 2)
+    assert index.num_users == 3
+    assert index.user_of_row.tolist() == [0, 1, 0, 2, 1, 0]
+    assert index.rows_of(0).tolist() == [0, 2, 5]
+    assert index.contributed.tolist() == [2, 2, 1]
+    units = index.units_of([5, 3, 1])
+    assert units.users.tolist() == [0, 2, 1] and units.sizes.tolist() == [2, 1, 2]
+
+
+def test_user_index_of_a_tensor_of_ids():
+    index = UserIndex(torch.tensor([4, 9, 4, 4]), 4, 8)
+    assert index.num_users == 2 and index.rows_of(0).tolist() == [0, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        (None, "needs user_ids="),
+        ([0, 1], "user_ids has 2 ids for a dataset of 3 rows"),
+        ([0, None, 1], r"user_ids\[1\]=None is invalid"),
+        ([0, [1], 1], r"user_ids\[1\]=\[1\] is invalid"),
+        (3, "user_ids=int is invalid"),
+        ("abc", "user_ids='abc' is invalid"),  # a column name, not one id per row
+        # one person as two units (each clipped to C) if these were taken as ids:
+        (list(torch.tensor([5, 5, 6])), r"user_ids\[0\] \(a Tensor\) is hashed by identity"),
+        ([object(), object(), object()], r"user_ids\[0\] \(a object\) is hashed by identity"),
+        ([1, float("nan"), float("nan")], r"user_ids\[1\]=nan is invalid \(a missing id\?\)"),
+    ],
+)
+def test_user_index_refuses_bad_ids(ids, message):
+    with pytest.raises(ValueError, match=message):
+        UserIndex(ids, 3, 2)
+
+
+@pytest.mark.parametrize("k", [0, -1, 1.5, True, "2"])
+def test_user_index_refuses_a_bad_bound(k):
+    with pytest.raises(ValueError, match="max_examples_per_user=.* is invalid"):
+        UserIndex([0, 1, 1], 3, k)
+
+
+# --- a batch's rows regrouped into its units ------------------------------------------------
+
+
+def units(users, sizes):
+    return RowUnits(torch.tensor(users), torch.tensor(sizes))
+
+
+def test_regroup_rows_puts_a_users_rows_one_after_another():
+    t = torch.arange(5 * 2 * 1).float().reshape(5, 2, 1)  # 5 rows of 2 tokens
+    u = units([7, 7, 3, 9, 9], [2, 2, 1, 2, 2])
+    slot, position, count = unit_layout(u, 5)
+    assert slot.tolist() == [0, 0, 1, 2, 2] and position.tolist() == [0, 1, 0, 0, 1] and count == 3
+    out = regroup_rows(t, u)
+    assert out.shape == (3, 4, 1)
+    assert out[0].flatten().tolist() == [0, 1, 2, 3]
+    assert out[1].flatten().tolist() == [4, 5, 0, 0]  # zero-padded to the longest unit
+    assert out[2].flatten().tolist() == [6, 7, 8, 9]
+    # a user's gradient sum_r A_r^T G_r is that of the regrouped sequence
+    a, g = torch.randn(5, 2, 3), torch.randn(5, 2, 4)
+    direct = sum_rows_by_unit(torch.einsum("btd,btp->bdp", a, g), u)
+    regrouped = torch.einsum("btd,btp->bdp", regroup_rows(a, u), regroup_rows(g, u))
+    torch.testing.assert_close(regrouped, direct)
+    assert unit_sizes(u).tolist() == [2, 1, 2]
+
+
+def test_sum_rows_by_unit():
+    t = torch.tensor([[1.0], [2.0], [4.0]])
+    assert sum_rows_by_unit(t, units([5, 5, 1], [2, 2, 1])).flatten().tolist() == [3.0, 4.0]
+
+
+@pytest.mark.parametrize(
+    "users, sizes, batch, message",
+    [
+        ([0, 0, 1], [3, 3, 1], 3, "holds part of a user's rows"),  # user 0 has 3 rows in the draw: split
+        ([0, 1, 0], [2, 1, 2], 3, "holds part of a user's rows"),  # user 0's rows are not contiguous
+        ([0, 1], [1, 1], 3, "a forward pass took 3 rows"),  # not the delivered batch
+    ],
+)
+def test_unit_layout_refuses_a_batch_that_splits_a_user(users, sizes, batch, message):
+    with pytest.raises(ValueError, match=message):
+        unit_layout(units(users, sizes), batch)
+    if len(users) == batch:
+        with pytest.raises(ValueError, match=message):
+            regroup_rows(torch.zeros(batch, 1, 1), units(users, sizes))
+        with pytest.raises(ValueError, match=message):
+            sum_rows_by_unit(torch.zeros(batch), units(users, sizes))
+
+
+def test_unit_stream_marks_each_users_last_row_across_batches():
+    stream = UnitStream()
+    assert stream.mark(units([4, 4], [3, 3])).last.tolist() == [False, False]
+    assert stream.mark(units([4, 2, 2], [3, 2, 2])).last.tolist() == [True, False, True]
+    stream = UnitStream()
+    marked = [stream.mark(units([u], [s])).last.item() for u, s in [(1, 2), (1, 2), (3, 1), (0, 3), (0, 3), (0, 3)]]
+    assert marked == [False, True, True, False, False, True]
+
+
+def test_unit_stream_refuses_a_user_whose_rows_are_interrupted():
+    stream = UnitStream()
+    stream.mark(units([1], [2]))
+    with pytest.raises(ValueError, match="a user's rows were interrupted"):
+        stream.mark(units([3], [1]))
