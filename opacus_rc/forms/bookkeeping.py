@@ -454,10 +454,14 @@ class BookkeepingClippingMixin:
 
     def _check_user_records(self) -> None:
         """At user level, the step must be one physical batch holding whole users, whose
-        records were regrouped into them (a record of rows would clip rows, not users)."""
+        records were regrouped into them (a record of rows would clip rows, not users). A
+        step of no rows (an empty draw, the Trainer's empty last physical batch) clips nothing."""
         if self.user_index is None:
             return
-        regrouped = all(r.rows is not None for p in self.params for r in self._records(p))
+        records = [r for p in self.params for r in self._records(p)]
+        if all(r.row_count == 0 for r in records) and all(getattr(p, "grad_sample", None) is None for p in self.params):
+            return
+        regrouped = all(r.rows is not None for r in records)
         if self.row_units is None or self._passes_recorded() != 1 or not regrouped:
             self.drop_step()
             raise ValueError(

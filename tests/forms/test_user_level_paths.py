@@ -338,3 +338,27 @@ def test_spectral_denoising_at_user_level_steps():
     one_logical_step(module, optimizer, loader)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_bookkeeping_step_after_an_empty_last_physical_batch_releases_the_earlier_users():
+    """The private Trainer's pattern: a physical batch of whole users clipped into the step's
+    sum (a same-draw skipped step), then an empty last physical batch (no rows, no users
+    announced), then the real step. That step clips nothing new and releases the first
+    batch's users' clipped sum (brute force), not a refusal (seen once in 4 to 14 Trainer runs
+    before the fix)."""
+    data, owners = user_data()
+    torch.manual_seed(0)
+    model = SequenceClassifier()
+    reference = copy.deepcopy(model)
+    _, (module, optimizer, loader) = private(model, data, owners, **FORMS["bookkeeping"])
+    x, y, index = next(x for x in loader if len(x[0]))
+    _ce(module, x, y).backward()
+    optimizer.signal_skip_step(do_skip=True, same_draw=True)
+    optimizer.step()
+    optimizer.zero_grad()
+    optimizer.complete_batch(0)  # the empty last physical batch: no rows, no users announced
+    optimizer.step()
+    users = [owners[r] for r in index.tolist()]
+    expected = per_user_clipped_mean(reference, _ce, x, y, users, C, USERS_PER_STEP)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(q.detach() - p.detach(), expected[name], atol=1e-6, rtol=0)
