@@ -340,24 +340,15 @@ def get_noise_multiplier_rc(
     exceeds the randomized one) is only a starting point. ``sketch_config=None``
     calibrates deterministic clipping.
     """
+    steps = calibration_steps(target_epsilon, sample_rate, epsilon_tolerance, epochs, steps)
     return noise_multiplier_for_record(
-        target_epsilon,
-        target_delta,
-        sample_rate,
-        calibration_steps(target_epsilon, sample_rate, epsilon_tolerance, epochs, steps),
-        StepRecord.from_config(sketch_config),
-        epsilon_tolerance=epsilon_tolerance,
-        eps_error=eps_error,
-        sigma_lower=sigma_lower,
+        target_epsilon, target_delta, sample_rate, steps, StepRecord.from_config(sketch_config),
+        epsilon_tolerance=epsilon_tolerance, eps_error=eps_error, sigma_lower=sigma_lower,
     )
 
 
 def calibration_steps(
-    target_epsilon: float,
-    sample_rate: float,
-    epsilon_tolerance: float,
-    epochs: Optional[float],
-    steps: Optional[int],
+    target_epsilon: float, sample_rate: float, epsilon_tolerance: float, epochs: Optional[float], steps: Optional[int]
 ) -> int:
     """The number of steps of a planned run (``steps``, or ``epochs / sample_rate``), once
     the calibration's arguments are checked (ValueError naming the parameter)."""
@@ -373,15 +364,8 @@ def calibration_steps(
 
 
 def noise_multiplier_for_record(
-    target_epsilon: float,
-    target_delta: float,
-    sample_rate: float,
-    steps: int,
-    record: StepRecord,
-    *,
-    epsilon_tolerance: float = 0.01,
-    eps_error: float = 0.01,
-    sigma_lower: Optional[float] = None,
+    target_epsilon: float, target_delta: float, sample_rate: float, steps: int, record: StepRecord, *,
+    epsilon_tolerance: float = 0.01, eps_error: float = 0.01, sigma_lower: Optional[float] = None,
 ) -> float:
     """The search of :func:`get_noise_multiplier_rc` (arguments checked there) for
     ``steps`` steps of one :class:`StepRecord` (any ``micro_batches``)."""

@@ -225,14 +225,15 @@ def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
     return UserIndex(ids, len(dataset), privacy.max_examples_per_user)
 
 
-def check_units(privacy: PrivacyArguments, units: Optional[RowUnits]) -> None:
-    """A user-level physical batch must carry its rows' units (from the private Trainer's
-    user-level loader)."""
+def check_units(privacy: PrivacyArguments, units: Optional[RowUnits]) -> Optional[RowUnits]:
+    """``units``, the units a physical batch carried; a user-level one must carry them (from
+    the private Trainer's user-level loader)."""
     if privacy.user_level and units is None:
         raise ValueError(
             "privacy_unit='user': a physical batch came without its users (it is not from the private "
             "Trainer's user-level Poisson loader). " + _LOADING_ACCEPTED
         )
+    return units
 
 
 def check_checkpoint_functions(model: nn.Module) -> None:

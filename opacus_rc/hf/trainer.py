@@ -1,6 +1,6 @@
 """The private Trainer: :class:`DPTrainerMixin` (the private part of a Trainer),
-:class:`DPTrainer`, :func:`private_trainer`, its callback and its checkpoint state
-(``dp_state.json``). How it makes the Trainer private: :mod:`opacus_rc.hf`."""
+:class:`DPTrainer`, :func:`private_trainer` and its checkpoint state (``dp_state.json``);
+its callback: :mod:`.callback`. How it makes the Trainer private: :mod:`opacus_rc.hf`."""
 
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as D
 from opacus.optimizers import DPOptimizer
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 
 from ..accounting.accountant import RCPRVAccountant, sketch_record
 from ..forms import Form, form_of
 from ..integration import PrivacyEngine
 from ..options import PublicSampling, per_rank_normaliser, user_sampling
-from ..units import RowUnits, UserIndex
+from ..units import UserIndex
 from ..values import RC_PRV
+from .callback import DPCallback
 from .arguments import LOSS_LOG_KEYS, PRIVATE_LOG_KEYS, PrivacyArguments
 from .checks import (
     DP_STATE_NAME, check_arguments, check_checkpoint_functions, check_loader, check_records, check_setup,
@@ -35,33 +36,6 @@ from .engine import budget_steps, epsilon, make_private, signal_same_draw
 from .losses import causal_lm, chunked_head_losses, model_inputs, row_losses
 
 logger = logging.getLogger(__package__)  # "opacus_rc.hf", as before the package
-
-class _DPCallback(TrainerCallback):
-    """Runs the DP optimizer's zero_grad after every step and the budget stop."""
-
-    def __init__(self, trainer: "DPTrainerMixin") -> None:
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):  # control unchanged: returns None
-        self.trainer._dp_on_train_begin()
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer._dp_check_refused_steps()
-        self.trainer._dp_after_step()
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.trainer._dp_check_refused_steps()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        limit = self.trainer._dp_max_steps
-        if limit is not None and self.trainer.privacy_steps() >= limit and not control.should_training_stop:
-            logger.info("stop_at_epsilon: the next step would exceed epsilon=%s; training stops", self.trainer.privacy.stop_at_epsilon)
-            control.should_training_stop = True
-            control.should_log = True
-            if args.save_strategy != "no":
-                control.should_save = True
-        return control
-
 
 class DPTrainerMixin:
     """The private part of :class:`DPTrainer`; put it first in the bases of a Trainer
@@ -88,7 +62,7 @@ class DPTrainerMixin:
         self._dp_users: Optional[UserIndex] = None
         super().__init__(*args, **kwargs)
         check_setup(self, DPTrainerMixin)
-        self.add_callback(_DPCallback(self))
+        self.add_callback(DPCallback(self))
 
     # ---- public sizes ----------------------------------------------------------------
     @property
@@ -116,9 +90,7 @@ class DPTrainerMixin:
 
     def user_index(self) -> Optional[UserIndex]:
         """The users of ``train_dataset`` (its ``privacy.user_column``; None at example level)."""
-        if not self.privacy.user_level:
-            return None
-        if self._dp_users is None:
+        if self.privacy.user_level and self._dp_users is None:
             self._dp_users = user_index_of(self.train_dataset, self.privacy)
         return self._dp_users
 
@@ -250,7 +222,7 @@ class DPTrainerMixin:
         model.train()
         report = torch.zeros((), device=self.args.device)
         rows = 0
-        units = self._dp_units(inputs)
+        units = check_units(self.privacy, take_units(inputs))  # removed: they never reach the model
         if not is_empty_batch(inputs):
             inputs = self._prepare_inputs(inputs)
             per_example = self._dp_form is not None and self._dp_form.one_example_per_backward
@@ -281,13 +253,6 @@ class DPTrainerMixin:
         if last:
             self._dp_micro = 0
         return report
-
-    def _dp_units(self, inputs: Dict[str, Any]) -> Optional[RowUnits]:
-        """The units a user-level batch carries (removed from ``inputs``: they never reach
-        the model); None at example level. A user-level batch without them is refused."""
-        units = take_units(inputs)
-        check_units(self.privacy, units)
-        return units
 
     def _dp_losses(self, model: nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
         """``per_example_loss`` under the Trainer's loss context, checked to be one per row."""
