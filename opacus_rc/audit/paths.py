@@ -6,11 +6,12 @@ Each variant reuses the one-step audit's model, data, canaries and score
 forward pass (``reused_layer``), one draw split into physical batches under a reentrant
 checkpoint (``reentrant_split``), a loss that reads the head's weight around the hooks
 (``fused_head``), the per-example form (``per_example``), an accumulation loop over its
-loader (``draw_boundary``) and a model that keeps a running statistic of its inputs in a buffer
+loader (``draw_boundary``), a model that keeps a running statistic of its inputs in a buffer
 (``forward_buffer``: refused) and a canary user of several rows at ``privacy_unit="user"``
-(``user_level``); ``fused_head_unchecked``, ``per_example_unchecked``, ``draw_boundary_unchecked``,
-``forward_buffer_unchecked`` and ``user_level_per_row`` are deliberately broken controls. What each runs, its score and
-its defaults: docs/audit.md, "Side paths" and the sections after it.
+(``user_level``); ``fused_head_unchecked``, ``per_example_unchecked``,
+``draw_boundary_unchecked``, ``forward_buffer_unchecked`` and ``user_level_per_row`` are
+deliberately broken controls. What each runs, its score and its defaults: docs/audit.md,
+"Side paths" and the sections after it.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from ..config import SketchConfig
 from .checks import check_fields, check_ints
 from .experiment import (
     AuditConfig, AuditResult, Batch, InnerProductLoss, Progress, _batch, _Experiment, _released,
-    accounted_epsilon, audit_layer, build_experiment, check_one_step, make_private_rc, one_step_trials, private_experiment,
-    result_fields, run_trials,
+    accounted_epsilon, audit_layer, build_experiment, check_one_step, make_private_rc, one_step_trials,
+    private_experiment, result_fields, run_trials,
 )
 from .reference import (
     accumulation_exact_epsilon, composed_sum_epsilon, exact_epsilon, mixture_epsilon, sensitivity_atoms,
@@ -707,15 +708,28 @@ def _user_level(config: PathAuditConfig, progress: Progress, start: float) -> Pa
     def scores_of(include: np.ndarray, _rng: np.random.Generator) -> np.ndarray:
         return user_level_step(built, include)[: config.replicas, d - 1].double().numpy()
 
-    check = lambda h: check_one_step(h, sigma=config.sigma, micro_batches=1, sketch_size=config.sketch_size)  # noqa: E731
+    def check(history) -> None:
+        check_one_step(history, sigma=config.sigma, micro_batches=1, sketch_size=config.sketch_size)
+
     trials = run_trials(config, built.exp, scores_of, check, progress)
-    rows = config.user_rows if config.variant == "user_level_per_row" else 1
-    atoms = sensitivity_atoms(config.estimator, config.sketch_size, "honest", config.canary_norm)
     return PathAuditResult(
         **trials.fields(config, start), sketching=config.sketching, mean_score_in=trials.mean_in(config.sigma),
-        eps_exact=mixture_epsilon(rows * atoms / config.sigma, config.delta), user_rows=config.user_rows,
-        history=trials.history,
+        eps_exact=user_level_exact_epsilon(config), user_rows=config.user_rows, history=trials.history,
     )
+
+
+def user_level_exact_epsilon(config: PathAuditConfig) -> float:
+    """The exact epsilon of the canary user's pair: a shift of C Z (honest), of ``user_rows``
+    C Z with a shared sketch (control: one Z for every row), of the sum of ``user_rows``
+    independent C Z_i with per-example sketches (control: one sketch per row; Monte Carlo)."""
+    estimator, k, sigma, m = config.estimator, config.sketch_size, config.sigma, config.user_rows
+    if config.variant == "user_level":
+        return exact_epsilon(estimator, k, sigma, "honest", config.delta, config.canary_norm)
+    if config.sketching == "shared":
+        atoms = sensitivity_atoms(estimator, k, "honest", config.canary_norm)
+        return mixture_epsilon(m * atoms / sigma, config.delta)
+    # composed_sum_epsilon scores sum_i Z_i / (sigma' sqrt(m)): sigma' = sigma / sqrt(m) gives sum_i Z_i / sigma
+    return composed_sum_epsilon(estimator, k, sigma / math.sqrt(m), m, config.delta, config.canary_norm, draws=4000)
 
 
 _AUDITS = {

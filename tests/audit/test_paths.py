@@ -521,6 +521,19 @@ def test_user_level_clips_the_canary_users_mean_once_and_the_control_each_row():
     assert control.exp.accountant.history == honest.exp.accountant.history  # charged the same
 
 
+def test_user_level_exact_epsilon_matches_gaussian_formula():
+    """Hutch++ on the rank-1 canary: Z = 1, so the honest user shifts by C (mu = 1 / sigma) and
+    the control with one sketch per row by the sum of 8 Z_i = 1, 8 C (mu = 8 / sigma)."""
+    from opacus_rc.audit.paths import user_level_exact_epsilon
+
+    def exact(variant, sketching):
+        return user_level_exact_epsilon(PathAuditConfig(variant=variant, estimator="hutchpp", sketch_size=4,
+                                                        sigma=2.0, sketching=sketching, user_rows=8))
+
+    assert exact("user_level", "shared") == pytest.approx(gaussian_epsilon(0.5, DELTA), abs=1e-6)
+    assert exact("user_level_per_row", "per_example") == pytest.approx(gaussian_epsilon(4.0, DELTA), abs=1e-6)
+
+
 def test_user_level_stays_below_accountant_and_its_per_row_control_is_caught():
     """Honest: the canary user shifts its entry by C Z (E Z = E sqrt(4 / chi2_4) = 1.2533,
     within 5 standard errors of (Var Z + sigma^2) / (trials / 2), Var Z = 2 - 1.2533^2), and
