@@ -28,7 +28,8 @@ from .experiment import AuditConfig, AuditResult, run_audit
 from .normaliser import NORMALISER_VARIANTS, NormaliserAuditConfig, run_normaliser_audit
 from .paths import (
     ACCUMULATION_EVERY, DRAW_BOUNDARY_VARIANTS, FORWARD_BUFFER_VARIANTS, FUSED_HEAD_VARIANTS, PATH_DEFAULTS,
-    PATH_VARIANTS, PER_EXAMPLE_VARIANTS, PathAuditConfig, per_example_steps, run_path_audit,
+    PATH_VARIANTS, PER_EXAMPLE_VARIANTS, REDUCED_STEP_VARIANTS, USER_LEVEL_VARIANTS, PathAuditConfig,
+    per_example_steps, run_path_audit,
 )
 from .reference import exact_epsilon
 
@@ -109,17 +110,18 @@ def normaliser_configs(args: argparse.Namespace) -> List[NormaliserAuditConfig]:
 def path_configs(args: argparse.Namespace) -> List[PathAuditConfig]:
     """One side-path audit per requested variant: the first estimator, the variant's
     sketch size and sigma (``PATH_DEFAULTS``; ``--sigma`` overrides), ``steps`` logical
-    steps (accumulation) or episodes (hand-built); the per-example variants fewer
-    (:func:`~opacus_rc.audit.paths.per_example_steps`)."""
+    steps (accumulation) or episodes (hand-built); the per-example and user-level variants
+    fewer (:func:`~opacus_rc.audit.paths.per_example_steps`), the user-level ones at most
+    their own replicas (a step's rows and the layer's outputs both grow with R)."""
     out = []
     for variant in (v for v in args.variants if v in PATH_VARIANTS):
         options = dict(PATH_DEFAULTS[variant])
         options.update({k: getattr(args, k) for k in ("sigma", "micro_batches", "sample_rate", "episode_steps")
                         if getattr(args, k) is not None})
-        per_example = variant in PER_EXAMPLE_VARIANTS or variant in DRAW_BOUNDARY_VARIANTS
-        steps = per_example_steps(variant, _steps(args)) if per_example else _steps(args)
+        steps = per_example_steps(variant, _steps(args)) if variant in REDUCED_STEP_VARIANTS else _steps(args)
         out.append(PathAuditConfig(
-            variant=variant, estimator=args.estimators[0], steps=steps, replicas=args.replicas,
+            variant=variant, estimator=args.estimators[0], steps=steps,
+            replicas=min(args.replicas, options.pop("replicas", args.replicas)),  # user level: at most 64
             sketching=options.pop("sketching", args.sketching),  # reentrant_split: per-example
             **_shared(args), **options,
         ))
@@ -128,7 +130,7 @@ def path_configs(args: argparse.Namespace) -> List[PathAuditConfig]:
 
 #: the deliberately broken controls: the audit must flag them (eps_lower above eps_accounted)
 CONTROLS = (*VARIANTS[1:], "normaliser_dataset_size", "fused_head_unchecked", "per_example_unchecked",
-            "draw_boundary_unchecked", "forward_buffer_unchecked")
+            "draw_boundary_unchecked", "forward_buffer_unchecked", "user_level_per_row")
 LEGEND = (
     "verdict column: 'ok' = eps_lower (the audit's 95% lower bound) is below the accounted epsilon; "
     "'VIOLATION' = it is above, on a variant that is not a control; 'caught (control)' = a "
@@ -244,6 +246,11 @@ def _path_note(r: AuditResult, replicas: int) -> Optional[str]:
             f"refused by the plugin ({r.refusal[:60]}...)" if r.refusal
             else f"released (the canary's shift {r.mean_score_in:.2f} C: two draws), charged as one draw"
         )
+    if v in USER_LEVEL_VARIANTS:
+        clip = "each row clipped alone" if v == "user_level_per_row" else "one clip of the mean of its rows"
+        return (f"{v}: privacy_unit='user', a canary user of {r.user_rows} rows (all removed in the neighbour), "
+                f"max_examples_per_user={r.user_rows}, book-keeping, {clip}, charged per user at q_u=1; the "
+                f"canary's shift {r.mean_score_in:.2f} C")
     if v == "hand_built":
         return (f"{v}: {r.episode_steps} steps per trial, eps_exact of the sum test (Monte Carlo), eps_accounted "
                 f"after {r.episode_steps} steps")

@@ -1,8 +1,9 @@
 """Deliberately broken sketchers and batch check, for the audit only (never reached from
 make_private): ``biased_low`` divides the estimate by 4, ``data_dependent_sketch`` draws every
 sketch orthogonal to the batch's gradients (the canary is estimated as 0, not clipped),
-:func:`unchecked_batches` lets the per-example form clip two examples as one, and
-:func:`unchecked_draw_boundary` lets a ``step()`` follow several physical batches of a draw.
+:func:`unchecked_batches` lets the per-example form clip two examples as one,
+:func:`unchecked_draw_boundary` lets a ``step()`` follow several physical batches of a draw,
+and :func:`per_row_clipping` clips each row of a user alone at ``privacy_unit="user"``.
 See docs/audit.md, "Broken variants (audit-only)".
 """
 
@@ -105,3 +106,13 @@ def unchecked_draw_boundary(optimizer: Any) -> None:
     trained on (the pre-fix behaviour, issue 38 item 1): a release can hold the tail of one
     draw and the head of the next, charged as the one draw whose end it holds."""
     optimizer.check_draw_boundary = lambda: None
+
+
+def per_row_clipping(optimizer: Any) -> None:
+    """Make a user-level book-keeping ``optimizer`` (and the module it follows) clip each row
+    alone: the units the loader announces are dropped (no regrouping of a user's rows, a
+    clip per row) and the check that the records were regrouped into users is off, while
+    the accountant still charges each step per user at q_u. A user of m rows then moves
+    the release by up to m C, charged as C."""
+    optimizer.note_units = lambda _units: None
+    optimizer._check_user_records = lambda: None

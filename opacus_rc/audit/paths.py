@@ -6,10 +6,12 @@ Each variant reuses the one-step audit's model, data, canaries and score
 forward pass (``reused_layer``), one draw split into physical batches under a reentrant
 checkpoint (``reentrant_split``), a loss that reads the head's weight around the hooks
 (``fused_head``), the per-example form (``per_example``), an accumulation loop over its
-loader (``draw_boundary``) and a model that keeps a running statistic of its inputs in a buffer
-(``forward_buffer``: refused); ``fused_head_unchecked``, ``per_example_unchecked``,
-``draw_boundary_unchecked`` and ``forward_buffer_unchecked`` are deliberately broken controls. What each runs, its score and
-its defaults: docs/audit.md, "Side paths" and the sections after it.
+loader (``draw_boundary``), a model that keeps a running statistic of its inputs in a buffer
+(``forward_buffer``: refused) and a canary user of several rows at ``privacy_unit="user"``
+(``user_level``); ``fused_head_unchecked``, ``per_example_unchecked``,
+``draw_boundary_unchecked``, ``forward_buffer_unchecked`` and ``user_level_per_row`` are
+deliberately broken controls. What each runs, its score and its defaults: docs/audit.md,
+"Side paths" and the sections after it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, List, NamedTuple, Optional
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -29,18 +31,21 @@ from ..accounting.accountant import RCPRVAccountant, StepRecord
 from ..config import SketchConfig
 from .checks import check_fields, check_ints
 from .experiment import (
-    AuditConfig, AuditResult, InnerProductLoss, Progress, _batch, _Experiment, _released,
-    accounted_epsilon, audit_layer, build_experiment, check_one_step, one_step_trials, private_experiment,
-    result_fields, run_trials,
+    AuditConfig, AuditResult, Batch, InnerProductLoss, Progress, _batch, _Experiment, _released,
+    accounted_epsilon, audit_layer, build_experiment, check_one_step, make_private_rc, one_step_trials,
+    private_experiment, result_fields, run_trials,
 )
-from .reference import accumulation_exact_epsilon, composed_sum_epsilon, exact_epsilon, mixture_epsilon
+from .reference import (
+    accumulation_exact_epsilon, composed_sum_epsilon, exact_epsilon, mixture_epsilon, sensitivity_atoms,
+)
 
 FUSED_HEAD_VARIANTS = ("fused_head", "fused_head_unchecked")
 PER_EXAMPLE_VARIANTS = ("per_example", "per_example_unchecked")
 FORWARD_BUFFER_VARIANTS = ("forward_buffer", "forward_buffer_unchecked")
 DRAW_BOUNDARY_VARIANTS = ("draw_boundary", "draw_boundary_unchecked")
+USER_LEVEL_VARIANTS = ("user_level", "user_level_per_row")
 PATH_VARIANTS = ("accumulation_canary", "hand_built", "reused_layer", "reentrant_split", *FUSED_HEAD_VARIANTS,
-                 *PER_EXAMPLE_VARIANTS, *DRAW_BOUNDARY_VARIANTS, *FORWARD_BUFFER_VARIANTS)
+                 *PER_EXAMPLE_VARIANTS, *DRAW_BOUNDARY_VARIANTS, *FORWARD_BUFFER_VARIANTS, *USER_LEVEL_VARIANTS)
 
 #: Per variant: sketch size, sigma and the path's own size (why: docs/audit.md).
 PATH_DEFAULTS = {
@@ -52,6 +57,7 @@ PATH_DEFAULTS = {
     **{v: {"sketch_size": 4, "sigma": 1.0} for v in PER_EXAMPLE_VARIANTS},  # k only sets the shapes
     **{v: {"sketch_size": 4, "sigma": 1.0} for v in FORWARD_BUFFER_VARIANTS},
     **{v: {"sketch_size": 4, "sigma": 1.0} for v in DRAW_BOUNDARY_VARIANTS},
+    **{v: {"sketch_size": 4, "sigma": 2.0, "user_rows": 8, "replicas": 64} for v in USER_LEVEL_VARIANTS},
 }
 #: the fused-head control's steps at most: its unclipped canary is found at any size
 FUSED_HEAD_MAX_STEPS = 40
@@ -62,6 +68,10 @@ PER_EXAMPLE_STEP_SHARE = 5
 PER_EXAMPLE_MAX_STEPS = 40
 #: the draw-boundary control's steps at most (its canary shifts by 2 C, charged as C)
 DRAW_BOUNDARY_MAX_STEPS = 20
+#: the user-level control's steps at most (its canary user shifts by ``user_rows`` C Z, charged as C Z)
+USER_LEVEL_MAX_STEPS = 20
+#: the variants the command runs for a fifth of the requested steps (:func:`per_example_steps`)
+REDUCED_STEP_VARIANTS = (*PER_EXAMPLE_VARIANTS, *DRAW_BOUNDARY_VARIANTS, *USER_LEVEL_VARIANTS)
 #: the accumulation loop's k: ``step()`` every k physical batches (the draws of
 #: :func:`accumulation_draws` are built for k = 2)
 ACCUMULATION_EVERY = 2
@@ -81,6 +91,8 @@ class PathAuditConfig(AuditConfig):
         episode_steps: S, optimizer steps per trial (hand-built).
         secure_mode: hand-built objects in secure mode (sketches and noise from
             :mod:`opacus_rc.csprng`: not reproducible, seeds unused).
+        user_rows: rows of each canary user, all removed in the neighbour, and the
+            contribution bound ``max_examples_per_user`` (user level).
     """
 
     variant: str = "accumulation_canary"
@@ -90,10 +102,11 @@ class PathAuditConfig(AuditConfig):
     episode_steps: int = 4
     uses: int = 2
     secure_mode: bool = False
+    user_rows: int = 8
 
     def __post_init__(self) -> None:
         self._check(PATH_VARIANTS)
-        check_ints(self, (("micro_batches", 2), ("episode_steps", 1), ("uses", 2)))
+        check_ints(self, (("micro_batches", 2), ("episode_steps", 1), ("uses", 2), ("user_rows", 2)))
         in_rate = lambda v: isinstance(v, (int, float)) and 0.0 < v <= 1.0  # noqa: E731
         check_fields(self, ("sample_rate",), in_rate, "a float in (0, 1]")
 
@@ -115,6 +128,7 @@ class PathAuditResult(AuditResult):
     micro_batches: int = 1
     sample_rate: float = 1.0
     episode_steps: int = 1
+    user_rows: int = 1
     history: tuple = ()
 
 
@@ -411,10 +425,14 @@ def _fused_head(config: PathAuditConfig, progress: Progress, start: float) -> Fu
 
 
 def per_example_steps(variant: str, steps: int) -> int:
-    """The steps the command runs for a per-example variant when ``steps`` are requested."""
+    """The steps the command runs for a variant of :data:`REDUCED_STEP_VARIANTS` (per-example:
+    a backward pass per example; user level: ``user_rows`` rows per canary) when ``steps``
+    are requested."""
     share = max(2, steps // PER_EXAMPLE_STEP_SHARE)
     if variant in DRAW_BOUNDARY_VARIANTS:
         return min(share, DRAW_BOUNDARY_MAX_STEPS)
+    if variant in USER_LEVEL_VARIANTS:
+        return min(share, USER_LEVEL_MAX_STEPS) if variant == "user_level_per_row" else share
     return min(share, PER_EXAMPLE_MAX_STEPS) if variant == "per_example_unchecked" else share
 
 
@@ -621,12 +639,106 @@ def _draw_boundary(config: PathAuditConfig, progress: Progress, start: float) ->
     return _exact_step_audit(config, built, accumulation_step, 2.0, progress, start, FusedHeadAuditResult)
 
 
+# --- user_level: a canary user of several rows, privacy_unit="user" (book-keeping) ----------------
+
+
+class _UserLevelExperiment(NamedTuple):
+    """The experiment, the loader ``make_private`` returned and the dataset's tensors
+    ``(x, y)`` (D's rows, then each canary user's ``user_rows`` rows)."""
+
+    exp: _Experiment
+    loader: DataLoader
+    rows: Batch
+    user_rows: int
+
+
+def user_level_data(config: PathAuditConfig, background: Batch, canaries: Batch) -> Tuple[Batch, List[int]]:
+    """D's rows (row i owned by background user ``i // 2``) then the R canary users' rows
+    (canary r repeated ``user_rows`` times, owned by user ``-1 - r``): the tensors and the
+    ``user_ids``."""
+    (xb, yb), (xc, yc) = background, canaries
+    m = config.user_rows
+    rows = (torch.cat([xb, xc.repeat_interleave(m, 0)]), torch.cat([yb, yc.repeat_interleave(m, 0)]))
+    owners = [i // 2 for i in range(len(xb))] + [-1 - r for r in range(len(xc)) for _ in range(m)]
+    return rows, owners
+
+
+def build_user_level(config: PathAuditConfig) -> _UserLevelExperiment:
+    """``make_private(..., grad_sample_mode="hooks", privacy_unit="user", user_ids=...,
+    max_examples_per_user=user_rows)`` on the audit's layer over :func:`user_level_data`, its
+    loader's ``batch_size`` the number of users (Poisson over users at q_u = 1: every user,
+    with all their rows, at every step); the control clips each row alone
+    (:func:`~opacus_rc.audit._broken.per_row_clipping`), still charged per user."""
+    from ._broken import per_row_clipping
+
+    layer, background, canaries = audit_layer(config)
+    rows, owners = user_level_data(config, background, canaries)
+    loader = DataLoader(TensorDataset(*rows), batch_size=len(set(owners)))
+    engine, model, optimizer, criterion, loader = make_private_rc(
+        config, layer, loader, "sum", config.seed, grad_sample_mode="hooks", sketching=config.sketching,
+        exact_when_cheaper=False, privacy_unit="user", user_ids=owners, max_examples_per_user=config.user_rows,
+    )
+    if config.variant == "user_level_per_row":  # the broken control
+        per_row_clipping(optimizer)
+    exp = _Experiment(engine.accountant, model, optimizer, criterion, layer.weight, background, canaries)
+    return _UserLevelExperiment(exp, loader, rows, config.user_rows)
+
+
+def user_level_step(built: _UserLevelExperiment, include: np.ndarray) -> torch.Tensor:
+    """One step through the loader ``make_private`` returned, each canary user's rows zeroed
+    where not ``include``d (a zero gradient: its clipped mean is 0, as if the user and all
+    their rows were removed; the normaliser is public): the released ``W.grad``."""
+    (x, y), (xc, yc) = built.rows, built.exp.canaries
+    m, nb = built.user_rows, len(built.exp.background[0])
+    keep = torch.from_numpy(include).repeat_interleave(m)[:, None, None]
+    x[nb:] = xc.repeat_interleave(m, 0) * keep
+    y[nb:] = yc.repeat_interleave(m, 0) * keep
+    return draw_step(built.exp, built.loader)
+
+
+def _user_level(config: PathAuditConfig, progress: Progress, start: float) -> PathAuditResult:
+    """The canary user's rows are one unit: the mean of its ``user_rows`` equal rows is
+    clipped once, its entry shifts by C Z (Z as for the one-step canary; ``eps_exact`` the
+    honest one-step pair's); charged one sketched step at q_u = 1. The control clips each row
+    alone: a shift of ``user_rows`` C Z (one shared sketch: the same Z for every row), charged
+    the same."""
+    built = build_user_level(config)
+    d = built.exp.canaries[0].shape[-1]
+
+    def scores_of(include: np.ndarray, _rng: np.random.Generator) -> np.ndarray:
+        return user_level_step(built, include)[: config.replicas, d - 1].double().numpy()
+
+    def check(history) -> None:
+        check_one_step(history, sigma=config.sigma, micro_batches=1, sketch_size=config.sketch_size)
+
+    trials = run_trials(config, built.exp, scores_of, check, progress)
+    return PathAuditResult(
+        **trials.fields(config, start), sketching=config.sketching, mean_score_in=trials.mean_in(config.sigma),
+        eps_exact=user_level_exact_epsilon(config), user_rows=config.user_rows, history=trials.history,
+    )
+
+
+def user_level_exact_epsilon(config: PathAuditConfig) -> float:
+    """The exact epsilon of the canary user's pair: a shift of C Z (honest), of ``user_rows``
+    C Z with a shared sketch (control: one Z for every row), of the sum of ``user_rows``
+    independent C Z_i with per-example sketches (control: one sketch per row; Monte Carlo)."""
+    estimator, k, sigma, m = config.estimator, config.sketch_size, config.sigma, config.user_rows
+    if config.variant == "user_level":
+        return exact_epsilon(estimator, k, sigma, "honest", config.delta, config.canary_norm)
+    if config.sketching == "shared":
+        atoms = sensitivity_atoms(estimator, k, "honest", config.canary_norm)
+        return mixture_epsilon(m * atoms / sigma, config.delta)
+    # composed_sum_epsilon scores sum_i Z_i / (sigma' sqrt(m)): sigma' = sigma / sqrt(m) gives sum_i Z_i / sigma
+    return composed_sum_epsilon(estimator, k, sigma / math.sqrt(m), m, config.delta, config.canary_norm, draws=4000)
+
+
 _AUDITS = {
     "accumulation_canary": _accumulation, "hand_built": _hand_built, "reused_layer": _accumulation,
     "reentrant_split": _reentrant_split, **dict.fromkeys(FUSED_HEAD_VARIANTS, _fused_head),
     **dict.fromkeys(PER_EXAMPLE_VARIANTS, _per_example),
     **dict.fromkeys(FORWARD_BUFFER_VARIANTS, _forward_buffer),
     **dict.fromkeys(DRAW_BOUNDARY_VARIANTS, _draw_boundary),
+    **dict.fromkeys(USER_LEVEL_VARIANTS, _user_level),
 }
 
 

@@ -160,6 +160,8 @@ def test_path_config_errors():
         PathAuditConfig(sample_rate=0.0)
     with pytest.raises(ValueError, match="replicas"):
         PathAuditConfig(replicas=1)
+    with pytest.raises(ValueError, match="user_rows"):
+        PathAuditConfig(variant="user_level", user_rows=1)
 
 
 def test_command_runs_the_path_variants(capsys):
@@ -474,3 +476,102 @@ def test_quick_audit_includes_the_draw_boundary_variants(capsys):
         ("draw_boundary", "exact", 0, 0.0, 0.0), ("draw_boundary_unchecked", "exact", 0, rows[1]["eps_lower"], 2.3282)
     ]
     assert "draw_boundary: step() every 2 physical batches of the per-example form's loader: refused" in out[-2]
+
+
+# --- user_level: a canary user of 8 rows at privacy_unit="user" (issue 40, item 5)
+
+
+def _user_level_release(variant, include):
+    """Noise 0, Hutch++ (exact on the rank-1 canaries: Z = 1), 16 replicas: the released
+    canaries' entries (units of C), the rows of the one physical batch and the history."""
+    from opacus_rc.audit.paths import build_user_level, user_level_step
+
+    built = build_user_level(PathAuditConfig(variant=variant, estimator="hutchpp", sketch_size=4, sigma=2.0,
+                                             replicas=16, steps=2, user_rows=8))
+    built.exp.optimizer.noise_multiplier = 0.0
+    sizes = []
+    handle = built.exp.model._module.register_forward_pre_hook(lambda _m, args: sizes.append(len(args[0])))
+    try:
+        released = [user_level_step(built, include)[:16, -1] for _ in range(2)]
+    finally:
+        handle.remove()
+    return released, sizes, built
+
+
+def test_user_level_clips_the_canary_users_mean_once_and_the_control_each_row():
+    """Noise 0, 16 canary users of 8 equal rows (gradient norm 100 C each), half "in", the
+    loader make_private returned at q_u = 1: one physical batch per step of every user's rows
+    (4 background rows + 16 x 8). Honest: the user's mean is clipped once, its entry C (Hutch++
+    estimates a rank-1 norm exactly); an "out" user (its rows zero) 0. The control (the units
+    dropped, each row clipped alone, as example-level clipping) releases 8 C per "in" user; both
+    are charged the same: one sketched step at q_u = 1, per user."""
+    include = np.arange(16) % 2 == 0
+    want = torch.where(torch.from_numpy(include), 1.0, 0.0)
+    released, sizes, honest = _user_level_release("user_level", include)
+    assert sizes == [4 + 16 * 8] * 2
+    for entries in released:
+        torch.testing.assert_close(entries, want, atol=1e-4, rtol=0)
+    assert honest.exp.optimizer.privacy_unit == "user"
+    (sigma, q, steps, record), = honest.exp.accountant.history
+    assert (sigma, q, steps) == (0.0, 1.0, 2) and record.estimator == "hutchpp" and record.sketch_size == 4
+    released, sizes, control = _user_level_release("user_level_per_row", include)
+    assert sizes == [4 + 16 * 8] * 2
+    for entries in released:
+        torch.testing.assert_close(entries, 8 * want, atol=1e-3, rtol=0)
+    assert control.exp.accountant.history == honest.exp.accountant.history  # charged the same
+
+
+def test_user_level_exact_epsilon_matches_gaussian_formula():
+    """Hutch++ on the rank-1 canary: Z = 1, so the honest user shifts by C (mu = 1 / sigma) and
+    the control with one sketch per row by the sum of 8 Z_i = 1, 8 C (mu = 8 / sigma)."""
+    from opacus_rc.audit.paths import user_level_exact_epsilon
+
+    def exact(variant, sketching):
+        return user_level_exact_epsilon(PathAuditConfig(variant=variant, estimator="hutchpp", sketch_size=4,
+                                                        sigma=2.0, sketching=sketching, user_rows=8))
+
+    assert exact("user_level", "shared") == pytest.approx(gaussian_epsilon(0.5, DELTA), abs=1e-6)
+    assert exact("user_level_per_row", "per_example") == pytest.approx(gaussian_epsilon(4.0, DELTA), abs=1e-6)
+
+
+def test_user_level_stays_below_accountant_and_its_per_row_control_is_caught():
+    """Honest: the canary user shifts its entry by C Z (E Z = E sqrt(4 / chi2_4) = 1.2533,
+    within 5 standard errors of (Var Z + sigma^2) / (trials / 2), Var Z = 2 - 1.2533^2), and
+    eps_lower stays below the one sketched step at q_u = 1 it is charged (2.223; the pair's
+    exact 1.528 below it). The control shifts by 8 C Z, charged the same: eps_lower above it.
+    Measured (seed 11, 64 replicas): honest 40 steps eps_lower 0.58; control 8 steps 3.43
+    (at the --quick size, seed 0: 0.48 after 80 steps, 3.75 after 20)."""
+    r = run_path_audit(PathAuditConfig(variant="user_level", sketch_size=4, sigma=2.0, replicas=64, steps=40, seed=11))
+    (sigma, q, steps, record), = r.history
+    assert (sigma, q, steps) == (2.0, 1.0, 1) and record.sketch_size == 4 and record.micro_batches == 1
+    assert (r.user_rows, r.trials) == (8, 40 * 64)
+    assert r.eps_exact == pytest.approx(1.528, abs=0.01) and r.eps_accounted == pytest.approx(2.223, abs=0.01)
+    assert r.eps_lower < r.eps_accounted
+    var_z = 2 - 1.2533**2
+    assert abs(r.mean_score_in - 1.2533) < 5 * math.sqrt((var_z + r.sigma**2) / (r.trials / 2))
+    control = run_path_audit(PathAuditConfig(variant="user_level_per_row", sketch_size=4, sigma=2.0, replicas=64, steps=8,
+                                             seed=11))
+    assert control.history == r.history
+    assert control.eps_exact > control.eps_accounted == r.eps_accounted
+    assert control.eps_lower > control.eps_accounted
+    se = math.sqrt((64 * var_z + r.sigma**2) / (control.trials / 2))
+    assert abs(control.mean_score_in - 8 * 1.2533) < 5 * se
+
+
+def test_quick_audit_includes_the_user_level_variants(capsys):
+    from opacus_rc.audit.__main__ import CONTROLS, parse_args, path_configs, verdict
+
+    configs = {c.variant: c for c in path_configs(parse_args(["--quick"]))}
+    honest, control = configs["user_level"], configs["user_level_per_row"]
+    assert (honest.steps, control.steps) == (80, 20)
+    assert (honest.replicas, honest.user_rows, honest.sketch_size, honest.sigma) == (64, 8, 4, 2.0)
+    assert "user_level_per_row" in CONTROLS and "user_level" not in CONTROLS
+    assert verdict("user_level_per_row", 3.0, 2.2) == "caught (control)"
+    assert main(["--steps", "10", "--replicas", "16", "--variants", "user_level", "user_level_per_row", "--json", "-"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    rows = json.loads(out[-1])
+    assert [(r["variant"], r["sketch_size"], r["sigma"]) for r in rows] == [
+        ("user_level", 4, 2.0), ("user_level_per_row", 4, 2.0)
+    ]
+    assert rows[0]["eps_accounted"] == rows[1]["eps_accounted"] > rows[0]["eps_lower"]
+    assert "user_level_per_row: privacy_unit='user', a canary user of 8 rows (all removed in the neighbour)" in out[-2]
