@@ -304,7 +304,7 @@ def markdown(rows: Sequence[Dict], k: int, delta: float) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: Sequence[Dict], path: pathlib.Path, majority: float) -> None:
+def plot(rows: Sequence[Dict], path: pathlib.Path, majority: float, k: int) -> None:
     """Test accuracy (mean ± std) per arm against the user-level epsilon; the non-private
     ceiling and the majority class as horizontal lines."""
     import matplotlib
@@ -318,12 +318,13 @@ def plot(rows: Sequence[Dict], path: pathlib.Path, majority: float) -> None:
         if rs:
             ax.errorbar([r["target_epsilon"] for r in rs], [r["accuracy"] for r in rs],
                         yerr=[r["accuracy_std"] for r in rs], marker="o", capsize=3,
-                        label=LABELS[arm].format(k=rs[0].get("k", ""), g=rs[0]["group_size"]).replace("`", ""))
+                        label=LABELS[arm].format(k=k, g=rs[0]["group_size"]).replace("`", ""))
     for r in rows:
         if r["arm"] == "nonprivate":
             ax.axhline(r["accuracy"], color="k", ls="--", lw=1, label="non-private")
     ax.axhline(majority, color="grey", ls=":", lw=1, label="majority class")
-    ax.set_xscale("log")
+    eps = sorted({r["target_epsilon"] for r in rows if r["target_epsilon"] is not None})
+    ax.set_xticks(eps, [f"{e:g}" for e in eps])
     ax.set_xlabel("per-movie ε (δ = 1e-5)")
     ax.set_ylabel("test accuracy (unseen movies)")
     ax.set_title("Rotten Tomatoes by movie: linear head on MiniLM")
@@ -403,7 +404,7 @@ def main(argv=None) -> Dict:
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(record, indent=1))
     if args.plot:
-        plot(rows, pathlib.Path(args.plot), majority)
+        plot(rows, pathlib.Path(args.plot), majority, args.k)
     return record
 
 

@@ -104,7 +104,11 @@ def test_user_level_cost_smoke():
     gradient-sized buffer (peak live bytes are counted, not timed)."""
     from benchmarks import user_level_cost
 
-    record = user_level_cost.main(["--rows", "1,3", "--tokens", "8", "--reps", "1", "--no-progress"])
+    threads = torch.get_num_threads()
+    try:
+        record = user_level_cost.main(["--rows", "1,3", "--tokens", "8", "--reps", "1", "--threads", "1", "--no-progress"])
+    finally:
+        torch.set_num_threads(threads)
     assert {(r["form"], r["rows"]) for r in record["ratios"]} == {(f, m) for f in ("per_example", "bookkeeping") for m in (1, 3)}
     for r in record["ratios"]:
         assert r["time_ratio"] > 0 and r["peak_example"] > 0
