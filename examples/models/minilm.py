@@ -196,3 +196,31 @@ def accuracy(model: nn.Module, h: torch.Tensor, m: torch.Tensor, y: torch.Tensor
         correct += int((model(h[i:i + bs], m[i:i + bs]).argmax(-1) == y[i:i + bs]).sum())
     model.train(was_training)
     return correct / len(y)
+
+
+@torch.no_grad()
+def pooled_embeddings(
+    texts: Sequence[str],
+    encoder,
+    tokenizer,
+    max_len: int,
+    chunk: int = 128,
+    progress: Optional[Callable[[Iterable], Iterable]] = None,
+) -> torch.Tensor:
+    """Masked-mean-pooled outputs of the whole frozen encoder, ``(N, hidden)``, in the order of
+    ``texts``: the input of a linear probe (the :class:`Tail` with no layers).
+
+    Texts are truncated to ``max_len`` tokens and run in chunks of similar length, each padded
+    to its own longest text (the pooled output does not depend on the padding: the mask
+    removes padded keys and padded positions)."""
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    out = torch.empty(len(texts), encoder.config.hidden_size)
+    starts = range(0, len(order), chunk)
+    for s in (progress(starts) if progress else starts):
+        idx = order[s:s + chunk]
+        tok = tokenizer([texts[i] for i in idx], padding="longest", truncation=True, max_length=max_len,
+                        return_tensors="pt")
+        batch = {k: tok[k] for k in ("input_ids", "token_type_ids", "attention_mask")}
+        h, m = encode_frozen(encoder, batch, len(encoder.encoder.layer), chunk=len(idx))
+        out[idx] = (h * m[..., None]).sum(1) / m.sum(1, keepdim=True).clamp(min=1.0)
+    return out
