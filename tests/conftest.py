@@ -84,6 +84,7 @@ FAST_CASES = {
     "test_fused_and_unfused_optimizers_take_the_same_clean_steps": ("hooks",),
     "test_equals_brute_force_per_example_clipping": ("batch1-auto", "checkpointed-reentrant"),
     "test_honest_audit_stays_below_accountant": ("hutchinson-4", "hutchpp-32"),
+    "test_group_epsilon_matches_dp_accounting_mixture": ("2-1",),
     "test_audit_catches_broken_variants": (
         "hutchinson-4-biased_low-120", "hutchpp-32-biased_low-60", "hutchinson-32-data_dependent_sketch-10",
         "hutchpp-4-data_dependent_sketch-10",
