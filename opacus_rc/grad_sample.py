@@ -265,6 +265,15 @@ def head_used_twice_error(bookkeeping: bool = False) -> ValueError:
     )
 
 
+def head_per_user_error() -> ValueError:
+    """The refusal of the chunked LM head at ``privacy_unit="user"`` in a form that clips in
+    its layers' hooks (its values are per row, not per user)."""
+    return ValueError(
+        "privacy_unit='user' with the chunked LM head is not supported in this form: its per-example "
+        "values are per row; use per_example_backward=True (the head then runs in each row's backward pass)"
+    )
+
+
 def check_norms_cover_batch(norms: Sequence[Tuple[str, torch.Tensor]]) -> None:
     """Every per-sample norm covers the batch (the most examples any of them covers);
     ``norms`` pairs each with what the error calls the layer or parameter it is of."""
@@ -451,8 +460,11 @@ class SketchingMixin(PerExampleStore):
     def deliver_head(self, layer: nn.Module, values: Any) -> None:
         """The chunked head's per-example values of this pass (``values``:
         :class:`opacus_rc.lm_head.HeadValues`): a tied use joins its parameters' running
-        sums (:meth:`_add_tied_use`), an untied one's norms are the parameters' own."""
+        sums (:meth:`_add_tied_use`), an untied one's norms are the parameters' own. At
+        ``privacy_unit="user"`` refused: the head's values are per row."""
         self.expect_forward()
+        if self.row_units is not None:
+            raise head_per_user_error()
         contributions = values.contributions()
         if values.tied:
             for name, contribution in contributions.items():

@@ -49,7 +49,7 @@ from torch import nn
 
 from ..clip_guard import BuiltSumsGuard, Expected, coarsest_dtype, complete_unused
 from ..estimators import as_sequence
-from ..grad_sample import PerExampleStore, head_used_twice_error
+from ..grad_sample import PerExampleStore, head_per_user_error, head_used_twice_error
 from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from ..optimizer import SketchedClippingMixin
 from ..recompute import late_use_error, missing_per_sample_error
@@ -218,10 +218,7 @@ class BookkeepingMixin(PerExampleStore):
         refused: its records are per row (the per-example form runs the head per user)."""
         self.expect_forward()
         if self.row_units is not None:
-            raise ValueError(
-                "privacy_unit='user' with the chunked LM head in book-keeping is not supported: its records "
-                "are per row; use per_example_backward=True (the head then runs in each row's backward pass)"
-            )
+            raise head_per_user_error()
         params = values.params
         if any(p._forward_counter != 1 for p in params) or layer in self._pending_uses:
             raise head_used_twice_error(bookkeeping=True)

@@ -176,10 +176,11 @@ def test_bad_input_names_the_parameter(options, message):
         )
 
 
-def test_chunked_head_per_user_in_the_per_example_form_refused_in_bookkeeping():
+def test_chunked_head_per_user_in_the_per_example_form_refused_in_the_others():
     """The per-example form runs the chunked head inside each row's backward pass: a user's
-    rows still sum into one gradient, clipped once (brute force over the plain loss); book-keeping's
-    head records are per row, so a user-level step with it is refused by name."""
+    rows still sum into one gradient, clipped once (brute force over the plain loss); the head's
+    values in book-keeping and two passes are per row, so a user-level pass with it is refused
+    by name."""
     from opacus_rc.lm_head import ChunkedLMHeadLoss
 
     from tests.models import HeadModel
@@ -208,8 +209,9 @@ def test_chunked_head_per_user_in_the_per_example_form_refused_in_bookkeeping():
     for name, p in model.named_parameters():
         torch.testing.assert_close(before[name] - p.detach(), expected[name], atol=1e-6, rtol=0)
 
-    _, (module, optimizer, loader) = private(HeadModel(), data, owners, **FORMS["bookkeeping"])
-    with pytest.raises(ValueError, match="chunked LM head in book-keeping is not supported"):
-        for x, _, _ in loader:
-            if len(x):
-                head_loss(module, x).backward()
+    for form in ("bookkeeping", "two_pass"):
+        _, (module, optimizer, *_, loader) = private(HeadModel(), data, owners, **FORMS[form])
+        with pytest.raises(ValueError, match="chunked LM head is not supported in this form"):
+            for x, _, _ in loader:
+                if len(x):
+                    head_loss(module, x).backward()
