@@ -362,3 +362,51 @@ def test_bookkeeping_step_after_an_empty_last_physical_batch_releases_the_earlie
     expected = per_user_clipped_mean(reference, _ce, x, y, users, C, USERS_PER_STEP)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(q.detach() - p.detach(), expected[name], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("form", ["bookkeeping", "per_example", "two_pass"])
+def test_peft_lora_per_user_equals_brute_force(form):
+    """PEFT LoRA on a small Llama (random init; only the adapters train): one user-level step
+    at sigma = 0 equals brute-force per-user clipping of the adapters' gradients (q_u = 0.9:
+    the first draw holds users; a Hugging Face model takes no empty batch)."""
+    import peft
+
+    from tests.models import tiny_llama
+
+    def lm_loss(model, x, _y):
+        return model(input_ids=x, labels=x, use_cache=False).loss
+
+    base = tiny_llama(vocab=32)
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                              init_lora_weights=False),
+    )
+    reference = copy.deepcopy(model)
+    data, owners = user_data(t=8)
+    engine = PrivacyEngine(accountant="rc_prv")
+    out = engine.make_private(
+        module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0),
+        criterion=nn.CrossEntropyLoss(), data_loader=torch.utils.data.DataLoader(data, batch_size=USERS_PER_STEP),
+        noise_multiplier=0.0, max_grad_norm=C, clipping="randomized", privacy_unit="user", user_ids=owners,
+        max_examples_per_user=K, seed=4, sample_rate=0.9, **{**FORMS[form], "sketch_size": 256},
+    )
+    module, optimizer, *criterion, loader = out
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    rows = []
+    for x, _, index in loader:
+        rows += index.tolist()
+        if criterion:  # the ghost criterion over per-token losses: one loss per row
+            logits = module(input_ids=x, use_cache=False).logits[:, :-1]
+            criterion[0](logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), shape=x[:, 1:].shape).backward()
+        else:
+            lm_loss(module, x, None).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if not optimizer._is_last_step_skipped:
+            break
+    assert len({owners[r] for r in rows}) >= 2
+    x = data.tensors[0][rows]
+    expected = per_user_clipped_mean(reference, lm_loss, x, x, [owners[r] for r in rows], C, USERS_PER_STEP)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(before[name] - p.detach(), expected[name], atol=1e-6, rtol=1e-4)
