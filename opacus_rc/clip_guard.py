@@ -293,7 +293,7 @@ class ClipGuard:
           batch sum of its in-module gradients noted by them (``module.in_module_sums``,
           :class:`InModuleSums`): ``p.grad`` must equal it, up to float rounding
           (:meth:`flag_outside_uses`)."""
-        patched = getattr(module, "_patched", ())
+        patched = module.deferred_layers
         elsewhere = self._used_elsewhere(module, patched)
         unclipped = [
             p for m in patched for p in m.parameters(recurse=False)
@@ -301,7 +301,7 @@ class ClipGuard:
         ]
         if unclipped:
             self._refuse_unclipped(unclipped, False, module, outside=True)
-        sums = getattr(module, "in_module_sums", None)
+        sums = module.in_module_sums
         noted = {} if sums is None else sums.take()
         mean = getattr(self.optimizer, "loss_reduction", "mean") == "mean"
         expected = []

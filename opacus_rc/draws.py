@@ -10,7 +10,8 @@ then holds part of a draw, or one draw's examples twice, charged as fewer micro-
 :class:`DrawLoader` makes the step boundary structural: it counts the physical batches it
 delivers to the script (in the main process, after any worker prefetch), and the
 plugin's optimizer refuses a ``step()`` that does not follow exactly one of them
-(:meth:`~opacus_rc.optimizer.RandomizedClippingMixin.check_draw_boundary`). Every
+(:meth:`~opacus_rc.optimizer.RandomizedClippingMixin.check_draw_boundary`,
+:func:`~opacus_rc.optimizer.accumulation_error`). Every
 ``step()`` then ends one physical batch, and the real steps fall on the draw boundaries:
 one release, one Poisson draw. It also hands each batch to the per-example form's module
 (``note_batch``), which holds every forward to the batch in hand.
@@ -26,23 +27,8 @@ from typing import Any, Dict, Iterator, Optional
 from opacus.utils.batch_memory_manager import BatchSplittingSampler
 from torch.utils.data import DataLoader
 
+from .optimizer import RandomizedClippingMixin
 from .units import RecordingBatchSampler, UserDataLoader, UserIndex, delivered_units
-
-
-def accumulation_error(batches: int) -> ValueError:
-    """The refusal of a ``step()`` that does not follow exactly one physical batch."""
-    got = "no physical batch" if batches == 0 else f"{batches} physical batches"
-    return ValueError(
-        f"optimizer.step() refused: it followed {got} of the loader that splits Poisson draws "
-        "(the per-example form's loader, or BatchMemoryManager's); each physical batch must be "
-        "followed by exactly one optimizer.step() (it only accumulates until the draw ends, then "
-        "releases the whole draw), else a release holds part of a draw or one draw's examples "
-        "twice, charged as fewer micro-batches. To accumulate a larger logical batch, raise the "
-        "sampling rate (a larger batch_size of the loader given to make_private, with "
-        "BatchMemoryManager(max_physical_batch_size=1) over the returned loader), or use "
-        "DPTrainer's gradient_accumulation_steps; never call step() every k batches. Nothing "
-        "was released or charged; a refusal must end the run"
-    )
 
 
 def _split_loader_kwargs(data_loader: DataLoader, max_batch_size: int, optimizer: Any) -> Dict[str, Any]:
@@ -94,7 +80,7 @@ class DrawLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         optimizer = self.draw_optimizer
         bound = optimizer.bound_module()
-        module = bound if self.rows_per_batch == 1 and hasattr(bound, "note_batch") else None
+        module = bound if self.rows_per_batch == 1 else None  # every form's module takes note_batch
         source = object()  # this iteration
         batches = super().__iter__()
         if self.user_index is not None:
@@ -115,9 +101,9 @@ class DrawLoader(DataLoader):
 def split_draws(*, data_loader: DataLoader, max_batch_size: int, optimizer: Any) -> DataLoader:
     """Opacus's ``wrap_data_loader`` (BatchMemoryManager's): a :class:`DrawLoader` for a
     plugin optimizer, Opacus's own loader otherwise."""
-    if not hasattr(optimizer, "note_physical_batch"):  # Opacus's optimizer: Opacus's loader
+    if not isinstance(optimizer, RandomizedClippingMixin):  # Opacus's optimizer: Opacus's loader
         return DataLoader(**_split_loader_kwargs(data_loader, max_batch_size, optimizer))
     return DrawLoader(data_loader=data_loader, max_batch_size=max_batch_size, optimizer=optimizer)
 
 
-__all__ = ["DrawLoader", "accumulation_error", "split_draws"]
+__all__ = ["DrawLoader", "split_draws"]

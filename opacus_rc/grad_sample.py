@@ -63,6 +63,8 @@ class PerExampleStore:
     output_passes: Optional[Any] = None
     #: the units of the physical batch in hand (privacy_unit="user"; None: rows are examples)
     row_units: Optional[Any] = None
+    #: the norm pass's in-module gradient sums (the two-pass forms'; None: not noted)
+    in_module_sums: Optional[InModuleSums] = None
 
     def __init__(
         self,
@@ -111,6 +113,16 @@ class PerExampleStore:
         self._steps_taken = 0
         self._step_hook = target.register_step_post_hook(self._count_step)
         optimizer.bind_module(self)  # its steps check and forget this module's per-example norms
+
+    @property
+    def deferred_layers(self) -> Tuple[nn.Module, ...]:
+        """The linear layers whose weight gradient this module defers (computed in the
+        clipped pass, or assembled by book-keeping), never by autograd's first pass."""
+        return tuple(self._patched)
+
+    def note_batch(self, batch: Any, source: Any) -> None:
+        """The returned loader delivered ``batch`` (the per-example form holds forwards to
+        it); nothing to note for the sketched forms."""
 
     def note_units(self, units: Any) -> None:
         """The rows of the batch in hand belong to ``units`` (:class:`~opacus_rc.units.RowUnits`;

@@ -38,6 +38,22 @@ SEEDED_STATE_KEY = "opacus_rc_seeded"
 logger = logging.getLogger(__name__)
 
 
+def accumulation_error(batches: int) -> ValueError:
+    """The refusal of a ``step()`` that does not follow exactly one physical batch."""
+    got = "no physical batch" if batches == 0 else f"{batches} physical batches"
+    return ValueError(
+        f"optimizer.step() refused: it followed {got} of the loader that splits Poisson draws "
+        "(the per-example form's loader, or BatchMemoryManager's); each physical batch must be "
+        "followed by exactly one optimizer.step() (it only accumulates until the draw ends, then "
+        "releases the whole draw), else a release holds part of a draw or one draw's examples "
+        "twice, charged as fewer micro-batches. To accumulate a larger logical batch, raise the "
+        "sampling rate (a larger batch_size of the loader given to make_private, with "
+        "BatchMemoryManager(max_physical_batch_size=1) over the returned loader), or use "
+        "DPTrainer's gradient_accumulation_steps; never call step() every k batches. Nothing "
+        "was released or charged; a refusal must end the run"
+    )
+
+
 class RandomizedClippingMixin:
     """The optimizer side of every clipping form of the plugin (``clipping="randomized"``):
     its steps and noise (the plugin's noise stream, micro-batch counting, the step's
@@ -169,7 +185,6 @@ class RandomizedClippingMixin:
             if batches is not None:
                 self._physical_batches = 0
             return
-        from .draws import accumulation_error
 
         self._draw_refused = True
         self._step_skip_queue.clear()

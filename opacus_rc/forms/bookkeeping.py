@@ -409,7 +409,7 @@ class BookkeepingClippingMixin:
         after a skipped step with no ``zero_grad()`` between (``p.grad`` then also holds the
         earlier batch's)."""
         module = self.bound_module()
-        deferred = {id(p) for m in getattr(module, "_patched", ()) for p in m.parameters(recurse=False)}
+        deferred = {id(p) for m in module.deferred_layers for p in m.parameters(recurse=False)}
         fresh = self.clip_guard.take_fresh()
         expected: List[Tuple[torch.nn.Parameter, Expected]] = []
         for p in self.params:
