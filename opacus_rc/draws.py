@@ -22,7 +22,7 @@ one release, one Poisson draw. It also hands each batch to the per-example form'
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from opacus.utils.batch_memory_manager import BatchSplittingSampler
 from torch.utils.data import DataLoader
@@ -32,12 +32,14 @@ from .units import RecordingBatchSampler, UserDataLoader, UserIndex, delivered_u
 
 
 def _split_loader_kwargs(data_loader: DataLoader, max_batch_size: int, optimizer: Any) -> Dict[str, Any]:
-    """Opacus's ``wrap_data_loader``: ``data_loader`` with its batch sampler split."""
+    """Opacus's ``wrap_data_loader``: ``data_loader`` with its batch sampler split (a
+    recording wrapper of a user-level loader's unwrapped: the new loader records its own)."""
+    sampler = data_loader.batch_sampler
+    if isinstance(sampler, RecordingBatchSampler):
+        sampler = sampler.batch_sampler
     return dict(
         dataset=data_loader.dataset,
-        batch_sampler=BatchSplittingSampler(
-            sampler=data_loader.batch_sampler, max_batch_size=max_batch_size, optimizer=optimizer,
-        ),
+        batch_sampler=BatchSplittingSampler(sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer),
         num_workers=data_loader.num_workers,
         collate_fn=data_loader.collate_fn,
         pin_memory=data_loader.pin_memory,
@@ -50,6 +52,56 @@ def _split_loader_kwargs(data_loader: DataLoader, max_batch_size: int, optimizer
     )
 
 
+class UserBatchSplittingSampler(BatchSplittingSampler):
+    """BatchMemoryManager's split of a user-level draw (``max_batch_size > 1``): physical
+    batches of whole users, packed in draw order up to ``max_batch_size`` rows, so a form
+    that clips the users of one physical batch (book-keeping, two passes) sees each user
+    whole; the draw boundaries are signalled as Opacus's splitter does (one micro-batch).
+
+    Raises:
+        ValueError: ``max_batch_size`` below ``max_examples_per_user`` (a user could not fit).
+    """
+
+    def __init__(self, *, sampler: Any, max_batch_size: int, optimizer: Any, index: UserIndex) -> None:
+        if max_batch_size < index.max_examples_per_user:
+            raise ValueError(
+                f"max_physical_batch_size={max_batch_size} is below max_examples_per_user="
+                f"{index.max_examples_per_user}: at privacy_unit='user' a physical batch holds whole users; "
+                "accepted values: max_physical_batch_size >= max_examples_per_user, or 1 with "
+                "per_example_backward=True (one row per backward pass)"
+            )
+        super().__init__(sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer)
+        self.index = index
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # at least one physical batch per draw (their number is random)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for draw in self.sampler:
+            chunks = self._whole_users(draw) or [[]]
+            for chunk in chunks[:-1]:
+                self.optimizer.signal_skip_step(do_skip=True, same_draw=True)
+                yield chunk
+            self.optimizer.signal_skip_step(do_skip=False)
+            yield chunks[-1]
+
+    def _whole_users(self, draw: List[int]) -> List[List[int]]:
+        """``draw`` cut between users (a user's rows are contiguous) into chunks of at most
+        ``max_batch_size`` rows."""
+        chunks: List[List[int]] = []
+        users = self.index.user_of_row[list(draw)].tolist() if draw else []
+        start = 0
+        for end in range(1, len(draw) + 1):
+            if end < len(draw) and users[end] == users[end - 1]:
+                continue  # inside one user's rows
+            if chunks and len(chunks[-1]) + end - start <= self.max_batch_size:
+                chunks[-1].extend(draw[start:end])
+            else:
+                chunks.append(list(draw[start:end]))
+            start = end
+        return chunks
+
+
 class DrawLoader(DataLoader):
     """``data_loader`` with its batch sampler split into physical batches of at most
     ``max_batch_size`` rows (Opacus's :class:`BatchSplittingSampler`, which signals the draw
@@ -59,9 +111,15 @@ class DrawLoader(DataLoader):
     def __init__(self, *, data_loader: DataLoader, max_batch_size: int, optimizer: Any) -> None:
         kwargs = _split_loader_kwargs(data_loader, max_batch_size, optimizer)
         #: a user-level loader's index: each physical batch's users are announced
-        self.user_index: Optional[UserIndex] = None
-        if isinstance(data_loader, UserDataLoader):
-            self.user_index = data_loader.user_index
+        self.user_index: Optional[UserIndex] = (
+            data_loader.user_index if isinstance(data_loader, (UserDataLoader, DrawLoader)) else None
+        )
+        if self.user_index is not None:
+            if isinstance(data_loader, UserDataLoader) and max_batch_size > 1:  # whole users per batch
+                kwargs["batch_sampler"] = UserBatchSplittingSampler(
+                    sampler=kwargs["batch_sampler"].sampler, max_batch_size=max_batch_size, optimizer=optimizer,
+                    index=self.user_index,
+                )
             kwargs["batch_sampler"] = RecordingBatchSampler(kwargs["batch_sampler"])
         super().__init__(**kwargs)
         self.draw_optimizer = optimizer
@@ -106,4 +164,4 @@ def split_draws(*, data_loader: DataLoader, max_batch_size: int, optimizer: Any)
     return DrawLoader(data_loader=data_loader, max_batch_size=max_batch_size, optimizer=optimizer)
 
 
-__all__ = ["DrawLoader", "split_draws"]
+__all__ = ["DrawLoader", "UserBatchSplittingSampler", "split_draws"]

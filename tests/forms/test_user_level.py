@@ -142,17 +142,6 @@ def test_per_example_form_charges_opacus_prv_at_the_user_rate():
     assert engine.get_epsilon(1e-5) == pytest.approx(reference.get_epsilon(1e-5), rel=1e-6)
 
 
-def test_bookkeeping_refuses_a_physical_batch_that_splits_a_user():
-    data, owners = user_data()
-    _, (module, optimizer, loader) = private(SequenceClassifier(), data, owners, **FORMS["bookkeeping"])
-    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=optimizer) as split:
-        with pytest.raises(ValueError, match="part of a user's rows|one backward pass per step"):
-            for x, y, _ in split:
-                _ce(module, x, y).backward()
-                optimizer.step()
-                optimizer.zero_grad()
-
-
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -215,3 +204,56 @@ def test_chunked_head_per_user_in_the_per_example_form_refused_in_the_others():
             for x, _, _ in loader:
                 if len(x):
                     head_loss(module, x).backward()
+
+
+@pytest.mark.parametrize("form", ["bookkeeping", "two_pass"])
+def test_batch_memory_manager_splits_between_users(form):
+    """BatchMemoryManager over the user-level loader cuts each draw between users (physical
+    batches of whole users, at most max_physical_batch_size rows): one logical step still
+    equals brute-force per-user clipping of the draw, charged as one micro-batch; a
+    max_physical_batch_size below max_examples_per_user is refused by name."""
+    data, owners = user_data()
+    torch.manual_seed(0)
+    model = SequenceClassifier()
+    reference = copy.deepcopy(model)
+    engine, (module, optimizer, *criterion, loader) = private(model, data, owners, sample_rate=0.9, **FORMS[form])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rows, batches = [], 0
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=K + 1, optimizer=optimizer) as split:
+        for x, y, index in split:
+            batches += 1
+            rows += index.tolist()
+            (criterion[0](module(x), y) if criterion else _ce(module, x, y)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if not optimizer._is_last_step_skipped:
+                break
+    users = [owners[r] for r in rows]
+    assert batches >= 3 and len(set(users)) >= 4  # several physical batches of whole users
+    assert engine.accountant.history[-1][3].micro_batches == 1
+    x, y, _ = data[rows]
+    expected = per_user_clipped_mean(reference, _ce, x, y, users, C, USERS_PER_STEP)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(before[name] - p.detach(), expected[name], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="max_physical_batch_size=2 is below max_examples_per_user=4"):
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=optimizer) as split:
+            next(iter(split))
+
+
+def test_batch_memory_manager_over_the_per_example_forms_loader():
+    """The per-example form's loader is split into rows already; BatchMemoryManager over it
+    keeps the rows and their users (a user's rows still sum into one clipped mean)."""
+    data, owners = user_data()
+    torch.manual_seed(0)
+    model = SequenceClassifier()
+    reference = copy.deepcopy(model)
+    _, (module, optimizer, loader) = private(model, data, owners, **FORMS["per_example"])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer) as split:
+        rows = one_logical_step(module, optimizer, split)
+    users = [owners[r] for r in rows]
+    assert len(set(users)) >= 2
+    x, y, _ = data[rows]
+    expected = per_user_clipped_mean(reference, _ce, x, y, users, C, USERS_PER_STEP)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(before[name] - p.detach(), expected[name], atol=1e-6, rtol=0)
