@@ -189,13 +189,9 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
 
 
 def check_user_setup(trainer: Trainer) -> None:
-    """``privacy_unit="user"``: one process, and a ``train_dataset`` with a valid user column
-    (read now, so a bad column is refused at construction)."""
-    if trainer.args.world_size > 1:
-        raise ValueError(
-            f"privacy_unit='user' does not support world_size={trainer.args.world_size} yet (a user's rows "
-            "would be split across ranks); accepted: one process"
-        )
+    """``privacy_unit="user"``: a ``train_dataset`` with a valid user column (read now, so a
+    bad column is refused at construction). Several processes split the users, not their
+    rows (:class:`~opacus_rc.hf.data.PoissonAccumulationSampler`)."""
     if trainer.train_dataset is not None:
         trainer.user_index()
 

@@ -30,10 +30,12 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
     from the global generator. Distributed: rank ``r`` samples the fixed share
     ``r, r + world_size, ...`` at the same rate (the union over ranks is one Poisson draw).
 
-    ``users`` (``privacy_unit="user"``, one process): each draw is one draw of
+    ``users`` (``privacy_unit="user"``): each draw is one draw of
     :class:`~opacus_rc.units.UserPoissonSampler` (users at ``sample_rate``, a sampled user's
     ``min(k, n_u)`` rows), split between users, never inside one (each physical batch holds
-    whole users: book-keeping clips a user within one backward pass).
+    whole users: book-keeping clips a user within one backward pass). Distributed: rank ``r``
+    draws its share of the USERS, ``r, r + world_size, ...`` (a user's rows stay on one
+    rank), with its own generator; the union over ranks is one Poisson draw of users.
     """
 
     def __init__(
@@ -59,12 +61,12 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
         self.users = users
         self._user_draws: Optional[UserPoissonSampler] = None
         if users is not None:
-            if self.world_size != 1:
-                raise ValueError("privacy_unit='user' does not support several processes (world_size > 1) yet")
             from ..csprng import default_generator
 
             generator = default_generator() if secure_mode else self._generator
-            self._user_draws = UserPoissonSampler(users, self.sample_rate, generator, steps=1)
+            self._user_draws = UserPoissonSampler(
+                users, self.sample_rate, generator, steps=1, rank=self.rank, world_size=self.world_size
+            )
         self.draws = 0  #: logical steps drawn so far (the loader check: this sampler is iterated)
 
     def __len__(self) -> int:

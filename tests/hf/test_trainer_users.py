@@ -32,6 +32,13 @@ FORMS = {
     "bookkeeping": (2, 2, dict(per_example_backward=False, sketch_size=64)),
     "per_example": (1, 4, {}),  # per_device_train_batch_size=1: the per-example form
 }
+#: the two-rank runs (tests/hf/trainer_ddp_worker.py "users"): 1 x 2 x 2 ranks = 4 expected users
+#: of 6 (q_u = 2/3), each form at sigma = 0, and the per-example form at sigma = 0.7
+USER_RUNS = {
+    "bookkeeping": (1, 2, FORMS["bookkeeping"][2]),
+    "per_example": (1, 2, {}),
+    "per_example_noisy": (1, 2, {"noise_multiplier": 0.7}),
+}
 
 
 def owners() -> list:
@@ -190,6 +197,46 @@ def test_private_sft_trainer_at_user_level(tmp_path):
     assert isinstance(trainer._dp_optimizer, PerExampleOptimizer)
     assert trainer.accountant.history[0][:3] == (0.5, pytest.approx(4 / len(COUNTS)), 2)
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), initial.parameters()))
+
+
+def test_two_gloo_ranks_at_user_level_equal_brute_force_on_the_union(tmp_path):
+    """torchrun --nproc_per_node 2 (tests/hf/trainer_ddp_worker.py "users"): rank r draws its
+    share of the users (r, r + 2, ...: every row of a user on one rank); at sigma = 0 both
+    forms equal brute-force per-user clipping of the union of the ranks' batches of each
+    logical step, divided by the expected users over both ranks (B = 4); at sigma = 0.7 the
+    noise is added once (both ranks end equal) and both report Opacus's PRV epsilon at q_u."""
+    from opacus_rc.units import UserIndex
+
+    from .test_trainer import run_two_ranks
+
+    ranks = run_two_ranks(tmp_path, 0.0, clipping="users")
+    index = UserIndex(owners(), len(owners()), K)
+    q_u = 4 / len(COUNTS)
+    for name, (per_device, accumulation, _) in USER_RUNS.items():
+        runs = [r[name] for r in ranks]
+        assert all(r["expected_batch_size"] == 4 and r["sample_rate"] == pytest.approx(q_u) for r in runs)
+        assert all(r["optimizer"].startswith("Distributed") for r in runs)
+        assert ("PerExample" in runs[0]["optimizer"]) == name.startswith("per_example")
+        for rank, run in enumerate(runs):  # rank r holds only its users, r, r + 2, ...
+            users = {u for _, units in run["recorded"] for u in units.users.tolist()}
+            assert users and all(u % 2 == rank for u in users), (name, rank, users)
+        for p, q in zip(runs[0]["params"].values(), runs[1]["params"].values()):
+            assert torch.equal(p, q), name
+        assert runs[0]["history"] == runs[1]["history"] and runs[0]["epsilon"] == runs[1]["epsilon"]
+        if runs[0]["history"][0][0] > 0:
+            prv = PRVAccountant()
+            prv.history = [(0.7, q_u, 3)]
+            assert [e[:3] for e in runs[0]["history"]] == [(0.7, pytest.approx(q_u), 3)]
+            assert runs[0]["epsilon"] == pytest.approx(prv.get_epsilon(1e-5), rel=1e-6)
+            continue
+        union = []  # a logical step: rank 0's physical batches, then rank 1's
+        for start in range(0, 3 * accumulation, accumulation):
+            for run in runs:
+                union.extend(run["recorded"][start:start + accumulation])
+        reference = tiny_llama()  # both ranks' initial weights (rank 0's are broadcast)
+        brute_force(reference, union, 2 * accumulation, per_device * accumulation * 2, index)
+        for (n, p), q in zip(reference.named_parameters(), runs[0]["params"].values()):
+            torch.testing.assert_close(q, p.detach(), rtol=1e-5, atol=1e-6, msg=f"{name}: {n}")
 
 
 # --- refusals ---------------------------------------------------------------------------

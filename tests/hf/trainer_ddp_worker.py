@@ -1,7 +1,7 @@
 """One rank of the two-process DPTrainer test (tests/hf/test_trainer.py), launched with
 ``python -m torch.distributed.run --nproc_per_node 2 tests/hf/trainer_ddp_worker.py OUT SIGMA CLIPPING``
-(CLIPPING: "randomized", "flat", "per_example" (randomized, one row per backward pass), or a
-refusal scenario)
+(CLIPPING: "randomized", "flat", "per_example" (randomized, one row per backward pass), "users"
+(privacy_unit="user", tests/hf/test_trainer_users.py), or a refusal scenario)
 (gloo on CPU). Each rank saves what it trained on and where it ended."""
 
 import os
@@ -53,6 +53,30 @@ def shuffled_loader(out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def users(out: str) -> None:
+    """Both ranks, privacy_unit="user" (tests/hf/test_trainer_users.py's ``train``): each
+    run of ``USER_RUNS`` saved with what each rank trained on and where it ended."""
+    import pathlib
+
+    import tests.hf.test_trainer_users as u
+
+    results = {}
+    for name, (per_device, accumulation, privacy) in u.USER_RUNS.items():
+        model, _, trainer = u.train(pathlib.Path(out) / name, per_device, accumulation, privacy, max_steps=3,
+                                    logging_steps=3)
+        results[name] = {
+            "recorded": trainer.recorded,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "history": trainer.accountant.history,
+            "epsilon": trainer.get_epsilon(),
+            "optimizer": type(trainer._dp_optimizer).__name__,
+            "expected_batch_size": trainer.expected_batch_size,
+            "sample_rate": trainer.sample_rate,
+        }
+    torch.save(results, os.path.join(out, f"rank{os.environ['RANK']}.pt"))
+    torch.distributed.destroy_process_group()
+
+
 def main(out: str, sigma: float, clipping: str) -> None:
     import pathlib
 
@@ -61,6 +85,8 @@ def main(out: str, sigma: float, clipping: str) -> None:
         return refused_last_step(out)
     if clipping == "shuffled_loader":
         return shuffled_loader(out)
+    if clipping == "users":
+        return users(out)
     model = t.tiny_llama(seed=int(os.environ["RANK"]))  # different on purpose: rank 0's is broadcast
     trainer = t.recording(t.DPTrainer)(
         model=model,
