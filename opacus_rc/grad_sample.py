@@ -40,6 +40,7 @@ from .recompute import (
     save_inputs,
 )
 from .sketch import Sketcher
+from .values import EXAMPLE_UNIT
 from .units import in_row_slots, mean_clip_factors, per_row, regroup_uses, sum_rows_by_unit, unit_sizes
 
 
@@ -61,7 +62,9 @@ class PerExampleStore:
     #: the two passes from the model's output of a plain-loss script (set by
     #: :class:`~opacus_rc.forms.output_passes.OutputPasses`; None: the criterion's passes)
     output_passes: Optional[Any] = None
-    #: the units of the physical batch in hand (privacy_unit="user"; None: rows are examples)
+    #: what the followed optimizer's steps protect (``"example"``/``"user"``; set by its
+    #: ``bind_module``) and the units of the physical batch in hand (user level; None: rows)
+    privacy_unit: str = EXAMPLE_UNIT
     row_units: Optional[Any] = None
     #: the norm pass's in-module gradient sums (the two-pass forms'; None: not noted)
     in_module_sums: Optional[InModuleSums] = None
@@ -277,6 +280,15 @@ def head_used_twice_error(bookkeeping: bool = False) -> ValueError:
     )
 
 
+def unannounced_batch_error() -> ValueError:
+    """The refusal of a user-level pass on a batch whose users no loader announced."""
+    return ValueError(
+        "privacy_unit='user': a backward pass ran on a batch the loader make_private returned did not "
+        "deliver (its rows' users are unknown, so it cannot be clipped per user): train on the returned "
+        "loader's batches (loader.follow(optimizer) for objects built by hand)"
+    )
+
+
 def head_per_user_error() -> ValueError:
     """The refusal of the chunked LM head at ``privacy_unit="user"`` in a form that clips in
     its layers' hooks (its values are per row, not per user)."""
@@ -338,6 +350,8 @@ class SketchingMixin(PerExampleStore):
         row's factor is its user's (:func:`~opacus_rc.units.mean_clip_factors`: the mean of
         the user's rows clipped once)."""
         if self.row_units is None:
+            if self.privacy_unit != EXAMPLE_UNIT:
+                raise unannounced_batch_error()
             return super().get_clipping_coef()
         sizes = unit_sizes(self.row_units)
         norms = self.get_norm_sample()[: len(sizes)]  # the users' summed gradients' (in_row_slots)

@@ -244,8 +244,9 @@ class RandomizedClippingMixin:
     def bind_module(self, module: Any) -> None:
         """The grad-sample module whose passes this optimizer steps (``follow_steps`` calls
         this): its per-example norms are checked and forgotten with each step, and
-        refusals name its parameters."""
+        refusals name its parameters; it learns the unit its passes clip (:meth:`note_units`)."""
         self._grad_sample_module = weakref.ref(module)
+        module.privacy_unit = self.privacy_unit
         inner = getattr(module, "_module", module)
         self._parameter_names = {id(p): name for name, p in inner.named_parameters()}
         self._watch_forward_changes(module)

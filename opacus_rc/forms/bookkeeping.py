@@ -49,7 +49,7 @@ from torch import nn
 
 from ..clip_guard import BuiltSumsGuard, Expected, coarsest_dtype, complete_unused
 from ..estimators import as_sequence
-from ..grad_sample import PerExampleStore, head_per_user_error, head_used_twice_error
+from ..grad_sample import PerExampleStore, head_per_user_error, head_used_twice_error, unannounced_batch_error
 from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from ..optimizer import SketchedClippingMixin
 from ..recompute import late_use_error, missing_per_sample_error
@@ -458,8 +458,11 @@ class BookkeepingClippingMixin:
         records = [r for p in self.params for r in self._records(p)]
         if all(r.row_count == 0 for r in records) and all(getattr(p, "grad_sample", None) is None for p in self.params):
             return
+        if self.row_units is None:
+            self.drop_step()
+            raise unannounced_batch_error()
         regrouped = all(r.rows is not None for r in records)
-        if self.row_units is None or self._passes_recorded() != 1 or not regrouped:
+        if self._passes_recorded() != 1 or not regrouped:
             self.drop_step()
             raise ValueError(
                 "privacy_unit='user' with book-keeping clips the users of one physical batch, the whole "

@@ -39,10 +39,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_leaves
 
 from ..clip_guard import PerExampleGuard
+from ..grad_sample import unannounced_batch_error
 from ..optimizer import RandomizedClippingMixin
 from ..recompute import forward_replay
 from ..units import RowUnits
-from ..values import SKIP
+from ..values import EXAMPLE_UNIT, SKIP
 from .fsdp import _contains_fsdp
 
 #: Opacus's guard against a zero norm in the clip factor
@@ -188,6 +189,7 @@ class PerExampleClipping:
         #: privacy_unit="user": the units of the row in hand (:meth:`note_units`) and the
         #: running gradient of the user whose rows are passing (one gradient-sized buffer)
         self.row_units: Optional[RowUnits] = None
+        self.privacy_unit = EXAMPLE_UNIT  # the followed optimizer's (its bind_module sets it)
         self._user_sum: Optional[Dict[int, Tuple[nn.Parameter, torch.Tensor]]] = None
         self._handles = []
         for module in self._module.modules():
@@ -392,10 +394,7 @@ class PerExampleClipping:
             optimizer.count_backward_pass()
         if optimizer.user_index is not None and examples:  # privacy_unit="user": clip per user
             if self.row_units is None or len(self.row_units) != 1:
-                return self._refuse(
-                    "privacy_unit='user': a backward pass ran on a row the loader make_private returned "
-                    "did not deliver (its users are unknown): train on the returned loader's batches"
-                )
+                return self._refuse(str(unannounced_batch_error()))
             grads = self._add_to_user(grads)
             if grads is None:
                 return  # the user's rows continue

@@ -257,3 +257,20 @@ def test_batch_memory_manager_over_the_per_example_forms_loader():
     expected = per_user_clipped_mean(reference, _ce, x, y, users, C, USERS_PER_STEP)
     for name, p in model.named_parameters():
         torch.testing.assert_close(before[name] - p.detach(), expected[name], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_a_batch_the_loader_did_not_deliver_is_refused_in_every_form(form):
+    """A user-level optimizer fed from the user's own loader (not the one make_private
+    returned): the rows' users are unknown, so no form may clip them (per row, charged per
+    user): refused by name, nothing released. The two-pass forms clipped per row before."""
+    data, owners = user_data()
+    torch.manual_seed(0)
+    model = SequenceClassifier()
+    _, (module, optimizer, *criterion, _) = private(model, data, owners, **FORMS[form])
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y, _ = data[: 1 if form == "per_example" else 6]  # the per-example form takes one row
+    with pytest.raises(ValueError, match="did not deliver"):
+        (criterion[0](module(x), y) if criterion else _ce(module, x, y)).backward()
+        optimizer.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
