@@ -5,4 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-exec bash scripts/run_pytest.sh -m "not slow" "$@"
+# two test processes (pytest-xdist): on 2 cores shared with other jobs the suite gets two
+# shares of the CPU instead of one (OMP_NUM_THREADS=1 each, scripts/run_pytest.sh)
+exec bash scripts/run_pytest.sh -m "not slow" -n "${OPACUS_RC_TEST_WORKERS:-2}" "$@"

@@ -38,6 +38,8 @@ SLOW_TESTS = (
     "test_deterministic_mixture_matches_dp_accounting_and_exceeds_q_times_m",
     "test_short_run_lowers_the_loss",  # utility; fast: the README quickstart learns
     "test_norm_sampler_memory_linear_in_t_while_ghost_is_quadratic",  # a memory claim (docs/benchmarks.md)
+    # the README's other blocks as pasted (docs); fast: the quickstart block runs and learns
+    "test_every_other_block_runs_as_pasted_or_is_a_labelled_excerpt",
 )
 #: parametrised sweeps: the cases that stay in the fast suite (each form, path and option
 #: value at least once); the other cases of the sweep run in the slow suite. A name here that
@@ -143,6 +145,11 @@ class Progress:
         self.total = len(session.items)
         self.start = self.last = time.monotonic()
 
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids) -> None:
+        """Under pytest-xdist (``-n``): the controller learns the selection from a worker."""
+        self.total = len(ids)
+
     def pytest_runtest_logfinish(self, nodeid, location) -> None:
         self.done += 1
         now = time.monotonic()
@@ -158,7 +165,8 @@ class Progress:
 @pytest.hookimpl(trylast=True)  # after the terminal reporter's own pytest_configure registers it
 def pytest_configure(config):
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and not config.option.collectonly:
+    worker = hasattr(config, "workerinput")  # a pytest-xdist worker: the controller reports
+    if reporter is not None and not config.option.collectonly and not worker:
         config.pluginmanager.register(Progress(reporter), "opacus_rc_progress")
 
 
