@@ -26,7 +26,7 @@ import collections
 import math
 import numbers
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Hashable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -218,9 +218,41 @@ class RowUnits:
     users: torch.Tensor
     sizes: torch.Tensor
     last: Optional[torch.Tensor] = None
+    #: :meth:`layout` per device, computed and checked once per batch (every layer reads it)
+    _layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __len__(self) -> int:
         return int(self.users.shape[0])
+
+    def layout(self, device: Any = None) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        """``(slot, position, count)``: the unit slot of each row (users in order of first
+        appearance), the row's position among its unit's rows (both on ``device``), and the
+        number of units; checked once that every user's rows in the batch are all its rows
+        of the draw, contiguous.
+
+        Raises:
+            ValueError: a user split across physical batches, or its rows interleaved.
+        """
+        key = torch.device("cpu") if device is None else torch.device(device)
+        if key not in self._layouts:
+            cpu = self._layouts.get(torch.device("cpu")) or self._cpu_layout()
+            self._layouts[torch.device("cpu")] = cpu
+            self._layouts[key] = (cpu[0].to(key), cpu[1].to(key), cpu[2])
+        return self._layouts[key]
+
+    def _cpu_layout(self) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        users, slot = torch.unique_consecutive(self.users, return_inverse=True)
+        counts = torch.bincount(slot, minlength=len(users))
+        sizes = torch.zeros_like(counts).scatter_(0, slot, self.sizes)
+        if not torch.equal(counts, sizes) or len(torch.unique(users)) != len(users):
+            raise ValueError(
+                "privacy_unit='user' with a physical batch that holds part of a user's rows: book-keeping "
+                "and the two-pass forms clip a user within one physical batch (the returned loader's "
+                "batches, or BatchMemoryManager's, which cut draws between users); per_example_backward=True "
+                "spreads a user's rows over backward passes"
+            )
+        start = torch.cumsum(counts, 0) - counts
+        return slot, torch.arange(len(self)) - start[slot], len(users)
 
     def rows(self, start: int, stop: int) -> "RowUnits":
         """The units of rows ``start:stop`` of the batch (e.g. one row of a per-example pass)."""
@@ -331,39 +363,26 @@ class UserDataLoader(DataLoader):
 
 # --- a batch's rows regrouped into its units -----------------------------------------------
 
-def unit_layout(units: RowUnits, batch: int):
-    """``(slot, position, count)`` for a batch of ``batch`` rows whose users all end in it:
-    the unit slot of each row (users in order of first appearance), the row's position
-    among its unit's rows, and the number of units.
+def unit_layout(units: RowUnits, batch: int, device: Any = None) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """:meth:`RowUnits.layout` of a batch of ``batch`` rows (on ``device``).
 
     Raises:
-        ValueError: when ``units`` does not describe ``batch`` rows, or a user's rows in the
-            batch are not all of its rows of the draw (a user split across physical batches).
+        ValueError: when ``units`` does not describe ``batch`` rows, or (:meth:`RowUnits.layout`)
+            a user's rows in the batch are not all of its rows of the draw.
     """
     if len(units) != batch:
         raise ValueError(
             f"privacy_unit='user': a forward pass took {batch} rows, but the loader make_private "
             f"returned delivered a batch of {len(units)}: train on the batches of the returned loader"
         )
-    users, slot = torch.unique_consecutive(units.users, return_inverse=True)
-    counts = torch.bincount(slot, minlength=len(users))
-    sizes = torch.zeros_like(counts).scatter_(0, slot, units.sizes)
-    if not torch.equal(counts, sizes) or len(torch.unique(users)) != len(users):
-        raise ValueError(
-            "privacy_unit='user' with a physical batch that holds part of a user's rows: this form "
-            "clips a user within one physical batch (the whole draw); use per_example_backward=True "
-            "to spread a user's rows over backward passes, and no BatchMemoryManager"
-        )
-    start = torch.cumsum(counts, 0) - counts
-    position = torch.arange(batch) - start[slot]
-    return slot, position, len(users)
+    return units.layout(device)
 
 
 def regroup_rows(t: torch.Tensor, units: RowUnits) -> torch.Tensor:
     """``t`` (B, T, n) regrouped into its units: (U, L * T, n) where unit ``u``'s sequence is
     its rows' sequences one after another (zero-padded to the longest unit, L rows): a
     user's gradient ``sum_r A_r^T G_r`` is that of one sequence of all their tokens."""
-    slot, position, count = unit_layout(units, t.shape[0])
+    slot, position, count = unit_layout(units, t.shape[0], t.device)
     longest = int(units.sizes.max()) if len(units) else 0
     out = t.new_zeros((count, longest, *t.shape[1:]))
     out[slot, position] = t
@@ -381,7 +400,7 @@ def regroup_uses(module: nn.Module, a: torch.Tensor, g: torch.Tensor, units: Row
 
 def sum_rows_by_unit(t: torch.Tensor, units: RowUnits) -> torch.Tensor:
     """``t`` (B, ...) summed over each unit's rows: (U, ...)."""
-    slot, _, count = unit_layout(units, t.shape[0])
+    slot, _, count = unit_layout(units, t.shape[0], t.device)
     return t.new_zeros((count, *t.shape[1:])).index_add_(0, slot, t)
 
 
@@ -401,8 +420,8 @@ def mean_clip_factors(norms: torch.Tensor, sizes: Any, max_grad_norm: float) -> 
 
 def per_row(values: torch.Tensor, units: RowUnits) -> torch.Tensor:
     """Each row's value of its unit: ``values`` (U,) -> (B,)."""
-    slot, _, _ = unit_layout(units, len(units))
-    return values[slot.to(values.device)]
+    slot, _, _ = unit_layout(units, len(units), values.device)
+    return values[slot]
 
 
 def unit_sizes(units: RowUnits) -> torch.Tensor:

@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_leaves
 
 from ..clip_guard import PerExampleGuard
+from ..estimators import at_least_float32
 from ..grad_sample import unannounced_batch_error
 from ..optimizer import RandomizedClippingMixin
 from ..recompute import forward_replay
@@ -269,8 +270,8 @@ class PerExampleClipping:
         for p, g in grads:
             if id(p) in total:
                 total[id(p)][1].add_(g)
-            else:
-                total[id(p)] = (p, g)
+            else:  # the first row's buffer, in float32 or wider: a half-precision sum would round each row
+                total[id(p)] = (p, at_least_float32(g))
         if not bool(units.last[0]):
             self._user_sum = total
             return None
