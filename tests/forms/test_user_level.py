@@ -96,7 +96,7 @@ def test_update_equals_brute_force_per_user_clipping(form):
         torch.testing.assert_close(before[name] - p.detach(), expected[name], atol=1e-6, rtol=0)
 
 
-def released_sum(form: str, data, owners, unit: str) -> dict:
+def released_sum(form: str, data, owners, unit: str) -> torch.Tensor:
     """The released sum (update x normaliser) of one step at sigma = 0 in which every user
     is sampled with all their rows (q_u = 1, k above every user's count)."""
     torch.manual_seed(0)
@@ -110,9 +110,15 @@ def released_sum(form: str, data, owners, unit: str) -> dict:
         data_loader=torch.utils.data.DataLoader(data, batch_size=1), noise_multiplier=0.0,
         max_grad_norm=C, clipping="randomized", seed=1, **options,
     )
-    before = [p.detach().clone() for p in model.parameters()]
+    released = {}  # the update as the real step takes it (lr 1, normaliser 1), before the
+    # float32 parameters round it and before zero_grad clears it
+
+    def keep(_optimizer, _args, _kwargs):
+        released["sum"] = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+
+    out[1].original_optimizer.register_step_pre_hook(keep)
     one_logical_step(*out)
-    return torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])
+    return released["sum"]
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
