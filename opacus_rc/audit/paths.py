@@ -448,15 +448,19 @@ class _DrawSampler(torch.utils.data.Sampler):
         return 1
 
 
-class _PerExampleExperiment(NamedTuple):
-    """The experiment, the loader ``make_private`` returned and the sampler under it."""
+class _LoaderExperiment(NamedTuple):
+    """The experiment, the loader ``make_private`` returned and what feeds it: the sampler under
+    it (per-example) or its dataset's tensors ``(x, y)``, D's rows then each canary user's
+    ``user_rows`` rows (user level)."""
 
     exp: _Experiment
     loader: DataLoader
-    sampler: _DrawSampler
+    sampler: Optional[_DrawSampler] = None
+    rows: Optional[Batch] = None
+    user_rows: int = 1
 
 
-def build_per_example(config: PathAuditConfig) -> _PerExampleExperiment:
+def build_per_example(config: PathAuditConfig) -> _LoaderExperiment:
     """``make_private(..., per_example_backward=True)`` on the audit's layer over ``D + partners +
     canaries`` (a partner: its canary's target times -1/2) read through a :class:`_DrawSampler`;
     the control switches the form's batch check off and splits the draw into pairs."""
@@ -478,10 +482,10 @@ def build_per_example(config: PathAuditConfig) -> _PerExampleExperiment:
     if config.variant == "per_example_unchecked":  # the broken control
         unchecked_batches(exp.model)
         loader.batch_sampler.max_batch_size = 2
-    return _PerExampleExperiment(exp, loader, sampler)
+    return _LoaderExperiment(exp, loader, sampler)
 
 
-def per_example_step(built: _PerExampleExperiment, include: np.ndarray) -> torch.Tensor:
+def per_example_step(built: _LoaderExperiment, include: np.ndarray) -> torch.Tensor:
     """One step through the loader ``make_private`` returned (each "in" canary right after its
     partner, then the other partners, then D): the released ``W.grad``."""
     nb, r = len(built.exp.background[0]), len(include)
@@ -570,7 +574,7 @@ def _forward_buffer(config: PathAuditConfig, progress: Progress, start: float) -
 # --- draw_boundary: step() every k physical batches of the per-example loader --------------
 
 
-def build_draw_boundary(config: PathAuditConfig) -> _PerExampleExperiment:
+def build_draw_boundary(config: PathAuditConfig) -> _LoaderExperiment:
     """:func:`build_per_example`'s honest objects; the control switches the optimizer's
     draw-boundary check off (:func:`~opacus_rc.audit._broken.unchecked_draw_boundary`)."""
     from ._broken import unchecked_draw_boundary
@@ -581,7 +585,7 @@ def build_draw_boundary(config: PathAuditConfig) -> _PerExampleExperiment:
     return built
 
 
-def accumulation_draws(built: _PerExampleExperiment, include: np.ndarray) -> List[List[int]]:
+def accumulation_draws(built: _LoaderExperiment, include: np.ndarray) -> List[List[int]]:
     """Two draws of the loader (one per epoch): the "in" canaries then D, and the same one
     example longer (why: docs/audit.md, "draw_boundary_unchecked")."""
     nb, r = len(built.exp.background[0]), len(include)
@@ -589,7 +593,7 @@ def accumulation_draws(built: _PerExampleExperiment, include: np.ndarray) -> Lis
     return [first, first + [0]]
 
 
-def accumulation_step(built: _PerExampleExperiment, include: np.ndarray) -> torch.Tensor:
+def accumulation_step(built: _LoaderExperiment, include: np.ndarray) -> torch.Tensor:
     """A script's accumulation loop over the loader ``make_private`` returned (``step()``, ``zero_grad()``
     every :data:`ACCUMULATION_EVERY` physical batches across epochs) until a step is not skipped: its
     released ``W.grad``. The skip signals still queued are dropped (every round releases the same examples)."""
@@ -629,16 +633,6 @@ def _draw_boundary(config: PathAuditConfig, progress: Progress, start: float) ->
 # --- user_level: a canary user of several rows, privacy_unit="user" (book-keeping) ----------------
 
 
-class _UserLevelExperiment(NamedTuple):
-    """The experiment, the loader ``make_private`` returned and the dataset's tensors
-    ``(x, y)`` (D's rows, then each canary user's ``user_rows`` rows)."""
-
-    exp: _Experiment
-    loader: DataLoader
-    rows: Batch
-    user_rows: int
-
-
 def user_level_data(config: PathAuditConfig, background: Batch, canaries: Batch) -> Tuple[Batch, List[int]]:
     """D's rows (row i owned by background user ``i // 2``) then the R canary users' rows
     (canary r repeated ``user_rows`` times, owned by user ``-1 - r``): the tensors and the
@@ -650,7 +644,7 @@ def user_level_data(config: PathAuditConfig, background: Batch, canaries: Batch)
     return rows, owners
 
 
-def build_user_level(config: PathAuditConfig) -> _UserLevelExperiment:
+def build_user_level(config: PathAuditConfig) -> _LoaderExperiment:
     """``make_private(..., grad_sample_mode="hooks", privacy_unit="user", user_ids=...,
     max_examples_per_user=user_rows)`` over :func:`user_level_data`, every user at every step (q_u = 1);
     the control clips each row alone (:func:`~opacus_rc.audit._broken.per_row_clipping`)."""
@@ -666,10 +660,10 @@ def build_user_level(config: PathAuditConfig) -> _UserLevelExperiment:
     if config.variant == "user_level_per_row":  # the broken control
         per_row_clipping(optimizer)
     exp = _Experiment(engine.accountant, model, optimizer, criterion, layer.weight, background, canaries)
-    return _UserLevelExperiment(exp, loader, rows, config.user_rows)
+    return _LoaderExperiment(exp, loader, rows=rows, user_rows=config.user_rows)
 
 
-def user_level_step(built: _UserLevelExperiment, include: np.ndarray) -> torch.Tensor:
+def user_level_step(built: _LoaderExperiment, include: np.ndarray) -> torch.Tensor:
     """One step through the loader ``make_private`` returned, each canary user's rows zeroed
     where not ``include``d (a zero gradient: its clipped mean is 0, as if the user and all
     their rows were removed; the normaliser is public): the released ``W.grad``."""
