@@ -16,7 +16,6 @@ deliberately broken controls. What each runs, its score and its defaults: docs/a
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass, fields, replace
@@ -31,7 +30,7 @@ from ..accounting.accountant import RCPRVAccountant, StepRecord
 from ..config import SketchConfig
 from .checks import check_fields, check_ints
 from .experiment import (
-    AuditConfig, AuditResult, Batch, InnerProductLoss, Progress, _batch, _Experiment, _released,
+    AuditConfig, AuditResult, Batch, InnerProductLoss, Progress, Trials, _batch, _Experiment, _released,
     accounted_epsilon, audit_layer, build_experiment, check_one_step, make_private_rc, one_step_trials,
     private_experiment, result_fields, run_trials,
 )
@@ -54,9 +53,9 @@ PATH_DEFAULTS = {
     "reused_layer": {"sketch_size": 32, "sigma": 1.0, "uses": 2, "sample_rate": 0.25},
     "reentrant_split": {"sketch_size": 4, "sigma": 2.0, "micro_batches": 4, "sketching": "per_example"},
     **{v: {"sketch_size": 32, "sigma": 1.0} for v in FUSED_HEAD_VARIANTS},
-    **{v: {"sketch_size": 4, "sigma": 1.0} for v in PER_EXAMPLE_VARIANTS},  # k only sets the shapes
-    **{v: {"sketch_size": 4, "sigma": 1.0} for v in FORWARD_BUFFER_VARIANTS},
-    **{v: {"sketch_size": 4, "sigma": 1.0} for v in DRAW_BOUNDARY_VARIANTS},
+    # per-example and draw-boundary variants: k only sets the shapes
+    **{v: {"sketch_size": 4, "sigma": 1.0} for v in (*PER_EXAMPLE_VARIANTS, *FORWARD_BUFFER_VARIANTS,
+                                                      *DRAW_BOUNDARY_VARIANTS)},
     **{v: {"sketch_size": 4, "sigma": 2.0, "user_rows": 8, "replicas": 64} for v in USER_LEVEL_VARIANTS},
 }
 #: the fused-head control's steps at most: its unclipped canary is found at any size
@@ -70,8 +69,11 @@ PER_EXAMPLE_MAX_STEPS = 40
 DRAW_BOUNDARY_MAX_STEPS = 20
 #: the user-level control's steps at most (its canary user shifts by ``user_rows`` C Z, charged as C Z)
 USER_LEVEL_MAX_STEPS = 20
-#: the variants the command runs for a fifth of the requested steps (:func:`per_example_steps`)
+#: the variants the command runs for a fifth of the requested steps (:func:`per_example_steps`)...
 REDUCED_STEP_VARIANTS = (*PER_EXAMPLE_VARIANTS, *DRAW_BOUNDARY_VARIANTS, *USER_LEVEL_VARIANTS)
+#: ...and the most steps of those with a cap
+_MAX_STEPS = {"per_example_unchecked": PER_EXAMPLE_MAX_STEPS, "user_level_per_row": USER_LEVEL_MAX_STEPS,
+              **dict.fromkeys(DRAW_BOUNDARY_VARIANTS, DRAW_BOUNDARY_MAX_STEPS)}
 #: the accumulation loop's k: ``step()`` every k physical batches (the draws of
 #: :func:`accumulation_draws` are built for k = 2)
 ACCUMULATION_EVERY = 2
@@ -121,7 +123,9 @@ class PathAuditResult(AuditResult):
     """:class:`~opacus_rc.audit.AuditResult` plus the side path's own numbers.
 
     ``eps_exact``: the exact epsilon of the audited pair (independent of the accountant).
-    ``eps_old_charge``: accumulation only, the pre-fix charge (one draw at ``min(1, q m)``)."""
+    ``eps_old_charge``: accumulation only, the pre-fix charge (one draw at ``min(1, q m)``).
+    ``refusal``: the plugin's error (``fused_head``, ``draw_boundary``, ``forward_buffer``;
+    empty when the step ran)."""
 
     eps_exact: float = float("nan")
     eps_old_charge: float = float("nan")
@@ -130,33 +134,17 @@ class PathAuditResult(AuditResult):
     episode_steps: int = 1
     user_rows: int = 1
     history: tuple = ()
-
-
-@dataclass
-class FusedHeadAuditResult(PathAuditResult):
-    """``refusal``: the plugin's error (``fused_head``, ``draw_boundary``; empty
-    when the step ran)."""
-
     refusal: str = ""
 
 
 # --- accumulation_canary, reused_layer: Poisson micro-batches at the audit's own rate q --------
 
 
-def build_accumulation(config: PathAuditConfig, uses: int = 1) -> _Experiment:
-    """:func:`~opacus_rc.audit.experiment.build_experiment` with the engine's accountant hook at
-    the audit's own Poisson rate q (the engine's accountant records each step's micro-batches)."""
-    exp = build_experiment(config.base, uses=uses)
-    # the audit samples every micro-batch itself at q (Poisson); the loader is never used
-    exp.optimizer.attach_step_hook(exp.accountant.get_optimizer_hook_fn(sample_rate=config.sample_rate))
-    return exp
-
-
 def old_charge_epsilon(config: PathAuditConfig, record: StepRecord) -> float:
     """What the pre-fix convention reported for one accumulated step: a single Poisson
     draw at rate ``min(1, q m)`` with the same sketch."""
     accountant = RCPRVAccountant()
-    single = dataclasses.replace(record, micro_batches=1)
+    single = replace(record, micro_batches=1)
     accountant.history = [(config.sigma, min(1.0, config.sample_rate * config.micro_batches), 1, single)]
     return accounted_epsilon(accountant, config.delta)
 
@@ -166,7 +154,10 @@ def _accumulation(config: PathAuditConfig, progress: Progress, start: float) -> 
     the layer applied L times) with probability q; the score is ``N(J Z / sigma, 1)``."""
     reused = config.variant == "reused_layer"
     micro = 1 if reused else config.micro_batches
-    exp = build_accumulation(config, uses=config.uses if reused else 1)
+    exp = build_experiment(config.base, uses=config.uses if reused else 1)
+    # the audit samples every micro-batch itself at q (Poisson), never from the loader: the engine's
+    # accountant hook again, at q (it records each step's micro-batches)
+    exp.optimizer.attach_step_hook(exp.accountant.get_optimizer_hook_fn(sample_rate=config.sample_rate))
     copies = []
 
     def scores_of(include: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -305,10 +296,10 @@ def split_step(exp: _Experiment, include: np.ndarray, physical_batches: int) -> 
 def _same_draw(optimizer, batches):
     """The physical batches of one draw with BatchMemoryManager's signals:
     ``signal_skip_step(do_skip=True, same_draw=True)`` before every one but the last."""
-    for j, batch in enumerate(batches):
-        if j < len(batches) - 1:
-            optimizer.signal_skip_step(do_skip=True, same_draw=True)
+    for batch in batches[:-1]:
+        optimizer.signal_skip_step(do_skip=True, same_draw=True)
         yield batch
+    yield batches[-1]
 
 
 def draw_step(exp: _Experiment, physical_batches) -> torch.Tensor:
@@ -396,26 +387,38 @@ def build_fused_head(config: PathAuditConfig) -> _Experiment:
     return exp._replace(model=exp.model._module.hidden, criterion=fused_loss)  # the head is never called
 
 
-def _fused_head(config: PathAuditConfig, progress: Progress, start: float) -> FusedHeadAuditResult:
-    """``fused_head``: the plugin must refuse the step (ValueError), nothing released or charged
-    (eps_lower = eps_accounted = 0, no trial); a step taken instead, and the control, are audited."""
+def _refusal(
+    config: PathAuditConfig, exp: _Experiment, attempt: Callable[[], Any], progress: Progress, start: float,
+    released: Optional[Callable[[], bool]] = None, **fields: Any,
+) -> Optional[PathAuditResult]:
+    """``attempt()``, a step the plugin must refuse: on its ValueError, nothing released or charged
+    (else RuntimeError; ``released()``, default: the weight changed), the refusal's result: eps_lower =
+    eps_accounted = 0 and no trial (``fields`` over :func:`result_fields`). None if the step ran."""
+    before = exp.weight.detach().clone()
+    try:
+        attempt()
+    except ValueError as error:
+        if exp.accountant.history or (released() if released else not torch.equal(exp.weight, before)):
+            raise RuntimeError(f"{config.variant}: the refused step released or charged something")
+        if progress is not None:
+            progress(config.steps)
+        return PathAuditResult(**{**result_fields(config, None, 0.0, 0, start), **fields}, refusal=str(error))
+    return None
+
+
+def _fused_head(config: PathAuditConfig, progress: Progress, start: float) -> PathAuditResult:
+    """``fused_head``: the plugin must refuse the step (:func:`_refusal`); a step taken instead, and
+    the control, are audited."""
     config = replace(config, steps=min(config.steps, FUSED_HEAD_MAX_STEPS))
     exp = build_fused_head(config)
     if config.variant == "fused_head":
-        before = exp.weight.detach().clone()
-        try:
-            _released(exp, [_batch(exp, np.ones(config.replicas, dtype=bool))])
-        except ValueError as error:
-            if exp.accountant.history or not torch.equal(exp.weight, before):
-                raise RuntimeError("fused_head: the refused step released or charged something")
-            if progress is not None:
-                progress(config.steps)
-            return FusedHeadAuditResult(
-                **result_fields(config, None, 0.0, 0, start), sketching=config.sketching, refusal=str(error)
-            )
+        attempt = lambda: _released(exp, [_batch(exp, np.ones(config.replicas, dtype=bool))])  # noqa: E731
+        refused = _refusal(config, exp, attempt, progress, start, sketching=config.sketching)
+        if refused is not None:
+            return refused
         exp = build_fused_head(config)  # the step was taken: audit it (a fresh accountant)
     trials = one_step_trials(config, exp, progress)
-    return FusedHeadAuditResult(
+    return PathAuditResult(
         **trials.fields(config, start), sketching=config.sketching, mean_score_in=trials.mean_in(config.sigma),
         history=trials.history,
     )
@@ -429,11 +432,7 @@ def per_example_steps(variant: str, steps: int) -> int:
     a backward pass per example; user level: ``user_rows`` rows per canary) when ``steps``
     are requested."""
     share = max(2, steps // PER_EXAMPLE_STEP_SHARE)
-    if variant in DRAW_BOUNDARY_VARIANTS:
-        return min(share, DRAW_BOUNDARY_MAX_STEPS)
-    if variant in USER_LEVEL_VARIANTS:
-        return min(share, USER_LEVEL_MAX_STEPS) if variant == "user_level_per_row" else share
-    return min(share, PER_EXAMPLE_MAX_STEPS) if variant == "per_example_unchecked" else share
+    return min(share, _MAX_STEPS.get(variant, share))
 
 
 class _DrawSampler(torch.utils.data.Sampler):
@@ -449,15 +448,19 @@ class _DrawSampler(torch.utils.data.Sampler):
         return 1
 
 
-class _PerExampleExperiment(NamedTuple):
-    """The experiment, the loader ``make_private`` returned and the sampler under it."""
+class _LoaderExperiment(NamedTuple):
+    """The experiment, the loader ``make_private`` returned and what feeds it: the sampler under
+    it (per-example) or its dataset's tensors ``(x, y)``, D's rows then each canary user's
+    ``user_rows`` rows (user level)."""
 
     exp: _Experiment
     loader: DataLoader
-    sampler: _DrawSampler
+    sampler: Optional[_DrawSampler] = None
+    rows: Optional[Batch] = None
+    user_rows: int = 1
 
 
-def build_per_example(config: PathAuditConfig) -> _PerExampleExperiment:
+def build_per_example(config: PathAuditConfig) -> _LoaderExperiment:
     """``make_private(..., per_example_backward=True)`` on the audit's layer over ``D + partners +
     canaries`` (a partner: its canary's target times -1/2) read through a :class:`_DrawSampler`;
     the control switches the form's batch check off and splits the draw into pairs."""
@@ -479,10 +482,10 @@ def build_per_example(config: PathAuditConfig) -> _PerExampleExperiment:
     if config.variant == "per_example_unchecked":  # the broken control
         unchecked_batches(exp.model)
         loader.batch_sampler.max_batch_size = 2
-    return _PerExampleExperiment(exp, loader, sampler)
+    return _LoaderExperiment(exp, loader, sampler)
 
 
-def per_example_step(built: _PerExampleExperiment, include: np.ndarray) -> torch.Tensor:
+def per_example_step(built: _LoaderExperiment, include: np.ndarray) -> torch.Tensor:
     """One step through the loader ``make_private`` returned (each "in" canary right after its
     partner, then the other partners, then D): the released ``W.grad``."""
     nb, r = len(built.exp.background[0]), len(include)
@@ -496,24 +499,29 @@ def _per_example(config: PathAuditConfig, progress: Progress, start: float) -> P
     ``(1 + 1/sqrt(2)) C``), and ``eps_exact`` is the Gaussian mechanism's for that shift."""
     shift = 1.0 + math.sqrt(0.5) if config.variant == "per_example_unchecked" else 1.0
     built = build_per_example(config)
-    return _exact_step_audit(config, built, per_example_step, shift, progress, start, PathAuditResult)
+    return _exact_step_audit(config, built, per_example_step, shift, progress, start)
 
 
-def _exact_step_audit(
-    config: PathAuditConfig, built: Any, step: Callable, shift: float, progress: Progress, start: float, result: type
-) -> Any:
-    """Trials of one exact-clipping step at q = 1 (``step(built, include)``: the released
-    updates, scored at the canary's last coordinate); ``eps_exact`` is the Gaussian
-    mechanism's for a canary shift of ``shift`` C. Returned as a ``result``."""
+def _entry_trials(config: PathAuditConfig, built: Any, step: Callable, check: Callable, progress: Progress) -> Trials:
+    """:func:`run_trials` of ``step(built, include)`` (the released ``W.grad``), scored at the
+    canaries' entries ``W.grad[r, d-1]``."""
     d = built.exp.canaries[0].shape[-1]
 
     def scores_of(include: np.ndarray, _rng: np.random.Generator) -> np.ndarray:
         return step(built, include)[: config.replicas, d - 1].double().numpy()
 
+    return run_trials(config, built.exp, scores_of, check, progress)
+
+
+def _exact_step_audit(
+    config: PathAuditConfig, built: Any, step: Callable, shift: float, progress: Progress, start: float
+) -> PathAuditResult:
+    """:func:`_entry_trials` of one exact-clipping step at q = 1; ``eps_exact`` is the Gaussian
+    mechanism's for a canary shift of ``shift`` C."""
     check = lambda h: check_one_step(h, randomized=False, micro_batches=1)  # noqa: E731
-    trials = run_trials(config, built.exp, scores_of, check, progress)
+    trials = _entry_trials(config, built, step, check, progress)
     scores, included = trials.scores, trials.included
-    return result(
+    return PathAuditResult(
         **{**trials.fields(config, start), "estimator": "exact", "sketch_size": 0},
         mean_score_in=float((scores[included].mean() - scores[~included].mean()) * config.sigma),
         eps_exact=mixture_epsilon(np.array([shift / config.sigma]), config.delta),
@@ -538,39 +546,35 @@ class _RunningInput(nn.Module):
         return self.layer(x)
 
 
-def _forward_buffer(config: PathAuditConfig, progress: Progress, start: float) -> FusedHeadAuditResult:
+def _forward_buffer(config: PathAuditConfig, progress: Progress, start: float) -> PathAuditResult:
     """``forward_buffer``: the plugin must refuse the step (ValueError), nothing released or
     charged (eps_lower = eps_accounted = 0, no trial). The control switches the refusal off: the
     buffer released with the canaries differs from the one without them, exactly (no noise):
     eps_lower is infinite whatever the trials (a step taken on the honest variant reads the same)."""
-    released, refusal, eps_accounted = [], "", 0.0
+    released, eps_accounted = [], 0.0
     for include in (True, False):
         exp = private_experiment(config, _RunningInput, grad_sample_mode="ghost")[0]
         if config.variant == "forward_buffer_unchecked":
             exp.optimizer._check_forward_changes = lambda: None  # the broken control
-        before = exp.weight.detach().clone()
-        try:
-            _released(exp, [_batch(exp, np.full(config.replicas, include))])
-        except ValueError as error:
-            if exp.accountant.history or not torch.equal(exp.weight, before):
-                raise RuntimeError("forward_buffer: the refused step released or charged something")
-            refusal = str(error)
-            break
+        attempt = lambda: _released(exp, [_batch(exp, np.full(config.replicas, include))])  # noqa: E731
+        refused = _refusal(config, exp, attempt, progress, start, sketching=config.sketching, eps_exact=0.0,
+                           eps_accounted=eps_accounted)
+        if refused is not None:
+            return refused
         released.append(exp.model._module.seen.clone())
         eps_accounted = accounted_epsilon(exp.accountant, config.delta)
     if progress is not None:
         progress(config.steps)
-    fields = result_fields(config, None, eps_accounted, 0 if refusal else 2, start)
-    if not refusal and not torch.equal(*released):  # told apart without error: no finite epsilon
+    fields = result_fields(config, None, eps_accounted, 2, start)
+    if not torch.equal(*released):  # told apart without error: no finite epsilon
         fields["eps_lower"] = math.inf
-    return FusedHeadAuditResult(**fields, sketching=config.sketching, eps_exact=math.inf if not refusal else 0.0,
-                                refusal=refusal)
+    return PathAuditResult(**fields, sketching=config.sketching, eps_exact=math.inf)
 
 
 # --- draw_boundary: step() every k physical batches of the per-example loader --------------
 
 
-def build_draw_boundary(config: PathAuditConfig) -> _PerExampleExperiment:
+def build_draw_boundary(config: PathAuditConfig) -> _LoaderExperiment:
     """:func:`build_per_example`'s honest objects; the control switches the optimizer's
     draw-boundary check off (:func:`~opacus_rc.audit._broken.unchecked_draw_boundary`)."""
     from ._broken import unchecked_draw_boundary
@@ -581,23 +585,18 @@ def build_draw_boundary(config: PathAuditConfig) -> _PerExampleExperiment:
     return built
 
 
-def accumulation_draws(built: _PerExampleExperiment, include: np.ndarray) -> List[List[int]]:
+def accumulation_draws(built: _LoaderExperiment, include: np.ndarray) -> List[List[int]]:
     """Two draws of the loader (one per epoch): the "in" canaries then D, and the same one
-    example longer. Each ``step()`` pops one skip signal, and the signals run one per
-    physical batch: with ``step()`` every 2 physical batches, the step that pops draw 1's end
-    (the ``|draw 1|``-th, after batch ``2 |draw 1|``) is taken, and releases all of draw 1 and
-    the same examples again from draw 2, charged as one draw (one draw end among them)."""
+    example longer (why: docs/audit.md, "draw_boundary_unchecked")."""
     nb, r = len(built.exp.background[0]), len(include)
     first = [nb + r + j for j in np.flatnonzero(include)] + list(range(nb))
     return [first, first + [0]]
 
 
-def accumulation_step(built: _PerExampleExperiment, include: np.ndarray) -> torch.Tensor:
-    """The accumulation loop of a script, ``step()`` and ``zero_grad()`` every
-    :data:`ACCUMULATION_EVERY` physical batches counted across epochs, over the loader
-    ``make_private`` returned, until a step is not skipped: its released ``W.grad``. The
-    skip signals still queued (the rest of draw 2's) are dropped, so that every round
-    releases the same examples."""
+def accumulation_step(built: _LoaderExperiment, include: np.ndarray) -> torch.Tensor:
+    """A script's accumulation loop over the loader ``make_private`` returned (``step()``, ``zero_grad()``
+    every :data:`ACCUMULATION_EVERY` physical batches across epochs) until a step is not skipped: its
+    released ``W.grad``. The skip signals still queued are dropped (every round releases the same examples)."""
     exp, delivered = built.exp, 0
     try:
         for draw in accumulation_draws(built, include):
@@ -616,40 +615,22 @@ def accumulation_step(built: _PerExampleExperiment, include: np.ndarray) -> torc
     raise RuntimeError("draw_boundary: the loop took no step")
 
 
-def _draw_boundary(config: PathAuditConfig, progress: Progress, start: float) -> FusedHeadAuditResult:
-    """``draw_boundary``: the plugin must refuse the loop's first ``step()``
-    (ValueError), nothing released or charged (eps_lower = eps_accounted = 0, no trial); a
-    step taken instead, and the control, are audited: the release holds each "in" canary
-    twice (a shift of 2 C) and is charged one exact step at q = 1 (sensitivity C)."""
+def _draw_boundary(config: PathAuditConfig, progress: Progress, start: float) -> PathAuditResult:
+    """``draw_boundary``: the plugin must refuse the loop's first ``step()`` (:func:`_refusal`); a step
+    taken instead, and the control, are audited: each "in" canary twice (a shift of 2 C), charged as C."""
     built = build_draw_boundary(config)
     if config.variant == "draw_boundary":
-        try:
-            accumulation_step(built, np.ones(config.replicas, dtype=bool))
-        except ValueError as error:
-            if built.exp.accountant.history or built.exp.weight.grad is not None:
-                raise RuntimeError("draw_boundary: the refused step released or charged something")
-            if progress is not None:
-                progress(config.steps)
-            return FusedHeadAuditResult(
-                **{**result_fields(config, None, 0.0, 0, start), "estimator": "exact", "sketch_size": 0},
-                refusal=str(error),
-            )
+        refused = _refusal(
+            config, built.exp, lambda: accumulation_step(built, np.ones(config.replicas, dtype=bool)), progress, start,
+            released=lambda: built.exp.weight.grad is not None, estimator="exact", sketch_size=0,
+        )
+        if refused is not None:
+            return refused
         built = build_draw_boundary(config)  # the step was taken: audit it (a fresh accountant)
-    # the canary twice: a shift of 2 C
-    return _exact_step_audit(config, built, accumulation_step, 2.0, progress, start, FusedHeadAuditResult)
+    return _exact_step_audit(config, built, accumulation_step, 2.0, progress, start)
 
 
 # --- user_level: a canary user of several rows, privacy_unit="user" (book-keeping) ----------------
-
-
-class _UserLevelExperiment(NamedTuple):
-    """The experiment, the loader ``make_private`` returned and the dataset's tensors
-    ``(x, y)`` (D's rows, then each canary user's ``user_rows`` rows)."""
-
-    exp: _Experiment
-    loader: DataLoader
-    rows: Batch
-    user_rows: int
 
 
 def user_level_data(config: PathAuditConfig, background: Batch, canaries: Batch) -> Tuple[Batch, List[int]]:
@@ -663,12 +644,10 @@ def user_level_data(config: PathAuditConfig, background: Batch, canaries: Batch)
     return rows, owners
 
 
-def build_user_level(config: PathAuditConfig) -> _UserLevelExperiment:
+def build_user_level(config: PathAuditConfig) -> _LoaderExperiment:
     """``make_private(..., grad_sample_mode="hooks", privacy_unit="user", user_ids=...,
-    max_examples_per_user=user_rows)`` on the audit's layer over :func:`user_level_data`, its
-    loader's ``batch_size`` the number of users (Poisson over users at q_u = 1: every user,
-    with all their rows, at every step); the control clips each row alone
-    (:func:`~opacus_rc.audit._broken.per_row_clipping`), still charged per user."""
+    max_examples_per_user=user_rows)`` over :func:`user_level_data`, every user at every step (q_u = 1);
+    the control clips each row alone (:func:`~opacus_rc.audit._broken.per_row_clipping`)."""
     from ._broken import per_row_clipping
 
     layer, background, canaries = audit_layer(config)
@@ -681,10 +660,10 @@ def build_user_level(config: PathAuditConfig) -> _UserLevelExperiment:
     if config.variant == "user_level_per_row":  # the broken control
         per_row_clipping(optimizer)
     exp = _Experiment(engine.accountant, model, optimizer, criterion, layer.weight, background, canaries)
-    return _UserLevelExperiment(exp, loader, rows, config.user_rows)
+    return _LoaderExperiment(exp, loader, rows=rows, user_rows=config.user_rows)
 
 
-def user_level_step(built: _UserLevelExperiment, include: np.ndarray) -> torch.Tensor:
+def user_level_step(built: _LoaderExperiment, include: np.ndarray) -> torch.Tensor:
     """One step through the loader ``make_private`` returned, each canary user's rows zeroed
     where not ``include``d (a zero gradient: its clipped mean is 0, as if the user and all
     their rows were removed; the normaliser is public): the released ``W.grad``."""
@@ -697,21 +676,10 @@ def user_level_step(built: _UserLevelExperiment, include: np.ndarray) -> torch.T
 
 
 def _user_level(config: PathAuditConfig, progress: Progress, start: float) -> PathAuditResult:
-    """The canary user's rows are one unit: the mean of its ``user_rows`` equal rows is
-    clipped once, its entry shifts by C Z (Z as for the one-step canary; ``eps_exact`` the
-    honest one-step pair's); charged one sketched step at q_u = 1. The control clips each row
-    alone: a shift of ``user_rows`` C Z (one shared sketch: the same Z for every row), charged
-    the same."""
-    built = build_user_level(config)
-    d = built.exp.canaries[0].shape[-1]
-
-    def scores_of(include: np.ndarray, _rng: np.random.Generator) -> np.ndarray:
-        return user_level_step(built, include)[: config.replicas, d - 1].double().numpy()
-
-    def check(history) -> None:
-        check_one_step(history, sigma=config.sigma, micro_batches=1, sketch_size=config.sketch_size)
-
-    trials = run_trials(config, built.exp, scores_of, check, progress)
+    """Charged one sketched step at q_u = 1: the canary user's entry shifts by C Z (the control,
+    each row clipped alone: ``user_rows`` C Z with a shared sketch)."""
+    check = lambda h: check_one_step(h, sigma=config.sigma, micro_batches=1, sketch_size=config.sketch_size)  # noqa
+    trials = _entry_trials(config, build_user_level(config), user_level_step, check, progress)
     return PathAuditResult(
         **trials.fields(config, start), sketching=config.sketching, mean_score_in=trials.mean_in(config.sigma),
         eps_exact=user_level_exact_epsilon(config), user_rows=config.user_rows, history=trials.history,
