@@ -37,7 +37,7 @@ import collections
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from opacus.grad_sample import GradSampleHooks, GradSampleModule
@@ -555,11 +555,8 @@ class DPLossBookkeeping(DPLossFastGradientClipping):
         return per_sample.sum(dim=0)
 
 
-def with_criterion(out: Tuple[Any, ...], criterion: Any, loss_reduction: str) -> Tuple[Any, ...]:
-    """Opacus's book-keeping 3-tuple ``(module, optimizer, data_loader)`` as the ghost
-    4-tuple ``(module, optimizer, criterion, data_loader)``."""
-    module, optimizer, data_loader = out
-    if criterion is None:
-        criterion = nn.CrossEntropyLoss()  # Opacus's make_private default
-    loss = DPLossBookkeeping(module, optimizer, criterion, loss_reduction)
-    return module, optimizer, loss, data_loader
+def bookkeeping_criterion(module: Any, optimizer: Any, arguments: Mapping[str, Any]) -> DPLossBookkeeping:
+    """The ghost script's criterion for ``make_private``'s ``arguments`` (``criterion``, default
+    ``nn.CrossEntropyLoss()`` as Opacus's, and ``loss_reduction``)."""
+    criterion = arguments["criterion"] if arguments["criterion"] is not None else nn.CrossEntropyLoss()
+    return DPLossBookkeeping(module, optimizer, criterion, arguments["loss_reduction"])
