@@ -1,19 +1,13 @@
 """Physical batches of Poisson draws, delivered in step with ``optimizer.step()``.
 
-A loader that cuts each Poisson draw into physical batches (the per-example form's, one
-example each; BatchMemoryManager's) tells the optimizer, through Opacus's skip signals,
-which physical batch ends its draw. Those signals are a queue popped by each
-``step()``: a script that calls ``step()`` every ``k`` physical batches (gradient
-accumulation) pops them out of step with the batches it trained on, and a release
-then holds part of a draw, or one draw's examples twice, charged as fewer micro-batches.
-
-:class:`DrawLoader` makes the step boundary structural: it counts the physical batches it
-delivers to the script (in the main process, after any worker prefetch), and the
-plugin's optimizer refuses a ``step()`` that does not follow exactly one of them
-(:meth:`~opacus_rc.optimizer.RandomizedClippingMixin.check_draw_boundary`,
-:func:`~opacus_rc.optimizer.accumulation_error`). Every
-``step()`` then ends one physical batch, and the real steps fall on the draw boundaries:
-one release, one Poisson draw. It also hands each batch to the per-example form's module
+A loader that cuts each Poisson draw into physical batches tells the optimizer, through
+Opacus's skip signals (a queue popped by each ``step()``), which batch ends its draw; a script
+calling ``step()`` every ``k`` batches would pop them out of step with its batches, and a
+release would hold part of a draw, or a draw twice. :class:`DrawLoader` counts the physical
+batches it delivers (in the main process), and the plugin's optimizer refuses a ``step()``
+that does not follow exactly one of them
+(:meth:`~opacus_rc.optimizer.RandomizedClippingMixin.check_draw_boundary`): one release, one
+Poisson draw (docs/forms.md). It also hands each batch to the per-example form's module
 (``note_batch``), which holds every forward to the batch in hand.
 
 ``import opacus_rc`` makes ``opacus.utils.batch_memory_manager.wrap_data_loader``
