@@ -100,10 +100,9 @@ _NO_CLIPPED_PASS_CAUSE = (
 def complete_unused(
     params: List[torch.nn.Parameter], rows: int, has_values: Callable, zero: Callable
 ) -> List[torch.nn.Parameter]:
-    """After a batch of ``rows`` examples, a parameter without per-example values
-    (``has_values(p)`` False) gets exact zeros (``zero(p)``) when the batch did not use it
-    (or was empty); returned instead when it has a gradient (no hook saw it: used outside its
-    module), for the caller to refuse."""
+    """After a batch of ``rows`` examples, each parameter without per-example values
+    (``has_values(p)`` False) gets ``zero(p)`` when unused (or the batch was empty); one with a
+    gradient (used outside its module) is returned instead, for the caller to refuse."""
     unseen = []
     for p in params:
         if has_values(p):
@@ -167,9 +166,8 @@ class InModuleSums(dict):
 # --- the guard ----------------------------------------------------------------------------------
 
 class ClipGuard:
-    """Whether every gradient the step of ``optimizer`` (its owner) would release came
-    through the form's clipped pass; this class: the two-pass forms (the clipped pass
-    leaves the step's clipped sum in ``p.grad``)."""
+    """Whether every gradient the step of ``optimizer`` (its owner) would release came through
+    the form's clipped pass; this class: the two-pass forms (clipped sums left in ``p.grad``)."""
 
     def __init__(self, optimizer: Any) -> None:
         self._owner = weakref.ref(optimizer)
@@ -198,8 +196,7 @@ class ClipGuard:
         return grad is not None and mark is not None and mark[0]() is grad and mark[1:] == _grad_mark(grad)[1:]
 
     def zero(self, p: torch.Tensor) -> None:
-        """``p``'s contribution is exact zeros (a parameter the batch did not use, an
-        empty batch): ``p.grad`` zeros, accepted as clipped."""
+        """``p``'s contribution is exact zeros (unused, or an empty batch), accepted as clipped."""
         p.grad = torch.zeros_like(p)
         self._marks[id(p)] = _grad_mark(p.grad)
 
@@ -293,9 +290,8 @@ class ClipGuard:
         self.flag_outside_uses(expected)
 
     def _used_elsewhere(self, module: Any, patched: Any) -> set:
-        """Ids of the parameters also owned by a layer that is not a deferred linear one (a
-        weight tied to an embedding legitimately gets its gradient there); the model does
-        not change during training: computed once per grad-sample module."""
+        """Ids of the parameters also owned by a layer that is not a deferred linear one (a weight
+        tied to an embedding gets its gradient there); computed once per grad-sample module."""
         cached = self._elsewhere_cache
         if cached is None or cached[0] is not module:
             ids = {id(m) for m in patched}

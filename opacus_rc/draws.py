@@ -25,32 +25,28 @@ from .optimizer import RandomizedClippingMixin
 from .units import RecordingBatchSampler, UserDataLoader, UserIndex, delivered_units
 
 
+#: the options of a loader its split keeps (as Opacus's ``wrap_data_loader``)
+_LOADER_OPTIONS = (
+    "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context", "generator",
+    "prefetch_factor", "persistent_workers",
+)
+
+
 def _split_loader_kwargs(data_loader: DataLoader, max_batch_size: int, optimizer: Any) -> Dict[str, Any]:
     """Opacus's ``wrap_data_loader``: ``data_loader`` with its batch sampler split (a
     recording wrapper of a user-level loader's unwrapped: the new loader records its own)."""
     sampler = data_loader.batch_sampler
     if isinstance(sampler, RecordingBatchSampler):
         sampler = sampler.batch_sampler
-    return dict(
-        dataset=data_loader.dataset,
-        batch_sampler=BatchSplittingSampler(sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer),
-        num_workers=data_loader.num_workers,
-        collate_fn=data_loader.collate_fn,
-        pin_memory=data_loader.pin_memory,
-        timeout=data_loader.timeout,
-        worker_init_fn=data_loader.worker_init_fn,
-        multiprocessing_context=data_loader.multiprocessing_context,
-        generator=data_loader.generator,
-        prefetch_factor=data_loader.prefetch_factor,
-        persistent_workers=data_loader.persistent_workers,
-    )
+    split = BatchSplittingSampler(sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer)
+    options = {name: getattr(data_loader, name) for name in _LOADER_OPTIONS}
+    return dict(dataset=data_loader.dataset, batch_sampler=split, **options)
 
 
 class UserBatchSplittingSampler(BatchSplittingSampler):
-    """BatchMemoryManager's split of a user-level draw (``max_batch_size > 1``): physical
-    batches of whole users, packed in draw order up to ``max_batch_size`` rows, so a form
-    that clips the users of one physical batch (book-keeping, two passes) sees each user
-    whole; the draw boundaries are signalled as Opacus's splitter does (one micro-batch).
+    """BatchMemoryManager's split of a user-level draw (``max_batch_size > 1``): physical batches
+    of whole users, packed in draw order up to ``max_batch_size`` rows (a form clipping the users
+    of one physical batch sees each whole); draw boundaries signalled as Opacus's splitter does.
 
     Raises:
         ValueError: ``max_batch_size`` below ``max_examples_per_user`` (a user could not fit).

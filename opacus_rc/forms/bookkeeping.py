@@ -1,16 +1,9 @@
 """Book-keeping: randomized clipping in one backward pass.
 
 ``make_private(..., clipping="randomized", grad_sample_mode="bookkeeping")`` trains a
-plain-loss script (``loss.backward(); optimizer.step()``, the 3-tuple) in one backward
-pass. Two older spellings stay as aliases:
-
-* ``grad_sample_mode="hooks"`` (Opacus's default): book-keeping too, except on a model
-  with activation checkpointing on, where it runs two passes from the model's output
-  (:mod:`opacus_rc.forms.output_passes`; book-keeping would keep the activations checkpointing
-  frees); ``bookkeeping=True`` / ``False`` forces one form.
-* ``grad_sample_mode="ghost", bookkeeping=True``: a ghost-clipping script (the 4-tuple
-  and ``criterion(logits, targets, shape=...)``) run by book-keeping: the criterion
-  returned is a :class:`DPLossBookkeeping`.
+plain-loss script (the 3-tuple) in one backward pass; so do ``"hooks"`` (unless the model is
+checkpointed: :func:`opacus_rc.forms.resolve_form`) and ``"ghost"`` with ``bookkeeping=True``
+(the 4-tuple; its criterion a :class:`DPLossBookkeeping`).
 
 Instead of a second backward pass on the rescaled loss, the clipped gradient of a layer
 is assembled after the one ordinary backward pass from what its hooks kept (Bu et al.
@@ -55,13 +48,9 @@ from ..values import SKIP
 
 @dataclass
 class Record:
-    """What one backward pass left for one parameter of a book-kept layer.
-
-    ``clipped(c, keep=None)`` returns ``sum_i c_i grad_i`` for the pass's examples (only
-    those with ``keep[i]``: a dropped example's rows are zeroed first, so its non-finite
-    values cannot reach the sum); ``sq_norms`` are the per-sample squared norms
-    (estimated or exact), shape (B,).
-    """
+    """What one backward pass left for one parameter of a book-kept layer: ``sq_norms``, the
+    per-sample squared norms (B,), and ``clipped(c, keep=None)``, ``sum_i c_i grad_i`` over the
+    examples with ``keep[i]`` (a dropped example's rows are zeroed first)."""
 
     sq_norms: torch.Tensor
     clipped: Callable[[torch.Tensor], torch.Tensor]
@@ -393,10 +382,8 @@ class BookkeepingClippingMixin:
         self.clip_guard.flag_outside_uses(expected)
 
     def _in_module_sum(self, p: torch.nn.Parameter):
-        """``(sum, dtype, norms)`` of a parameter that is not deferred: the unclipped batch
-        sum of its in-module gradients in ``p.grad``'s units (from its records or Opacus's
-        per-sample gradients), their coarsest dtype and the per-example norms; None when
-        the step has neither."""
+        """:data:`~opacus_rc.clip_guard.Expected` of a parameter that is not deferred, from its
+        records or Opacus's per-sample gradients; None when the step has neither."""
         records = self._records(p)
         if records:
             parts = [r.clipped(torch.ones_like(r.sq_norms)) for r in records]
@@ -418,9 +405,8 @@ class BookkeepingClippingMixin:
         return sum(parts), dtype, norms
 
     def _check_user_records(self) -> None:
-        """At user level, the step must be one physical batch holding whole users, whose
-        records were regrouped into them (a record of rows would clip rows, not users). A
-        step of no rows (an empty draw, the Trainer's empty last physical batch) clips nothing."""
+        """At user level, refuse a step that is not one physical batch of whole users whose
+        records were regrouped into them (a step of no rows clips nothing)."""
         if self.user_index is None:
             return
         records = [r for p in self.params for r in self._records(p)]

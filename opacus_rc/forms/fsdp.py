@@ -104,9 +104,8 @@ class _TiedSlot:
 
 
 class FSDPSketchingMixin(SketchingMixin):
-    """Two-pass randomized clipping on Opacus's FSDP hooks: per-sample norms are kept on
-    the module (``module.norm_sample``, Opacus's FSDP layout) instead of on the
-    parameters, whose objects FSDP2 swaps between sharded and unsharded forms."""
+    """Two-pass randomized clipping on Opacus's FSDP hooks: per-sample norms kept on the module
+    (``module.norm_sample``, Opacus's FSDP layout), not on the parameters FSDP2 swaps."""
 
     sharded = True
 
@@ -214,9 +213,8 @@ class FSDPSketchingMixin(SketchingMixin):
             self._tied_slots.setdefault(key, _TiedSlot())._forward_counter += 1
 
     def get_norm_sample(self) -> torch.Tensor:
-        """Per-example norms of this rank's examples over all trainable layers; refused on
-        every rank if any rank has a non-finite norm or a layer that missed the batch
-        dimension."""
+        """Per-example norms of this rank's examples over all trainable layers (refused when a
+        layer missed the batch dimension or a tied parameter's uses are unmatched)."""
         per_param = [
             (module, norm.flatten(start_dim=1).norm(2, dim=1) if norm.dim() > 1 else norm)
             for module in self.iterate_submodules(self._module)
@@ -240,8 +238,7 @@ class FSDPSketchingMixin(SketchingMixin):
         return norms
 
     def norm_pass_pending(self) -> bool:
-        """Per-example norms of a backward pass that no clipped pass consumed (on the
-        modules, or in a tied parameter's slot)."""
+        """Per-example norms (on the modules, or in tied slots) no clipped pass consumed."""
         return any(
             getattr(m, "norm_sample", None) is not None for m in self.iterate_submodules(self._module)
         ) or bool(self._tied_sums) or any(s._norm_sample is not None for s in self._tied_slots.values())

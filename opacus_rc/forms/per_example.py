@@ -178,15 +178,13 @@ class PerExampleClipping:
         self._handles = []
 
     def follow_steps(self, optimizer: Any) -> None:
-        """Clip for ``optimizer`` (``make_private`` links them; call it once for objects
-        built by hand): every backward pass's clipped gradient joins its next ``step()``."""
+        """Clip for ``optimizer`` (``make_private`` links them; objects built by hand call it)."""
         self._optimizer = weakref.ref(optimizer)
         optimizer.bind_module(self)
 
     def forget_per_example_values(self) -> None:
-        """Drop what a refused step left (forward counts). Called at every ``step()``, so a
-        user's running sum, which spans the skipped steps of one draw, is kept (a refusal
-        drops it: :meth:`_refuse`)."""
+        """Drop what a refused step left (forward counts; called at every ``step()``, so a user's
+        running sum, spanning the skipped steps of one draw, is kept: :meth:`_refuse` drops it)."""
         self._examples = 0
         self._forward_ids.clear()
         self._reached.clear()
@@ -200,8 +198,7 @@ class PerExampleClipping:
 
     @contextlib.contextmanager
     def one_physical_batch(self) -> Iterator[None]:
-        """The backward passes inside are the examples of one physical batch (DPTrainer
-        runs a physical batch one row at a time): one micro-batch of the Poisson draw."""
+        """The backward passes inside (DPTrainer's rows of one physical batch) count as one micro-batch."""
         self._grouped = False
         try:
             yield
@@ -214,10 +211,9 @@ class PerExampleClipping:
     # --- the batches of the loader make_private returned (opacus_rc.draws.DrawLoader) -------
 
     def note_batch(self, batch: Any, source: Any) -> None:
-        """The returned loader's iteration ``source`` delivered ``batch`` (one dataset row),
-        or ended (None). Once it delivered a batch, every counted forward must take the batch
-        in hand, once (:meth:`_check_from_loader`); objects built by hand, and a loader never
-        iterated (DPTrainer runs its own), are held to the argument check alone."""
+        """The returned loader's iteration ``source`` delivered ``batch`` (one dataset row), or
+        ended (None); from then on every counted forward must take the batch in hand, once
+        (:meth:`_check_from_loader`)."""
         if batch is None:
             if self._in_hand_from is source:
                 self._in_hand = None
@@ -253,10 +249,8 @@ class PerExampleClipping:
         return [(p, g.div_(size)) for p, g in total.values()]
 
     def _check_from_loader(self, args: Any, kwargs: Dict[str, Any]) -> None:
-        """Refuse a forward that does not take the returned loader's batch in hand: none in
-        hand (outside its iteration, or its batch already went through a forward), or a
-        tensor argument not derived from it (:func:`from_batch`: several examples built by
-        hand, in any dimension)."""
+        """Refuse a forward that does not take the returned loader's batch in hand (none in hand,
+        or a tensor argument not derived from it: :func:`from_batch`)."""
         if not self._loader_bound:
             return
         batch, self._in_hand = self._in_hand, None  # one forward per delivered batch
@@ -300,9 +294,8 @@ class PerExampleClipping:
                 leaf.register_hook(self._output_gradient_hook(forward_id))
 
     def _check_state_across_forwards(self, output: Any) -> None:
-        """Refuse the step when this forward's graph reaches a tensor an earlier forward
-        created (:func:`earlier_graph_reached`), naming the module attributes that hold
-        one."""
+        """Refuse the step when this forward's graph reaches an earlier forward's
+        (:func:`earlier_graph_reached`), naming the module attributes that hold one."""
         since, tracked_from = self._last_forward_end, self._tracked_from
         self._last_forward_end = torch.autograd._get_sequence_nr()
         if not earlier_graph_reached(output, since, tracked_from):
@@ -398,9 +391,7 @@ class PerExampleClipping:
 
 
 def check_supported(module: nn.Module) -> None:
-    """Refuse models the per-example form cannot clip exactly: torch's DDP (its backward
-    pass averages one rank's example with the others' before the clip: use Opacus's
-    DPDDP) and FSDP2 (a sharded gradient's norm needs every rank's shard)."""
+    """Refuse models the per-example form cannot clip exactly: torch's DDP and FSDP2."""
     if isinstance(module, DDP):
         raise ValueError(
             "the per-example form needs Opacus's DifferentiallyPrivateDistributedDataParallel, "
@@ -435,8 +426,7 @@ class PerExampleOptimizerMixin(RandomizedClippingMixin):
     clip_guard_class = PerExampleGuard
 
     def complete_batch(self, rows: int) -> List[torch.nn.Parameter]:
-        """Nothing to complete: each row's whole gradient was clipped exactly, and the
-        step refuses a gradient that did not come through a clip."""
+        """Nothing to complete: each row's whole gradient was clipped."""
         return []
 
     def note_skipped(self, dropped: torch.Tensor) -> None:
@@ -445,9 +435,8 @@ class PerExampleOptimizerMixin(RandomizedClippingMixin):
         self._skipped = dropped if self._skipped is None else self._skipped + dropped
 
     def add_clipped(self, grads: List[Any], factor: torch.Tensor) -> None:
-        """``p.summed_grad += factor * g`` (float32) for each ``(p, g)`` of one example's
-        gradient: the step's one running sum (the first example's gradient buffer becomes
-        it, in place)."""
+        """``p.summed_grad += factor * g`` (float32) for each ``(p, g)`` of one example's gradient
+        (the first example's buffer becomes the running sum, in place)."""
         for p, g in grads:
             if p.summed_grad is None:
                 p.summed_grad = (g if g.dtype == torch.float32 else g.float()).mul_(factor)
@@ -455,8 +444,7 @@ class PerExampleOptimizerMixin(RandomizedClippingMixin):
                 p.summed_grad.addcmul_(g, factor)
 
     def accumulate(self) -> None:
-        """The running sums are ``p.summed_grad`` already; a parameter no example reached
-        contributes zeros."""
+        """The running sums are ``p.summed_grad`` already; zeros where no example reached."""
         for p in self.params:
             p.grad = None  # zero_grad's zeros, if any
             if p.summed_grad is None:
