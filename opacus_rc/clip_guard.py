@@ -37,11 +37,6 @@ def _grad_mark(grad: torch.Tensor) -> Any:
     return weakref.ref(grad), grad._version, local._version
 
 
-def _marked(mark: Any, grad: torch.Tensor) -> bool:
-    """``grad`` is the tensor ``mark`` was taken of, unmodified since."""
-    return mark is not None and mark[0]() is grad and mark[1:] == _grad_mark(grad)[1:]
-
-
 # --- refusals ---------------------------------------------------------------------------------
 
 def step_refusal(what: str) -> ValueError:
@@ -105,10 +100,9 @@ _NO_CLIPPED_PASS_CAUSE = (
 def complete_unused(
     params: List[torch.nn.Parameter], rows: int, has_values: Callable, zero: Callable
 ) -> List[torch.nn.Parameter]:
-    """After a batch of ``rows`` examples, a parameter without per-example values
-    (``has_values(p)`` False) gets exact zeros (``zero(p)``) when the batch did not use it
-    (or was empty); returned instead when it has a gradient (no hook saw it: used outside its
-    module), for the caller to refuse."""
+    """After a batch of ``rows`` examples, each parameter without per-example values
+    (``has_values(p)`` False) gets ``zero(p)`` when unused (or the batch was empty); one with a
+    gradient (used outside its module) is returned instead, for the caller to refuse."""
     unseen = []
     for p in params:
         if has_values(p):
@@ -138,13 +132,11 @@ def coarsest_dtype(dtypes: Any) -> torch.dtype:
 def in_module_excess(
     grad: Optional[torch.Tensor], expected: torch.Tensor, dtype: torch.dtype, per_example: Optional[torch.Tensor]
 ) -> torch.Tensor:
-    """Whether autograd's gradient ``grad`` of a parameter (after an unclipped pass) differs
-    from ``expected``, the batch sum of its in-module gradients (float32), by more than float
-    rounding: ``||grad - expected|| > rtol S`` (:data:`IN_MODULE_RTOL`), with the scale
-    ``S = ||expected|| + ||grad|| + sum_i ||g_i||`` (``per_example``: the examples' norms
-    ``||g_i||`` in ``p.grad``'s units; the batch sum can cancel far below them while the
-    rounding of its terms does not), as a 0-dim bool tensor on the device (no host
-    synchronisation)."""
+    """Whether autograd's ``grad`` of a parameter differs from ``expected``, the batch sum of its
+    in-module gradients (float32), beyond float rounding: ``||grad - expected|| > rtol S``
+    (:data:`IN_MODULE_RTOL`), ``S = ||expected|| + ||grad|| + sum_i ||g_i||`` (``per_example``:
+    the norms ``||g_i||``; the sum can cancel far below them, its rounding does not); a 0-dim
+    bool tensor on the device."""
     got = torch.zeros_like(expected) if grad is None else grad.detach().float().view_as(expected)
     rtol = IN_MODULE_RTOL.get(dtype, 2e-2)
     scale = expected.norm() + got.norm()
@@ -154,14 +146,12 @@ def in_module_excess(
 
 
 class InModuleSums(dict):
-    """The norm pass's running in-module gradient sums (``id(p)``: one float32 tensor and
-    the coarsest dtype), noted by the hooks of the two-pass grad-sample module that owns
-    this and taken by its optimizer's guard after the pass (:meth:`ClipGuard.check_norm_pass`)."""
+    """The norm pass's running in-module gradient sums (``id(p)``: one float32 tensor and the
+    coarsest dtype), noted by the two-pass module's hooks, taken by :meth:`ClipGuard.check_norm_pass`."""
 
     def add(self, param: torch.nn.Parameter, grad_sum: torch.Tensor, dtype: torch.dtype) -> None:
-        """One use of ``param`` inside its module contributed ``grad_sum`` (the batch sum of
-        its per-example gradients, in units of ``p.grad``); ``dtype``: that of the output
-        gradient it came from (the check's tolerance)."""
+        """One use of ``param`` in its module contributed ``grad_sum`` (in ``p.grad``'s units);
+        ``dtype``: that of the output gradient it came from (the check's tolerance)."""
         grad_sum, total = grad_sum.detach().float(), self.get(id(param))
         self[id(param)] = (grad_sum, dtype) if total is None else (
             total[0].add_(grad_sum), coarsest_dtype((dtype, total[1])))
@@ -176,9 +166,8 @@ class InModuleSums(dict):
 # --- the guard ----------------------------------------------------------------------------------
 
 class ClipGuard:
-    """Whether every gradient the step of ``optimizer`` (its owner) would release came
-    through the form's clipped pass; this class: the two-pass forms (the clipped pass
-    leaves the step's clipped sum in ``p.grad``)."""
+    """Whether every gradient the step of ``optimizer`` (its owner) would release came through
+    the form's clipped pass; this class: the two-pass forms (clipped sums left in ``p.grad``)."""
 
     def __init__(self, optimizer: Any) -> None:
         self._owner = weakref.ref(optimizer)
@@ -203,11 +192,11 @@ class ClipGuard:
 
     def accepts(self, p: torch.Tensor) -> bool:
         """``p.grad`` is what the last clipped pass (or ``zero_grad``) left, unmodified."""
-        return p.grad is not None and _marked(self._marks.get(id(p)), p.grad)
+        mark, grad = self._marks.get(id(p)), p.grad
+        return grad is not None and mark is not None and mark[0]() is grad and mark[1:] == _grad_mark(grad)[1:]
 
     def zero(self, p: torch.Tensor) -> None:
-        """``p``'s contribution is exact zeros (a parameter the batch did not use, an
-        empty batch): ``p.grad`` zeros, accepted as clipped."""
+        """``p``'s contribution is exact zeros (unused, or an empty batch), accepted as clipped."""
         p.grad = torch.zeros_like(p)
         self._marks[id(p)] = _grad_mark(p.grad)
 
@@ -223,13 +212,10 @@ class ClipGuard:
     # --- the step ---------------------------------------------------------------------------
 
     def check(self, *, before_pass: bool = False) -> None:
-        """Refuse (ValueError) unless every gradient the step would release came through a
-        clipped pass of the plugin: each ``p.grad`` is the tensor the last clipped pass (or
-        ``zero_grad``) left, unmodified, and no per-example norm waits for its clipped pass
-        (a backward pass with the hooks on that was not the criterion's). Run by every
-        ``step()`` (before anything is accumulated, noised or charged) and, with
-        ``before_pass``, by each clipped pass before it keeps the step's earlier sums. A
-        refusal forgets the per-example values of the pass."""
+        """Refuse (ValueError) unless each ``p.grad`` is what the last clipped pass (or
+        ``zero_grad``) left, unmodified, and no per-example norm waits for its clipped pass. Run
+        by every ``step()`` and, with ``before_pass``, by each clipped pass before it keeps the
+        step's earlier sums. A refusal forgets the per-example values of the pass."""
         optimizer = self.optimizer
         module = optimizer.bound_module()
         pending = module is not None and module.norm_pass_pending()
@@ -240,10 +226,9 @@ class ClipGuard:
             self._refuse_unclipped(unclipped, pending or nothing, module)
 
     def _refuse_unclipped(self, unclipped: List[torch.Tensor], pending: bool, module: Any, outside: bool = False) -> None:
-        """Refuse the step: ``unclipped`` parameters' gradients (or, when none, per-example
-        norms ``pending`` without their clipped pass, or no clipped pass at all) did not come
-        through the clipped pass; the cause named is torch's DDP (:func:`torch_ddp_cause`)
-        when it applies, else the most likely one for the form and what ran."""
+        """Refuse the step: ``unclipped`` parameters' gradients (else per-example norms ``pending``
+        without their clipped pass, or no clipped pass at all) missed the clipped pass; the cause
+        named is torch's DDP (:func:`torch_ddp_cause`), else the most likely for what ran."""
         optimizer = self.optimizer
         if unclipped:
             what = self._gradient_of(unclipped)
@@ -280,19 +265,10 @@ class ClipGuard:
             self.check_norm_pass(module)
 
     def check_norm_pass(self, module: Any) -> None:
-        """After the criterion's norm pass, refuse (before the clipped pass) a parameter whose
-        gradient in it did not all come from its modules' forward, which the norms miss
-        and the clipped pass would release (e.g. ``loss = criterion(model(x), y) +
-        f(F.linear(h, lm_head.weight))``, or ``h @ emb.weight.T`` beside the embedding):
-
-        * the linear layers of ``module`` compute no parameter gradient in it
-          (:meth:`~opacus_rc.grad_sample.SketchingMixin._defer_weight_grads`), so a
-          gradient of theirs came from a use outside the module's forward;
-        * every other parameter whose hooks computed its per-example gradients (an
-          embedding, Opacus's grad samplers: LayerNorm, RMSNorm, biases, ...) has the
-          batch sum of its in-module gradients noted by them (``module.in_module_sums``,
-          :class:`InModuleSums`): ``p.grad`` must equal it, up to float rounding
-          (:meth:`flag_outside_uses`)."""
+        """After the criterion's norm pass, refuse a parameter also used outside its modules'
+        forward (docs/accounting.md, "Parameters used outside their module"): any gradient of
+        a deferred linear layer (they compute none in it) is refused here; every other noted
+        parameter's ``p.grad`` must equal its in-module batch sum (:meth:`flag_outside_uses`)."""
         patched = module.deferred_layers
         elsewhere = self._used_elsewhere(module, patched)
         unclipped = [
@@ -314,9 +290,8 @@ class ClipGuard:
         self.flag_outside_uses(expected)
 
     def _used_elsewhere(self, module: Any, patched: Any) -> set:
-        """Ids of the parameters also owned by a layer that is not a deferred linear one (a
-        weight tied to an embedding legitimately gets its gradient there); the model does
-        not change during training: computed once per grad-sample module."""
+        """Ids of the parameters also owned by a layer that is not a deferred linear one (a weight
+        tied to an embedding gets its gradient there); computed once per grad-sample module."""
         cached = self._elsewhere_cache
         if cached is None or cached[0] is not module:
             ids = {id(m) for m in patched}
@@ -334,11 +309,9 @@ class ClipGuard:
         return fresh
 
     def flag_outside_uses(self, expected: Sequence[Tuple[torch.Tensor, Expected]]) -> None:
-        """Compare each parameter's ``p.grad`` with what the form expects of it (a pair
-        ``(p, e)``, :data:`Expected`); a difference beyond float rounding
-        (:func:`in_module_excess`; for ``e`` None: any nonzero entry) is an outside use,
-        flagged on the device with the step's non-finite checks (no host synchronisation
-        here) and refused by the step before anything is released (:meth:`refusal`)."""
+        """Compare each ``p.grad`` with what the form expects of it (``(p, e)``, :data:`Expected`);
+        a difference beyond float rounding (:func:`in_module_excess`; for ``e`` None: any nonzero
+        entry) is flagged on the device with the step's non-finite checks (:meth:`refusal`)."""
         if not expected:
             return
         excess = [p.grad.detach().ne(0).any() if e is None else in_module_excess(p.grad, *e) for p, e in expected]

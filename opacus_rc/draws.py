@@ -1,19 +1,13 @@
 """Physical batches of Poisson draws, delivered in step with ``optimizer.step()``.
 
-A loader that cuts each Poisson draw into physical batches (the per-example form's, one
-example each; BatchMemoryManager's) tells the optimizer, through Opacus's skip signals,
-which physical batch ends its draw. Those signals are a queue popped by each
-``step()``: a script that calls ``step()`` every ``k`` physical batches (gradient
-accumulation) pops them out of step with the batches it trained on, and a release
-then holds part of a draw, or one draw's examples twice, charged as fewer micro-batches.
-
-:class:`DrawLoader` makes the step boundary structural: it counts the physical batches it
-delivers to the script (in the main process, after any worker prefetch), and the
-plugin's optimizer refuses a ``step()`` that does not follow exactly one of them
-(:meth:`~opacus_rc.optimizer.RandomizedClippingMixin.check_draw_boundary`,
-:func:`~opacus_rc.optimizer.accumulation_error`). Every
-``step()`` then ends one physical batch, and the real steps fall on the draw boundaries:
-one release, one Poisson draw. It also hands each batch to the per-example form's module
+A loader that cuts each Poisson draw into physical batches tells the optimizer, through
+Opacus's skip signals (a queue popped by each ``step()``), which batch ends its draw; a script
+calling ``step()`` every ``k`` batches would pop them out of step with its batches, and a
+release would hold part of a draw, or a draw twice. :class:`DrawLoader` counts the physical
+batches it delivers (in the main process), and the plugin's optimizer refuses a ``step()``
+that does not follow exactly one of them
+(:meth:`~opacus_rc.optimizer.RandomizedClippingMixin.check_draw_boundary`): one release, one
+Poisson draw (docs/forms.md). It also hands each batch to the per-example form's module
 (``note_batch``), which holds every forward to the batch in hand.
 
 ``import opacus_rc`` makes ``opacus.utils.batch_memory_manager.wrap_data_loader``
@@ -31,32 +25,28 @@ from .optimizer import RandomizedClippingMixin
 from .units import RecordingBatchSampler, UserDataLoader, UserIndex, delivered_units
 
 
+#: the options of a loader its split keeps (as Opacus's ``wrap_data_loader``)
+_LOADER_OPTIONS = (
+    "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context", "generator",
+    "prefetch_factor", "persistent_workers",
+)
+
+
 def _split_loader_kwargs(data_loader: DataLoader, max_batch_size: int, optimizer: Any) -> Dict[str, Any]:
     """Opacus's ``wrap_data_loader``: ``data_loader`` with its batch sampler split (a
     recording wrapper of a user-level loader's unwrapped: the new loader records its own)."""
     sampler = data_loader.batch_sampler
     if isinstance(sampler, RecordingBatchSampler):
         sampler = sampler.batch_sampler
-    return dict(
-        dataset=data_loader.dataset,
-        batch_sampler=BatchSplittingSampler(sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer),
-        num_workers=data_loader.num_workers,
-        collate_fn=data_loader.collate_fn,
-        pin_memory=data_loader.pin_memory,
-        timeout=data_loader.timeout,
-        worker_init_fn=data_loader.worker_init_fn,
-        multiprocessing_context=data_loader.multiprocessing_context,
-        generator=data_loader.generator,
-        prefetch_factor=data_loader.prefetch_factor,
-        persistent_workers=data_loader.persistent_workers,
-    )
+    split = BatchSplittingSampler(sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer)
+    options = {name: getattr(data_loader, name) for name in _LOADER_OPTIONS}
+    return dict(dataset=data_loader.dataset, batch_sampler=split, **options)
 
 
 class UserBatchSplittingSampler(BatchSplittingSampler):
-    """BatchMemoryManager's split of a user-level draw (``max_batch_size > 1``): physical
-    batches of whole users, packed in draw order up to ``max_batch_size`` rows, so a form
-    that clips the users of one physical batch (book-keeping, two passes) sees each user
-    whole; the draw boundaries are signalled as Opacus's splitter does (one micro-batch).
+    """BatchMemoryManager's split of a user-level draw (``max_batch_size > 1``): physical batches
+    of whole users, packed in draw order up to ``max_batch_size`` rows (a form clipping the users
+    of one physical batch sees each whole); draw boundaries signalled as Opacus's splitter does.
 
     Raises:
         ValueError: ``max_batch_size`` below ``max_examples_per_user`` (a user could not fit).

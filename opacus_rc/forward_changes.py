@@ -1,26 +1,19 @@
-"""Refusing a step after a forward pass changed the model in place.
+"""Refusing a step after a forward pass changed the model in place (docs/forms.md, "What every
+form enforces").
 
 A change a forward pass makes to a parameter or buffer depends on the example it saw and
-reaches the released model without noise: ``nn.Embedding(max_norm=...)`` renormalises the
-rows it looked up (which tokens were seen), a running statistic kept in a buffer
-(``self.running.mul_(0.9).add_(0.1 * x.mean(0))``, or ``self.running = x.mean(0)``)
-holds the data itself. Opacus's validator refuses BatchNorm, not these.
-
-:class:`ForwardChanges` watches the model's parameters and buffers across each of its
-outermost forward passes (torch's version counter of each tensor, which every in-place
-change bumps, and the tensor's identity, which a reassignment changes; a buffer registered
-during the forward counts too); the optimizer refuses the next ``step()`` by name before
-anything is released. Only changes made *during* a forward pass are refused: the
-optimizer's update, ``zero_grad``, ``load_state_dict``, a checkpoint restore or any
-change the training loop makes between forward passes are not watched.
-:func:`check_no_max_norm` refuses ``nn.Embedding(max_norm=...)`` at ``make_private``.
+reaches the released model without noise (``nn.Embedding(max_norm=...)``, a running statistic
+kept in a buffer). :class:`ForwardChanges` watches the model's parameters and buffers across
+each outermost forward pass (each tensor's version counter and identity; a buffer registered
+during the forward counts too); the optimizer refuses the next ``step()`` by name. Changes
+between forward passes are not watched. :func:`check_no_max_norm` refuses
+``nn.Embedding(max_norm=...)`` at ``make_private``.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
 from torch import nn
 
 
@@ -52,14 +45,6 @@ def watched_model(module: nn.Module) -> nn.Module:
 _Slot = Tuple[str, str, Dict[str, Any], str]
 
 
-def _sharded(model: nn.Module) -> bool:
-    """Whether FSDP2's ``fully_shard`` wraps a module of ``model`` (its forward swaps the
-    parameters' shards in and out)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
 class ForwardChanges:
     """Watches ``model``'s parameters (``parameters=False``: buffers only, for FSDP2,
     whose forward swaps the shards of the parameters in and out) and buffers across its
@@ -73,7 +58,9 @@ class ForwardChanges:
 
     def __init__(self, model: nn.Module, parameters: Optional[bool] = None) -> None:
         if parameters is None:
-            parameters = not _sharded(model)
+            from .forms.fsdp import _contains_fsdp  # (a cycle at import time)
+
+            parameters = not _contains_fsdp(model)
         self._slots: List[_Slot] = []
         self._containers: List[Dict[str, Any]] = []
         for prefix, module in model.named_modules(remove_duplicate=False):

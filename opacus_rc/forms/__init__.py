@@ -1,15 +1,10 @@
 """The table of clipping forms: what a ``make_private(..., clipping="randomized")`` call runs.
 
-A form is one :class:`Form` entry of :data:`FORMS`: its grad-sample module (wrapping and
-``wrap_model=False`` hooks form), its DP optimizer (one process, DDP), whether the module
-takes the clipping bound, whether its steps are exact clipping (no sketch: the
-``rc_prv`` accountant charges Opacus's ``prv``), and how Opacus's outputs become what the
-script expects. The engine looks the form up here; the forms' names and
-:func:`resolve_form`, the one decision rule, live here alone; :func:`form_of` tells the
-plugin's objects from Opacus's. Each form is one module of this package: :mod:`.two_pass`
-(the ghost criterion; its module and optimizer are the shared sketched base,
-:mod:`opacus_rc.grad_sample` and :mod:`opacus_rc.optimizer`), :mod:`.bookkeeping` (both
-book-keeping forms), :mod:`.output_passes`, :mod:`.fsdp` and :mod:`.per_example`.
+A form is one :class:`Form` entry of :data:`FORMS` (its classes and traits, docs/forms.md).
+The engine looks the form up here; :func:`resolve_form`, the one decision rule, lives here
+alone; :func:`form_of` tells the plugin's objects from Opacus's. Each form is one module of
+this package (:mod:`.two_pass`'s module and optimizer are the shared sketched base,
+:mod:`opacus_rc.grad_sample` and :mod:`opacus_rc.optimizer`).
 
 ========================== ============================================================
 form                       what runs
@@ -40,7 +35,7 @@ from .bookkeeping import (
     GradSampleHooksBookkeeping,
     GradSampleModuleBookkeeping,
     RandomizedClippingBookkeepingOptimizer,
-    with_criterion,
+    bookkeeping_criterion,
 )
 from .fsdp import (
     FSDPRandomizedClippingOptimizer,
@@ -78,22 +73,18 @@ def _with_output_passes(out: Tuple, arguments: Mapping[str, Any]) -> Tuple:
 
 
 def _with_bookkeeping_criterion(out: Tuple, arguments: Mapping[str, Any]) -> Tuple:
-    return with_criterion(out, arguments["criterion"], arguments["loss_reduction"])
+    """Opacus's book-keeping 3-tuple as the ghost 4-tuple ``(module, optimizer, criterion, data_loader)``."""
+    module, optimizer, data_loader = out
+    return module, optimizer, bookkeeping_criterion(module, optimizer, arguments), data_loader
 
 
 def _one_example_per_batch(out: Tuple, arguments: Mapping[str, Any]) -> Tuple:
-    """The loader split into physical batches of one example (each Poisson draw one
-    logical step, as BatchMemoryManager's; every ``step()`` follows one batch and every
-    forward takes the batch in hand: :class:`~opacus_rc.draws.DrawLoader`); a ghost script
-    gets book-keeping's criterion (:class:`~opacus_rc.forms.bookkeeping.DPLossBookkeeping`):
-    Opacus's call signature (``criterion(logits, targets, shape=(B, T))``), the same loss
-    value as every other form (per-sequence reduction, then ``loss_reduction`` over the
-    examples) and a plain tensor whose ``backward()`` is the one example's pass."""
+    """The loader split into physical batches of one example (:class:`~opacus_rc.draws.DrawLoader`);
+    a ghost script's criterion replaced by book-keeping's (its ``backward()``: the one example's pass)."""
     *head, data_loader = out
-    optimizer = head[1]
-    if len(head) == 3:  # a ghost script's 4-tuple: the two-pass criterion replaced
-        head[2] = with_criterion((head[0], optimizer, data_loader), arguments["criterion"], arguments["loss_reduction"])[2]
-    return (*head, DrawLoader(data_loader=data_loader, max_batch_size=1, optimizer=optimizer))
+    if len(head) == 3:  # a ghost script's 4-tuple
+        head[2] = bookkeeping_criterion(head[0], head[1], arguments)
+    return (*head, DrawLoader(data_loader=data_loader, max_batch_size=1, optimizer=head[1]))
 
 
 @dataclass(frozen=True)
@@ -106,17 +97,12 @@ class Form:
         optimizers: DP optimizer classes, ``(one process, DDP)``.
         takes_bound: the module clips (gets ``max_grad_norm``); else the optimizer does.
         exact: exact per-example norms (no sketch; charged as Opacus's ``prv``).
-        drops_examples: each example's contribution is assembled on its own, so
-            ``nonfinite="skip"`` can drop a non-finite one (a two-pass backward sums them
-            inside autograd).
-        one_example_per_backward: each backward pass holds one example (a loop that runs
-            its own passes, the private Trainer's, splits its batches into rows inside the
-            module's ``one_physical_batch()``).
-        per_layer: the module computes per-layer per-example values in its layers' hooks
-            (a chunked LM head, :mod:`opacus_rc.lm_head`, delivers its own head's).
-        honours_users: it clips per user (``privacy_unit="user"``, :mod:`opacus_rc.units`):
-            a user's rows regrouped within a physical batch, or accumulated over backward
-            passes; the other forms refuse the user unit.
+        drops_examples: ``nonfinite="skip"`` can drop a non-finite example (its contribution
+            is assembled on its own; a two-pass backward sums them inside autograd).
+        one_example_per_backward: each backward pass holds one example (the private Trainer
+            splits its batches into rows inside the module's ``one_physical_batch()``).
+        per_layer: the module computes per-layer per-example values in its layers' hooks.
+        honours_users: it clips per user (``privacy_unit="user"``); the others refuse it.
         outputs: Opacus's ``make_private`` outputs -> what the script gets.
     """
 
@@ -132,8 +118,7 @@ class Form:
     outputs: Callable[[Tuple, Mapping[str, Any]], Tuple] = _as_returned
 
     def build_module(self, module: nn.Module, wrap_model: bool, max_grad_norm: float, **kwargs: Any) -> Any:
-        """The form's grad-sample module on ``module`` (``kwargs``: batch_first,
-        loss_reduction, sketch_config, sketch_seed, secure_mode)."""
+        """The form's grad-sample module on ``module`` (``kwargs``: the engine's module options)."""
         bound = {"max_grad_norm": max_grad_norm} if self.takes_bound else {}
         return self.modules[0 if wrap_model else 1](module, **kwargs, **bound)
 
@@ -182,15 +167,10 @@ FORMS: Dict[str, Form] = {
 }
 
 
-
 def form_of(obj: Any) -> Optional[Form]:
-    """The form whose grad-sample module (or hooks object) or DP optimizer ``obj`` is;
-    None for anything else (Opacus's own objects, None). The one way code outside this
-    package tells the plugin's objects from Opacus's: their traits are then read from the
-    row and from the plugin's declared interface (:class:`~opacus_rc.optimizer.RandomizedClippingMixin`,
-    :class:`~opacus_rc.grad_sample.PerExampleStore`), never by attribute sniffing. Forms
-    that share classes (two passes and ``output_passes``; the book-keeping forms) share
-    their traits: the first such row is returned."""
+    """The form whose grad-sample module (or hooks object) or DP optimizer ``obj`` is (exact
+    class first, then subclass); None for anything else. Forms that share classes share their
+    traits: the first such row is returned."""
     kind = type(obj)
     for exact in (True, False):
         for form in FORMS.values():
@@ -203,27 +183,19 @@ def form_of(obj: Any) -> Optional[Form]:
 _logged_automatic = False
 
 
-def _expected_examples(data_loader: Any, sample_rate: Optional[float]) -> Optional[float]:
-    """``q N``: the expected logical batch of a loader (Opacus's Poisson rate: ``sample_rate``,
-    the loader's own, else ``1 / len(data_loader)``); None when unknown."""
-    try:
-        n = len(data_loader.dataset)
-        q = sample_rate or getattr(data_loader, "sample_rate", None) or 1.0 / len(data_loader)
-    except (AttributeError, TypeError, ZeroDivisionError):
-        return None
-    return q * n
-
-
 def _warn_automatic(data_loader: Any, sample_rate: Optional[float]) -> None:
-    """Warn once (``UserWarning``: shown by a default Python set-up) that a physical batch of
-    one example switched the method to the per-example form, and what a small expected
-    logical batch costs."""
+    """Warn once (``UserWarning``) that a physical batch of one example switched the method to
+    the per-example form, with the expected logical batch ``q N`` (Opacus's Poisson rate:
+    ``sample_rate``, the loader's own, else ``1 / len(data_loader)``)."""
     global _logged_automatic
     if _logged_automatic:
         return
     _logged_automatic = True
-    expected = _expected_examples(data_loader, sample_rate)
-    size = "q*N examples" if expected is None else f"q*N = {expected:.4g} example(s)"
+    try:
+        q = sample_rate or getattr(data_loader, "sample_rate", None) or 1.0 / len(data_loader)
+        size = f"q*N = {q * len(data_loader.dataset):.4g} example(s)"
+    except (AttributeError, TypeError, ZeroDivisionError):
+        size = "q*N examples"
     warnings.warn(
         "the physical batch is one example (batch_size=1), so the per-example form runs: exact "
         "clipping, one backward pass per example. The expected logical batch (one Poisson draw, "
@@ -238,10 +210,15 @@ def _warn_automatic(data_loader: Any, sample_rate: Optional[float]) -> None:
 
 def per_example_chosen(option: Optional[bool], physical_batch_size: Optional[int]) -> bool:
     """Whether a call runs the per-example form: ``per_example_backward`` when given, else
-    when a physical batch holds one example (there exact clipping costs one reduction over
-    ``p.grad``, less than any sketch). The physical batch: the data loader's ``batch_size``
-    (``make_private``), ``per_device_train_batch_size`` (the private Trainer)."""
+    when a physical batch (the loader's ``batch_size``, the Trainer's
+    ``per_device_train_batch_size``) holds one example."""
     return option if option is not None else physical_batch_size == 1
+
+
+def _check_option(name: str, value: Any) -> None:
+    """Refuse a value of a ``None``/``True``/``False`` option other than those."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is invalid; accepted values: None, True, False")
 
 
 def _resolve_bookkeeping(
@@ -250,21 +227,16 @@ def _resolve_bookkeeping(
     """What a make_private call with ``bookkeeping=value`` runs, and the (Opacus)
     grad-sample mode of the module that does it:
 
-    * ``grad_sample_mode="bookkeeping"``: book-keeping (``bookkeeping`` ``None``/``True``;
-      mode ``"hooks"``), also on a checkpointed model;
-    * ``grad_sample_mode="ghost"``: two passes (``bookkeeping`` ``None``/``False``), or
-      book-keeping behind the ghost criterion (``True``; mode ``"hooks"``);
-    * ``grad_sample_mode="hooks"`` (a plain-loss script): book-keeping (``True``, or
-      ``None`` on a model without activation checkpointing), or two passes run from the
-      model's output (``False``, or ``None`` on a checkpointed model: book-keeping would
-      keep the activations checkpointing frees; :mod:`opacus_rc.forms.output_passes`; mode
-      ``"ghost"``).
+    * ``grad_sample_mode="bookkeeping"``: book-keeping (``None``/``True``);
+    * ``"ghost"``: two passes (``None``/``False``), or book-keeping behind the ghost criterion
+      (``True``);
+    * ``"hooks"``: book-keeping (``True``, or ``None`` without activation checkpointing), or two
+      passes from the model's output (``False``, or ``None`` on a checkpointed model).
 
     Raises:
         ValueError: naming the parameter and its accepted values.
     """
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"{BOOKKEEPING_OPTION}={value!r} is invalid; accepted values: None, True, False")
+    _check_option(BOOKKEEPING_OPTION, value)
     if clipping != RANDOMIZED:
         if value is not None or grad_sample_mode == BOOKKEEPING_MODE:
             given = f"{BOOKKEEPING_OPTION}={value!r}" if value is not None else f"grad_sample_mode={BOOKKEEPING_MODE!r}"
@@ -306,20 +278,15 @@ def resolve_form(
     """The form a ``make_private`` call runs and the (Opacus) grad-sample mode of its
     module; the one decision rule:
 
-    * ``per_example_backward=True``: the per-example form, for any batch size (the
-      returned loader yields one example per physical batch);
-    * ``None`` (default) with a loader of ``batch_size=1`` (a physical batch of one; the
-      private Trainer: ``per_device_train_batch_size=1``) and neither ``bookkeeping=`` nor
-      ``ghost_fsdp``: the per-example form, with a warning once (exact clipping is cheaper
-      there than any estimate, but the method changed: :func:`_warn_automatic`; the expected
-      logical batch: ``sample_rate``, else the loader's, times the dataset's size);
+    * ``per_example_backward=True``: the per-example form, for any batch size;
+    * ``None`` (default) with a loader of ``batch_size=1`` and neither ``bookkeeping=`` nor
+      ``ghost_fsdp``: the per-example form, with a warning once (:func:`_warn_automatic`);
     * otherwise book-keeping or two passes (:func:`_resolve_bookkeeping`).
 
     Raises:
         ValueError: naming the parameter and its accepted values.
     """
-    if per_example is not None and not isinstance(per_example, bool):
-        raise ValueError(f"{PER_EXAMPLE_OPTION}={per_example!r} is invalid; accepted values: None, True, False")
+    _check_option(PER_EXAMPLE_OPTION, per_example)
     if clipping != RANDOMIZED and per_example is not None:
         raise ValueError(f"{PER_EXAMPLE_OPTION}={per_example!r} only applies with clipping='randomized'; got clipping={clipping!r}")
     automatic = (

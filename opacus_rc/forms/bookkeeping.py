@@ -1,16 +1,9 @@
 """Book-keeping: randomized clipping in one backward pass.
 
 ``make_private(..., clipping="randomized", grad_sample_mode="bookkeeping")`` trains a
-plain-loss script (``loss.backward(); optimizer.step()``, the 3-tuple) in one backward
-pass. Two older spellings stay as aliases:
-
-* ``grad_sample_mode="hooks"`` (Opacus's default): book-keeping too, except on a model
-  with activation checkpointing on, where it runs two passes from the model's output
-  (:mod:`opacus_rc.forms.output_passes`; book-keeping would keep the activations checkpointing
-  frees); ``bookkeeping=True`` / ``False`` forces one form.
-* ``grad_sample_mode="ghost", bookkeeping=True``: a ghost-clipping script (the 4-tuple
-  and ``criterion(logits, targets, shape=...)``) run by book-keeping: the criterion
-  returned is a :class:`DPLossBookkeeping`.
+plain-loss script (the 3-tuple) in one backward pass; so do ``"hooks"`` (unless the model is
+checkpointed: :func:`opacus_rc.forms.resolve_form`) and ``"ghost"`` with ``bookkeeping=True``
+(the 4-tuple; its criterion a :class:`DPLossBookkeeping`).
 
 Instead of a second backward pass on the rescaled loss, the clipped gradient of a layer
 is assembled after the one ordinary backward pass from what its hooks kept (Bu et al.
@@ -24,11 +17,6 @@ is assembled after the one ordinary backward pass from what its hooks kept (Bu e
 Per-sample norms come from the same estimators as the two-pass method (sketched weight,
 exact bias/embedding), so the clipped gradient is the same for the same sketches. Other
 trainable layers get Opacus's exact per-sample gradients (``p.grad_sample``).
-
-This module holds the whole form (which form a ``make_private`` call runs is decided by
-:func:`opacus_rc.forms.resolve_form`): the records (:class:`Record`), the grad-sample module
-(:class:`BookkeepingMixin`), the optimizer (:class:`BookkeepingClippingMixin`) and the
-criterion of ghost scripts (:class:`DPLossBookkeeping`).
 """
 
 from __future__ import annotations
@@ -37,7 +25,7 @@ import collections
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from opacus.grad_sample import GradSampleHooks, GradSampleModule
@@ -60,13 +48,9 @@ from ..values import SKIP
 
 @dataclass
 class Record:
-    """What one backward pass left for one parameter of a book-kept layer.
-
-    ``clipped(c, keep=None)`` returns ``sum_i c_i grad_i`` for the pass's examples (only
-    those with ``keep[i]``: a dropped example's rows are zeroed first, so its non-finite
-    values cannot reach the sum); ``sq_norms`` are the per-sample squared norms
-    (estimated or exact), shape (B,).
-    """
+    """What one backward pass left for one parameter of a book-kept layer: ``sq_norms``, the
+    per-sample squared norms (B,), and ``clipped(c, keep=None)``, ``sum_i c_i grad_i`` over the
+    examples with ``keep[i]`` (a dropped example's rows are zeroed first)."""
 
     sq_norms: torch.Tensor
     clipped: Callable[[torch.Tensor], torch.Tensor]
@@ -84,19 +68,16 @@ class Record:
 
 
 class RecordStore:
-    """The records of the step, per parameter (by identity): owned by the book-keeping
-    module (:attr:`BookkeepingMixin.records`), filled by its layers' hooks (and the chunked
-    head), consumed by the optimizer's step; never kept on the parameters."""
+    """The records of the step, per parameter (by identity): owned by the book-keeping module,
+    filled by its layers' hooks (and the chunked head), consumed by the optimizer's step."""
 
     def __init__(self) -> None:
         self._records: Dict[int, List[Record]] = {}
 
     def add(self, param: nn.Parameter, record: Record) -> None:
-        """Keep ``record`` (one backward pass) for ``param`` until the optimizer's step."""
         self._records.setdefault(id(param), []).append(record)
 
     def of(self, param: nn.Parameter) -> List[Record]:
-        """``param``'s records of the step (empty: none)."""
         return self._records.get(id(param), [])
 
     def take(self, param: nn.Parameter) -> List[Record]:
@@ -160,7 +141,7 @@ BOOKKEPT_LAYERS = (nn.Linear, nn.Embedding)
 
 
 def tied_weights_error() -> ValueError:
-    """The refusal of a parameter shared by two book-kept layers (its records would clip each use alone)."""
+    """A parameter shared by two book-kept layers (its records would clip each use alone)."""
     return ValueError(
         "tied weights are not supported by book-keeping (grad_sample_mode='bookkeeping', or "
         "its alias 'hooks') with clipping='randomized'; use grad_sample_mode='ghost'"
@@ -174,12 +155,9 @@ def _bookkept(module: nn.Module) -> bool:
 
 
 class BookkeepingMixin(PerExampleStore):
-    """Records, for linear and embedding layers, what book-keeping needs to assemble the
-    clipped gradient after the single backward pass (:mod:`opacus_rc.forms.bookkeeping`):
-    the per-sample squared norms (the same estimators as the two-pass method) and a
-    closure ``c -> sum_i c_i grad_i``. Every other trainable layer gets Opacus's exact
-    per-sample gradients (``p.grad_sample``). Linear layers skip their weight-gradient
-    computation in the backward pass, which book-keeping replaces.
+    """Records, for linear and embedding layers, the per-sample squared norms and a closure
+    ``c -> sum_i c_i grad_i`` (:class:`Record`); every other trainable layer gets Opacus's
+    per-sample gradients. Linear layers skip their weight-gradient matmul in the backward pass.
     """
 
     def _setup(self) -> None:
@@ -212,10 +190,9 @@ class BookkeepingMixin(PerExampleStore):
         return False
 
     def deliver_head(self, layer: nn.Module, values: Any) -> None:
-        """The chunked head's records of this pass (``values.records()``: per-example
-        squared norms and the clipped sums, recomputed at the step); a later use of the
-        head in the pass is refused (its record would miss it). At ``privacy_unit="user"``
-        refused: its records are per row (the per-example form runs the head per user)."""
+        """The chunked head's records of this pass (``values.records()``); a later use of the
+        head in the pass is refused (its record would miss it), and so is ``privacy_unit="user"``
+        (its records are per row)."""
         self.expect_forward()
         if self.row_units is not None:
             raise head_per_user_error()
@@ -228,10 +205,8 @@ class BookkeepingMixin(PerExampleStore):
             self.records.add(p, record)
 
     def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
-        """A replayed use of a layer whose record of this backward pass is already
-        complete (used inside a reentrant checkpoint region and after it, or in two
-        regions) would become a second record, a second clip factor for one example:
-        refused. The replay runs in the user's backward, whose end clears the set."""
+        """Refuse a replayed use of a layer whose record of this backward pass is complete (a
+        second record: a second clip factor for one example); the backward's end clears the set."""
         if module in self._recorded_in_pass:
             raise late_use_error(type(module).__name__)
         if not self._clear_queued:
@@ -239,9 +214,7 @@ class BookkeepingMixin(PerExampleStore):
             torch.autograd.Variable._execution_engine.queue_callback(self._on_pass_start)
 
     def forbid_grad_accumulation(self) -> None:
-        """Opacus forbids accumulation with Poisson sampling because its accountants
-        cannot charge it; ``rc_prv`` accounts the micro-batches exactly (a multiplicity,
-        :mod:`opacus_rc.accounting.multiplicity`), so it stays allowed."""
+        """Allowed: ``rc_prv`` charges the micro-batches (:mod:`opacus_rc.accounting.multiplicity`)."""
         self.allow_grad_accumulation()
 
     def capture_activations_hook(self, module, forward_input, _forward_output) -> None:
@@ -253,11 +226,9 @@ class BookkeepingMixin(PerExampleStore):
     def capture_backprops_hook(
         self, module: nn.Module, _forward_input, forward_output, loss_reduction: str, batch_first: bool
     ) -> None:
-        """Keep this use's ``(A, G)``; at the layer's last use in the pass, one record of
-        the pass: the uses concatenated along the sequence (``sum_l G_l^T A_l = G^T A``
-        for ``G = [G_1; ...; G_L]``, ``A = [A_1; ...; A_L]``), so a layer applied L times
-        (an RNN cell, a shared block) has the per-example norm of its summed gradient and
-        counts as one micro-batch, not L."""
+        """Keep this use's ``(A, G)``; at the layer's last use in the pass, one record of the
+        uses concatenated along the sequence (:func:`concatenate_uses`): a layer applied L times
+        has the per-example norm of its summed gradient and counts as one micro-batch."""
         self._awaiting_forward = True
         if not self.hooks_enabled or not _bookkept(module):
             return super().capture_backprops_hook(
@@ -296,9 +267,9 @@ class BookkeepingMixin(PerExampleStore):
 
 
 def concatenate_uses(module: nn.Module, uses: List[Any]) -> Any:
-    """One ``(A, G)`` for the uses ``[(A_l, G_l)]`` of a layer in one pass, concatenated
-    along the (flattened) sequence dimension: ``(B, sum_l T_l, d)`` and ``(B, sum_l T_l,
-    p)`` (ids ``(B, sum_l T_l)`` for an embedding). A single use is returned as it is."""
+    """One ``(A, G)`` for the uses ``[(A_l, G_l)]`` of a layer in one pass, concatenated along
+    the (flattened) sequence dimension (``sum_l G_l^T A_l = G^T A``): ``(B, sum_l T_l, d)``
+    and ``(B, sum_l T_l, p)`` (ids ``(B, sum_l T_l)`` for an embedding)."""
     if len(uses) == 1:
         return uses[0]
     batch = {int(a.shape[0]) for a, _ in uses}
@@ -333,10 +304,8 @@ class GradSampleHooksBookkeeping(BookkeepingMixin, GradSampleHooks):
 # --- The optimizer ------------------------------------------------------------------------
 
 class BookkeepingClippingMixin:
-    """Clipping by book-keeping: per-sample norms combine the recorded (estimated or
-    exact) norms of book-kept layers with Opacus's per-sample gradients of the others;
-    the clipped sum ``sum_i c_i grad_i`` of a book-kept parameter comes from its records
-    (:mod:`opacus_rc.forms.bookkeeping`), of the others from ``p.grad_sample`` as in Opacus."""
+    """Clipping by book-keeping: norms and clipped sums of book-kept parameters from their
+    records, of the others from Opacus's ``p.grad_sample``."""
 
     #: the step releases only the sums built here, never ``p.grad``
     clip_guard_class = BuiltSumsGuard
@@ -356,9 +325,8 @@ class BookkeepingClippingMixin:
         return self._record_store.of(p)
 
     def complete_batch(self, rows: int) -> List[torch.nn.Parameter]:
-        """After a backward pass of ``rows`` examples (a loop's own, the private Trainer's):
-        :func:`~opacus_rc.clip_guard.complete_unused` over the parameters with neither records
-        nor Opacus per-sample gradients (zeros: a record of zero norms and clipped sum)."""
+        """:func:`~opacus_rc.clip_guard.complete_unused` after a backward pass of ``rows``
+        examples (zeros: a record of zero norms and clipped sum)."""
         return complete_unused(
             self.params, rows, lambda p: bool(self._records(p)) or getattr(p, "grad_sample", None) is not None,
             lambda p: self._record_store.add(p, Record(torch.zeros(rows, device=p.device), lambda c, keep=None: torch.zeros_like(p))),
@@ -380,9 +348,7 @@ class BookkeepingClippingMixin:
 
     @property
     def grad_samples(self) -> List[Optional[torch.Tensor]]:
-        """Opacus's per-sample gradients, one entry per parameter; None for a book-kept
-        parameter (book-keeping never forms its per-sample gradients: its records hold the
-        per-sample squared norms and the clipped sum)."""
+        """Opacus's per-sample gradients, one entry per parameter; None for a book-kept one."""
         return [None if self._records(p) else self._exact_grad_sample(p) for p in self.params]
 
     def _passes_recorded(self) -> int:
@@ -390,24 +356,15 @@ class BookkeepingClippingMixin:
         layers) or one per-sample gradient (the others) per pass."""
         counts = [1]
         for p in self.params:
-            records = self._records(p)
-            if records:
-                counts.append(len(records))
-            elif isinstance(getattr(p, "grad_sample", None), list):
-                counts.append(len(p.grad_sample))
+            gs = getattr(p, "grad_sample", None)
+            counts.append(len(self._records(p)) or (len(gs) if isinstance(gs, list) else 0))
         return max(counts)
 
     def _note_outside_uses(self) -> None:
-        """Book-keeping releases only the sums it builds from its records and Opacus's
-        per-sample gradients, so a use of a parameter outside its modules' forward (``h @
-        emb.weight.T``, ``F.linear(h, W)`` beside the layer) would be dropped from the update:
-        a wrong update, refused instead. Autograd's ``p.grad`` must equal the in-module
-        batch sum (exactly zero for the linear layers, whose gradients book-keeping defers;
-        else up to float rounding), checked by the clip guard
-        (:meth:`~opacus_rc.clip_guard.ClipGuard.flag_outside_uses`). Cost: one unclipped sum
-        per non-linear parameter. Not compared: the non-linear parameters of a physical batch
-        after a skipped step with no ``zero_grad()`` between (``p.grad`` then also holds the
-        earlier batch's)."""
+        """Flag a parameter also used outside its modules' forward (dropped from the built sums:
+        refused): autograd's ``p.grad`` must be zero for a deferred linear layer, else the
+        in-module batch sum (:meth:`~opacus_rc.clip_guard.ClipGuard.flag_outside_uses`; limits:
+        docs/accounting.md, "Parameters used outside their module")."""
         module = self.bound_module()
         deferred = {id(p) for m in module.deferred_layers for p in m.parameters(recurse=False)}
         fresh = self.clip_guard.take_fresh()
@@ -425,10 +382,8 @@ class BookkeepingClippingMixin:
         self.clip_guard.flag_outside_uses(expected)
 
     def _in_module_sum(self, p: torch.nn.Parameter):
-        """``(sum, dtype, norms)`` of a parameter that is not deferred: the unclipped batch
-        sum of its in-module gradients in ``p.grad``'s units (from its records or Opacus's
-        per-sample gradients), their coarsest dtype and the per-example norms; None when
-        the step has neither."""
+        """:data:`~opacus_rc.clip_guard.Expected` of a parameter that is not deferred, from its
+        records or Opacus's per-sample gradients; None when the step has neither."""
         records = self._records(p)
         if records:
             parts = [r.clipped(torch.ones_like(r.sq_norms)) for r in records]
@@ -450,9 +405,8 @@ class BookkeepingClippingMixin:
         return sum(parts), dtype, norms
 
     def _check_user_records(self) -> None:
-        """At user level, the step must be one physical batch holding whole users, whose
-        records were regrouped into them (a record of rows would clip rows, not users). A
-        step of no rows (an empty draw, the Trainer's empty last physical batch) clips nothing."""
+        """At user level, refuse a step that is not one physical batch of whole users whose
+        records were regrouped into them (a step of no rows clips nothing)."""
         if self.user_index is None:
             return
         records = [r for p in self.params for r in self._records(p)]
@@ -502,11 +456,9 @@ class BookkeepingClippingMixin:
             p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
 
     def _finite_examples(self, sq: torch.Tensor) -> Optional[torch.Tensor]:
-        """Under ``nonfinite="raise"``: None, and the norms join the step's non-finite
-        check (no index, no value in a refusal). Under ``"skip"``: the mask of examples
-        to keep; the others contribute nothing (a per-example transform before the sum,
-        so the step is still the accounted mechanism) and are counted in
-        :attr:`skipped_examples` only. No host synchronisation either way."""
+        """Under ``nonfinite="raise"``: None, and the norms join the step's non-finite check.
+        Under ``"skip"``: the mask of examples to keep (the others contribute nothing and are
+        counted in :attr:`skipped_examples`). No host synchronisation either way."""
         if self.nonfinite != SKIP:
             self.note_finite("per-sample gradient norm", sq)
             return None
@@ -541,12 +493,9 @@ class DistributedRandomizedClippingBookkeepingOptimizer(
 # --- The criterion of ghost-clipping scripts ----------------------------------------------
 
 class DPLossBookkeeping(DPLossFastGradientClipping):
-    """The criterion returned by ``make_private(..., grad_sample_mode="ghost",
-    bookkeeping=True)`` and by the per-example form to a ghost script: the ghost
-    criterion's call signature (``criterion(logits, targets, shape=...)``, ``-100`` labels
-    ignored per sequence) and per-sample losses, reduced (mean or sum over the batch) to
-    an ordinary tensor whose ``backward()`` is the one pass book-keeping (or the one
-    example's pass) needs."""
+    """The criterion of a ghost script under book-keeping or the per-example form: the ghost
+    criterion's call (``criterion(logits, targets, shape=...)``) and per-sample losses, reduced
+    (``loss_reduction``) to an ordinary tensor whose ``backward()`` is the one pass needed."""
 
     def __call__(self, *args: Any, shape=None, **kwargs: Any) -> torch.Tensor:
         per_sample = super().__call__(*args, shape=shape, **kwargs).loss_per_sample
@@ -555,11 +504,8 @@ class DPLossBookkeeping(DPLossFastGradientClipping):
         return per_sample.sum(dim=0)
 
 
-def with_criterion(out: Tuple[Any, ...], criterion: Any, loss_reduction: str) -> Tuple[Any, ...]:
-    """Opacus's book-keeping 3-tuple ``(module, optimizer, data_loader)`` as the ghost
-    4-tuple ``(module, optimizer, criterion, data_loader)``."""
-    module, optimizer, data_loader = out
-    if criterion is None:
-        criterion = nn.CrossEntropyLoss()  # Opacus's make_private default
-    loss = DPLossBookkeeping(module, optimizer, criterion, loss_reduction)
-    return module, optimizer, loss, data_loader
+def bookkeeping_criterion(module: Any, optimizer: Any, arguments: Mapping[str, Any]) -> DPLossBookkeeping:
+    """The ghost script's criterion for ``make_private``'s ``arguments`` (``criterion``, default
+    ``nn.CrossEntropyLoss()`` as Opacus's, and ``loss_reduction``)."""
+    criterion = arguments["criterion"] if arguments["criterion"] is not None else nn.CrossEntropyLoss()
+    return DPLossBookkeeping(module, optimizer, criterion, arguments["loss_reduction"])

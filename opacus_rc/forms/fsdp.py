@@ -1,44 +1,23 @@
-"""Randomized clipping under FSDP2 (Opacus's ``grad_sample_mode="ghost_fsdp"``).
+"""Randomized clipping under FSDP2 (Opacus's ``grad_sample_mode="ghost_fsdp"``; docs/guide.md,
+"Sharded training").
 
-A model wrapped by :func:`opacus.utils.fsdp_utils.FSDP2Wrapper` (``fully_shard`` on every
-layer with a norm or grad sampler, then on the root) trains with
-``make_private(..., grad_sample_mode="ghost_fsdp", clipping="randomized")``:
+* **Norms** (:class:`GradSampleModuleRandomizedClippingFSDP`): each rank computes the
+  per-sample norms of its own examples in the first backward pass, as Opacus's ghost_fsdp;
+  linear weights are sketched (no weight gathered; their weight-gradient matmul skipped), other
+  layers exact. The second (clipped) pass is Opacus's.
+* **Noise** (:class:`FSDPRandomizedClippingOptimizer`): each rank adds noise of std
+  ``sigma C / world_size`` (mean loss) to the shard it owns, drawn for the full shape and
+  sliced (independent across shards even under identical seeds); ``secure_mode`` draws only
+  the shard, from ``os.urandom``.
+* **Sketches**: shared sketches are the same on every rank (rank 0's entropy seed broadcast
+  without ``sketch_seed``); per-example sketches are independent across ranks.
+* **Tied weights** (grouped by hand, ``fully_shard([emb, head])``): every use adds its sketched
+  per-sample gradient to a running sum and the norm is taken of the sum, as in one process
+  (Opacus's per-module norms would count ``||a||^2 + ||b||^2``); uses are tracked by parameter
+  name under the sharded parameter's identity, since FSDP2 swaps the parameter objects.
+* **Consensus**: a refused step is agreed on by all ranks (one scalar all-reduce).
 
-* **Norms** (:class:`GradSampleModuleRandomizedClippingFSDP`): as in Opacus's
-  ghost_fsdp, each rank computes the per-sample norms of *its own* examples in the
-  first backward pass, from the activations and output gradients its hooks captured.
-  Linear weights are sketched (:mod:`opacus_rc.norm_samplers`; no weight is read, so
-  nothing is gathered for a norm), other layers are exact. The first pass skips the
-  linear layers' weight-gradient matmul, so FSDP2 has no weight gradient to
-  reduce-scatter for them in that pass. The second (clipped) pass is Opacus's.
-* **Noise** (:class:`FSDPRandomizedClippingOptimizer`): Opacus's FSDP scheme. Every
-  parameter is a ``DTensor`` sharded over the ranks; each rank adds noise of std
-  ``sigma C / world_size`` (``loss_reduction="mean"``; FSDP2 averaged the clipped sums
-  over the ranks) to the shard it owns, so each parameter element receives noise
-  exactly once, and averaging divides by the per-rank expected batch size: the same
-  noise scale as Opacus's ghost_fsdp and as one process on the union of the batches.
-  The noise is drawn for the full parameter shape and sliced to the shard (as Opacus
-  does), so it is independent across shards even when every rank seeds its noise
-  generator identically; ``secure_mode`` draws only the shard, from ``os.urandom``.
-* **Accounting**: every rank's accountant is charged once per step with the same
-  sample rate and sketch record, so every rank reports the same epsilon.
-* **Sketches**: shared sketches are identical on every rank (one sketch for the whole
-  logical batch, as in one process; without ``sketch_seed`` rank 0's entropy seed is
-  broadcast), per-example sketches are independent across ranks (the
-  :class:`~opacus_rc.sketch.Sketcher` folds the rank into their generator).
-* **Tied weights** (e.g. an embedding shared with the LM head): FSDP2Wrapper cannot shard
-  them (FSDP2 wants a shared parameter in one group: ``fully_shard([emb, head])`` by hand).
-  Opacus's per-module FSDP norms would count the shared parameter twice
-  (``||a||^2 + ||b||^2`` instead of ``||a + b||^2``); here every use adds its sketched
-  per-sample gradient (same sketch) to a running sum and the norm is taken of the sum, as in
-  one process. Uses are tracked by parameter name under the sharded parameter's identity,
-  since FSDP2 swaps the parameter objects between and even within passes.
-* **Consensus**: a check that refuses a step (non-finite loss, norm or clipped
-  gradient) is agreed on by all ranks (one scalar all-reduce), so no rank is left
-  waiting in a collective while the others raise.
-
-Book-keeping (``grad_sample_mode="hooks"``) does not fit FSDP2's hooks and is refused
-with a ``ValueError`` (see :func:`check_fsdp_mode` and docs/benchmarks.md).
+Book-keeping does not fit FSDP2's hooks and is refused (:func:`check_fsdp_mode`).
 """
 
 from __future__ import annotations
@@ -83,14 +62,9 @@ def _contains_fsdp(module: Any) -> bool:
 
 
 def check_fsdp_mode(module: Any, grad_sample_mode: str) -> None:
-    """Refuse grad-sample modes that do not fit a model sharded by FSDP2, and
-    ``ghost_fsdp`` on a model that is not.
-
-    Book-keeping assembles ``sum_i c_i G_i^T A_i`` after the single backward pass, once
-    all norms (hence the clip factors ``c_i``) are known; FSDP2 reduce-scatters each
-    layer group's gradient *during* that pass, in its post-backward hook, before any
-    clip factor exists (reasons in docs/benchmarks.md).
-    """
+    """Refuse grad-sample modes that do not fit a model sharded by FSDP2 (book-keeping needs
+    every clip factor before FSDP2 reduce-scatters during the backward pass: docs/benchmarks.md),
+    and ``ghost_fsdp`` on a model that is not."""
     sharded = _contains_fsdp(module)
     if sharded and grad_sample_mode != FSDP_MODE:
         raise ValueError(
@@ -108,15 +82,12 @@ def check_fsdp_mode(module: Any, grad_sample_mode: str) -> None:
         )
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def shared_sketch_seed(seed: Optional[int], secure_mode: bool) -> Optional[int]:
     """The sketch seed every rank uses: ``seed``, or rank 0's entropy seed broadcast to
     all ranks (shared sketches must be one sketch for the whole logical batch). Secure
     mode draws every sketch from ``os.urandom`` and keeps ``None``."""
-    if seed is not None or secure_mode or _world() == 1:
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if seed is not None or secure_mode or not distributed:
         return seed
     box = [entropy_seed() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -133,9 +104,8 @@ class _TiedSlot:
 
 
 class FSDPSketchingMixin(SketchingMixin):
-    """Two-pass randomized clipping on Opacus's FSDP hooks: per-sample norms are kept on
-    the module (``module.norm_sample``, Opacus's FSDP layout) instead of on the
-    parameters, whose objects FSDP2 swaps between sharded and unsharded forms."""
+    """Two-pass randomized clipping on Opacus's FSDP hooks: per-sample norms kept on the module
+    (``module.norm_sample``, Opacus's FSDP layout), not on the parameters FSDP2 swaps."""
 
     sharded = True
 
@@ -152,10 +122,7 @@ class FSDPSketchingMixin(SketchingMixin):
             for p in m.parameters(recurse=False):
                 if p.requires_grad:
                     owners.setdefault(id(p), []).append(m)
-        # Modules sharing a trainable parameter (tied weights, grouped by hand with
-        # fully_shard([a, b]): FSDP2Wrapper cannot shard them) are handled per parameter:
-        # Opacus's per-module FSDP norms would count the shared parameter twice
-        # (||a||^2 + ||b||^2 instead of ||a + b||^2).
+        # modules sharing a trainable parameter: handled per parameter (module docstring)
         tied = [m for ms in owners.values() if len(ms) > 1 for m in ms]
         layers = {self._get_module_type(m) for m in tied}
         unsupported = sorted(layer.__name__ for layer in layers if layer not in TIED_PROJECTIONS)
@@ -166,10 +133,8 @@ class FSDPSketchingMixin(SketchingMixin):
                 f"{', '.join(c.__name__ for c in TIED_PROJECTIONS)}"
             )
         self._tied_modules = {id(m) for m in tied}
-        # FSDP2 swaps parameter objects (sharded outside a group's forward and backward,
-        # unsharded inside, and a grouped module's forward hook may already see the
-        # sharded one): a tied parameter is tracked by its name in each module, under the
-        # identity of its sharded object, which is stable.
+        # FSDP2 swaps parameter objects (a grouped module's forward hook may already see the
+        # sharded one): tracked by name in each module, under the stable sharded identity
         self._tied_names: Dict[int, List[Tuple[str, int]]] = {
             id(m): [(n, id(p)) for n, p in m.named_parameters(recurse=False) if p.requires_grad]
             for m in tied
@@ -186,10 +151,8 @@ class FSDPSketchingMixin(SketchingMixin):
         self._capture(module, forward_input, lambda: self._capture_fsdp_activations(module, forward_input, _forward_output))
 
     def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
-        """A layer whose norm this pass already took: an untied one holds it on the module
-        (``module.norm_sample``, set by its backward hook, consumed by
-        :meth:`get_norm_sample`), a tied one in its parameters' slots. The replay's use
-        would overwrite or miss it: refused (see the parent)."""
+        """Refuse a replayed use of a layer whose norm this pass already took (on the module,
+        ``module.norm_sample``, or a tied one's in its parameters' slots)."""
         if id(module) in self._tied_modules:
             done = any(
                 getattr(self._tied_slots.get(key), "_norm_sample", None) is not None
@@ -203,8 +166,12 @@ class FSDPSketchingMixin(SketchingMixin):
     def _capture_fsdp_activations(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
     ) -> None:
-        if id(module) in self._tied_modules:
-            self._capture_tied_activations(module, forward_input)
+        if id(module) in self._tied_modules:  # per-parameter use counters
+            if _saves_inputs(module) and self.hooks_enabled:
+                if not hasattr(module, "activations"):
+                    module.activations = []
+                module.activations.append([t.detach() for t in forward_input])
+                self._count_tied_use(module)
             return
         if _saves_inputs(module) and self.hooks_enabled and getattr(module, "_forward_counter", 0) > 0:
             raise ValueError(
@@ -225,18 +192,9 @@ class FSDPSketchingMixin(SketchingMixin):
         names = self._tied_names[id(module)]
         return self._tied_slots[next(key for name, key in names if getattr(module, name) is param)]
 
-    def _capture_tied_activations(self, module: nn.Module, forward_input: List[torch.Tensor]) -> None:
-        """Activation capture with per-parameter use counters for a tied module."""
-        if not (_saves_inputs(module) and self.hooks_enabled):
-            return
-        if not hasattr(module, "activations"):
-            module.activations = []
-        module.activations.append([t.detach() for t in forward_input])
-        self._count_tied_use(module)
-
     def begin_head_use(self, layer: nn.Module, weight: nn.Parameter, bias: Optional[nn.Parameter]) -> bool:
-        """FSDP2 swaps parameter objects (no per-parameter counters): a tied head counts its
-        uses as the tied hooks do (:meth:`_capture_tied_activations`)."""
+        """A tied head counts its uses as the tied layers' hooks do (FSDP2's parameters keep no
+        counters)."""
         tied = id(layer) in self._tied_modules
         if tied:
             self._count_tied_use(layer)
@@ -255,9 +213,8 @@ class FSDPSketchingMixin(SketchingMixin):
             self._tied_slots.setdefault(key, _TiedSlot())._forward_counter += 1
 
     def get_norm_sample(self) -> torch.Tensor:
-        """Per-example norms of this rank's examples over all trainable layers; refused on
-        every rank if any rank has a non-finite norm or a layer that missed the batch
-        dimension."""
+        """Per-example norms of this rank's examples over all trainable layers (refused when a
+        layer missed the batch dimension or a tied parameter's uses are unmatched)."""
         per_param = [
             (module, norm.flatten(start_dim=1).norm(2, dim=1) if norm.dim() > 1 else norm)
             for module in self.iterate_submodules(self._module)
@@ -281,8 +238,7 @@ class FSDPSketchingMixin(SketchingMixin):
         return norms
 
     def norm_pass_pending(self) -> bool:
-        """Per-example norms of a backward pass that no clipped pass consumed (on the
-        modules, or in a tied parameter's slot)."""
+        """Per-example norms (on the modules, or in tied slots) no clipped pass consumed."""
         return any(
             getattr(m, "norm_sample", None) is not None for m in self.iterate_submodules(self._module)
         ) or bool(self._tied_sums) or any(s._norm_sample is not None for s in self._tied_slots.values())
@@ -346,22 +302,17 @@ class FSDPRandomizedClippingOptimizer(SketchedClippingMixin, FSDPOptimizerFastGr
                 local.add_(self._noise(std, local))
                 p.grad = summed.view_as(p)
             else:
-                # Full-shape draw sliced to the shard (Opacus's scheme): independent
-                # across shards even when every rank seeds the generator identically.
-                noise = _generate_noise(
-                    std=std, reference=summed, generator=self.noise_generator(summed.device)
-                )
+                # full-shape draw sliced to the shard (Opacus's scheme; module docstring)
+                noise = _generate_noise(std=std, reference=summed, generator=self.noise_generator(summed.device))
                 p.grad = (summed + noise).view_as(p)
 
 
 # --- FSDP2's hooks around a chunked LM head (opacus_rc.lm_head) ----------------------------
 
 class HeadUnit:
-    """FSDP2's forward hooks on the LM head of :class:`~opacus_rc.lm_head.ChunkedLMHeadLoss`
-    (a ``fully_shard`` unit, alone or grouped with
-    its tied embedding), run around the chunked computation in the order and with the
-    arguments ``nn.Module.__call__`` would give them (docs/lm_head.md); Opacus's hooks on
-    ``lm_head`` are not run."""
+    """FSDP2's forward hooks on the LM head of :class:`~opacus_rc.lm_head.ChunkedLMHeadLoss` (a
+    ``fully_shard`` unit, alone or grouped with its tied embedding), run around the chunked
+    computation as ``nn.Module.__call__`` would run them (docs/lm_head.md); Opacus's are not."""
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer

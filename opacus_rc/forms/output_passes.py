@@ -1,23 +1,16 @@
 """Two passes from the model's output, for plain-loss scripts (``grad_sample_mode="hooks"``).
 
-Book-keeping (one backward pass) keeps every linear layer's input ``A`` and output gradient
-``G`` until ``optimizer.step()``: on a model with activation checkpointing that is exactly
-the memory checkpointing was meant to free. The two-pass method keeps nothing past each
-layer's backward hook, but needs per-sample losses (the ghost criterion). This module runs
-it under an ordinary ``loss = criterion(model(x), y); loss.backward()``:
-
-a forward hook on the module that produces the output the loss is computed from (the LM
-head of a causal LM, else the model) hands the loss a *boundary* tensor. When the user's
-backward reaches it with the output gradient ``g`` (rows = examples), the boundary runs
-the two passes of :class:`~opacus_rc.forms.two_pass.DPTensorRandomizedClipping` on the inner graph
-with the pseudo per-sample loss ``l_i = n <y_i, g_i>`` (``y`` the output, ``g`` detached,
-``n`` the batch size): its mean has gradient ``g`` at ``y`` (the norm pass sees what the
-user's backward would have), and ``sum_i c_i l_i`` has ``n c_i g_i`` (the clipped pass).
-Nothing flows from the boundary into the model's graph except these two passes.
-
-A loss computed from anything else than the boundary (e.g. inside the model from
-un-hooked logits) would reach the hooks outside the two passes: that is refused with a
-clear error (:meth:`OutputPasses.check_inside`), never run as an unclipped update.
+Book-keeping keeps every linear layer's input and output gradient until the step: on a model
+with activation checkpointing, the memory checkpointing frees. The two-pass method keeps
+nothing, but needs per-sample losses; here it runs under an ordinary ``loss.backward()``: a
+forward hook on the module producing the output (the LM head of a causal LM, else the model)
+hands the loss a *boundary* tensor. When the user's backward reaches it with the output
+gradient ``g``, the boundary runs the two passes of
+:class:`~opacus_rc.forms.two_pass.DPTensorRandomizedClipping` on the inner graph with the
+pseudo per-sample loss ``l_i = n <y_i, g_i>`` (``y`` the output, ``g`` detached, ``n`` the
+batch size): its mean has gradient ``g`` at ``y``, and ``sum_i c_i l_i`` has ``n c_i g_i``.
+A loss computed from anything but the boundary reaches the hooks outside the two passes:
+refused (:meth:`OutputPasses.check_inside`).
 """
 
 from __future__ import annotations
@@ -35,11 +28,9 @@ logger = logging.getLogger(__name__)
 
 
 class _Boundary(torch.autograd.Function):
-    """Identity on the output values; its backward runs ``passes(g)`` and returns nothing
-    into the model's graph (the anchor is a 0-element leaf that only makes the result
-    require grad). The result is a view of the values, not a copy (a (B, T, V) logits
-    tensor is the largest activation of a long sequence); editing it in place is refused by
-    autograd, so the values the passes differentiate cannot change."""
+    """Identity on the output values (a view, not a copy: autograd refuses editing it in
+    place); its backward runs ``passes(g)`` and returns nothing into the model's graph (the
+    anchor is a 0-element leaf that only makes the result require grad)."""
 
     @staticmethod
     def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, passes: Callable[[torch.Tensor], None]):

@@ -1,28 +1,18 @@
 """One example per backward pass: exact flat clipping at the cost of non-private training.
 
 When a backward pass holds one example, its gradient *is* that example's per-sample
-gradient, so exact clipping needs no grad sampler, no sketch, no envelope and no second
-pass: one norm over ``p.grad`` of every trainable parameter (any layer type)::
+gradient: one norm over ``p.grad`` of every trainable parameter (any layer type)::
 
     g_i = grad of loss(x_i),   c_i = min(1, C / (||g_i|| + 1e-6)),   S += c_i g_i  (float32)
 
-and at the logical step Opacus's ``(S + N(0, sigma^2 C^2)) / B`` (B: the public
-normaliser). Memory: one example's activations plus ``S``, one gradient-sized buffer over
-non-private accumulation, whatever the size of the Poisson draw.
-
-:class:`PerExampleHooks` (and its wrapping form :class:`PerExampleModule`) enforces the
-premise: every outermost forward pass of the model with gradients on takes one example
-(a batch of 0 or 1 along the batch dimension, else ``ValueError`` at the forward), and
-every backward pass holds at most one example's forwards since the last clip and reaches
-no earlier one (else the step is refused: two examples in one backward, or the graph of an
-already clipped example run again); no forward's graph reaches a tensor an earlier forward
-created (state kept across forwards, e.g. ``self.prev = h`` not detached: refused, named
-by the attribute that holds it, see :func:`earlier_graph_reached`); an empty batch's
-gradient is dropped.
-The clip runs when the backward pass ends, from a callback queued by the gradient of the
-forward's output. :class:`PerExampleOptimizer` then releases ``S`` like Opacus's DP
-optimizer; the ``rc_prv`` accountant charges these steps as exact clipping (Opacus's
-``prv`` for the same sigma, rate and steps).
+and at the logical step Opacus's ``(S + N(0, sigma^2 C^2)) / B``; the ``rc_prv`` accountant
+charges it as exact clipping (Opacus's ``prv``). :class:`PerExampleHooks` (wrapping form:
+:class:`PerExampleModule`) enforces the premise (docs/forms.md, "What it enforces"): each
+outermost forward takes one example (else ``ValueError`` at the forward), each backward pass
+holds at most one example's forwards since the last clip and reaches no earlier one, and no
+forward's graph reaches a tensor an earlier forward created (:func:`earlier_graph_reached`);
+else the step is refused. The clip runs when the backward pass ends, from a callback queued
+by the gradient of the forward's output.
 """
 
 from __future__ import annotations
@@ -53,27 +43,14 @@ _EPS = 1e-6
 _LEAF_SEQUENCE_NR = 2**64 - 1
 
 
-def _nodes_of(output: Any) -> List[Any]:
-    """The autograd nodes of the tensors among ``output``'s leaves."""
-    return [
-        leaf.grad_fn for leaf in tree_leaves(output)
-        if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None
-    ]
-
-
 def earlier_graph_reached(output: Any, since: int, tracked_from: int) -> bool:
-    """Whether the autograd graph of ``output`` reaches a node created before ``since``
-    and not before ``tracked_from`` (autograd's sequence numbers: they increase with each
-    node a thread creates, and a node's inputs are older than the node).
-
-    ``since``: the sequence number at the end of the previous outermost forward pass;
-    ``tracked_from``: at the start of the first one. Such a node belongs to an earlier
-    forward pass (or to what was computed between forwards: an earlier example's loss), so
-    this forward's backward pass would carry that example's gradient again: state kept
-    across forwards (``self.prev = h``), wherever it is held (attribute, closure, global).
-    The walk descends only through the nodes created since ``since`` (this forward's and
-    this example's own inputs'): its cost is that of this forward's graph."""
-    stack, seen = _nodes_of(output), set()
+    """Whether the autograd graph of ``output`` reaches a node created before ``since`` (the
+    end of the previous outermost forward) and not before ``tracked_from`` (the start of the
+    first one), by autograd's sequence numbers (increasing per node a thread creates; a node's
+    inputs are older): a node of an earlier forward, whose example's gradient this backward
+    would carry again. The walk descends only through the nodes created since ``since``."""
+    stack = [leaf.grad_fn for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+    seen = set()
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -88,22 +65,17 @@ def earlier_graph_reached(output: Any, since: int, tracked_from: int) -> bool:
     return False
 
 
-def _of_training_graph(value: Any, tracked_from: int) -> bool:
-    grad_fn = getattr(value, "grad_fn", None)
-    return grad_fn is not None and grad_fn._sequence_nr() >= tracked_from
-
-
 def state_holding_graphs(model: nn.Module, tracked_from: int) -> List[str]:
-    """The module attributes (``"module.attribute"``; lists, tuples and dicts searched)
-    holding a tensor of a graph built by a forward pass since ``tracked_from`` (an autograd
-    sequence number; see :func:`earlier_graph_reached`): state kept across forward passes,
-    the names a refusal gives."""
+    """The module attributes (``"module.attribute"``; lists, tuples and dicts searched) holding
+    a tensor of a graph built since ``tracked_from`` (:func:`earlier_graph_reached`): the names
+    a refusal gives."""
     names = []
     for prefix, module in model.named_modules():
         for key, value in vars(module).items():
             if key.startswith("_"):  # nn.Module's own bookkeeping (parameters, buffers, hooks)
                 continue
-            if any(_of_training_graph(leaf, tracked_from) for leaf in tree_leaves(value)):
+            grad_fns = (getattr(leaf, "grad_fn", None) for leaf in tree_leaves(value))
+            if any(f is not None and f._sequence_nr() >= tracked_from for f in grad_fns):
                 names.append(f"{prefix}.{key}" if prefix else key)
     return names
 
@@ -162,15 +134,16 @@ class PerExampleClipping:
         batch_first: the batch dimension of the forward's tensors (Opacus's meaning).
     """
 
+    def __init__(self, m: nn.Module, *, batch_first: bool = True, loss_reduction: str = "mean",
+                 max_grad_norm: float, **_sketch: Any) -> None:
+        super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction)
+        self._setup_clipping(max_grad_norm)
+
     def _setup_clipping(self, max_grad_norm: float) -> None:
         check_supported(self._module)
         self.max_grad_norm = float(max_grad_norm)
         self.hooks_enabled = True
-        seen, self._params = set(), []
-        for p in self._module.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                self._params.append(p)
+        self._params = [p for p in self._module.parameters() if p.requires_grad]  # each once
         self._examples = 0  # examples of the outermost forwards since the last clip (0 or 1 each)
         self._forward_ids: List[int] = []  # their sequence numbers
         self._reached: set = set()  # forwards whose output this backward pass reached
@@ -205,15 +178,13 @@ class PerExampleClipping:
         self._handles = []
 
     def follow_steps(self, optimizer: Any) -> None:
-        """Clip for ``optimizer`` (``make_private`` links them; call it once for objects
-        built by hand): every backward pass's clipped gradient joins its next ``step()``."""
+        """Clip for ``optimizer`` (``make_private`` links them; objects built by hand call it)."""
         self._optimizer = weakref.ref(optimizer)
         optimizer.bind_module(self)
 
     def forget_per_example_values(self) -> None:
-        """Drop what a refused step left (forward counts). Called at every ``step()``, so a
-        user's running sum, which spans the skipped steps of one draw, is kept (a refusal
-        drops it: :meth:`_refuse`)."""
+        """Drop what a refused step left (forward counts; called at every ``step()``, so a user's
+        running sum, spanning the skipped steps of one draw, is kept: :meth:`_refuse` drops it)."""
         self._examples = 0
         self._forward_ids.clear()
         self._reached.clear()
@@ -227,8 +198,7 @@ class PerExampleClipping:
 
     @contextlib.contextmanager
     def one_physical_batch(self) -> Iterator[None]:
-        """The backward passes inside are the examples of one physical batch (DPTrainer
-        runs a physical batch one row at a time): one micro-batch of the Poisson draw."""
+        """The backward passes inside (DPTrainer's rows of one physical batch) count as one micro-batch."""
         self._grouped = False
         try:
             yield
@@ -241,10 +211,9 @@ class PerExampleClipping:
     # --- the batches of the loader make_private returned (opacus_rc.draws.DrawLoader) -------
 
     def note_batch(self, batch: Any, source: Any) -> None:
-        """The returned loader's iteration ``source`` delivered ``batch`` (one dataset row),
-        or ended (None). Once it delivered a batch, every counted forward must take the batch
-        in hand, once (:meth:`_check_from_loader`); objects built by hand, and a loader never
-        iterated (DPTrainer runs its own), are held to the argument check alone."""
+        """The returned loader's iteration ``source`` delivered ``batch`` (one dataset row), or
+        ended (None); from then on every counted forward must take the batch in hand, once
+        (:meth:`_check_from_loader`)."""
         if batch is None:
             if self._in_hand_from is source:
                 self._in_hand = None
@@ -280,10 +249,8 @@ class PerExampleClipping:
         return [(p, g.div_(size)) for p, g in total.values()]
 
     def _check_from_loader(self, args: Any, kwargs: Dict[str, Any]) -> None:
-        """Refuse a forward that does not take the returned loader's batch in hand: none in
-        hand (outside its iteration, or its batch already went through a forward), or a
-        tensor argument not derived from it (:func:`from_batch`: several examples built by
-        hand, in any dimension)."""
+        """Refuse a forward that does not take the returned loader's batch in hand (none in hand,
+        or a tensor argument not derived from it: :func:`from_batch`)."""
         if not self._loader_bound:
             return
         batch, self._in_hand = self._in_hand, None  # one forward per delivered batch
@@ -327,9 +294,8 @@ class PerExampleClipping:
                 leaf.register_hook(self._output_gradient_hook(forward_id))
 
     def _check_state_across_forwards(self, output: Any) -> None:
-        """Refuse the step when this forward's graph reaches a tensor an earlier forward
-        created (:func:`earlier_graph_reached`), naming the module attributes that hold
-        one."""
+        """Refuse the step when this forward's graph reaches an earlier forward's
+        (:func:`earlier_graph_reached`), naming the module attributes that hold one."""
         since, tracked_from = self._last_forward_end, self._tracked_from
         self._last_forward_end = torch.autograd._get_sequence_nr()
         if not earlier_graph_reached(output, since, tracked_from):
@@ -363,9 +329,9 @@ class PerExampleClipping:
             if p.grad is None:
                 continue
             if optimizer is None or not optimizer.clip_guard.accepts(p):  # only zero_grad marks here
-                self._refuse(
-                    f"a gradient of {_describe(optimizer, p)} was added outside a clipped backward pass"
-                )
+                shape = f"a parameter of shape {tuple(p.shape)}"
+                where = shape if optimizer is None else optimizer.describe_parameter(p)
+                self._refuse(f"a gradient of {where} was added outside a clipped backward pass")
             p.grad = None
 
     # --- the clip, when a backward pass ends -------------------------------------------------
@@ -424,15 +390,8 @@ class PerExampleClipping:
         return None if self._optimizer is None else self._optimizer()
 
 
-def _describe(optimizer: Any, p: torch.Tensor) -> str:
-    describe = getattr(optimizer, "describe_parameter", None)
-    return describe(p) if describe is not None else f"a parameter of shape {tuple(p.shape)}"
-
-
 def check_supported(module: nn.Module) -> None:
-    """Refuse models the per-example form cannot clip exactly: torch's DDP (its backward
-    pass averages one rank's example with the others' before the clip: use Opacus's
-    DPDDP) and FSDP2 (a sharded gradient's norm needs every rank's shard)."""
+    """Refuse models the per-example form cannot clip exactly: torch's DDP and FSDP2."""
     if isinstance(module, DDP):
         raise ValueError(
             "the per-example form needs Opacus's DifferentiallyPrivateDistributedDataParallel, "
@@ -450,19 +409,9 @@ def check_supported(module: nn.Module) -> None:
 class PerExampleHooks(PerExampleClipping, AbstractGradSampleHooks):
     """Hooks (``wrap_model=False``) form of the per-example form."""
 
-    def __init__(self, m: nn.Module, *, batch_first: bool = True, loss_reduction: str = "mean",
-                 max_grad_norm: float, **_sketch: Any) -> None:
-        AbstractGradSampleHooks.__init__(self, m, batch_first=batch_first, loss_reduction=loss_reduction)
-        self._setup_clipping(max_grad_norm)
-
 
 class PerExampleModule(PerExampleClipping, AbstractGradSampleModule):
     """Wrapping (``wrap_model=True``) form of the per-example form."""
-
-    def __init__(self, m: nn.Module, *, batch_first: bool = True, loss_reduction: str = "mean",
-                 max_grad_norm: float, **_sketch: Any) -> None:
-        AbstractGradSampleModule.__init__(self, m, batch_first=batch_first, loss_reduction=loss_reduction)
-        self._setup_clipping(max_grad_norm)
 
 
 class PerExampleOptimizerMixin(RandomizedClippingMixin):
@@ -477,8 +426,7 @@ class PerExampleOptimizerMixin(RandomizedClippingMixin):
     clip_guard_class = PerExampleGuard
 
     def complete_batch(self, rows: int) -> List[torch.nn.Parameter]:
-        """Nothing to complete: each row's whole gradient was clipped exactly, and the
-        step refuses a gradient that did not come through a clip."""
+        """Nothing to complete: each row's whole gradient was clipped."""
         return []
 
     def note_skipped(self, dropped: torch.Tensor) -> None:
@@ -487,9 +435,8 @@ class PerExampleOptimizerMixin(RandomizedClippingMixin):
         self._skipped = dropped if self._skipped is None else self._skipped + dropped
 
     def add_clipped(self, grads: List[Any], factor: torch.Tensor) -> None:
-        """``p.summed_grad += factor * g`` (float32) for each ``(p, g)`` of one example's
-        gradient: the step's one running sum (the first example's gradient buffer becomes
-        it, in place)."""
+        """``p.summed_grad += factor * g`` (float32) for each ``(p, g)`` of one example's gradient
+        (the first example's buffer becomes the running sum, in place)."""
         for p, g in grads:
             if p.summed_grad is None:
                 p.summed_grad = (g if g.dtype == torch.float32 else g.float()).mul_(factor)
@@ -497,8 +444,7 @@ class PerExampleOptimizerMixin(RandomizedClippingMixin):
                 p.summed_grad.addcmul_(g, factor)
 
     def accumulate(self) -> None:
-        """The running sums are ``p.summed_grad`` already; a parameter no example reached
-        contributes zeros."""
+        """The running sums are ``p.summed_grad`` already; zeros where no example reached."""
         for p in self.params:
             p.grad = None  # zero_grad's zeros, if any
             if p.summed_grad is None:

@@ -32,11 +32,8 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
         optimizer.check_cleared()  # before Opacus's own zero_grad between the passes
         guard = optimizer.clip_guard
         guard.check(before_pass=True)  # the earlier sums kept below must be clipped ones
-        # Clipped sums of earlier micro-batches of this step (Opacus zeroes p.grad
-        # between the two passes); nothing to keep on a step's first pass. Set aside, not
-        # copied: the norm pass starts from no gradient where p.grad is a clipped sum (or
-        # zero_grad's zeros), so what it leaves in p.grad is its own, checked against the
-        # hooks' in-module sums (ClipGuard.check_norm_pass, by the zero_grad between the passes).
+        # Earlier micro-batches' clipped sums, set aside (none on a step's first pass): the norm
+        # pass then leaves only its own gradient in p.grad, checked by ClipGuard.check_norm_pass.
         earlier = [
             None if p.grad is None or optimizer.backward_passes == 0 else p.grad.detach()
             for p in optimizer.params
