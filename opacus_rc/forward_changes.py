@@ -45,6 +45,14 @@ def watched_model(module: nn.Module) -> nn.Module:
 _Slot = Tuple[str, str, Dict[str, Any], str]
 
 
+def _sharded(model: nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` wraps a module of ``model`` (its forward swaps the
+    parameters' shards in and out)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 class ForwardChanges:
     """Watches ``model``'s parameters (``parameters=False``: buffers only, for FSDP2,
     whose forward swaps the shards of the parameters in and out) and buffers across its
@@ -58,9 +66,7 @@ class ForwardChanges:
 
     def __init__(self, model: nn.Module, parameters: Optional[bool] = None) -> None:
         if parameters is None:
-            from .forms.fsdp import _contains_fsdp  # (a cycle at import time)
-
-            parameters = not _contains_fsdp(model)
+            parameters = not _sharded(model)
         self._slots: List[_Slot] = []
         self._containers: List[Dict[str, Any]] = []
         for prefix, module in model.named_modules(remove_duplicate=False):
