@@ -8,26 +8,10 @@ so no keystream byte is ever used twice; the key is drawn again in a forked chil
 child never replays its parent's stream. No pseudo-random generator of torch or numpy is
 involved, and ``torchcsprng`` is not needed.
 
-Keystream to numbers, vectorised in torch (no Python loop over elements):
-
-* 64-bit words ``w`` -> 53 random bits ``k = w mod 2^53``;
-* uniforms: ``k / 2^53`` in [0, 1) for :meth:`CSPRNG.uniform`, ``(k + 1) / 2^53`` in
-  (0, 1] for logarithms;
-* Bernoulli(p): ``k < ceil(p 2^53)``, i.e. probability ``ceil(p 2^53) / 2^53`` (``p`` up
-  to 2^-53);
-* normals (Box-Muller, float64): ``r = sqrt(-2 ln u1)``, ``theta = 2 pi u2``; the pair
-  ``(r cos theta, r sin theta)`` is i.i.d. N(0, 1).
-
-Secure noise keeps Opacus's guard against floating-point attacks (``_generate_noise`` in
-secure mode, after Holohan & Braghin 2021, section 5.1): the noise is the halved sum of
-four independent normals, ``(z1 + z2 + z3 + z4) / 2 ~ N(0, 1)``, built from four 53-bit
-uniforms in float64. Two of the four come from one Box-Muller pair, and
-``r cos theta + r sin theta = sqrt(2) r sin(theta + pi/4)``; ``theta + pi/4`` is again
-uniform on the same grid of angles (a shift by 1/8 turn), so the halved sum equals in
-distribution ``(r1 sin(2 pi v1) + r2 sin(2 pi v2)) / sqrt(2)`` with four independent
-uniforms ``u1, v1, u2, v2``: the same four 53-bit inputs per output (an attacker who sees
-one output still faces three free 53-bit unknowns, 2^159 candidates), at one sine instead
-of a sine and a cosine per pair.
+The keystream's 64-bit words give 53-bit uniforms, Bernoulli masks (``k < ceil(p 2^53)``)
+and Box-Muller normals in float64, vectorised in torch; secure noise keeps Opacus's guard
+against floating-point attacks, the halved sum of four independent normals (four 53-bit
+uniforms per output). Derivations: docs/maths.md ("Secure mode's random numbers").
 
 The generator refuses to be pickled, copied or put in a state_dict, and its repr shows no
 key: a copy would replay the noise, and a stored key would let anyone regenerate it.
@@ -409,6 +393,12 @@ class SecurePoissonSampler(UniformWithReplacementSampler):
         )
 
 
+def rank_share(distributed: bool) -> Dict[str, int]:
+    """This process's ``rank`` and ``world_size`` when ``distributed`` (else none: one share)."""
+    dist = torch.distributed
+    return dict(rank=dist.get_rank(), world_size=dist.get_world_size()) if distributed else {}
+
+
 def loader_settings(data_loader: Any) -> Dict[str, Any]:
     """The worker and batching settings of ``data_loader`` that a Poisson loader replacing
     it keeps (as Opacus's ``DPDataLoader.from_data_loader`` does)."""
@@ -474,17 +464,11 @@ class SecureDPDataLoader(DPDataLoader):
     ) -> None:
         self.sample_rate = sample_rate
         self.distributed = distributed
-        rank, world_size = 0, 1
-        if distributed:
-            import torch.distributed as dist
-
-            rank, world_size = dist.get_rank(), dist.get_world_size()
         batch_sampler = SecurePoissonSampler(
             num_samples=len(dataset),  # type: ignore[arg-type]
             sample_rate=sample_rate,
-            rank=rank,
-            world_size=world_size,
             generator=generator,
+            **rank_share(distributed),
         )
         init_poisson_loader(
             self, dataset, batch_sampler, collate_fn=collate_fn, drop_last=drop_last,

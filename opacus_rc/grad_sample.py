@@ -184,18 +184,11 @@ class PerExampleStore:
 
     def _capture(self, module: nn.Module, forward_input: Sequence[torch.Tensor], capture: Callable[[], None]) -> None:
         """Every activation-capture hook runs its body ``capture()`` (which appends the
-        layer's inputs to ``module.activations``, or not) through this.
-
-        * A replay by ``checkpoint(use_reentrant=False)`` captures nothing: its original
-          call was captured (:mod:`opacus_rc.recompute`).
-        * A reentrant checkpoint's replay is captured but starts no sketch pass (one
-          sketch per layer and step).
-        * Under saved-tensors hooks (inside a non-reentrant checkpoint region) the
-          captured inputs are saved through them, not kept: checkpointing frees them
-          and the backward hook gets them recomputed. The replay saves them again at
-          the same point (checkpointing matches saved tensors by order), then drops
-          them.
-        """
+        layer's inputs to ``module.activations``, or not) through this: a non-reentrant
+        checkpoint replay captures nothing, a reentrant one is captured but starts no sketch
+        pass; inside a non-reentrant region the inputs are saved through the saved-tensors
+        hooks, and its replay saves them again at the same point, then drops them
+        (:mod:`opacus_rc.recompute`)."""
         replay = forward_replay()
         hooks = current_saved_tensors_hooks() if _saves_inputs(module) else None
         if replay == NON_REENTRANT:
@@ -241,13 +234,6 @@ class PerExampleStore:
         for m in self._patched:
             m.__dict__.pop("forward", None)
         super().cleanup()
-
-
-def _refuse_unpreserved_rng_replay(_module: nn.Module, _inputs: Any) -> None:
-    """Forward pre-hook of the two-pass method: see :func:`~opacus_rc.recompute.refuse_unpreserved_rng_replay`."""
-    replay = forward_replay()
-    if replay is not None:
-        refuse_unpreserved_rng_replay(replay)
 
 
 def _saves_inputs(module: nn.Module) -> bool:
@@ -339,7 +325,7 @@ class SketchingMixin(PerExampleStore):
         # state (preserve_rng_state=False) is refused, checked at every module's call (a
         # region without trainable layers changes the gradients upstream of it too).
         self.autograd_grad_sample_hooks.extend(
-            m.register_forward_pre_hook(_refuse_unpreserved_rng_replay) for m in self._module.modules()
+            m.register_forward_pre_hook(refuse_unpreserved_rng_replay) for m in self._module.modules()
         )
 
     def _in_second_pass(self) -> bool:
@@ -453,9 +439,7 @@ class SketchingMixin(PerExampleStore):
         # rearrange_grad_samples), keyed by the layer's real class (FSDP2 renames it).
         self._unscaled_backprops = self._get_module_type(module) in self.NORM_SAMPLERS
         try:
-            super().capture_backprops_hook(
-                module, _forward_input, forward_output, loss_reduction, batch_first
-            )
+            super().capture_backprops_hook(module, _forward_input, forward_output, loss_reduction, batch_first)
         finally:
             self._unscaled_backprops = False
 
@@ -604,9 +588,7 @@ class _SummingGradSamplers(dict):
         return grad_samples
 
 
-class GradSampleHooksRandomizedClipping(
-    SketchingMixin, GradSampleHooksFastGradientClipping
-):
+class GradSampleHooksRandomizedClipping(SketchingMixin, GradSampleHooksFastGradientClipping):
     """Hooks (``wrap_model=False``) form of randomized clipping.
 
     ``per_sample_gradient_norms`` holds the *estimated* norms of the last batch (not
@@ -614,9 +596,7 @@ class GradSampleHooksRandomizedClipping(
     """
 
 
-class GradSampleModuleRandomizedClipping(
-    SketchingMixin, GradSampleModuleFastGradientClipping
-):
+class GradSampleModuleRandomizedClipping(SketchingMixin, GradSampleModuleFastGradientClipping):
     """Wrapping (``wrap_model=True``) form of randomized clipping."""
 
 

@@ -149,9 +149,8 @@ class RandomizedClippingMixin:
         ``same_draw=True`` declares that the next physical batch continues the same
         Poisson draw as this one (each example at most once in the logical batch), so the
         two are charged as one micro-batch; Opacus's BatchMemoryManager declares it
-        (``import opacus_rc`` makes its ``BatchSplittingSampler`` signal
-        ``same_draw=True``: :data:`opacus_rc.registration.PATCHES`). Any other skipped step accumulates an independent micro-batch and
-        is charged as accumulation (:attr:`accumulated_iterations`).
+        (:data:`opacus_rc.registration.PATCHES`). Any other skipped step accumulates an
+        independent micro-batch (:attr:`accumulated_iterations`).
         """
         if do_skip and same_draw:
             self._draw_splits += 1
@@ -176,10 +175,8 @@ class RandomizedClippingMixin:
 
     def check_draw_boundary(self) -> None:
         """Refuse (ValueError) a ``step()`` that does not follow exactly one physical batch
-        of a loader that splits Poisson draws (see :mod:`opacus_rc.draws`): the skip
-        signals it queued would be popped out of step with the batches trained on, and a
-        release would hold part of a draw, or two draws charged as one. Everything
-        accumulated is dropped, and every later step is refused."""
+        of a loader that splits Poisson draws (:mod:`opacus_rc.draws`; the error says why).
+        Everything accumulated is dropped, and every later step is refused."""
         batches = self._physical_batches
         if not self._draw_refused and (batches is None or batches == 1):
             if batches is not None:
@@ -249,12 +246,8 @@ class RandomizedClippingMixin:
         module.privacy_unit = self.privacy_unit
         inner = getattr(module, "_module", module)
         self._parameter_names = {id(p): name for name, p in inner.named_parameters()}
-        self._watch_forward_changes(module)
-
-    def _watch_forward_changes(self, module: Any) -> None:
-        """Watch the model's parameters and buffers across its forward passes
-        (:mod:`opacus_rc.forward_changes`; buffers only under FSDP2, whose forward swaps the
-        parameters' shards): the next step refuses a change one of them made."""
+        # the model's parameters and buffers watched across its forward passes (buffers only under
+        # FSDP2, whose forward swaps the parameters' shards): the next step refuses a change
         if self._forward_changes is not None:
             self._forward_changes.remove()
         self._forward_changes = ForwardChanges(watched_model(module))
@@ -484,10 +477,8 @@ class RandomizedClippingMixin:
         super().load_state_dict(state_dict)
 
     def check_seeded_resume(self, seeded_state: bool) -> None:
-        """Refuse resuming a run that used ``seed=`` (``seeded_state``) with ``seed=``:
-        the noise, Poisson and sketch streams start again from the seed, so the resumed
-        steps draw the earlier steps' noise again, and the difference of two updates with
-        the same noise is released without noise. ``accept_replayed_noise=True`` accepts it."""
+        """Refuse resuming a run that used ``seed=`` (``seeded_state``) with ``seed=`` (its
+        streams restart from the seed: the noise is replayed) unless ``accept_replayed_noise``."""
         if seeded_state and self.seeded and not self.accept_replayed_noise:
             raise ValueError(
                 "resuming a run that used seed= with seed= replays its noise: the resumed steps "
@@ -497,7 +488,6 @@ class RandomizedClippingMixin:
                 "include_rng_state=True (the streams continue), or pass "
                 "accept_replayed_noise=True to make_private to accept the hazard"
             )
-
 
 
 class SketchedClippingMixin(RandomizedClippingMixin):
@@ -533,9 +523,7 @@ class RandomizedClippingOptimizer(SketchedClippingMixin, DPOptimizerFastGradient
     """:class:`~opacus.optimizers.DPOptimizerFastGradientClipping` for randomized clipping."""
 
 
-class DistributedRandomizedClippingOptimizer(
-    SketchedClippingMixin, DistributedDPOptimizerFastGradientClipping
-):
+class DistributedRandomizedClippingOptimizer(SketchedClippingMixin, DistributedDPOptimizerFastGradientClipping):
     """Distributed (DDP) form: noise is added on rank 0 only, gradients are all-reduced."""
 
     refusals_across_ranks = True

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .csprng import init_poisson_loader
+from .csprng import init_poisson_loader, rank_share
 from .estimators import as_sequence
 from .sketch import entropy_seed
 from .values import EXAMPLE_UNIT, PRIVACY_UNITS, USER_UNIT
@@ -342,8 +342,8 @@ class UserDataLoader(DataLoader):
         self.sample_rate = float(sample_rate)
         self.distributed = distributed
         self.user_index = index
-        share = dict(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size()) if distributed else {}
-        self.recorder = RecordingBatchSampler(UserPoissonSampler(index, sample_rate, generator, **share))
+        sampler = UserPoissonSampler(index, sample_rate, generator, **rank_share(distributed))
+        self.recorder = RecordingBatchSampler(sampler)
         self._listener: Optional[Callable[[], Any]] = None
         init_poisson_loader(self, dataset, self.recorder, **kwargs)
 
