@@ -62,11 +62,6 @@ def agree_across_ranks(flag: torch.Tensor) -> torch.Tensor:
     return value.to(flag.device).reshape(()).bool()
 
 
-def _read_host(flag: torch.Tensor) -> bool:
-    """Value of a CPU (host) tensor: a plain memory read, no device synchronisation."""
-    return bool(flag.numpy())
-
-
 class NonFiniteGuard:
     """Device-side flags of one step, one per kind in :data:`KINDS`, and the refusals
     decided on the device whose report has not reached the host yet."""
@@ -116,7 +111,7 @@ class NonFiniteGuard:
                     return None
                 event.synchronize()
             self._pending.pop(0)
-            if not _read_host(host):
+            if not bool(host.numpy()):  # a host tensor: a plain memory read, no device synchronisation
                 self._pending.clear()
                 return failed_kinds(flags)
         return None
