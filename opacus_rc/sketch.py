@@ -1,21 +1,15 @@
 """The sketch source: independent Gaussian sketches, never derived from data.
 
-A :class:`Sketcher` owns the random generators that draw every sketch of a run. Each
-logical step draws fresh, independent sketches (one per layer; the micro-batches and tied
-uses of a step share a shared sketch; per-example sketches belong to one pass). Freshness
-does not depend on how the objects were built: the sketcher reads a *step clock* (the
-number of optimizer steps taken, counted by the grad-sample module's ``follow_steps``
-hook on the optimizer) and, when no optimizer is followed, starts new sketches every pass.
-
-Seeding: every stream is derived from one seed (the user's ``sketch_seed`` or ``seed``, or
-128 bits of OS entropy) through :class:`numpy.random.SeedSequence` with a domain tag
-(:data:`SKETCH_STREAM`, :data:`NOISE_STREAM`, :data:`POISSON_STREAM`), the device and,
-where ranks must differ, the rank in the spawn key (:class:`DeviceStreams`), so the sketch,
-noise and Poisson streams never coincide, even for the same integer, and ranks draw
-independent per-example sketches, noise and Poisson masks. In ``secure_mode`` every sketch
-comes from :mod:`opacus_rc.csprng` instead.
-Generator states and seeds are secrets: they are kept out of every ``state_dict`` unless
-asked for explicitly (:meth:`Sketcher.state_dict`).
+A :class:`Sketcher` owns the random generators that draw every sketch of a run: fresh,
+independent sketches every logical step (one per layer; shared by the step's micro-batches and
+tied uses; per-example sketches belong to one pass), whoever built the objects: it reads a
+*step clock* (the optimizer steps counted by the grad-sample module's ``follow_steps`` hook)
+and, with no optimizer followed, starts new sketches every pass. Every stream (sketch, noise,
+Poisson) is derived from one seed through :class:`numpy.random.SeedSequence` with a domain tag,
+the device and, where ranks must differ, the rank (:class:`DeviceStreams`); in ``secure_mode``
+every sketch comes from :mod:`opacus_rc.csprng`. Seeds and generator states are secrets, kept
+out of every ``state_dict`` unless asked for (:meth:`Sketcher.state_dict`). Why:
+docs/accounting.md ("What the guarantee assumes").
 """
 
 from __future__ import annotations
@@ -59,19 +53,11 @@ def _process_rank() -> int:
 
 
 class DeviceStreams:
-    """One stream's torch generators, one per device, all derived from ``root``.
-
-    The ``i``-th device's generator is seeded with ``stream_seed(root, tag, i, r)``,
-    ``r = rank + 1`` with ``per_rank`` (read when the generator is first made, after
-    ``torch.distributed`` is initialised) else ``0``: streams of distinct tags or ranks
-    are independent, whatever integer ``root`` came from.
-
-    Args:
-        root: the run's seed sequence (``SeedSequence(None)``: 128 bits of OS entropy).
-        tag: the stream's domain tag (:data:`SKETCH_STREAM`, :data:`NOISE_STREAM`,
-            :data:`POISSON_STREAM`).
-        per_rank: fold this process's rank in (independent draws on every rank).
-    """
+    """One stream's torch generators, one per device, all derived from ``root`` (the run's
+    seed sequence; ``SeedSequence(None)``: 128 bits of OS entropy): the ``i``-th device's is
+    seeded with ``stream_seed(root, tag, i, r)``, ``tag`` the stream's domain tag, ``r = rank +
+    1`` with ``per_rank`` (read when the generator is first made, after ``torch.distributed`` is
+    initialised) else ``0``: streams of distinct tags or ranks are independent."""
 
     def __init__(self, root: np.random.SeedSequence, tag: int, *, per_rank: bool = False) -> None:
         self.root = root
@@ -149,13 +135,8 @@ class Sketcher:
         return self._streams.root.entropy
 
     def generator(self, device: torch.device) -> torch.Generator:
-        """The generator for ``device`` (one per device, seeded from the run's seed).
-
-        Per-example sketches must be independent across examples, also across the ranks
-        of a distributed run, which share ``sketch_seed``: their generators are seeded
-        with the rank folded in. Shared sketches stay identical on every rank (one sketch
-        for the whole logical batch, as in one process).
-        """
+        """The generator for ``device`` (one per device, seeded from the run's seed; the rank
+        folded in for per-example sketches, while shared ones agree across ranks)."""
         return self._streams.generator(device)
 
     def bind_step_clock(self, clock: Callable[[], Optional[int]]) -> None:

@@ -13,11 +13,8 @@ Charles et al. 2024, "user-wise DP-SGD" in Chua et al. 2024):
 * accounting: adding or removing one user changes one unit of one draw by at most C, so
   ``rc_prv`` charges each step at ``q_u`` as it charges examples at ``q``.
 
-This module holds the user index (:class:`UserIndex`), the user-level Poisson sampler
-(:class:`UserPoissonSampler`), what a delivered batch's rows are in units
-(:class:`RowUnits`, :class:`UnitStream`) and the regrouping of a batch's rows into its
-users (:func:`regroup_rows`, :func:`sum_rows_by_unit`). The forms honour the unit through
-:class:`RowUnits` alone.
+The forms honour the unit through :class:`RowUnits` alone (what a delivered batch's rows are in
+units); the design and its checks: docs/privacy_unit.md.
 """
 
 from __future__ import annotations
