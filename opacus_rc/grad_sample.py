@@ -351,7 +351,13 @@ class SketchingMixin(PerExampleStore):
         step: :mod:`opacus_rc.finite`). The norms are consumed: a later pass never
         reuses them for other examples."""
         try:
-            self._check_norm_samples()
+            if self._tied_sums:  # a tied running sum waits for a use: its norm would miss it
+                raise unmatched_tied_uses_error()
+            named = list(trainable_parameters(self._module))
+            missing = [name for name, p in named if getattr(p, "_norm_sample", None) is None]
+            if missing:
+                raise missing_per_sample_error(", ".join(repr(n) for n in missing))
+            check_norms_cover_batch([(repr(name), p._norm_sample) for name, p in named])
             return super().get_norm_sample()
         finally:
             self.forget_per_example_values()
@@ -391,16 +397,6 @@ class SketchingMixin(PerExampleStore):
             grad = embedding_grad_sum(activations[0], backprops, module.num_embeddings, module.padding_idx)
             self.note_in_module_grad(module.weight, grad.mul_(scale) if scale != 1.0 else grad, backprops.dtype)
 
-    def _check_norm_samples(self) -> None:
-        """Every trainable parameter has this pass's per-sample norms, over the batch, and
-        no tied running sum waits for a use (its norm would miss that use)."""
-        if self._tied_sums:
-            raise unmatched_tied_uses_error()
-        missing = [name for name, p in trainable_parameters(self._module) if getattr(p, "_norm_sample", None) is None]
-        if missing:
-            raise missing_per_sample_error(", ".join(repr(n) for n in missing))
-        check_norms_cover_batch([(repr(name), p._norm_sample) for name, p in trainable_parameters(self._module)])
-
     def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
         if any(getattr(p, "_norm_sample", None) is not None for _, p in trainable_parameters(module)):
             raise late_use_error(self._get_module_type(module).__name__)
@@ -423,11 +419,14 @@ class SketchingMixin(PerExampleStore):
         loss_reduction: str,
         batch_first: bool,
     ) -> None:
-        self._awaiting_forward = True  # the next forward starts a new pass
+        self.expect_forward()
         passes = self.output_passes  # plain-loss scripts: opacus_rc.forms.output_passes
         if passes is not None and self.hooks_enabled:
             passes.check_inside(module)
-        if self.hooks_enabled and self._is_tied_use(module):
+        tied = self.hooks_enabled and any(  # a parameter used again in this pass, or with a pending sum
+            p._forward_counter > 1 or p in self._tied_sums for _, p in trainable_parameters(module)
+        )
+        if tied:
             if self.row_units is not None:
                 raise ValueError(
                     "privacy_unit='user' with tied parameters in the two-pass form is not supported: use "
@@ -480,25 +479,14 @@ class SketchingMixin(PerExampleStore):
             for name, contribution in contributions.items():
                 self._add_tied_use(layer, getattr(layer, name), contribution)
             return
-        norms = {name: c if c.dim() == 1 else c.flatten(start_dim=1).norm(2, dim=1) for name, c in contributions.items()}
-        self._store_untied_norms(layer, norms)
-
-    def _store_untied_norms(self, layer: nn.Module, norms: Dict[str, torch.Tensor]) -> None:
-        """An untied layer's per-example norms, of this use alone: any other use of it in the
-        pass (a use still to come, one summed as tied, one already delivered) is refused."""
-        params = [getattr(layer, name) for name in norms]
+        # an untied use's norms are of this use alone: any other use of the layer in the pass (one
+        # still to come, one summed as tied, one already delivered) is refused
+        params = [getattr(layer, name) for name in contributions]
         if any(p._forward_counter != 1 or p in self._tied_sums for p in params):
             raise head_used_twice_error()
-        for p, norm in zip(params, norms.values()):
-            p._norm_sample = norm
+        for p, c in zip(params, contributions.values()):
+            p._norm_sample = c if c.dim() == 1 else c.flatten(start_dim=1).norm(2, dim=1)
             p._forward_counter -= 1
-
-    def _is_tied_use(self, module: nn.Module) -> bool:
-        """True if one of the module's trainable parameters is used more than once in
-        this forward pass (tied weights) or has a pending sum from an earlier use."""
-        return any(
-            p._forward_counter > 1 or p in self._tied_sums for _, p in trainable_parameters(module)
-        )
 
     def _tied_slot(self, module: nn.Module, param: nn.Parameter) -> Any:
         """What keys a tied parameter's running sum (in ``_tied_sums``), keeps its uses

@@ -99,11 +99,7 @@ class RandomizedClippingMixin:
         #: set while PrivacyEngine.load_checkpoint runs: a seeded state is checked after it
         #: (a checkpoint with the generators' states continues the streams: no replay)
         self.deferred_seeded_resume: Optional[bool] = None
-        check_seed("noise_seed", noise_seed)
-        if noise_seed is not None and self.secure_mode:
-            raise ValueError(
-                "noise_seed must be None when secure_mode=True: secure noise comes from os.urandom"
-            )
+        check_seed("noise_seed", noise_seed, self.secure_mode)
         #: the plugin's own noise stream (per device, rank folded in): see noise_generator()
         self.noise_streams = DeviceStreams(
             np.random.SeedSequence(noise_seed), NOISE_STREAM, per_rank=True

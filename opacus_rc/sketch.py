@@ -88,8 +88,11 @@ class DeviceStreams:
         }
 
 
-def check_seed(name: str, seed: Any) -> Optional[int]:
-    """``seed`` if it is None or a non-negative int (a SeedSequence entropy), else a ValueError."""
+def check_seed(name: str, seed: Any, secure_mode: bool = False) -> Optional[int]:
+    """``seed`` if it is None or a non-negative int (a SeedSequence entropy), else a ValueError;
+    under ``secure_mode`` only None (its randomness comes from ``os.urandom``)."""
+    if secure_mode and seed is not None:
+        raise ValueError(f"{name} must be None when secure_mode=True: secure randomness comes from os.urandom")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"{name}={seed!r} is invalid; accepted values: a non-negative int or None")
     return seed
@@ -105,19 +108,8 @@ class Sketcher:
             of a pseudo-random generator (``seed`` is then refused).
     """
 
-    def __init__(
-        self,
-        config: SketchConfig,
-        *,
-        seed: Optional[int] = None,
-        secure_mode: bool = False,
-    ) -> None:
-        if secure_mode and seed is not None:
-            raise ValueError(
-                "sketch_seed must be None when secure_mode=True: secure sketches are "
-                "seeded from os.urandom"
-            )
-        check_seed("sketch_seed", seed)
+    def __init__(self, config: SketchConfig, *, seed: Optional[int] = None, secure_mode: bool = False) -> None:
+        check_seed("sketch_seed", seed, secure_mode)
         self.config = config
         self.secure_mode = secure_mode
         # seed None: 128 bits from the OS; the integer is never used as a generator seed
