@@ -128,9 +128,7 @@ class CSPRNG:
 
     # ----------------------------------------------------------------- distributions
 
-    def uniform(
-        self, shape: ShapeLike, device="cpu", dtype: torch.dtype = torch.float64
-    ) -> torch.Tensor:
+    def uniform(self, shape: ShapeLike, device="cpu", dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """U[0, 1) entries ``k / 2^53`` (53 random bits each; float64, then cast)."""
         shape = _shape(shape)
         u = self.bits53(math.prod(shape)).to(torch.float64).mul_(2.0**-53)
@@ -145,9 +143,7 @@ class CSPRNG:
         mask = self.bits53(math.prod(shape)) < threshold
         return mask.reshape(shape).to(device)
 
-    def standard_normal(
-        self, shape: ShapeLike, device="cpu", dtype: torch.dtype = torch.float32
-    ) -> torch.Tensor:
+    def standard_normal(self, shape: ShapeLike, device="cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """i.i.d. N(0, 1) entries: Box-Muller in float64, both outputs of each pair used
         (``r cos theta`` and ``r sin theta``), then cast to ``dtype`` on ``device``."""
         shape = _shape(shape)
@@ -307,9 +303,7 @@ def default_generator() -> CSPRNG:
     return _default
 
 
-def secure_standard_normal(
-    shape: ShapeLike, device="cpu", dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
+def secure_standard_normal(shape: ShapeLike, device="cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """i.i.d. N(0, 1) entries from the CSPRNG (53-bit uniforms, Box-Muller in float64)."""
     return default_generator().standard_normal(shape, device=device, dtype=dtype)
 

@@ -34,9 +34,7 @@ LOWRANK_MIN_DIM: int = 512
 _DENOISER_ATTR = "_opacus_rc_spectral_denoiser"
 
 
-# --------------------------------------------------------------------------------------------
-# validation
-# --------------------------------------------------------------------------------------------
+# --- validation ---
 def _check_float(name: str, value: Any, zero_allowed: bool) -> float:
     """``value`` as a float; ValueError unless it is a finite number > 0 (>= 0 if ``zero_allowed``)."""
     message = f"{name} must be a finite float {'>=' if zero_allowed else '>'} 0, got "
@@ -54,9 +52,7 @@ def _check_svd(svd: str) -> str:
     return svd
 
 
-# --------------------------------------------------------------------------------------------
-# random-matrix quantities
-# --------------------------------------------------------------------------------------------
+# --- random-matrix quantities ---
 def noise_edge(noise_std: float, n: int, m: int) -> float:
     """Edge of the singular-value bulk of an n x m matrix of N(0, tau^2) noise: tau (sqrt n + sqrt m)."""
     return noise_std * (math.sqrt(n) + math.sqrt(m))
@@ -78,11 +74,10 @@ def optimal_shrinker(s: torch.Tensor, noise_std: float, n: int, m: int) -> torch
     return torch.where(above, eta, torch.zeros_like(s))
 
 
-# --------------------------------------------------------------------------------------------
-# SVD back-ends. The thread count is the caller's (process-global state is left alone): on an
+# --- SVD back-ends ---
+# The thread count is the caller's (process-global state is left alone): on an
 # oversubscribed CPU, multi-threaded LAPACK can stall a sub-millisecond SVD on a thread barrier
 # for a scheduler slice, so such processes set torch.set_num_threads(1) once (docs/denoising.md).
-# --------------------------------------------------------------------------------------------
 def _svd_full(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Thin SVD of a stack (B, n, m): U (B, n, k), S (B, k), V (B, m, k), k = min(n, m)."""
     u, s, vh = torch.linalg.svd(x, full_matrices=False)
@@ -106,12 +101,8 @@ def _svd_lowrank_adaptive(
     return _svd_full(x)
 
 
-# --------------------------------------------------------------------------------------------
-# the denoiser
-# --------------------------------------------------------------------------------------------
-def _denoise_stack(
-    grads: torch.Tensor, noise_std: float, kappa: float, svd: str
-) -> Tuple[torch.Tensor, torch.Tensor]:
+# --- the denoiser ---
+def _denoise_stack(grads: torch.Tensor, noise_std: float, kappa: float, svd: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """Denoise a stack (B, n, m); returns (output, bool mask of denoised matrices).
 
     Matrices that fail the gate, or whose every singular value is at or below the bulk edge
@@ -173,9 +164,7 @@ def spectral_denoise(
     return spectral_denoise_batched(grad.unsqueeze(0), noise_std, kappa, svd).squeeze(0)
 
 
-# --------------------------------------------------------------------------------------------
-# Opacus optimizer integration
-# --------------------------------------------------------------------------------------------
+# --- Opacus optimizer integration ---
 def _supported_optimizer_check(optimizer: Any) -> None:
     """ValueError unless ``optimizer`` is a DPOptimizer whose noise this module knows how to size."""
     from opacus.optimizers import (

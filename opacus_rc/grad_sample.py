@@ -101,15 +101,11 @@ class PerExampleStore:
         self._sketcher = sketcher
 
     def follow_steps(self, optimizer: Any) -> None:
-        """Follow ``optimizer``'s steps: the sketcher draws fresh sketches after each step
-        it takes (shared sketches are kept for the micro-batches of one logical step).
-
-        ``make_private`` links the module and optimizer it returns; call this once for a
-        module and optimizer built by hand (without it every pass draws new sketches).
-        The clock is torch's step post-hook on the optimizer that updates the parameters
-        (a DP optimizer's ``original_optimizer``, stepped only after ``pre_step()`` took
-        the step: BatchMemoryManager's skipped steps do not count).
-        """
+        """Follow ``optimizer``'s steps: the sketcher draws fresh sketches after each step it
+        takes (docs/accounting.md, "Fresh sketches every step"); call this once for objects built
+        by hand (``make_private`` links the pair it returns). The clock is torch's step post-hook
+        on the optimizer that updates the parameters (a DP optimizer's ``original_optimizer``,
+        stepped only after ``pre_step()`` took the step: skipped steps do not count)."""
         if self._step_hook is not None:
             self._step_hook.remove()
         target = getattr(optimizer, "original_optimizer", optimizer)

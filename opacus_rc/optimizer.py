@@ -16,11 +16,7 @@ import numpy as np
 import torch
 
 from opacus.optimizers import DistributedDPOptimizerFastGradientClipping, DPOptimizerFastGradientClipping
-from opacus.optimizers.optimizer import (
-    _check_processed_flag,
-    _generate_noise,
-    _mark_as_processed,
-)
+from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 from torch.optim import Optimizer
 
 from .clip_guard import ClipGuard
@@ -123,15 +119,11 @@ class RandomizedClippingMixin:
 
     @property
     def accumulated_iterations(self) -> int:
-        """Independent Poisson micro-batches accumulated into this step (at least 1).
-
-        Every backward pass since the last real step counts, whatever API accumulated it
-        (several ``loss.backward()`` per ``step()``, or Opacus's virtual steps through
-        ``signal_skip_step``), except the physical batches that Opacus's
-        BatchMemoryManager cut from one Poisson draw: ``m = passes - splits``. Averaging
-        divides by ``expected_batch_size * m``; the ``rc_prv`` accountant records ``m``
-        as the step's micro-batch multiplicity (an example is in ``Bin(m, q)`` of them).
-        """
+        """Independent Poisson micro-batches accumulated into this step (at least 1): every
+        backward pass since the last real step, whatever API accumulated it, except the physical
+        batches cut from one Poisson draw (``same_draw``): ``m = passes - splits``. Averaging
+        divides by ``expected_batch_size * m``; the ``rc_prv`` accountant charges ``m`` as the
+        step's micro-batch multiplicity (docs/accounting.md)."""
         return max(1, self.backward_passes - self._draw_splits)
 
     def count_backward_pass(self, passes: int = 1) -> None:

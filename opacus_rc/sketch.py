@@ -154,14 +154,7 @@ class Sketcher:
             self._step_sketches.clear()
             self._cache_token = token
 
-    def gaussian(
-        self,
-        batch: int,
-        rows: int,
-        cols: int,
-        device: torch.device,
-        key: Optional[Any] = None,
-    ) -> torch.Tensor:
+    def gaussian(self, batch: int, rows: int, cols: int, device: torch.device, key: Any = None) -> torch.Tensor:
         """A (rows, cols) sketch, or (batch, rows, cols) for per-example sketching, with
         i.i.d. N(0, 1/cols) entries (float32).
 
@@ -190,9 +183,7 @@ class Sketcher:
             sketch = torch.randn(shape, generator=self.generator(device), device=device, dtype=torch.float32)
         return sketch.mul_(cols**-0.5)
 
-    def estimate(
-        self, activations: torch.Tensor, backprops: torch.Tensor, key: Optional[Any] = None
-    ) -> torch.Tensor:
+    def estimate(self, activations: torch.Tensor, backprops: torch.Tensor, key: Optional[Any] = None) -> torch.Tensor:
         """Estimated per-sample ``||A_i^T G_i||_F^2``: (B,). ``key`` (the layer) makes the
         micro-batches of one step share the layer's sketch (see :meth:`gaussian`)."""
         batch, device = activations.shape[0], backprops.device

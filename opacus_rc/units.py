@@ -40,11 +40,7 @@ DEFAULT_MAX_EXAMPLES_PER_USER = 8
 
 
 def check_privacy_unit(privacy_unit: Any) -> str:
-    """``privacy_unit=``: ``"example"`` or ``"user"``.
-
-    Raises:
-        ValueError: naming the parameter and its accepted values.
-    """
+    """``privacy_unit=``: ``"example"`` or ``"user"`` (else a ValueError naming the parameter)."""
     if privacy_unit not in PRIVACY_UNITS:
         raise ValueError(
             f"privacy_unit={privacy_unit!r} is invalid; accepted values: "
@@ -54,11 +50,7 @@ def check_privacy_unit(privacy_unit: Any) -> str:
 
 
 def check_max_examples_per_user(k: Any) -> int:
-    """``max_examples_per_user=``: a positive int.
-
-    Raises:
-        ValueError: naming the parameter and its accepted values.
-    """
+    """``max_examples_per_user=``: a positive int (else a ValueError naming the parameter)."""
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
         raise ValueError(
             f"max_examples_per_user={k!r} is invalid; accepted values: a positive int (the rows "
