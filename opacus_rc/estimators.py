@@ -131,8 +131,7 @@ def hutchinson_sq_norms(
             :func:`sketch_rows`.
         side: ``"auto"``, ``"output"`` or ``"input"``.
 
-    Returns:
-        (B,) float tensor of estimated squared norms.
+    Returns (B,) estimated squared norms.
     """
     left, right = _orient(activations, backprops, side)
     return _per_sample_sq_norm(sketched_product(left, right, sketch))

@@ -136,12 +136,11 @@ class PerExampleStore:
         return self._steps_taken
 
     def start_pass(self, module: nn.Module) -> None:
-        """The first hooked layer of a training forward pass starts a sketch pass, with
-        gradients on or not: inside a ``checkpoint(use_reentrant=True)`` region the
-        forward runs without them (its replay, in the backward pass, starts none). When
-        every trainable layer sits in such regions (LoRA with a frozen embedding and
-        head), that forward is the only sign of a new physical batch: without a pass
-        there, the next physical batch of the step would reuse the per-example sketches."""
+        """The first hooked layer of a training forward pass starts a sketch pass, with gradients
+        on or not: a ``checkpoint(use_reentrant=True)`` region's forward runs without them (its
+        replay starts none), and when every trainable layer sits in such regions (LoRA, frozen
+        embedding and head) that forward is the only sign of a new physical batch (without a
+        pass there, the step's next physical batch would reuse the per-example sketches)."""
         if self._awaiting_forward and self.hooks_enabled and module.training:
             self.sketcher.begin_pass()
             self._awaiting_forward = False
@@ -341,11 +340,10 @@ class SketchingMixin(PerExampleStore):
         return per_row(mean_clip_factors(norms, sizes, self.max_grad_norm), self.row_units)
 
     def get_norm_sample(self) -> torch.Tensor:
-        """Per-example norms over all trainable parameters (L2 of the per-parameter
-        norms), with a clear error when a layer did not see the batch dimension or took
-        no part in the backward pass (their finiteness is checked by the optimizer's
-        step: :mod:`opacus_rc.finite`). The norms are consumed: a later pass never
-        reuses them for other examples."""
+        """Per-example norms over all trainable parameters (L2 of the per-parameter norms),
+        refused when a layer took no part in the backward pass or did not see the batch
+        dimension, or a tied parameter's sum waits for a use (finiteness: the optimizer's step).
+        The norms are consumed: a later pass never reuses them for other examples."""
         try:
             if self._tied_sums:  # a tied running sum waits for a use: its norm would miss it
                 raise unmatched_tied_uses_error()
@@ -541,10 +539,9 @@ def embedding_grad_sum(ids: torch.Tensor, g: torch.Tensor, rows: int, padding_id
 
 
 class _SummingGradSamplers(dict):
-    """Opacus's grad samplers (``GRAD_SAMPLERS``, looked up by the layer's type; a type
-    without one, functorch's ``ft_compute_per_sample_gradient``) whose per-sample gradients'
-    batch sum is handed to ``owner.note_in_module_grad`` during the norm pass: one
-    reduction of the per-sample gradients Opacus computes anyway."""
+    """Opacus's grad samplers (``GRAD_SAMPLERS`` by layer type, else functorch's) whose
+    per-sample gradients' batch sum is handed to ``owner.note_in_module_grad`` during the
+    norm pass: one reduction of the per-sample gradients Opacus computes anyway."""
 
     def __init__(self, owner: Any, samplers: Dict[Any, Callable]) -> None:
         super().__init__(samplers)

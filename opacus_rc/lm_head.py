@@ -436,11 +436,7 @@ class ChunkedLMHeadLoss(nn.Module):
 
     @staticmethod
     def _reduced(losses: torch.Tensor, reduction: str) -> torch.Tensor:
-        if reduction == "mean":
-            return losses.mean()
-        if reduction == "sum":
-            return losses.sum()
-        return losses
+        return losses if reduction == "none" else getattr(losses, reduction)()  # mean() or sum()
 
     def _losses(self, layer: nn.Module, owner: Any, hidden: torch.Tensor, target, scale) -> torch.Tensor:
         """The per-sequence losses (B,), registering the pass with ``owner`` when its hooks

@@ -432,9 +432,8 @@ class RandomizedClippingMixin:
         return self.generator if self.generator is not None else self.noise_streams.generator(device)
 
     def _noise(self, std: float, reference: torch.Tensor) -> torch.Tensor:
-        """N(0, std^2) like ``reference``, from :meth:`noise_generator`. Secure mode: from
-        :mod:`opacus_rc.csprng` (AES-CTR keystream, no PRNG), as the sum of 4 normals
-        halved in float64, Opacus's guard against floating-point attacks."""
+        """N(0, std^2) like ``reference``, from :meth:`noise_generator`; in secure mode from
+        :mod:`opacus_rc.csprng` (the halved sum of 4 normals, Opacus's floating-point guard)."""
         if not self.secure_mode:
             return _generate_noise(
                 std=std, reference=reference, generator=self.noise_generator(reference.device)
@@ -485,8 +484,7 @@ class SketchedClippingMixin(RandomizedClippingMixin):
 
     Args:
         optimizer: wrapped optimizer.
-        sketch_config: how the per-sample norms were estimated (default: Hutchinson,
-            k = 32, one sketch shared by the batch).
+        sketch_config: how the per-sample norms were estimated (default ``SketchConfig()``).
         **kwargs: :class:`RandomizedClippingMixin`'s.
     """
 

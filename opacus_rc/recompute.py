@@ -205,9 +205,6 @@ class SavedInput:
 class SavedInputs(list):
     """A ``module.activations`` entry made of :class:`SavedInput` (one per input)."""
 
-    def resolve(self) -> List[torch.Tensor]:
-        return [saved.get() for saved in self]
-
 
 def save_inputs(forward_input: Sequence[torch.Tensor], hooks: SavedTensorsHooks) -> SavedInputs:
     """Save a layer's inputs through ``hooks`` (see the module docstring)."""
@@ -218,7 +215,7 @@ def resolve_last(module) -> None:
     """Unpack the entry the backward hook is about to pop from ``module.activations``."""
     entries = getattr(module, "activations", None)
     if entries and isinstance(entries[-1], SavedInputs):
-        entries[-1] = entries[-1].resolve()
+        entries[-1] = [saved.get() for saved in entries[-1]]
 
 
 def missing_per_sample_error(what: str) -> ValueError:

@@ -104,8 +104,7 @@ class Sketcher:
     Args:
         config: estimator, sketch size and sketching (shared or per example).
         seed: seed of the sketch generator; ``None`` draws one from ``os.urandom``.
-        secure_mode: draw every sketch from ``os.urandom`` (the kernel's CSPRNG) instead
-            of a pseudo-random generator (``seed`` is then refused).
+        secure_mode: draw every sketch from :mod:`opacus_rc.csprng` (``seed`` is then refused).
     """
 
     def __init__(self, config: SketchConfig, *, seed: Optional[int] = None, secure_mode: bool = False) -> None:
@@ -137,10 +136,8 @@ class Sketcher:
         self._clock = clock
 
     def begin_pass(self) -> None:
-        """Start of a pass (a forward with hooks on). Shared sketches live for the whole
-        logical step (all micro-batches of a logical batch share them, as one batch
-        would); per-example sketches belong to the examples of one pass and are dropped
-        here (reused across passes, they would tie different examples' sketches)."""
+        """Start of a pass (a forward with hooks on): per-example sketches, which belong to one
+        pass, are dropped (shared ones live for the logical step; docs/accounting.md)."""
         self._passes += 1
         if self.config.sketching == PER_EXAMPLE_SKETCH:
             self._step_sketches.clear()

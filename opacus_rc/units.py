@@ -121,11 +121,8 @@ def _check_user_id(row: int, uid: Any) -> None:
 
     An id hashed by identity (a ``torch.Tensor`` element, e.g. of ``list(tensor)``; an
     object without ``__eq__``) or a NaN (a missing value) is unequal to another copy of
-    itself, so one person's rows would become several units, each clipped to C: refused.
-
-    Raises:
-        ValueError: naming ``user_ids[row]`` and its accepted values.
-    """
+    itself, so one person's rows would become several units, each clipped to C: refused
+    (a ValueError naming ``user_ids[row]``)."""
     accepted = "accepted values: a hashable id compared by value (an int, a string, a tuple), not None"
     if uid is None or not isinstance(uid, Hashable):
         raise ValueError(f"user_ids[{row}]={uid!r} is invalid; {accepted}")
