@@ -256,10 +256,9 @@ class _Chunks:
     """Iterate over ``(start, m, u)``: ``n`` outputs in chunks of ``m``, each with
     ``per_output * m`` float64 uniforms ``u`` from fresh keystream: the first half
     ``(k + 1) / 2^53`` in (0, 1] (for radii), the second half ``2 pi k / 2^53`` (angles),
-    ``k`` 53 random bits. Buffers are allocated once per call and reused, so the CPU work
-    stays in cache; for CUDA the 53-bit integers are moved and the math runs there.
-    ``device`` is the output's: the float64 work runs on it if it is a GPU, else on the CPU
-    (MPS has no float64)."""
+    ``k`` 53 random bits. Buffers are allocated once per call and reused (the CPU work stays
+    in cache); the float64 work runs on ``device`` (the output's) if it is a GPU, else on the
+    CPU (MPS has no float64)."""
 
     def __init__(self, rng: "CSPRNG", per_output: int, n: int, device: torch.device) -> None:
         cuda = device.type == "cuda"

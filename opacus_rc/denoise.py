@@ -103,11 +103,9 @@ def _svd_lowrank_adaptive(
 
 # --- the denoiser ---
 def _denoise_stack(grads: torch.Tensor, noise_std: float, kappa: float, svd: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Denoise a stack (B, n, m); returns (output, bool mask of denoised matrices).
-
-    Matrices that fail the gate, or whose every singular value is at or below the bulk edge
-    (possible when kappa < 1), are returned bit-for-bit unchanged.
-    """
+    """Denoise a stack (B, n, m); returns (output, bool mask of denoised matrices). Matrices that
+    fail the gate, or whose every singular value is at or below the bulk edge (possible when
+    kappa < 1), are returned bit-for-bit unchanged."""
     n, m = grads.shape[-2:]
     untouched = torch.zeros(grads.shape[0], dtype=torch.bool, device=grads.device)
     if noise_std == 0.0 or grads.numel() == 0:
@@ -332,9 +330,8 @@ def attach_spectral_denoiser(
         optimizer: the DP optimizer returned by ``PrivacyEngine.make_private``.
         params: 2-D weights (nn.Linear / HF Conv1D, LoRA A and B factors) trained by ``optimizer``.
         kappa: gate factor, finite and > 0 (default :data:`DEFAULT_KAPPA`).
-        svd: "full" (default, exact), "lowrank" or "auto" (see :func:`spectral_denoise_batched`);
-            lowrank is 10-30x faster on matrices >= 384 x 384 on CPU but its weakest kept
-            components are less accurate (docs/denoising.md).
+        svd: "full" (default, exact), "lowrank" or "auto" (see :func:`spectral_denoise_batched`;
+            lowrank's speed and accuracy: docs/denoising.md).
 
     Returns:
         The :class:`SpectralDenoiser` (its ``stats`` count denoised matrices and time spent;

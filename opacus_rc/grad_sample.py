@@ -417,10 +417,7 @@ class SketchingMixin(PerExampleStore):
         passes = self.output_passes  # plain-loss scripts: opacus_rc.forms.output_passes
         if passes is not None and self.hooks_enabled:
             passes.check_inside(module)
-        tied = self.hooks_enabled and any(  # a parameter used again in this pass, or with a pending sum
-            p._forward_counter > 1 or p in self._tied_sums for _, p in trainable_parameters(module)
-        )
-        if tied:
+        if self.hooks_enabled and self._is_tied_use(module):
             if self.row_units is not None:
                 raise ValueError(
                     "privacy_unit='user' with tied parameters in the two-pass form is not supported: use "
@@ -473,14 +470,23 @@ class SketchingMixin(PerExampleStore):
             for name, contribution in contributions.items():
                 self._add_tied_use(layer, getattr(layer, name), contribution)
             return
-        # an untied use's norms are of this use alone: any other use of the layer in the pass (one
-        # still to come, one summed as tied, one already delivered) is refused
-        params = [getattr(layer, name) for name in contributions]
+        norms = {name: c if c.dim() == 1 else c.flatten(start_dim=1).norm(2, dim=1) for name, c in contributions.items()}
+        self._store_untied_norms(layer, norms)
+
+    def _store_untied_norms(self, layer: nn.Module, norms: Dict[str, torch.Tensor]) -> None:
+        """An untied layer's per-example norms, of this use alone: any other use of it in the
+        pass (a use still to come, one summed as tied, one already delivered) is refused."""
+        params = [getattr(layer, name) for name in norms]
         if any(p._forward_counter != 1 or p in self._tied_sums for p in params):
             raise head_used_twice_error()
-        for p, c in zip(params, contributions.values()):
-            p._norm_sample = c if c.dim() == 1 else c.flatten(start_dim=1).norm(2, dim=1)
+        for p, norm in zip(params, norms.values()):
+            p._norm_sample = norm
             p._forward_counter -= 1
+
+    def _is_tied_use(self, module: nn.Module) -> bool:
+        """True if one of the module's trainable parameters is used more than once in
+        this forward pass (tied weights) or has a pending sum from an earlier use."""
+        return any(p._forward_counter > 1 or p in self._tied_sums for _, p in trainable_parameters(module))
 
     def _tied_slot(self, module: nn.Module, param: nn.Parameter) -> Any:
         """What keys a tied parameter's running sum (in ``_tied_sums``), keeps its uses

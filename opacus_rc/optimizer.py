@@ -192,10 +192,9 @@ class RandomizedClippingMixin:
         self._nonfinite_guard.note(kind, tensors)
 
     def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
-        """Opacus's pre-step (accumulate, noise, average, accountant hook) with the
-        step's non-finite refusal decided before noise is drawn (see
-        :meth:`_check_skip_next_step`). A refusal decided on the device for an earlier
-        step is raised first."""
+        """Opacus's pre-step (accumulate, noise, average, accountant hook) with the step's
+        refusals decided before noise is drawn (:meth:`_check_skip_next_step`); a refusal
+        decided on the device for an earlier step is raised first."""
         self._raise_deferred_refusal(wait=False)
         self.check_cleared()
         self._check_forward_changes()

@@ -62,10 +62,9 @@ def _report(kind: str) -> str:
 
 
 def _saved_tensors_pack_hooks() -> List[Callable]:
-    """The pack hooks of this thread's saved-tensors hooks stack, innermost first.
-
-    PyTorch exposes only the top of the stack: it is popped entry by entry and pushed
-    back in the original order (the stack is thread-local; nothing runs in between)."""
+    """The pack hooks of this thread's saved-tensors hooks stack, innermost first. PyTorch
+    exposes only the top of the stack: it is popped entry by entry and pushed back in the
+    original order (the stack is thread-local; nothing runs in between)."""
     autograd = torch._C._autograd
     popped = []
     try:
