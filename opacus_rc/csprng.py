@@ -8,26 +8,10 @@ so no keystream byte is ever used twice; the key is drawn again in a forked chil
 child never replays its parent's stream. No pseudo-random generator of torch or numpy is
 involved, and ``torchcsprng`` is not needed.
 
-Keystream to numbers, vectorised in torch (no Python loop over elements):
-
-* 64-bit words ``w`` -> 53 random bits ``k = w mod 2^53``;
-* uniforms: ``k / 2^53`` in [0, 1) for :meth:`CSPRNG.uniform`, ``(k + 1) / 2^53`` in
-  (0, 1] for logarithms;
-* Bernoulli(p): ``k < ceil(p 2^53)``, i.e. probability ``ceil(p 2^53) / 2^53`` (``p`` up
-  to 2^-53);
-* normals (Box-Muller, float64): ``r = sqrt(-2 ln u1)``, ``theta = 2 pi u2``; the pair
-  ``(r cos theta, r sin theta)`` is i.i.d. N(0, 1).
-
-Secure noise keeps Opacus's guard against floating-point attacks (``_generate_noise`` in
-secure mode, after Holohan & Braghin 2021, section 5.1): the noise is the halved sum of
-four independent normals, ``(z1 + z2 + z3 + z4) / 2 ~ N(0, 1)``, built from four 53-bit
-uniforms in float64. Two of the four come from one Box-Muller pair, and
-``r cos theta + r sin theta = sqrt(2) r sin(theta + pi/4)``; ``theta + pi/4`` is again
-uniform on the same grid of angles (a shift by 1/8 turn), so the halved sum equals in
-distribution ``(r1 sin(2 pi v1) + r2 sin(2 pi v2)) / sqrt(2)`` with four independent
-uniforms ``u1, v1, u2, v2``: the same four 53-bit inputs per output (an attacker who sees
-one output still faces three free 53-bit unknowns, 2^159 candidates), at one sine instead
-of a sine and a cosine per pair.
+The keystream's 64-bit words give 53-bit uniforms, Bernoulli masks (``k < ceil(p 2^53)``)
+and Box-Muller normals in float64, vectorised in torch; secure noise keeps Opacus's guard
+against floating-point attacks, the halved sum of four independent normals (four 53-bit
+uniforms per output). Derivations: docs/maths.md ("Secure mode's random numbers").
 
 The generator refuses to be pickled, copied or put in a state_dict, and its repr shows no
 key: a copy would replay the noise, and a stored key would let anyone regenerate it.
@@ -144,9 +128,7 @@ class CSPRNG:
 
     # ----------------------------------------------------------------- distributions
 
-    def uniform(
-        self, shape: ShapeLike, device="cpu", dtype: torch.dtype = torch.float64
-    ) -> torch.Tensor:
+    def uniform(self, shape: ShapeLike, device="cpu", dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """U[0, 1) entries ``k / 2^53`` (53 random bits each; float64, then cast)."""
         shape = _shape(shape)
         u = self.bits53(math.prod(shape)).to(torch.float64).mul_(2.0**-53)
@@ -161,9 +143,7 @@ class CSPRNG:
         mask = self.bits53(math.prod(shape)) < threshold
         return mask.reshape(shape).to(device)
 
-    def standard_normal(
-        self, shape: ShapeLike, device="cpu", dtype: torch.dtype = torch.float32
-    ) -> torch.Tensor:
+    def standard_normal(self, shape: ShapeLike, device="cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """i.i.d. N(0, 1) entries: Box-Muller in float64, both outputs of each pair used
         (``r cos theta`` and ``r sin theta``), then cast to ``dtype`` on ``device``."""
         shape = _shape(shape)
@@ -276,10 +256,9 @@ class _Chunks:
     """Iterate over ``(start, m, u)``: ``n`` outputs in chunks of ``m``, each with
     ``per_output * m`` float64 uniforms ``u`` from fresh keystream: the first half
     ``(k + 1) / 2^53`` in (0, 1] (for radii), the second half ``2 pi k / 2^53`` (angles),
-    ``k`` 53 random bits. Buffers are allocated once per call and reused, so the CPU work
-    stays in cache; for CUDA the 53-bit integers are moved and the math runs there.
-    ``device`` is the output's: the float64 work runs on it if it is a GPU, else on the CPU
-    (MPS has no float64)."""
+    ``k`` 53 random bits. Buffers are allocated once per call and reused (the CPU work stays
+    in cache); the float64 work runs on ``device`` (the output's) if it is a GPU, else on the
+    CPU (MPS has no float64)."""
 
     def __init__(self, rng: "CSPRNG", per_output: int, n: int, device: torch.device) -> None:
         cuda = device.type == "cuda"
@@ -323,9 +302,7 @@ def default_generator() -> CSPRNG:
     return _default
 
 
-def secure_standard_normal(
-    shape: ShapeLike, device="cpu", dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
+def secure_standard_normal(shape: ShapeLike, device="cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """i.i.d. N(0, 1) entries from the CSPRNG (53-bit uniforms, Box-Muller in float64)."""
     return default_generator().standard_normal(shape, device=device, dtype=dtype)
 
@@ -409,6 +386,12 @@ class SecurePoissonSampler(UniformWithReplacementSampler):
         )
 
 
+def rank_share(distributed: bool) -> Dict[str, int]:
+    """This process's ``rank`` and ``world_size`` when ``distributed`` (else none: one share)."""
+    dist = torch.distributed
+    return dict(rank=dist.get_rank(), world_size=dist.get_world_size()) if distributed else {}
+
+
 def loader_settings(data_loader: Any) -> Dict[str, Any]:
     """The worker and batching settings of ``data_loader`` that a Poisson loader replacing
     it keeps (as Opacus's ``DPDataLoader.from_data_loader`` does)."""
@@ -474,17 +457,11 @@ class SecureDPDataLoader(DPDataLoader):
     ) -> None:
         self.sample_rate = sample_rate
         self.distributed = distributed
-        rank, world_size = 0, 1
-        if distributed:
-            import torch.distributed as dist
-
-            rank, world_size = dist.get_rank(), dist.get_world_size()
         batch_sampler = SecurePoissonSampler(
             num_samples=len(dataset),  # type: ignore[arg-type]
             sample_rate=sample_rate,
-            rank=rank,
-            world_size=world_size,
             generator=generator,
+            **rank_share(distributed),
         )
         init_poisson_loader(
             self, dataset, batch_sampler, collate_fn=collate_fn, drop_last=drop_last,

@@ -1,19 +1,12 @@
 """Spectral denoising of noised DP gradients (post-processing, costs no privacy).
 
-For a linear layer's noised gradient ``G`` (n x m) whose entries carry i.i.d. Gaussian noise of
-standard deviation ``tau``, with SVD ``G = sum_i s_i u_i v_i^T``:
-
-* gate: denoise only if ``s_1 > kappa * tau * (sqrt(n) + sqrt(m))`` (``tau*(sqrt n + sqrt m)`` is the
-  edge of the noise bulk; below it a spike is indistinguishable from noise);
-* shrink: ``eta(s) = sqrt((s^2 - tau^2 (n+m))^2 - 4 tau^4 n m) / s`` for ``s > tau (sqrt n + sqrt m)``,
-  else 0 -- the Frobenius-optimal shrinker for known noise level (Shabalin & Nobel 2013,
-  Gavish & Donoho 2017, "Optimal shrinkage of singular values");
-* norm correction: rescale ``sum_i eta(s_i) u_i v_i^T`` to the Frobenius norm of ``G``.
-
-The functions here read only the matrix they are given and public constants (``tau``, ``kappa``),
-so applied to DP-SGD's released gradient they are post-processing. :func:`attach_spectral_denoiser`
-installs the step on an Opacus ``DPOptimizer`` so that it acts on the final noised, averaged (and in
-DDP all-reduced) ``p.grad`` just before the wrapped optimizer's update.
+A linear layer's noised gradient ``G`` (n x m, i.i.d. N(0, tau^2) noise per entry) is denoised
+only if ``s_1 > kappa * tau * (sqrt n + sqrt m)`` (the edge of the noise bulk): its singular values
+are shrunk by the Frobenius-optimal shrinker for a known noise level (Shabalin & Nobel 2013, Gavish
+& Donoho 2017) and the result is rescaled to ``||G||_F``. The functions here read only the matrix
+and public constants (``tau``, ``kappa``): applied to DP-SGD's released gradient they are
+post-processing. :func:`attach_spectral_denoiser` installs the step on an Opacus ``DPOptimizer``.
+The math, the noise level and where the step acts: docs/denoising.md.
 """
 
 from __future__ import annotations
@@ -32,10 +25,7 @@ from .values import SVD_AUTO, SVD_LOWRANK, SVD_METHODS
 logger = logging.getLogger(__name__)
 
 #: Default gate factor ``kappa``: a layer is denoised only if its top singular value exceeds
-#: ``kappa`` times the noise-bulk edge. 1.1 clears the Tracy-Widom fluctuations of pure noise at
-#: the shapes met in practice (a few standard deviations at LoRA shapes, e.g. 8 x 384, where one TW
-#: unit is ~1.6% of the edge) while still denoising layers whose spikes sit just above the edge;
-#: see docs/denoising.md for the kappa ablation that supports it.
+#: ``kappa`` times the noise-bulk edge (docs/denoising.md: why 1.1, and the ablation).
 DEFAULT_KAPPA: float = 1.1
 
 #: ``svd="auto"`` uses the randomized truncated SVD only when the smaller side is at least this.
@@ -44,9 +34,7 @@ LOWRANK_MIN_DIM: int = 512
 _DENOISER_ATTR = "_opacus_rc_spectral_denoiser"
 
 
-# --------------------------------------------------------------------------------------------
-# validation
-# --------------------------------------------------------------------------------------------
+# --- validation ---
 def _check_float(name: str, value: Any, zero_allowed: bool) -> float:
     """``value`` as a float; ValueError unless it is a finite number > 0 (>= 0 if ``zero_allowed``)."""
     message = f"{name} must be a finite float {'>=' if zero_allowed else '>'} 0, got "
@@ -64,9 +52,7 @@ def _check_svd(svd: str) -> str:
     return svd
 
 
-# --------------------------------------------------------------------------------------------
-# random-matrix quantities
-# --------------------------------------------------------------------------------------------
+# --- random-matrix quantities ---
 def noise_edge(noise_std: float, n: int, m: int) -> float:
     """Edge of the singular-value bulk of an n x m matrix of N(0, tau^2) noise: tau (sqrt n + sqrt m)."""
     return noise_std * (math.sqrt(n) + math.sqrt(m))
@@ -88,11 +74,10 @@ def optimal_shrinker(s: torch.Tensor, noise_std: float, n: int, m: int) -> torch
     return torch.where(above, eta, torch.zeros_like(s))
 
 
-# --------------------------------------------------------------------------------------------
-# SVD back-ends. The thread count is the caller's (process-global state is left alone): on an
+# --- SVD back-ends ---
+# The thread count is the caller's (process-global state is left alone): on an
 # oversubscribed CPU, multi-threaded LAPACK can stall a sub-millisecond SVD on a thread barrier
 # for a scheduler slice, so such processes set torch.set_num_threads(1) once (docs/denoising.md).
-# --------------------------------------------------------------------------------------------
 def _svd_full(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Thin SVD of a stack (B, n, m): U (B, n, k), S (B, k), V (B, m, k), k = min(n, m)."""
     u, s, vh = torch.linalg.svd(x, full_matrices=False)
@@ -116,29 +101,19 @@ def _svd_lowrank_adaptive(
     return _svd_full(x)
 
 
-def _svd(x: torch.Tensor, edge: float, svd: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    use_lowrank = svd == SVD_LOWRANK or (svd == SVD_AUTO and min(x.shape[-2:]) >= LOWRANK_MIN_DIM)
-    return _svd_lowrank_adaptive(x, edge) if use_lowrank else _svd_full(x)
-
-
-# --------------------------------------------------------------------------------------------
-# the denoiser
-# --------------------------------------------------------------------------------------------
-def _denoise_stack(
-    grads: torch.Tensor, noise_std: float, kappa: float, svd: str
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Denoise a stack (B, n, m); returns (output, bool mask of denoised matrices).
-
-    Matrices that fail the gate, or whose every singular value is at or below the bulk edge
-    (possible when kappa < 1), are returned bit-for-bit unchanged.
-    """
+# --- the denoiser ---
+def _denoise_stack(grads: torch.Tensor, noise_std: float, kappa: float, svd: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Denoise a stack (B, n, m); returns (output, bool mask of denoised matrices). Matrices that
+    fail the gate, or whose every singular value is at or below the bulk edge (possible when
+    kappa < 1), are returned bit-for-bit unchanged."""
     n, m = grads.shape[-2:]
     untouched = torch.zeros(grads.shape[0], dtype=torch.bool, device=grads.device)
     if noise_std == 0.0 or grads.numel() == 0:
         return grads.clone(), untouched
     work = grads if grads.dtype in (torch.float32, torch.float64) else grads.float()
     edge = noise_edge(noise_std, n, m)
-    u, s, v = _svd(work, edge, svd)
+    lowrank = svd == SVD_LOWRANK or (svd == SVD_AUTO and min(n, m) >= LOWRANK_MIN_DIM)
+    u, s, v = _svd_lowrank_adaptive(work, edge) if lowrank else _svd_full(work)
     eta = optimal_shrinker(s, noise_std, n, m)
     gate = (s[..., 0] > kappa * edge) & (eta[..., 0] > 0)
     if not bool(gate.any()):
@@ -187,9 +162,7 @@ def spectral_denoise(
     return spectral_denoise_batched(grad.unsqueeze(0), noise_std, kappa, svd).squeeze(0)
 
 
-# --------------------------------------------------------------------------------------------
-# Opacus optimizer integration
-# --------------------------------------------------------------------------------------------
+# --- Opacus optimizer integration ---
 def _supported_optimizer_check(optimizer: Any) -> None:
     """ValueError unless ``optimizer`` is a DPOptimizer whose noise this module knows how to size."""
     from opacus.optimizers import (
@@ -208,12 +181,9 @@ def _supported_optimizer_check(optimizer: Any) -> None:
 
 
 def _noise_std_before_scaling(optimizer: Any) -> float:
-    """Std of the Gaussian noise Opacus adds to each entry of the summed clipped gradient.
-
-    ``noise_multiplier * max_grad_norm`` (``DPOptimizer.add_noise``); the fast-gradient-clipping
-    optimizer uses ``_adjusted_noise_multiplier`` instead when adaptive clipping set one. An
-    optimizer whose ``add_noise`` differs may expose ``denoise_noise_std()`` returning that std.
-    """
+    """Std of the Gaussian noise Opacus adds to each entry of the summed clipped gradient:
+    ``noise_multiplier * max_grad_norm`` (``_adjusted_noise_multiplier`` when adaptive clipping
+    set one), or an optimizer's own ``denoise_noise_std()``."""
     from opacus.optimizers import DPOptimizerFastGradientClipping
 
     custom = getattr(optimizer, "denoise_noise_std", None)
@@ -223,13 +193,6 @@ def _noise_std_before_scaling(optimizer: Any) -> float:
     if isinstance(optimizer, DPOptimizerFastGradientClipping):
         multiplier = getattr(optimizer, "_adjusted_noise_multiplier", multiplier)
     return float(multiplier) * float(optimizer.max_grad_norm)
-
-
-def _world_size_divisor(optimizer: Any) -> int:
-    """Opacus's distributed optimizers add noise on rank 0 only, all-reduce (sum) and, for
-    ``loss_reduction="mean"``, divide by the world size."""
-    is_distributed = hasattr(optimizer, "reduce_gradients") and hasattr(optimizer, "world_size")
-    return int(optimizer.world_size) if is_distributed and optimizer.loss_reduction == "mean" else 1
 
 
 @dataclass
@@ -246,20 +209,12 @@ class DenoiseStats:
 
 
 class SpectralDenoiser:
-    """Denoises ``params``' final gradients inside an Opacus ``DPOptimizer`` step.
-
-    Where it acts: a step pre-hook on ``optimizer.original_optimizer``
-    (``torch.optim.Optimizer.register_step_pre_hook``). Every Opacus step method calls
-    ``original_optimizer.step()`` only after ``pre_step()`` returned True -- i.e. after noise,
-    ``scale_grad`` and (Distributed variants) the all-reduce -- and never on a skipped step
-    (virtual steps / ``signal_skip_step``), so the hook sees exactly the released gradient, on
-    every rank the same all-reduced tensor, and nothing on skipped steps.
-
-    The noise level: ``scale_grad`` is wrapped on the instance to record the divisor Opacus uses
-    at that moment (``expected_batch_size * accumulated_iterations`` for ``loss_reduction="mean"``,
-    1 for "sum"); at step time ``tau = noise_std_before_scaling / (divisor * world_size_divisor)``
-    is computed from the optimizer's current attributes (noise schedulers may change them). The
-    hook itself reads only ``p.grad`` and these constants.
+    """Denoises ``params``' final gradients inside an Opacus ``DPOptimizer`` step: a step pre-hook
+    on ``optimizer.original_optimizer``, which Opacus steps only after noise, ``scale_grad`` and
+    the all-reduce, never on a skipped step (docs/denoising.md, "Where it acts"). ``scale_grad``
+    is wrapped on the instance to record the divisor Opacus used in the step; ``tau`` is computed
+    at step time from the optimizer's current attributes (noise schedulers may change them). The
+    hook reads only ``p.grad`` and these constants.
     """
 
     def __init__(self, optimizer: Any, params: Sequence[torch.nn.Parameter], kappa: float, svd: str):
@@ -298,10 +253,15 @@ class SpectralDenoiser:
         self._orig_scale_grad()
 
     def noise_std(self) -> Optional[float]:
-        """Per-entry noise std of the released ``p.grad`` for the current step (None if unknown)."""
+        """Per-entry noise std of the released ``p.grad`` for the current step (None if unknown).
+        Opacus's distributed optimizers add noise on rank 0 only, all-reduce (sum) and, for
+        ``loss_reduction="mean"``, divide by the world size."""
         if self._divisor is None:
             return None
-        return _noise_std_before_scaling(self.optimizer) / (self._divisor * _world_size_divisor(self.optimizer))
+        opt = self.optimizer
+        distributed = hasattr(opt, "reduce_gradients") and hasattr(opt, "world_size")
+        ranks = int(opt.world_size) if distributed and opt.loss_reduction == "mean" else 1
+        return _noise_std_before_scaling(opt) / (self._divisor * ranks)
 
     def _pre_step_hook(self, opt: Any, _args: Any, _kwargs: Any) -> None:
         tau = self.noise_std()
@@ -364,17 +324,14 @@ def attach_spectral_denoiser(
     """Install spectral denoising of ``params``' noised, averaged gradients on an Opacus optimizer.
 
     Works with ``DPOptimizer`` (flat clipping), ``DPOptimizerFastGradientClipping`` (ghost) and
-    their Distributed variants. Per-entry noise std at each step:
-    ``tau = noise_multiplier * max_grad_norm / (expected_batch_size * accumulated_iterations
-    [* world_size])`` for ``loss_reduction="mean"``, ``noise_multiplier * max_grad_norm`` for "sum".
+    their Distributed variants; the per-entry noise std ``tau`` of each step: docs/denoising.md.
 
     Args:
         optimizer: the DP optimizer returned by ``PrivacyEngine.make_private``.
         params: 2-D weights (nn.Linear / HF Conv1D, LoRA A and B factors) trained by ``optimizer``.
         kappa: gate factor, finite and > 0 (default :data:`DEFAULT_KAPPA`).
-        svd: "full" (default, exact), "lowrank" or "auto" (see :func:`spectral_denoise_batched`);
-            lowrank is 10-30x faster on matrices >= 384 x 384 on CPU but its weakest kept
-            components are less accurate (docs/denoising.md).
+        svd: "full" (default, exact), "lowrank" or "auto" (see :func:`spectral_denoise_batched`;
+            lowrank's speed and accuracy: docs/denoising.md).
 
     Returns:
         The :class:`SpectralDenoiser` (its ``stats`` count denoised matrices and time spent;

@@ -42,9 +42,7 @@ def as_sequence(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
 
 
-def as_sequences(
-    activations: torch.Tensor, backprops: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor]:
+def as_sequences(activations: torch.Tensor, backprops: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reshape (B, ..., d) and (B, ..., p) to (B, T, d), (B, T, p) in float32 or wider.
 
     Half-precision inputs are promoted so the sketch arithmetic accumulates in float32.
@@ -71,13 +69,10 @@ def sketch_rows(d: int, p: int, side: str) -> int:
     return p if sketch_side(d, p, side) == "output" else d
 
 
-def _orient(
-    a: torch.Tensor, g: torch.Tensor, side: str
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Return (left, right) so that the sketched gradient is ``left^T right @ P``."""
-    if sketch_side(a.shape[-1], g.shape[-1], side) == "output":
-        return a, g
-    return g, a
+def _orient(activations: torch.Tensor, backprops: torch.Tensor, side: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, .) views (left, right) of the inputs so that the sketched gradient is ``left^T right @ P``."""
+    a, g = as_sequence(activations), as_sequence(backprops)
+    return (a, g) if sketch_side(a.shape[-1], g.shape[-1], side) == "output" else (g, a)
 
 
 def _wide(*tensors: torch.Tensor) -> torch.dtype:
@@ -102,9 +97,7 @@ def _sum_over_positions(left: torch.Tensor, right: torch.Tensor, fn) -> torch.Te
     return total
 
 
-def sketched_product(
-    left: torch.Tensor, right: torch.Tensor, sketch: torch.Tensor
-) -> torch.Tensor:
+def sketched_product(left: torch.Tensor, right: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
     """``left_i^T (right_i P_i)`` for every example: (B, rows_left, k), in float32 or wider
     (half-precision inputs promoted a chunk of positions at a time)."""
     p = sketch.to(_wide(left, right))
@@ -138,11 +131,9 @@ def hutchinson_sq_norms(
             :func:`sketch_rows`.
         side: ``"auto"``, ``"output"`` or ``"input"``.
 
-    Returns:
-        (B,) float tensor of estimated squared norms.
+    Returns (B,) estimated squared norms.
     """
-    a, g = as_sequence(activations), as_sequence(backprops)
-    left, right = _orient(a, g, side)
+    left, right = _orient(activations, backprops, side)
     return _per_sample_sq_norm(sketched_product(left, right, sketch))
 
 
@@ -165,8 +156,7 @@ def hutchpp_sq_norms(
         tail_sketch: (rows, k) or (B, rows, k) with N(0, 1/k) entries.
         side: ``"auto"``, ``"output"`` or ``"input"``.
     """
-    a, g = as_sequence(activations), as_sequence(backprops)
-    left, right = _orient(a, g, side)
+    left, right = _orient(activations, backprops, side)
     q, _ = torch.linalg.qr(sketched_product(left, right, head_sketch))  # (B, rows_left, r)
     head = _per_sample_sq_norm(
         _sum_over_positions(left, right, lambda l, r: torch.matmul(torch.matmul(l, q).transpose(1, 2), r))

@@ -1,21 +1,11 @@
 """Refusing a step that met a non-finite value, without stalling the device.
 
-A non-finite per-sample loss, per-sample norm or clipped gradient would put NaN/inf into
-the released update, which reveals that the batch held such an example: the step must
-be refused before the update. Checking each value with ``bool(t.isfinite().all())``
-would make the host wait for the device at every check. Instead every check folds into
-a device-side flag (:class:`NonFiniteGuard`), and the decision is taken once per step,
-after the gradients are clipped and before the noisy update is applied:
-
-* the wrapped optimizer can skip an update on the device (PyTorch's fused SGD, Adam and
-  AdamW read ``found_inf``, as under ``torch.amp.GradScaler``): no host synchronisation
-  at all. A refused step leaves parameters and optimizer state untouched on the device,
-  the accountant counts it (conservative), and the refusal is raised at the next
-  ``step()`` call, as soon as the flag has reached the host;
-* otherwise: one synchronisation per step, and a refused step raises at once, with
-  parameters and accountant unchanged (what ``GradScaler`` does for such optimizers).
-
-In a distributed run the flag is agreed (MIN all-reduce) so every rank refuses together.
+Every check (per-sample loss, per-sample norm, clipped gradient) folds into a device-side flag
+(:class:`NonFiniteGuard`), decided once per step after clipping and before the update: an
+optimizer that can skip an update on the device (``found_inf``: PyTorch's fused SGD, Adam and
+AdamW) gets the flag, and a refusal is raised at the next ``step()``; any other costs one host
+synchronisation per step and raises at once. In a distributed run the flag is agreed (MIN
+all-reduce), so every rank refuses together. Why and how: docs/robustness.md.
 """
 
 from __future__ import annotations
@@ -60,11 +50,6 @@ def agree_across_ranks(flag: torch.Tensor) -> torch.Tensor:
     value = flag.to(device=where, dtype=torch.int32).reshape(1)
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return value.to(flag.device).reshape(()).bool()
-
-
-def _read_host(flag: torch.Tensor) -> bool:
-    """Value of a CPU (host) tensor: a plain memory read, no device synchronisation."""
-    return bool(flag.numpy())
 
 
 class NonFiniteGuard:
@@ -116,7 +101,7 @@ class NonFiniteGuard:
                     return None
                 event.synchronize()
             self._pending.pop(0)
-            if not _read_host(host):
+            if not bool(host.numpy()):  # a host tensor: a plain memory read, no device synchronisation
                 self._pending.clear()
                 return failed_kinds(flags)
         return None

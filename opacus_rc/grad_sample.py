@@ -101,15 +101,11 @@ class PerExampleStore:
         self._sketcher = sketcher
 
     def follow_steps(self, optimizer: Any) -> None:
-        """Follow ``optimizer``'s steps: the sketcher draws fresh sketches after each step
-        it takes (shared sketches are kept for the micro-batches of one logical step).
-
-        ``make_private`` links the module and optimizer it returns; call this once for a
-        module and optimizer built by hand (without it every pass draws new sketches).
-        The clock is torch's step post-hook on the optimizer that updates the parameters
-        (a DP optimizer's ``original_optimizer``, stepped only after ``pre_step()`` took
-        the step: BatchMemoryManager's skipped steps do not count).
-        """
+        """Follow ``optimizer``'s steps: the sketcher draws fresh sketches after each step it
+        takes (docs/accounting.md, "Fresh sketches every step"); call this once for objects built
+        by hand (``make_private`` links the pair it returns). The clock is torch's step post-hook
+        on the optimizer that updates the parameters (a DP optimizer's ``original_optimizer``,
+        stepped only after ``pre_step()`` took the step: skipped steps do not count)."""
         if self._step_hook is not None:
             self._step_hook.remove()
         target = getattr(optimizer, "original_optimizer", optimizer)
@@ -140,12 +136,11 @@ class PerExampleStore:
         return self._steps_taken
 
     def start_pass(self, module: nn.Module) -> None:
-        """The first hooked layer of a training forward pass starts a sketch pass, with
-        gradients on or not: inside a ``checkpoint(use_reentrant=True)`` region the
-        forward runs without them (its replay, in the backward pass, starts none). When
-        every trainable layer sits in such regions (LoRA with a frozen embedding and
-        head), that forward is the only sign of a new physical batch: without a pass
-        there, the next physical batch of the step would reuse the per-example sketches."""
+        """The first hooked layer of a training forward pass starts a sketch pass, with gradients
+        on or not: a ``checkpoint(use_reentrant=True)`` region's forward runs without them (its
+        replay starts none), and when every trainable layer sits in such regions (LoRA, frozen
+        embedding and head) that forward is the only sign of a new physical batch (without a
+        pass there, the step's next physical batch would reuse the per-example sketches)."""
         if self._awaiting_forward and self.hooks_enabled and module.training:
             self.sketcher.begin_pass()
             self._awaiting_forward = False
@@ -184,18 +179,11 @@ class PerExampleStore:
 
     def _capture(self, module: nn.Module, forward_input: Sequence[torch.Tensor], capture: Callable[[], None]) -> None:
         """Every activation-capture hook runs its body ``capture()`` (which appends the
-        layer's inputs to ``module.activations``, or not) through this.
-
-        * A replay by ``checkpoint(use_reentrant=False)`` captures nothing: its original
-          call was captured (:mod:`opacus_rc.recompute`).
-        * A reentrant checkpoint's replay is captured but starts no sketch pass (one
-          sketch per layer and step).
-        * Under saved-tensors hooks (inside a non-reentrant checkpoint region) the
-          captured inputs are saved through them, not kept: checkpointing frees them
-          and the backward hook gets them recomputed. The replay saves them again at
-          the same point (checkpointing matches saved tensors by order), then drops
-          them.
-        """
+        layer's inputs to ``module.activations``, or not) through this: a non-reentrant
+        checkpoint replay captures nothing, a reentrant one is captured but starts no sketch
+        pass; inside a non-reentrant region the inputs are saved through the saved-tensors
+        hooks, and its replay saves them again at the same point, then drops them
+        (:mod:`opacus_rc.recompute`)."""
         replay = forward_replay()
         hooks = current_saved_tensors_hooks() if _saves_inputs(module) else None
         if replay == NON_REENTRANT:
@@ -241,13 +229,6 @@ class PerExampleStore:
         for m in self._patched:
             m.__dict__.pop("forward", None)
         super().cleanup()
-
-
-def _refuse_unpreserved_rng_replay(_module: nn.Module, _inputs: Any) -> None:
-    """Forward pre-hook of the two-pass method: see :func:`~opacus_rc.recompute.refuse_unpreserved_rng_replay`."""
-    replay = forward_replay()
-    if replay is not None:
-        refuse_unpreserved_rng_replay(replay)
 
 
 def _saves_inputs(module: nn.Module) -> bool:
@@ -339,7 +320,7 @@ class SketchingMixin(PerExampleStore):
         # state (preserve_rng_state=False) is refused, checked at every module's call (a
         # region without trainable layers changes the gradients upstream of it too).
         self.autograd_grad_sample_hooks.extend(
-            m.register_forward_pre_hook(_refuse_unpreserved_rng_replay) for m in self._module.modules()
+            m.register_forward_pre_hook(refuse_unpreserved_rng_replay) for m in self._module.modules()
         )
 
     def _in_second_pass(self) -> bool:
@@ -359,13 +340,18 @@ class SketchingMixin(PerExampleStore):
         return per_row(mean_clip_factors(norms, sizes, self.max_grad_norm), self.row_units)
 
     def get_norm_sample(self) -> torch.Tensor:
-        """Per-example norms over all trainable parameters (L2 of the per-parameter
-        norms), with a clear error when a layer did not see the batch dimension or took
-        no part in the backward pass (their finiteness is checked by the optimizer's
-        step: :mod:`opacus_rc.finite`). The norms are consumed: a later pass never
-        reuses them for other examples."""
+        """Per-example norms over all trainable parameters (L2 of the per-parameter norms),
+        refused when a layer took no part in the backward pass or did not see the batch
+        dimension, or a tied parameter's sum waits for a use (finiteness: the optimizer's step).
+        The norms are consumed: a later pass never reuses them for other examples."""
         try:
-            self._check_norm_samples()
+            if self._tied_sums:  # a tied running sum waits for a use: its norm would miss it
+                raise unmatched_tied_uses_error()
+            named = list(trainable_parameters(self._module))
+            missing = [name for name, p in named if getattr(p, "_norm_sample", None) is None]
+            if missing:
+                raise missing_per_sample_error(", ".join(repr(n) for n in missing))
+            check_norms_cover_batch([(repr(name), p._norm_sample) for name, p in named])
             return super().get_norm_sample()
         finally:
             self.forget_per_example_values()
@@ -405,16 +391,6 @@ class SketchingMixin(PerExampleStore):
             grad = embedding_grad_sum(activations[0], backprops, module.num_embeddings, module.padding_idx)
             self.note_in_module_grad(module.weight, grad.mul_(scale) if scale != 1.0 else grad, backprops.dtype)
 
-    def _check_norm_samples(self) -> None:
-        """Every trainable parameter has this pass's per-sample norms, over the batch, and
-        no tied running sum waits for a use (its norm would miss that use)."""
-        if self._tied_sums:
-            raise unmatched_tied_uses_error()
-        missing = [name for name, p in trainable_parameters(self._module) if getattr(p, "_norm_sample", None) is None]
-        if missing:
-            raise missing_per_sample_error(", ".join(repr(n) for n in missing))
-        check_norms_cover_batch([(repr(name), p._norm_sample) for name, p in trainable_parameters(self._module)])
-
     def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
         if any(getattr(p, "_norm_sample", None) is not None for _, p in trainable_parameters(module)):
             raise late_use_error(self._get_module_type(module).__name__)
@@ -437,7 +413,7 @@ class SketchingMixin(PerExampleStore):
         loss_reduction: str,
         batch_first: bool,
     ) -> None:
-        self._awaiting_forward = True  # the next forward starts a new pass
+        self.expect_forward()
         passes = self.output_passes  # plain-loss scripts: opacus_rc.forms.output_passes
         if passes is not None and self.hooks_enabled:
             passes.check_inside(module)
@@ -453,9 +429,7 @@ class SketchingMixin(PerExampleStore):
         # rearrange_grad_samples), keyed by the layer's real class (FSDP2 renames it).
         self._unscaled_backprops = self._get_module_type(module) in self.NORM_SAMPLERS
         try:
-            super().capture_backprops_hook(
-                module, _forward_input, forward_output, loss_reduction, batch_first
-            )
+            super().capture_backprops_hook(module, _forward_input, forward_output, loss_reduction, batch_first)
         finally:
             self._unscaled_backprops = False
 
@@ -512,9 +486,7 @@ class SketchingMixin(PerExampleStore):
     def _is_tied_use(self, module: nn.Module) -> bool:
         """True if one of the module's trainable parameters is used more than once in
         this forward pass (tied weights) or has a pending sum from an earlier use."""
-        return any(
-            p._forward_counter > 1 or p in self._tied_sums for _, p in trainable_parameters(module)
-        )
+        return any(p._forward_counter > 1 or p in self._tied_sums for _, p in trainable_parameters(module))
 
     def _tied_slot(self, module: nn.Module, param: nn.Parameter) -> Any:
         """What keys a tied parameter's running sum (in ``_tied_sums``), keeps its uses
@@ -573,10 +545,9 @@ def embedding_grad_sum(ids: torch.Tensor, g: torch.Tensor, rows: int, padding_id
 
 
 class _SummingGradSamplers(dict):
-    """Opacus's grad samplers (``GRAD_SAMPLERS``, looked up by the layer's type; a type
-    without one, functorch's ``ft_compute_per_sample_gradient``) whose per-sample gradients'
-    batch sum is handed to ``owner.note_in_module_grad`` during the norm pass: one
-    reduction of the per-sample gradients Opacus computes anyway."""
+    """Opacus's grad samplers (``GRAD_SAMPLERS`` by layer type, else functorch's) whose
+    per-sample gradients' batch sum is handed to ``owner.note_in_module_grad`` during the
+    norm pass: one reduction of the per-sample gradients Opacus computes anyway."""
 
     def __init__(self, owner: Any, samplers: Dict[Any, Callable]) -> None:
         super().__init__(samplers)
@@ -604,9 +575,7 @@ class _SummingGradSamplers(dict):
         return grad_samples
 
 
-class GradSampleHooksRandomizedClipping(
-    SketchingMixin, GradSampleHooksFastGradientClipping
-):
+class GradSampleHooksRandomizedClipping(SketchingMixin, GradSampleHooksFastGradientClipping):
     """Hooks (``wrap_model=False``) form of randomized clipping.
 
     ``per_sample_gradient_norms`` holds the *estimated* norms of the last batch (not
@@ -614,9 +583,7 @@ class GradSampleHooksRandomizedClipping(
     """
 
 
-class GradSampleModuleRandomizedClipping(
-    SketchingMixin, GradSampleModuleFastGradientClipping
-):
+class GradSampleModuleRandomizedClipping(SketchingMixin, GradSampleModuleFastGradientClipping):
     """Wrapping (``wrap_model=True``) form of randomized clipping."""
 
 

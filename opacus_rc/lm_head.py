@@ -29,12 +29,6 @@ REDUCTIONS = ("mean", "sum")
 _LOW = (torch.float16, torch.bfloat16)
 
 
-def recomputing_forward() -> bool:
-    """True inside a non-reentrant checkpoint's replay, which only regenerates saved tensors
-    (a reentrant replay is the pass itself: :func:`opacus_rc.recompute.forward_replay`)."""
-    return forward_replay() == NON_REENTRANT
-
-
 def controlling_module(layer: nn.Module):
     """The randomized-clipping grad-sample module hooked on ``layer`` (None if none): the
     two-pass (``"ghost"``), book-keeping (``"hooks"``) or FSDP2 (``"ghost_fsdp"``) form; a
@@ -442,11 +436,7 @@ class ChunkedLMHeadLoss(nn.Module):
 
     @staticmethod
     def _reduced(losses: torch.Tensor, reduction: str) -> torch.Tensor:
-        if reduction == "mean":
-            return losses.mean()
-        if reduction == "sum":
-            return losses.sum()
-        return losses
+        return losses if reduction == "none" else getattr(losses, reduction)()  # mean() or sum()
 
     def _losses(self, layer: nn.Module, owner: Any, hidden: torch.Tensor, target, scale) -> torch.Tensor:
         """The per-sequence losses (B,), registering the pass with ``owner`` when its hooks
@@ -459,9 +449,11 @@ class ChunkedLMHeadLoss(nn.Module):
         else:
             dtype = torch.promote_types(hidden.dtype, weight.dtype)
         plan = _Plan(self.block_size, dtype, layer, weight, bias)
-        training = torch.is_grad_enabled() and layer.training and not recomputing_forward()
+        # a non-reentrant checkpoint's replay only regenerates saved tensors (a reentrant one is the pass)
+        replay = forward_replay()
+        training = torch.is_grad_enabled() and layer.training and replay != NON_REENTRANT
         if owner is not None and owner.hooks_enabled and training and _trainable([weight, bias]):
-            if forward_replay() is None:  # as its forward hook would (a reentrant replay starts none)
+            if replay is None:  # as its forward hook would (a reentrant replay starts none)
                 owner.start_pass(layer)
             plan.owner = owner
             plan.tied = owner.begin_head_use(layer, weight, bias)

@@ -43,11 +43,8 @@ def _registering(table: Dict[Type[nn.Module], Callable], what: str):
     """A decorator factory registering functions in ``table`` for layer type(s)."""
 
     def register(target: Union[Type[nn.Module], Sequence[Type[nn.Module]]]):
-        targets = target if isinstance(target, Sequence) else [target]
-
         def decorator(fn: Callable) -> Callable:
-            for cls in targets:
-                table[cls] = fn
+            table.update(dict.fromkeys(target if isinstance(target, Sequence) else [target], fn))
             return fn
 
         return decorator
@@ -56,22 +53,14 @@ def _registering(table: Dict[Type[nn.Module], Callable], what: str):
     return register
 
 
-register_randomized_norm_sampler = _registering(
-    RANDOMIZED_NORM_SAMPLERS, "a randomized-clipping norm sampler"
-)
+register_randomized_norm_sampler = _registering(RANDOMIZED_NORM_SAMPLERS, "a randomized-clipping norm sampler")
 
 
-def sequence_length(activations: torch.Tensor) -> int:
-    """T of a (B, ..., d) input: the product of the middle dimensions (1 for (B, d))."""
-    return math.prod(activations.shape[1:-1])
-
-
-def weight_sq_norms(
-    activations: torch.Tensor, backprops: torch.Tensor, sketcher: Sketcher, key=None
-) -> torch.Tensor:
-    """Per-sample ``||A_i^T G_i||_F^2``: sketched, or exact when T <= k (cheaper)."""
+def weight_sq_norms(activations: torch.Tensor, backprops: torch.Tensor, sketcher: Sketcher, key=None) -> torch.Tensor:
+    """Per-sample ``||A_i^T G_i||_F^2``: sketched, or exact when T <= k (cheaper; T: the product
+    of the input's middle dimensions, 1 for (B, d))."""
     config = sketcher.config
-    if config.exact_when_cheaper and sequence_length(activations) <= config.sketch_size:
+    if config.exact_when_cheaper and math.prod(activations.shape[1:-1]) <= config.sketch_size:
         return ghost_sq_norms(activations, backprops)
     return sketcher.estimate(activations, backprops, key=key)
 
@@ -109,23 +98,17 @@ def embedding_norm_sample(
     return {layer.weight: embedding_sq_norms(activations[0], backprops, layer.padding_idx).sqrt()}
 
 
-# --- Parameters used more than once in a forward pass (tied weights) -----------------
+# --- Parameters used more than once in a forward pass (tied weights; docs/maths.md) ---
 #
-# The per-sample gradient of a tied parameter is the sum of its uses' gradients. A
-# sketch is linear, so every use contributes ``P^T grad_use`` with the SAME row sketch
-# P (rows x k, N(0, 1/k)) and the norm is taken of the sum: an unbiased Hutchinson
-# estimate of the tied gradient's squared norm, with the usual chi-square structure.
-# A projection function returns, for each of the layer's trainable parameters, the
-# per-sample (B, columns, k) sketched gradient (or, for 1-D biases, the exact (B, p)
-# per-sample gradient, which is cheap).
+# Every use contributes ``P^T grad_use`` with the SAME row sketch P, and the norm is taken
+# of the sum. A projection returns, per trainable parameter of the layer, the per-sample
+# (B, columns, k) sketched gradient (a 1-D bias: its exact (B, p) per-sample gradient).
 
 Projection = Callable[[nn.Module, List[torch.Tensor], torch.Tensor, Sketcher], Dict[nn.Parameter, torch.Tensor]]
 TIED_PROJECTIONS: Dict[Type[nn.Module], Projection] = {}
 
 
-register_tied_projection = _registering(
-    TIED_PROJECTIONS, "the sketched-gradient projection of tied uses"
-)
+register_tied_projection = _registering(TIED_PROJECTIONS, "the sketched-gradient projection of tied uses")
 
 
 def _row_sketch(param: nn.Parameter, batch: int, sketcher: Sketcher, device) -> torch.Tensor:
@@ -149,9 +132,7 @@ def _weight_projection(layer, activations, backprops, sketcher, transposed: bool
     return out
 
 
-linear_projection = register_tied_projection(nn.Linear)(
-    functools.partial(_weight_projection, transposed=False)
-)
+linear_projection = register_tied_projection(nn.Linear)(functools.partial(_weight_projection, transposed=False))
 
 
 @register_tied_projection(nn.Embedding)

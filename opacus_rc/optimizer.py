@@ -16,11 +16,7 @@ import numpy as np
 import torch
 
 from opacus.optimizers import DistributedDPOptimizerFastGradientClipping, DPOptimizerFastGradientClipping
-from opacus.optimizers.optimizer import (
-    _check_processed_flag,
-    _generate_noise,
-    _mark_as_processed,
-)
+from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 from torch.optim import Optimizer
 
 from .clip_guard import ClipGuard
@@ -99,11 +95,7 @@ class RandomizedClippingMixin:
         #: set while PrivacyEngine.load_checkpoint runs: a seeded state is checked after it
         #: (a checkpoint with the generators' states continues the streams: no replay)
         self.deferred_seeded_resume: Optional[bool] = None
-        check_seed("noise_seed", noise_seed)
-        if noise_seed is not None and self.secure_mode:
-            raise ValueError(
-                "noise_seed must be None when secure_mode=True: secure noise comes from os.urandom"
-            )
+        check_seed("noise_seed", noise_seed, self.secure_mode)
         #: the plugin's own noise stream (per device, rank folded in): see noise_generator()
         self.noise_streams = DeviceStreams(
             np.random.SeedSequence(noise_seed), NOISE_STREAM, per_rank=True
@@ -127,15 +119,11 @@ class RandomizedClippingMixin:
 
     @property
     def accumulated_iterations(self) -> int:
-        """Independent Poisson micro-batches accumulated into this step (at least 1).
-
-        Every backward pass since the last real step counts, whatever API accumulated it
-        (several ``loss.backward()`` per ``step()``, or Opacus's virtual steps through
-        ``signal_skip_step``), except the physical batches that Opacus's
-        BatchMemoryManager cut from one Poisson draw: ``m = passes - splits``. Averaging
-        divides by ``expected_batch_size * m``; the ``rc_prv`` accountant records ``m``
-        as the step's micro-batch multiplicity (an example is in ``Bin(m, q)`` of them).
-        """
+        """Independent Poisson micro-batches accumulated into this step (at least 1): every
+        backward pass since the last real step, whatever API accumulated it, except the physical
+        batches cut from one Poisson draw (``same_draw``): ``m = passes - splits``. Averaging
+        divides by ``expected_batch_size * m``; the ``rc_prv`` accountant charges ``m`` as the
+        step's micro-batch multiplicity (docs/accounting.md)."""
         return max(1, self.backward_passes - self._draw_splits)
 
     def count_backward_pass(self, passes: int = 1) -> None:
@@ -149,9 +137,8 @@ class RandomizedClippingMixin:
         ``same_draw=True`` declares that the next physical batch continues the same
         Poisson draw as this one (each example at most once in the logical batch), so the
         two are charged as one micro-batch; Opacus's BatchMemoryManager declares it
-        (``import opacus_rc`` makes its ``BatchSplittingSampler`` signal
-        ``same_draw=True``: :data:`opacus_rc.registration.PATCHES`). Any other skipped step accumulates an independent micro-batch and
-        is charged as accumulation (:attr:`accumulated_iterations`).
+        (:data:`opacus_rc.registration.PATCHES`). Any other skipped step accumulates an
+        independent micro-batch (:attr:`accumulated_iterations`).
         """
         if do_skip and same_draw:
             self._draw_splits += 1
@@ -176,10 +163,8 @@ class RandomizedClippingMixin:
 
     def check_draw_boundary(self) -> None:
         """Refuse (ValueError) a ``step()`` that does not follow exactly one physical batch
-        of a loader that splits Poisson draws (see :mod:`opacus_rc.draws`): the skip
-        signals it queued would be popped out of step with the batches trained on, and a
-        release would hold part of a draw, or two draws charged as one. Everything
-        accumulated is dropped, and every later step is refused."""
+        of a loader that splits Poisson draws (:mod:`opacus_rc.draws`; the error says why).
+        Everything accumulated is dropped, and every later step is refused."""
         batches = self._physical_batches
         if not self._draw_refused and (batches is None or batches == 1):
             if batches is not None:
@@ -207,10 +192,9 @@ class RandomizedClippingMixin:
         self._nonfinite_guard.note(kind, tensors)
 
     def pre_step(self, closure: Optional[Callable[[], float]] = None) -> Optional[bool]:
-        """Opacus's pre-step (accumulate, noise, average, accountant hook) with the
-        step's non-finite refusal decided before noise is drawn (see
-        :meth:`_check_skip_next_step`). A refusal decided on the device for an earlier
-        step is raised first."""
+        """Opacus's pre-step (accumulate, noise, average, accountant hook) with the step's
+        refusals decided before noise is drawn (:meth:`_check_skip_next_step`); a refusal
+        decided on the device for an earlier step is raised first."""
         self._raise_deferred_refusal(wait=False)
         self.check_cleared()
         self._check_forward_changes()
@@ -249,12 +233,8 @@ class RandomizedClippingMixin:
         module.privacy_unit = self.privacy_unit
         inner = getattr(module, "_module", module)
         self._parameter_names = {id(p): name for name, p in inner.named_parameters()}
-        self._watch_forward_changes(module)
-
-    def _watch_forward_changes(self, module: Any) -> None:
-        """Watch the model's parameters and buffers across its forward passes
-        (:mod:`opacus_rc.forward_changes`; buffers only under FSDP2, whose forward swaps the
-        parameters' shards): the next step refuses a change one of them made."""
+        # the model's parameters and buffers watched across its forward passes (buffers only under
+        # FSDP2, whose forward swaps the parameters' shards): the next step refuses a change
         if self._forward_changes is not None:
             self._forward_changes.remove()
         self._forward_changes = ForwardChanges(watched_model(module))
@@ -451,9 +431,8 @@ class RandomizedClippingMixin:
         return self.generator if self.generator is not None else self.noise_streams.generator(device)
 
     def _noise(self, std: float, reference: torch.Tensor) -> torch.Tensor:
-        """N(0, std^2) like ``reference``, from :meth:`noise_generator`. Secure mode: from
-        :mod:`opacus_rc.csprng` (AES-CTR keystream, no PRNG), as the sum of 4 normals
-        halved in float64, Opacus's guard against floating-point attacks."""
+        """N(0, std^2) like ``reference``, from :meth:`noise_generator`; in secure mode from
+        :mod:`opacus_rc.csprng` (the halved sum of 4 normals, Opacus's floating-point guard)."""
         if not self.secure_mode:
             return _generate_noise(
                 std=std, reference=reference, generator=self.noise_generator(reference.device)
@@ -484,10 +463,8 @@ class RandomizedClippingMixin:
         super().load_state_dict(state_dict)
 
     def check_seeded_resume(self, seeded_state: bool) -> None:
-        """Refuse resuming a run that used ``seed=`` (``seeded_state``) with ``seed=``:
-        the noise, Poisson and sketch streams start again from the seed, so the resumed
-        steps draw the earlier steps' noise again, and the difference of two updates with
-        the same noise is released without noise. ``accept_replayed_noise=True`` accepts it."""
+        """Refuse resuming a run that used ``seed=`` (``seeded_state``) with ``seed=`` (its
+        streams restart from the seed: the noise is replayed) unless ``accept_replayed_noise``."""
         if seeded_state and self.seeded and not self.accept_replayed_noise:
             raise ValueError(
                 "resuming a run that used seed= with seed= replays its noise: the resumed steps "
@@ -499,7 +476,6 @@ class RandomizedClippingMixin:
             )
 
 
-
 class SketchedClippingMixin(RandomizedClippingMixin):
     """The optimizer of a sketched form: :class:`RandomizedClippingMixin` plus the sketch
     its per-example norms were estimated with, which the ``rc_prv`` accountant reads in its
@@ -507,8 +483,7 @@ class SketchedClippingMixin(RandomizedClippingMixin):
 
     Args:
         optimizer: wrapped optimizer.
-        sketch_config: how the per-sample norms were estimated (default: Hutchinson,
-            k = 32, one sketch shared by the batch).
+        sketch_config: how the per-sample norms were estimated (default ``SketchConfig()``).
         **kwargs: :class:`RandomizedClippingMixin`'s.
     """
 
@@ -533,9 +508,7 @@ class RandomizedClippingOptimizer(SketchedClippingMixin, DPOptimizerFastGradient
     """:class:`~opacus.optimizers.DPOptimizerFastGradientClipping` for randomized clipping."""
 
 
-class DistributedRandomizedClippingOptimizer(
-    SketchedClippingMixin, DistributedDPOptimizerFastGradientClipping
-):
+class DistributedRandomizedClippingOptimizer(SketchedClippingMixin, DistributedDPOptimizerFastGradientClipping):
     """Distributed (DDP) form: noise is added on rank 0 only, gradients are all-reduced."""
 
     refusals_across_ranks = True

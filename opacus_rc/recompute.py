@@ -1,30 +1,14 @@
 """Activation checkpointing: telling the training forward pass from its recomputations.
 
-``torch.utils.checkpoint`` runs a checkpointed region's forward a second time, during the
-backward pass, and every layer's forward hooks fire again. What that second run means
-for the privacy hooks depends on the form:
-
-* ``use_reentrant=False`` (PyTorch's recommended form; Hugging Face's
-  ``gradient_checkpointing_enable()`` default): the original forward ran with gradients
-  on, so the hooks captured every layer's input then, and autograd backpropagates the
-  *original* graph (the layers' backward hooks fire for the original calls). The replay
-  only rebuilds the saved tensors (under checkpoint's ``_recomputation_hook``) and its
-  graph is never backpropagated: the hooks must capture nothing (no second use of a
-  layer, no second input kept).
-* ``use_reentrant=True``: the original forward ran under ``no_grad`` (the hooks captured
-  nothing) and the replay, under gradients, is the graph that is backpropagated: the
-  hooks capture there, but the replay is part of the step's pass, not a new one (no new
-  sketch pass: the sketches of a step stay those of its forward).
-
-:func:`forward_replay` says which case a forward hook runs in.
-
-Memory: a layer input captured inside a checkpointed region would, kept as a tensor, pin
-what checkpointing frees. It is instead saved as autograd saves a tensor at that point,
-through the saved-tensors hooks in force (:class:`SavedInputs`): checkpointing's pack
-hook keeps a placeholder, and unpacking it in the layer's backward hook returns the
-recomputed input. The replay then saves the same inputs at the same point, so the
-region saves as many tensors in its recomputation as in its forward (checkpointing
-matches them by order).
+``torch.utils.checkpoint`` runs a checkpointed region's forward again during the backward
+pass, and every layer's forward hooks fire a second time. :func:`forward_replay` says which
+run a hook is in: a ``use_reentrant=False`` replay only rebuilds saved tensors (the original
+call was captured, and its graph is backpropagated: capture nothing); a
+``use_reentrant=True`` replay is the graph that is backpropagated (capture it, as part of the
+step's pass: no new sketch pass). A layer input captured inside a region is saved through the
+saved-tensors hooks in force (:class:`SavedInputs`), so that checkpointing frees it and the
+backward hook gets it recomputed. The cases, memory and refusals: docs/robustness.md
+("Activation checkpointing").
 """
 
 from __future__ import annotations
@@ -34,7 +18,7 @@ import logging
 import contextlib
 import sys
 import warnings
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils.checkpoint as _checkpoint
@@ -78,13 +62,10 @@ def _report(kind: str) -> str:
 
 
 def _saved_tensors_pack_hooks() -> List[Callable]:
-    """The pack hooks of this thread's saved-tensors hooks stack, innermost first.
-
-    PyTorch exposes only the top of the stack: it is popped entry by entry and pushed
-    back in the original order (the stack is thread-local; nothing runs in between)."""
+    """The pack hooks of this thread's saved-tensors hooks stack, innermost first. PyTorch
+    exposes only the top of the stack: it is popped entry by entry and pushed back in the
+    original order (the stack is thread-local; nothing runs in between)."""
     autograd = torch._C._autograd
-    if autograd._top_saved_tensors_default_hooks(False) is None:
-        return []
     popped = []
     try:
         while True:
@@ -163,10 +144,10 @@ def _replays_preserving_rng() -> Optional[bool]:
 _REENTRANT_BACKWARD = inspect.unwrap(_checkpoint.CheckpointFunction.backward).__code__
 
 
-def refuse_unpreserved_rng_replay(replay: str) -> None:
-    """Refuse a checkpoint recomputation (``replay``: what :func:`forward_replay` returned)
-    that does not restore its forward's random state, for a method that backpropagates
-    twice: each backward pass recomputes the region with other random draws (dropout
+def refuse_unpreserved_rng_replay(_module: Any = None, _inputs: Any = None) -> None:
+    """Forward pre-hook of a method that backpropagates twice: refuse a checkpoint
+    recomputation (:func:`forward_replay`) running now that does not restore its forward's
+    random state: each backward pass recomputes the region with other random draws (dropout
     masks), and the first pass's clip factors would scale another gradient in the second.
 
     Raises:
@@ -174,6 +155,9 @@ def refuse_unpreserved_rng_replay(replay: str) -> None:
         RuntimeError: a non-reentrant recomputation whose ``preserve_rng_state`` cannot be
             read in this PyTorch (fails closed).
     """
+    replay = forward_replay()
+    if replay is None:
+        return
     preserve = _replays_preserving_rng()
     if preserve is False:
         raise ValueError(
@@ -220,9 +204,6 @@ class SavedInput:
 class SavedInputs(list):
     """A ``module.activations`` entry made of :class:`SavedInput` (one per input)."""
 
-    def resolve(self) -> List[torch.Tensor]:
-        return [saved.get() for saved in self]
-
 
 def save_inputs(forward_input: Sequence[torch.Tensor], hooks: SavedTensorsHooks) -> SavedInputs:
     """Save a layer's inputs through ``hooks`` (see the module docstring)."""
@@ -233,7 +214,7 @@ def resolve_last(module) -> None:
     """Unpack the entry the backward hook is about to pop from ``module.activations``."""
     entries = getattr(module, "activations", None)
     if entries and isinstance(entries[-1], SavedInputs):
-        entries[-1] = entries[-1].resolve()
+        entries[-1] = [saved.get() for saved in entries[-1]]
 
 
 def missing_per_sample_error(what: str) -> ValueError:

@@ -1,21 +1,15 @@
 """The sketch source: independent Gaussian sketches, never derived from data.
 
-A :class:`Sketcher` owns the random generators that draw every sketch of a run. Each
-logical step draws fresh, independent sketches (one per layer; the micro-batches and tied
-uses of a step share a shared sketch; per-example sketches belong to one pass). Freshness
-does not depend on how the objects were built: the sketcher reads a *step clock* (the
-number of optimizer steps taken, counted by the grad-sample module's ``follow_steps``
-hook on the optimizer) and, when no optimizer is followed, starts new sketches every pass.
-
-Seeding: every stream is derived from one seed (the user's ``sketch_seed`` or ``seed``, or
-128 bits of OS entropy) through :class:`numpy.random.SeedSequence` with a domain tag
-(:data:`SKETCH_STREAM`, :data:`NOISE_STREAM`, :data:`POISSON_STREAM`), the device and,
-where ranks must differ, the rank in the spawn key (:class:`DeviceStreams`), so the sketch,
-noise and Poisson streams never coincide, even for the same integer, and ranks draw
-independent per-example sketches, noise and Poisson masks. In ``secure_mode`` every sketch
-comes from :mod:`opacus_rc.csprng` instead.
-Generator states and seeds are secrets: they are kept out of every ``state_dict`` unless
-asked for explicitly (:meth:`Sketcher.state_dict`).
+A :class:`Sketcher` owns the random generators that draw every sketch of a run: fresh,
+independent sketches every logical step (one per layer; shared by the step's micro-batches and
+tied uses; per-example sketches belong to one pass), whoever built the objects: it reads a
+*step clock* (the optimizer steps counted by the grad-sample module's ``follow_steps`` hook)
+and, with no optimizer followed, starts new sketches every pass. Every stream (sketch, noise,
+Poisson) is derived from one seed through :class:`numpy.random.SeedSequence` with a domain tag,
+the device and, where ranks must differ, the rank (:class:`DeviceStreams`); in ``secure_mode``
+every sketch comes from :mod:`opacus_rc.csprng`. Seeds and generator states are secrets, kept
+out of every ``state_dict`` unless asked for (:meth:`Sketcher.state_dict`). Why:
+docs/accounting.md ("What the guarantee assumes").
 """
 
 from __future__ import annotations
@@ -59,19 +53,11 @@ def _process_rank() -> int:
 
 
 class DeviceStreams:
-    """One stream's torch generators, one per device, all derived from ``root``.
-
-    The ``i``-th device's generator is seeded with ``stream_seed(root, tag, i, r)``,
-    ``r = rank + 1`` with ``per_rank`` (read when the generator is first made, after
-    ``torch.distributed`` is initialised) else ``0``: streams of distinct tags or ranks
-    are independent, whatever integer ``root`` came from.
-
-    Args:
-        root: the run's seed sequence (``SeedSequence(None)``: 128 bits of OS entropy).
-        tag: the stream's domain tag (:data:`SKETCH_STREAM`, :data:`NOISE_STREAM`,
-            :data:`POISSON_STREAM`).
-        per_rank: fold this process's rank in (independent draws on every rank).
-    """
+    """One stream's torch generators, one per device, all derived from ``root`` (the run's
+    seed sequence; ``SeedSequence(None)``: 128 bits of OS entropy): the ``i``-th device's is
+    seeded with ``stream_seed(root, tag, i, r)``, ``tag`` the stream's domain tag, ``r = rank +
+    1`` with ``per_rank`` (read when the generator is first made, after ``torch.distributed`` is
+    initialised) else ``0``: streams of distinct tags or ranks are independent."""
 
     def __init__(self, root: np.random.SeedSequence, tag: int, *, per_rank: bool = False) -> None:
         self.root = root
@@ -102,8 +88,11 @@ class DeviceStreams:
         }
 
 
-def check_seed(name: str, seed: Any) -> Optional[int]:
-    """``seed`` if it is None or a non-negative int (a SeedSequence entropy), else a ValueError."""
+def check_seed(name: str, seed: Any, secure_mode: bool = False) -> Optional[int]:
+    """``seed`` if it is None or a non-negative int (a SeedSequence entropy), else a ValueError;
+    under ``secure_mode`` only None (its randomness comes from ``os.urandom``)."""
+    if secure_mode and seed is not None:
+        raise ValueError(f"{name} must be None when secure_mode=True: secure randomness comes from os.urandom")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"{name}={seed!r} is invalid; accepted values: a non-negative int or None")
     return seed
@@ -115,23 +104,11 @@ class Sketcher:
     Args:
         config: estimator, sketch size and sketching (shared or per example).
         seed: seed of the sketch generator; ``None`` draws one from ``os.urandom``.
-        secure_mode: draw every sketch from ``os.urandom`` (the kernel's CSPRNG) instead
-            of a pseudo-random generator (``seed`` is then refused).
+        secure_mode: draw every sketch from :mod:`opacus_rc.csprng` (``seed`` is then refused).
     """
 
-    def __init__(
-        self,
-        config: SketchConfig,
-        *,
-        seed: Optional[int] = None,
-        secure_mode: bool = False,
-    ) -> None:
-        if secure_mode and seed is not None:
-            raise ValueError(
-                "sketch_seed must be None when secure_mode=True: secure sketches are "
-                "seeded from os.urandom"
-            )
-        check_seed("sketch_seed", seed)
+    def __init__(self, config: SketchConfig, *, seed: Optional[int] = None, secure_mode: bool = False) -> None:
+        check_seed("sketch_seed", seed, secure_mode)
         self.config = config
         self.secure_mode = secure_mode
         # seed None: 128 bits from the OS; the integer is never used as a generator seed
@@ -149,13 +126,8 @@ class Sketcher:
         return self._streams.root.entropy
 
     def generator(self, device: torch.device) -> torch.Generator:
-        """The generator for ``device`` (one per device, seeded from the run's seed).
-
-        Per-example sketches must be independent across examples, also across the ranks
-        of a distributed run, which share ``sketch_seed``: their generators are seeded
-        with the rank folded in. Shared sketches stay identical on every rank (one sketch
-        for the whole logical batch, as in one process).
-        """
+        """The generator for ``device`` (one per device, seeded from the run's seed; the rank
+        folded in for per-example sketches, while shared ones agree across ranks)."""
         return self._streams.generator(device)
 
     def bind_step_clock(self, clock: Callable[[], Optional[int]]) -> None:
@@ -164,10 +136,8 @@ class Sketcher:
         self._clock = clock
 
     def begin_pass(self) -> None:
-        """Start of a pass (a forward with hooks on). Shared sketches live for the whole
-        logical step (all micro-batches of a logical batch share them, as one batch
-        would); per-example sketches belong to the examples of one pass and are dropped
-        here (reused across passes, they would tie different examples' sketches)."""
+        """Start of a pass (a forward with hooks on): per-example sketches, which belong to one
+        pass, are dropped (shared ones live for the logical step; docs/accounting.md)."""
         self._passes += 1
         if self.config.sketching == PER_EXAMPLE_SKETCH:
             self._step_sketches.clear()
@@ -181,14 +151,7 @@ class Sketcher:
             self._step_sketches.clear()
             self._cache_token = token
 
-    def gaussian(
-        self,
-        batch: int,
-        rows: int,
-        cols: int,
-        device: torch.device,
-        key: Optional[Any] = None,
-    ) -> torch.Tensor:
+    def gaussian(self, batch: int, rows: int, cols: int, device: torch.device, key: Any = None) -> torch.Tensor:
         """A (rows, cols) sketch, or (batch, rows, cols) for per-example sketching, with
         i.i.d. N(0, 1/cols) entries (float32).
 
@@ -217,9 +180,7 @@ class Sketcher:
             sketch = torch.randn(shape, generator=self.generator(device), device=device, dtype=torch.float32)
         return sketch.mul_(cols**-0.5)
 
-    def estimate(
-        self, activations: torch.Tensor, backprops: torch.Tensor, key: Optional[Any] = None
-    ) -> torch.Tensor:
+    def estimate(self, activations: torch.Tensor, backprops: torch.Tensor, key: Optional[Any] = None) -> torch.Tensor:
         """Estimated per-sample ``||A_i^T G_i||_F^2``: (B,). ``key`` (the layer) makes the
         micro-batches of one step share the layer's sketch (see :meth:`gaussian`)."""
         batch, device = activations.shape[0], backprops.device

@@ -13,11 +13,8 @@ Charles et al. 2024, "user-wise DP-SGD" in Chua et al. 2024):
 * accounting: adding or removing one user changes one unit of one draw by at most C, so
   ``rc_prv`` charges each step at ``q_u`` as it charges examples at ``q``.
 
-This module holds the user index (:class:`UserIndex`), the user-level Poisson sampler
-(:class:`UserPoissonSampler`), what a delivered batch's rows are in units
-(:class:`RowUnits`, :class:`UnitStream`) and the regrouping of a batch's rows into its
-users (:func:`regroup_rows`, :func:`sum_rows_by_unit`). The forms honour the unit through
-:class:`RowUnits` alone.
+The forms honour the unit through :class:`RowUnits` alone (what a delivered batch's rows are in
+units); the design and its checks: docs/privacy_unit.md.
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .csprng import init_poisson_loader
+from .csprng import init_poisson_loader, rank_share
 from .estimators import as_sequence
 from .sketch import entropy_seed
 from .values import EXAMPLE_UNIT, PRIVACY_UNITS, USER_UNIT
@@ -43,11 +40,7 @@ DEFAULT_MAX_EXAMPLES_PER_USER = 8
 
 
 def check_privacy_unit(privacy_unit: Any) -> str:
-    """``privacy_unit=``: ``"example"`` or ``"user"``.
-
-    Raises:
-        ValueError: naming the parameter and its accepted values.
-    """
+    """``privacy_unit=``: ``"example"`` or ``"user"`` (else a ValueError naming the parameter)."""
     if privacy_unit not in PRIVACY_UNITS:
         raise ValueError(
             f"privacy_unit={privacy_unit!r} is invalid; accepted values: "
@@ -57,11 +50,7 @@ def check_privacy_unit(privacy_unit: Any) -> str:
 
 
 def check_max_examples_per_user(k: Any) -> int:
-    """``max_examples_per_user=``: a positive int.
-
-    Raises:
-        ValueError: naming the parameter and its accepted values.
-    """
+    """``max_examples_per_user=``: a positive int (else a ValueError naming the parameter)."""
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
         raise ValueError(
             f"max_examples_per_user={k!r} is invalid; accepted values: a positive int (the rows "
@@ -132,11 +121,8 @@ def _check_user_id(row: int, uid: Any) -> None:
 
     An id hashed by identity (a ``torch.Tensor`` element, e.g. of ``list(tensor)``; an
     object without ``__eq__``) or a NaN (a missing value) is unequal to another copy of
-    itself, so one person's rows would become several units, each clipped to C: refused.
-
-    Raises:
-        ValueError: naming ``user_ids[row]`` and its accepted values.
-    """
+    itself, so one person's rows would become several units, each clipped to C: refused
+    (a ValueError naming ``user_ids[row]``)."""
     accepted = "accepted values: a hashable id compared by value (an int, a string, a tuple), not None"
     if uid is None or not isinstance(uid, Hashable):
         raise ValueError(f"user_ids[{row}]={uid!r} is invalid; {accepted}")
@@ -342,8 +328,8 @@ class UserDataLoader(DataLoader):
         self.sample_rate = float(sample_rate)
         self.distributed = distributed
         self.user_index = index
-        share = dict(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size()) if distributed else {}
-        self.recorder = RecordingBatchSampler(UserPoissonSampler(index, sample_rate, generator, **share))
+        sampler = UserPoissonSampler(index, sample_rate, generator, **rank_share(distributed))
+        self.recorder = RecordingBatchSampler(sampler)
         self._listener: Optional[Callable[[], Any]] = None
         init_poisson_loader(self, dataset, self.recorder, **kwargs)
 
