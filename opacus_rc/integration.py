@@ -1,32 +1,20 @@
 """The one place that extends Opacus: :class:`PrivacyEngine`, a subclass of Opacus's.
 
-``make_private(..., clipping="randomized", estimator=..., sketch_size=...)`` parses the
-plugin's options once into a frozen :class:`~opacus_rc.options.Options` and runs Opacus's
-own ``make_private`` on a :class:`MakePrivateCall` of the engine and those options, whose
-``_prepare_model`` / ``_prepare_optimizer`` / ``_prepare_data_loader`` /
-``_prepare_criterion`` steps hand them to the engine's randomized steps (the
-randomized grad-sample module, optimizer and criterion; a Poisson loader at the public
-rate with its own generator; the public normaliser). Every other clipping mode goes to
-Opacus unchanged. The options, their defaults and their documentation are spelled once,
-in :data:`opacus_rc.options.OPTIONS`; both signatures are built from it. ``make_private_with_epsilon`` calibrates sigma with the ``rc_prv``
-accountant for the requested sketch; ``save_checkpoint`` / ``load_checkpoint`` keep
-generator states out of checkpoints unless ``include_rng_state=True``;
-``PrivacyEngine(secure_mode=True, accountant="rc_prv")`` works without torchcsprng
-(:mod:`opacus_rc.csprng`); ``denoise="spectral"`` (any clipping mode) attaches
-:func:`opacus_rc.denoise.attach_spectral_denoiser`.
+``make_private(..., clipping="randomized", ...)`` parses the plugin's options once into a
+frozen :class:`~opacus_rc.options.Options` (spelled once, in
+:data:`opacus_rc.options.OPTIONS`; both signatures are built from it) and runs Opacus's own
+``make_private`` on a :class:`~opacus_rc.prepare.MakePrivateCall`, whose ``_prepare_*``
+steps build the randomized module, optimizer, criterion and Poisson loader at the public
+rate. Every other clipping mode goes to Opacus unchanged. ``make_private_with_epsilon``
+calibrates sigma with ``rc_prv``; checkpoints hold no generator state unless
+``include_rng_state=True``; ``secure_mode`` works without torchcsprng
+(:mod:`opacus_rc.csprng`); ``denoise="spectral"`` attaches the spectral denoiser.
 
-Randomness (:mod:`opacus_rc.sketch`'s :class:`~opacus_rc.sketch.DeviceStreams`): the noise
-and the Poisson masks of a randomized run never come from torch's global generator (a
-script that calls ``torch.manual_seed`` and resumes would replay them). The optimizer owns
-its noise stream and the Poisson loader gets its own generator, both seeded from
-``os.urandom`` unless the run is made reproducible: ``seed=`` (one integer; noise, Poisson
-and sketch streams derived with distinct domain tags), or Opacus's ``noise_generator=`` and
-the DataLoader's ``generator=``. Resuming a ``seed=`` run with its seed would replay its
-noise (a privacy hazard): refused unless ``accept_replayed_noise=True``.
-
+The noise and the Poisson masks of a randomized run never come from torch's global
+generator: ``os.urandom`` streams unless ``seed=`` (or ``noise_generator=`` and the
+DataLoader's ``generator=``) makes the run reproducible (docs/development.md).
 ``import opacus_rc`` makes ``from opacus import PrivacyEngine`` give this class
-(:mod:`opacus_rc.registration`). Opacus's ``_prepare_*`` steps of one call run on a
-:class:`~opacus_rc.prepare.MakePrivateCall` (:mod:`opacus_rc.prepare`).
+(:mod:`opacus_rc.registration`).
 """
 
 from __future__ import annotations
@@ -43,23 +31,13 @@ from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
 from .accounting.group import check_group_size, group_epsilon
 from .forms import FORMS
 from .options import (  # noqa: F401  (loader_batch_size, loader_rate, public_sampling: public here too)
-    RC_ACCOUNTANTS,
-    RC_CALIBRATION_KEYWORDS,
-    Options,
-    PublicSampling,
-    loader_batch_size,
-    loader_rate,
-    check_keywords,
-    keywords,
-    public_sampling,
-    split_options,
-    with_options,
+    RC_ACCOUNTANTS, RC_CALIBRATION_KEYWORDS, Options, PublicSampling, check_keywords, keywords, loader_batch_size,
+    loader_rate, public_sampling, split_options, with_options,
 )
 from .prepare import MakePrivateCall, OpacusPrivacyEngine
 from .values import EXAMPLE_UNIT
 
 logger = logging.getLogger(__name__)
-
 
 
 def _with_opacus_defaults(method: Callable, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -245,9 +223,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
                 "its get_epsilon(delta) is already per user"
             )
         k = check_group_size(max_examples_per_user, "max_examples_per_user")
-        if isinstance(self.accountant, RCPRVAccountant):
-            return group_epsilon(self.accountant.history, delta, k, bin_ratio=self.accountant.bin_ratio)
-        return group_epsilon(self.accountant.history, delta, k)
+        bins = {"bin_ratio": self.accountant.bin_ratio} if isinstance(self.accountant, RCPRVAccountant) else {}
+        return group_epsilon(self.accountant.history, delta, k, **bins)
 
     def save_checkpoint(self, *, include_rng_state: bool = False, **kwargs: Any) -> None:
         """Opacus's ``save_checkpoint``; no generator state is stored unless

@@ -10,7 +10,6 @@ nothing else: every ``_prepare_*`` step of Opacus's ``make_private`` reads the o
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import math
 import numbers
@@ -34,7 +33,7 @@ from .sketch import check_seed
 from .units import DEFAULT_MAX_EXAMPLES_PER_USER, UserIndex, check_max_examples_per_user, check_privacy_unit
 from .values import (
     ADAPTIVE, BOOKKEEPING_MODE, DENOISERS, EXAMPLE_UNIT, FLAT, FSDP_MODE, GHOST, HOOKS, NONFINITE_MODES, PER_LAYER,
-    RAISE, RANDOMIZED, RC_PRV, SKIP, SVD_FULL, USER_UNIT,
+    RAISE, RANDOMIZED, RC_PRV, SKIP, SVD_FULL, USER_UNIT, check_choice, did_you_mean,
 )
 
 #: every clipping mode make_private accepts: Opacus's three and the plugin's
@@ -197,8 +196,7 @@ def refuse_unknown(given: Iterable[str], accepted: Collection[str], where: str) 
     for name in given:
         if name in accepted:
             continue
-        near = difflib.get_close_matches(name, sorted(accepted), n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        hint = did_you_mean(name, accepted)
         if name in _ENGINE_KEYWORDS:  # e.g. secure_mode: the engine's, not the call's
             hint = f" (it is PrivacyEngine's: PrivacyEngine({name}=...))"
         raise ValueError(
@@ -268,15 +266,18 @@ def with_options(method: Callable) -> Callable:
 
 #: the keywords that make the SketchConfig (its fields, in order)
 SKETCH_OPTIONS = tuple(f.name for f in fields(SketchConfig))
-#: make_private keywords fixing the public normaliser and sample rate (randomized only)
-SAMPLING_OPTIONS = ("expected_batch_size", "sample_rate")
 #: keywords that only apply with clipping="randomized" (bookkeeping has its own message)
 RANDOMIZED_ONLY = (
-    *SKETCH_OPTIONS, "sketch_seed", "seed", "accept_replayed_noise", "nonfinite", *SAMPLING_OPTIONS,
+    *SKETCH_OPTIONS, "sketch_seed", "seed", "accept_replayed_noise", "nonfinite", "expected_batch_size", "sample_rate",
     "privacy_unit", "user_ids", "max_examples_per_user",
 )
 #: keywords that only apply with privacy_unit="user"
 USER_ONLY = ("user_ids", "max_examples_per_user")
+
+
+def finite_real(x: Any) -> bool:
+    """``x`` is a finite real number (not a bool)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _given(options: Mapping[str, Any], name: str) -> bool:
@@ -379,11 +380,8 @@ def public_sampling(
         ValueError: naming the parameter and its accepted values.
     """
     if expected_batch_size is not None:
-        if (
-            isinstance(expected_batch_size, bool)
-            or not isinstance(expected_batch_size, numbers.Integral)
-            or expected_batch_size < 1
-        ):
+        size = expected_batch_size
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
             raise ValueError(
                 f"expected_batch_size={expected_batch_size!r} is invalid; accepted values: "
                 f"a positive int (the expected logical batch size, summed over ranks in DDP) "
@@ -416,14 +414,7 @@ def check_sample_rate(sample_rate: Any, when_none: str = "1 / len(data_loader)")
     Raises:
         ValueError: naming the parameter and its accepted values.
     """
-    if sample_rate is None:
-        return
-    if (
-        isinstance(sample_rate, bool)
-        or not isinstance(sample_rate, numbers.Real)
-        or not math.isfinite(sample_rate)
-        or not 0.0 < sample_rate <= 1.0
-    ):
+    if sample_rate is not None and not (finite_real(sample_rate) and 0.0 < sample_rate <= 1.0):
         raise ValueError(
             f"sample_rate={sample_rate!r} is invalid; accepted values: a float in "
             f"(0, 1] or None ({when_none})"
@@ -445,24 +436,8 @@ def parse_denoise(options: Mapping[str, Any]) -> Optional[Tuple[Tuple[str, Any],
         if given:
             raise ValueError(f"{', '.join('denoise_' + k for k in given)} need denoise='spectral'")
         return None
-    if denoise not in DENOISERS:
-        raise ValueError(
-            f"denoise={denoise!r} is not supported; accepted values: None, "
-            f"{', '.join(repr(d) for d in DENOISERS)}"
-        )
+    check_choice("denoise", denoise, (None, *DENOISERS))
     return tuple(given.items())
-
-
-def _clipping(clipping: Any) -> str:
-    """``clipping=``: one of :data:`CLIPPING_MODES` (the nearest spelling suggested)."""
-    if clipping in CLIPPING_MODES:
-        return clipping
-    near = difflib.get_close_matches(str(clipping), CLIPPING_MODES, n=1)
-    hint = f" (did you mean {near[0]!r}?)" if near else ""
-    raise ValueError(
-        f"clipping={clipping!r} is not supported{hint}; accepted values: "
-        f"{', '.join(repr(m) for m in CLIPPING_MODES)}"
-    )
 
 
 def _noise_multiplier(opacus: Mapping[str, Any]) -> None:
@@ -471,7 +446,7 @@ def _noise_multiplier(opacus: Mapping[str, Any]) -> None:
     if "noise_multiplier" not in opacus:
         return  # make_private_with_epsilon calibrates it
     sigma = opacus["noise_multiplier"]
-    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not math.isfinite(sigma) or sigma < 0:
+    if not finite_real(sigma) or sigma < 0:
         raise ValueError(
             f"noise_multiplier={sigma!r} is invalid; accepted values: a finite real >= 0 "
             f"(the noise std in units of max_grad_norm)"
@@ -487,11 +462,7 @@ def _nonfinite(mode: Any, grad_sample_mode: str, runs: str) -> str:
     """``nonfinite=`` ("raise", the default, or "skip"). "skip" needs a form that assembles
     each example's contribution on its own (:attr:`~opacus_rc.forms.Form.drops_examples`:
     book-keeping, the per-example form), so a non-finite one can be dropped before the sum."""
-    if mode not in NONFINITE_MODES:
-        raise ValueError(
-            f"nonfinite={mode!r} is not supported; accepted values: "
-            f"{', '.join(repr(m) for m in NONFINITE_MODES)}"
-        )
+    check_choice("nonfinite", mode, NONFINITE_MODES)
     if mode == SKIP and not FORMS[runs].drops_examples:
         raise ValueError(
             "nonfinite='skip' needs book-keeping: use grad_sample_mode='bookkeeping' (or its "
@@ -652,7 +623,7 @@ class Options:
         Raises:
             ValueError: naming the parameter and its accepted values.
         """
-        clipping = _clipping(clipping)
+        clipping = check_choice("clipping", clipping, CLIPPING_MODES, did_you_mean(str(clipping), CLIPPING_MODES))
         _noise_multiplier(opacus)
         denoise = parse_denoise(options)
         runs, mode = resolve_form(
