@@ -184,16 +184,8 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
             )
     if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
         raise ValueError("an IterableDataset train_dataset is not supported: Poisson sampling needs a map-style dataset")
-    if trainer.privacy.user_level:
-        check_user_setup(trainer)
-
-
-def check_user_setup(trainer: Trainer) -> None:
-    """``privacy_unit="user"``: a ``train_dataset`` with a valid user column (read now, so a
-    bad column is refused at construction). Several processes split the users, not their
-    rows (:class:`~opacus_rc.hf.data.PoissonAccumulationSampler`)."""
-    if trainer.train_dataset is not None:
-        trainer.user_index()
+    if trainer.privacy.user_level and trainer.train_dataset is not None:
+        trainer.user_index()  # the user column read now: a bad one is refused at construction
 
 
 def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
@@ -354,6 +346,6 @@ def replaceable_compute_loss() -> Tuple[Any, ...]:
 
 
 __all__ = [
-    "check_arguments", "check_setup", "check_units", "check_user_setup", "user_index_of", "check_checkpoint_functions", "check_loader", "check_records", "refuse_non_finite",
+    "check_arguments", "check_setup", "check_units", "user_index_of", "check_checkpoint_functions", "check_loader", "check_records", "refuse_non_finite",
     "replaceable_compute_loss", "resumed_history", "DP_STATE_NAME",
 ]

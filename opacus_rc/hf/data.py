@@ -123,10 +123,6 @@ class UserPoissonLoader(DataLoader):
         super().__init__(dataset, batch_sampler=RecordingBatchSampler(batch_sampler), **kwargs)
         self.user_index = batch_sampler.users
 
-    @property
-    def poisson_sampler(self) -> PoissonAccumulationSampler:
-        return self.batch_sampler.batch_sampler
-
     def __iter__(self) -> Iterator[Any]:
         noted: List[RowUnits] = []
         for batch in delivered_units(super().__iter__(), self.batch_sampler, self.user_index, noted.append):

@@ -168,10 +168,8 @@ def signal_same_draw(optimizer: DPOptimizer) -> None:
     """A skipped step whose next physical batch continues the same Poisson draw (charged
     once, averaged once). Opacus's flat optimizer has no ``same_draw=``: it counts a
     skipped step as part of the same logical step anyway."""
-    if form_of(optimizer) is not None:
-        optimizer.signal_skip_step(do_skip=True, same_draw=True)
-    else:
-        optimizer.signal_skip_step(do_skip=True)
+    same_draw = {} if form_of(optimizer) is None else {"same_draw": True}
+    optimizer.signal_skip_step(do_skip=True, **same_draw)
 
 
 __all__ = ["Private", "budget_steps", "epsilon", "make_private", "noise_multiplier", "public_loader", "signal_same_draw"]
