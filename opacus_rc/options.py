@@ -283,9 +283,7 @@ def finite_real(x: Any) -> bool:
 def _given(options: Mapping[str, Any], name: str) -> bool:
     """True when the keyword ``name`` is not at its default (same type, same value)."""
     value, default = options[name], DEFAULTS[name]
-    if value is default:
-        return False
-    return type(value) is not type(default) or value != default
+    return value is not default and (type(value) is not type(default) or value != default)
 
 
 @dataclass(frozen=True)
@@ -361,10 +359,7 @@ def _matching_loader_rate(data_loader, sample_rate: float) -> float:
 
 
 def public_sampling(
-    data_loader,
-    expected_batch_size: Any = None,
-    sample_rate: Any = None,
-    poisson_sampling: bool = True,
+    data_loader, expected_batch_size: Any = None, sample_rate: Any = None, poisson_sampling: bool = True
 ) -> PublicSampling:
     """The public normaliser and sample rate of a randomized-clipping run.
 
