@@ -40,11 +40,7 @@ def _sources(module: Any, optimizer: Optional[Any], engine: Any) -> Dict[str, An
 def with_rng_state(engine: Any, include_rng_state: bool, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """Opacus's ``save_checkpoint`` arguments ``kwargs``, with the generators' states (the
     sketch source's, the noise generators' and the Poisson generator's: secrets, see module
-    doc) in its ``checkpoint_dict`` when ``include_rng_state`` (default False).
-
-    Raises:
-        ValueError: ``include_rng_state`` not a bool, or True with ``secure_mode=True``.
-    """
+    doc) in its ``checkpoint_dict`` when ``include_rng_state`` (a bool; refused in secure mode)."""
     if not isinstance(include_rng_state, bool):
         raise ValueError(f"include_rng_state={include_rng_state!r}; accepted values: True, False")
     if not include_rng_state:

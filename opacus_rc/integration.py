@@ -246,15 +246,24 @@ class PrivacyEngine(OpacusPrivacyEngine):
     def _run_opacus(self, method: Callable, options: Options, arguments: Dict[str, Any], call: Dict[str, Any]):
         """Opacus's ``method(**call)`` (its ``make_private`` or ``make_private_with_epsilon``)
         run as :class:`MakePrivateCall` of this engine and ``options``; its outputs completed
-        for the randomized path and the denoiser."""
-        if not options.randomized:
-            self._require_torchcsprng(options.clipping)
+        for the randomized path and with the spectral denoiser (``denoise=``)."""
+        if not options.randomized and self._torchcsprng_error is not None:
+            # Opacus's secure-mode ImportError (kept from __init__) when torchcsprng is missing
+            raise ImportError(
+                f"{self._torchcsprng_error} (clipping={options.clipping!r} uses Opacus's torchcsprng "
+                "generator; without it, secure_mode serves clipping='randomized' only, from "
+                "opacus_rc.csprng)"
+            ) from self._torchcsprng_error
         self._check_privacy_unit(options.privacy_unit)
         out = method(MakePrivateCall(self, options), **call)
         self.privacy_unit, self._unit_fixed = options.privacy_unit, True
         if options.randomized:
             out = self._randomized_outputs(out, options, arguments)
-        return self._denoised(out, options, arguments["module"])
+        if options.denoise is not None:
+            from .denoise import attach_spectral_denoiser
+
+            attach_spectral_denoiser(out[1], denoised_weights(arguments["module"]), **options.denoise_kwargs)
+        return out
 
     def _randomized_outputs(self, out, options: Options, arguments: Dict[str, Any]):
         """Opacus's outputs of a randomized call, charged at the public rate and in the
@@ -269,23 +278,4 @@ class PrivacyEngine(OpacusPrivacyEngine):
             "randomized clipping: public normaliser %d, sample rate %.6g", sampling.batch_size, sampling.sample_rate
         )
         return FORMS[options.runs].outputs(out, arguments)
-
-    @staticmethod
-    def _denoised(out, options: Options, module: nn.Module):
-        """``out`` with the spectral denoiser attached to its optimizer (``denoise=``)."""
-        if options.denoise is not None:
-            from .denoise import attach_spectral_denoiser
-
-            attach_spectral_denoiser(out[1], denoised_weights(module), **options.denoise_kwargs)
-        return out
-
-    def _require_torchcsprng(self, clipping: str) -> None:
-        """Opacus's secure-mode ImportError (kept from ``__init__``), for any clipping mode
-        but ``"randomized"`` when torchcsprng is missing."""
-        if self._torchcsprng_error is not None:
-            raise ImportError(
-                f"{self._torchcsprng_error} (clipping={clipping!r} uses Opacus's torchcsprng "
-                "generator; without it, secure_mode serves clipping='randomized' only, from "
-                "opacus_rc.csprng)"
-            ) from self._torchcsprng_error
 

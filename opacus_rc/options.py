@@ -207,18 +207,10 @@ def refuse_unknown(given: Iterable[str], accepted: Collection[str], where: str) 
 def check_keywords(
     where: str, given: Iterable[str], clipping: Any, opacus_keywords: Collection[str], accountant: Any = None
 ) -> None:
-    """Refuse (:func:`refuse_unknown`) a keyword of the plugin's ``make_private`` or
-    ``make_private_with_epsilon`` (``where``) that neither it nor Opacus knows. Accepted:
-    ``opacus_keywords`` (the named parameters of Opacus's method), ``clipping``, the
-    plugin's :data:`OPTIONS`, the adaptive optimizer's :data:`ADAPTIVE_KEYWORDS` (with
-    ``clipping="adaptive"`` only) and, for ``make_private_with_epsilon`` (``accountant``:
-    the engine's), the calibration's: Opacus's ``get_noise_multiplier`` and the
-    accountant's ``get_epsilon`` for Opacus's clipping modes,
-    :data:`RC_CALIBRATION_KEYWORDS` for ``clipping="randomized"``.
-
-    Raises:
-        ValueError: naming the keyword and the nearest accepted one.
-    """
+    """Refuse (:func:`refuse_unknown`, a ValueError) a keyword of the plugin's ``make_private``
+    or ``make_private_with_epsilon`` (``where``) that neither it nor Opacus's method
+    (``opacus_keywords``) knows; :data:`ADAPTIVE_KEYWORDS` need ``clipping="adaptive"``. With
+    ``accountant`` (``make_private_with_epsilon``) the calibration's keywords are accepted too."""
     given = list(given)
     for name in given:
         if name in ADAPTIVE_KEYWORDS and clipping != ADAPTIVE:
@@ -361,7 +353,8 @@ def _matching_loader_rate(data_loader, sample_rate: float) -> float:
 def public_sampling(
     data_loader, expected_batch_size: Any = None, sample_rate: Any = None, poisson_sampling: bool = True
 ) -> PublicSampling:
-    """The public normaliser and sample rate of a randomized-clipping run.
+    """The public normaliser and sample rate of a randomized-clipping run (ValueError naming
+    an invalid parameter and its accepted values).
 
     Normaliser: ``expected_batch_size`` when given, else the batch size of the loader as
     the user built it (:func:`loader_batch_size`): a hyper-parameter, never a function
@@ -370,9 +363,6 @@ def public_sampling(
     batches per epoch is public, see docs/accounting.md, "What the guarantee assumes").
     With ``poisson_sampling=False``: the loader's own rate (:func:`loader_rate`); a
     ``sample_rate`` other than it is refused.
-
-    Raises:
-        ValueError: naming the parameter and its accepted values.
     """
     if expected_batch_size is not None:
         size = expected_batch_size
@@ -403,12 +393,8 @@ def public_sampling(
 
 
 def check_sample_rate(sample_rate: Any, when_none: str = "1 / len(data_loader)") -> None:
-    """``sample_rate=``: None or a float in (0, 1]; ``when_none``: the rate None stands for
-    (named in the error).
-
-    Raises:
-        ValueError: naming the parameter and its accepted values.
-    """
+    """``sample_rate=``: None or a float in (0, 1], else a ValueError naming it, its accepted
+    values and ``when_none``, the rate None stands for."""
     if sample_rate is not None and not (finite_real(sample_rate) and 0.0 < sample_rate <= 1.0):
         raise ValueError(
             f"sample_rate={sample_rate!r} is invalid; accepted values: a float in "
@@ -511,14 +497,9 @@ def _accept_replayed_noise(accept: Any, seed: Optional[int]) -> bool:
 
 def _user_index(options: Mapping[str, Any], opacus: Mapping[str, Any], runs: str) -> Optional[UserIndex]:
     """``privacy_unit=`` with ``user_ids=`` and ``max_examples_per_user=``: the
-    :class:`~opacus_rc.units.UserIndex` of a user-level call (None: example level).
-    Refused where the plugin cannot clip per user exactly: a form that does not honour
-    the user unit (:attr:`~opacus_rc.forms.Form.honours_users`; FSDP2's among them), and
-    ``poisson_sampling=False`` (the guarantee is for Poisson sampling over users).
-
-    Raises:
-        ValueError: naming the parameter and its accepted values, or the combination.
-    """
+    :class:`~opacus_rc.units.UserIndex` of a user-level call (None: example level). A
+    ValueError where the plugin cannot clip per user exactly (a form without
+    :attr:`~opacus_rc.forms.Form.honours_users`, ``poisson_sampling=False``)."""
     unit = check_privacy_unit(options["privacy_unit"])
     check_max_examples_per_user(options["max_examples_per_user"])
     if unit == EXAMPLE_UNIT:
@@ -610,14 +591,10 @@ class Options:
     def parse(
         cls, engine: Any, clipping: str, options: Mapping[str, Any], opacus: Mapping[str, Any]
     ) -> "Options":
-        """Validate the plugin's keywords ``options`` (all of :data:`DEFAULTS`) of a call
-        with clipping mode ``clipping`` and Opacus's arguments ``opacus`` (``module``,
-        ``data_loader``, ``grad_sample_mode``, ``poisson_sampling``, ``noise_generator``:
-        read, never changed) on ``engine``.
-
-        Raises:
-            ValueError: naming the parameter and its accepted values.
-        """
+        """Validate the plugin's keywords ``options`` (all of :data:`DEFAULTS`) of a call with
+        clipping mode ``clipping`` and Opacus's arguments ``opacus`` (``module``, ``data_loader``,
+        ``grad_sample_mode``, ``poisson_sampling``, ``noise_generator``: read, never changed) on
+        ``engine``; a ValueError names an invalid parameter and its accepted values."""
         clipping = check_choice("clipping", clipping, CLIPPING_MODES, did_you_mean(str(clipping), CLIPPING_MODES))
         _noise_multiplier(opacus)
         denoise = parse_denoise(options)

@@ -12,7 +12,7 @@ its own generator (never torch's global one) and the two-pass criterion.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import opacus.privacy_engine
@@ -160,9 +160,7 @@ class MakePrivateCall:
         generator = self.secure_rng if self.secure_mode else noise_generator
         return cls(optimizer=optimizer, generator=generator, secure_mode=self.secure_mode, **kwargs)
 
-    def _randomized_data_loader(
-        self, data_loader, *, poisson_sampling: bool, distributed: bool, **kwargs: Any
-    ):
+    def _randomized_data_loader(self, data_loader, *, poisson_sampling: bool, distributed: bool, **kwargs: Any):
         """The Poisson loader at the public rate with its own generator
         (:func:`poisson_generator`), or in secure mode with the CSPRNG's masks; with
         ``poisson_sampling=False`` the loader as given (Opacus)."""
@@ -180,37 +178,25 @@ class MakePrivateCall:
             raise ValueError("Uniform sampling is not supported for IterableDataset")
         self._check_dataset(data_loader)
         settings = dict(
-            sample_rate=self.options.sampling.sample_rate,
-            distributed=distributed,
-            batch_first=kwargs.get("batch_first", True),
-            rand_on_empty=kwargs.get("rand_on_empty", False),
+            sample_rate=self.options.sampling.sample_rate, distributed=distributed,
+            batch_first=kwargs.get("batch_first", True), rand_on_empty=kwargs.get("rand_on_empty", False),
         )
-        if self.options.users is not None:  # privacy_unit="user": Poisson over users
-            return self._user_data_loader(data_loader, settings)
-        if self.secure_mode:  # CSPRNG Poisson sampler, no torchcsprng
+        if self.secure_mode and self.options.users is None:  # CSPRNG Poisson sampler, no torchcsprng
             return SecureDPDataLoader.from_data_loader(data_loader, **settings)
+        if self.secure_mode:  # the user-level loader's masks from the CSPRNG
+            generator = default_generator()
+        else:
+            generator = poisson_generator(data_loader, self.options.seed, distributed)
+            setattr(self, checkpoint.POISSON_GENERATOR_ATTR, generator)  # include_rng_state
+        if self.options.users is not None:  # privacy_unit="user": Poisson over (this rank's share of) users
+            return UserDataLoader(
+                data_loader.dataset, index=self.options.users, generator=generator, **settings,
+                **loader_settings(data_loader),
+            )
         # Opacus's DPDataLoader.from_data_loader, at the public rate and with our generator;
         # distributed: every draw, an empty one too (EveryDrawDistributedSampler)
         loader = DistributedDPDataLoader if settings.pop("distributed") else DPDataLoader
-        generator = self._poisson_generator(data_loader, distributed)
         return loader(dataset=data_loader.dataset, **loader_settings(data_loader), generator=generator, **settings)
-
-    def _poisson_generator(self, data_loader, distributed: bool) -> torch.Generator:
-        """:func:`poisson_generator`, left on the engine for ``include_rng_state``."""
-        generator = poisson_generator(data_loader, self.options.seed, distributed)
-        setattr(self, checkpoint.POISSON_GENERATOR_ATTR, generator)
-        return generator
-
-    def _user_data_loader(self, data_loader, settings: Dict[str, Any]) -> UserDataLoader:
-        """The user-level loader (:class:`~opacus_rc.units.UserDataLoader`): Poisson over
-        users at the public rate (under DDP, over this rank's share of the users), with the
-        masks' generator as the example-level loader's (the CSPRNG in secure mode)."""
-        generator = (
-            default_generator() if self.secure_mode else self._poisson_generator(data_loader, settings["distributed"])
-        )
-        return UserDataLoader(
-            data_loader.dataset, index=self.options.users, generator=generator, **settings, **loader_settings(data_loader)
-        )
 
     def _check_dataset(self, data_loader) -> None:
         """Opacus's one-dataset-per-engine check. Copied: Opacus runs it only inside its
