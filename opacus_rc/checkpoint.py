@@ -76,12 +76,9 @@ def load_checked(engine: Any, load: Any, kwargs: Dict[str, Any]) -> Dict[str, An
             optimizer.deferred_seeded_resume = None
     if seeded and RNG_STATE_KEY not in checkpoint:
         optimizer.check_seeded_resume(True)
-    state = checkpoint.pop(RNG_STATE_KEY, None)
-    if state is not None:
-        for key, source in _sources(kwargs.get("module"), optimizer, engine).items():
-            if key in state:
-                if key.endswith("_generator"):
-                    source.set_state(state[key])
-                else:
-                    source.load_state_dict(state[key])
+    state = checkpoint.pop(RNG_STATE_KEY, {})
+    for key, source in _sources(kwargs.get("module"), optimizer, engine).items():
+        if key in state:
+            restore = source.set_state if key.endswith("_generator") else source.load_state_dict
+            restore(state[key])
     return checkpoint

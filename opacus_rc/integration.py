@@ -1,20 +1,12 @@
 """The one place that extends Opacus: :class:`PrivacyEngine`, a subclass of Opacus's.
 
-``make_private(..., clipping="randomized", ...)`` parses the plugin's options once into a
-frozen :class:`~opacus_rc.options.Options` (spelled once, in
-:data:`opacus_rc.options.OPTIONS`; both signatures are built from it) and runs Opacus's own
-``make_private`` on a :class:`~opacus_rc.prepare.MakePrivateCall`, whose ``_prepare_*``
-steps build the randomized module, optimizer, criterion and Poisson loader at the public
-rate. Every other clipping mode goes to Opacus unchanged. ``make_private_with_epsilon``
-calibrates sigma with ``rc_prv``; checkpoints hold no generator state unless
-``include_rng_state=True``; ``secure_mode`` works without torchcsprng
-(:mod:`opacus_rc.csprng`); ``denoise="spectral"`` attaches the spectral denoiser.
-
-The noise and the Poisson masks of a randomized run never come from torch's global
-generator: ``os.urandom`` streams unless ``seed=`` (or ``noise_generator=`` and the
-DataLoader's ``generator=``) makes the run reproducible (docs/development.md).
-``import opacus_rc`` makes ``from opacus import PrivacyEngine`` give this class
-(:mod:`opacus_rc.registration`).
+``make_private`` parses the plugin's options (:data:`opacus_rc.options.OPTIONS`) once into
+a frozen :class:`~opacus_rc.options.Options` and runs Opacus's own ``make_private`` on a
+:class:`~opacus_rc.prepare.MakePrivateCall`, whose ``_prepare_*`` steps build the
+randomized module, optimizer, criterion and Poisson loader; every other clipping mode runs
+Opacus unchanged. A randomized run's noise and Poisson masks never come from torch's
+global generator (docs/development.md). ``import opacus_rc`` makes ``from opacus import
+PrivacyEngine`` give this class (:mod:`opacus_rc.registration`).
 """
 
 from __future__ import annotations
@@ -186,15 +178,6 @@ class PrivacyEngine(OpacusPrivacyEngine):
         logger.info("epsilon %.4g at delta %g, per %s", epsilon, delta, self.privacy_unit)
         return epsilon
 
-    def _check_privacy_unit(self, unit: str) -> None:
-        """One accountant, one unit: a call at another unit than the engine's earlier calls
-        (any clipping mode: their optimizers all charge this accountant) or steps is refused."""
-        if unit != self.privacy_unit and (self._unit_fixed or len(self.accountant) > 0):
-            raise ValueError(
-                f"privacy_unit={unit!r} on an engine whose earlier make_private call or steps are at "
-                f"privacy_unit={self.privacy_unit!r}: epsilon of the two would mix units; use a new PrivacyEngine"
-            )
-
     def get_user_epsilon(self, delta: float, max_examples_per_user: int) -> float:
         """Epsilon at ``delta`` for a person who owns at most ``max_examples_per_user`` rows,
         after the steps of an example-level run (``get_epsilon`` protects one row).
@@ -209,10 +192,9 @@ class PrivacyEngine(OpacusPrivacyEngine):
             ValueError: ``max_examples_per_user`` not an integer >= 1; a user-level run
                 (``privacy_unit="user"``: ``get_epsilon`` is already per user).
         """
-        unit = self.privacy_unit
-        if unit != EXAMPLE_UNIT:
+        if self.privacy_unit != EXAMPLE_UNIT:
             raise ValueError(
-                f"get_user_epsilon is for example-level runs; this engine's privacy_unit={unit!r}: "
+                f"get_user_epsilon is for example-level runs; this engine's privacy_unit={self.privacy_unit!r}: "
                 "its get_epsilon(delta) is already per user"
             )
         k = check_group_size(max_examples_per_user, "max_examples_per_user")
@@ -254,9 +236,15 @@ class PrivacyEngine(OpacusPrivacyEngine):
                 "generator; without it, secure_mode serves clipping='randomized' only, from "
                 "opacus_rc.csprng)"
             ) from self._torchcsprng_error
-        self._check_privacy_unit(options.privacy_unit)
+        unit = options.privacy_unit
+        if unit != self.privacy_unit and (self._unit_fixed or len(self.accountant) > 0):
+            # one accountant, one unit (any clipping mode: their optimizers all charge this accountant)
+            raise ValueError(
+                f"privacy_unit={unit!r} on an engine whose earlier make_private call or steps are at "
+                f"privacy_unit={self.privacy_unit!r}: epsilon of the two would mix units; use a new PrivacyEngine"
+            )
         out = method(MakePrivateCall(self, options), **call)
-        self.privacy_unit, self._unit_fixed = options.privacy_unit, True
+        self.privacy_unit, self._unit_fixed = unit, True
         if options.randomized:
             out = self._randomized_outputs(out, options, arguments)
         if options.denoise is not None:

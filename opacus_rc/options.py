@@ -63,7 +63,7 @@ _SKETCH = SketchConfig()  # the sketch defaults: SketchConfig's fields, the one 
 
 #: The plugin's keywords of make_private and make_private_with_epsilon: the only place
 #: they, their defaults and their documentation are spelled (both signatures and both
-#: docstrings are built from it, see :func:`plugin_signature`). A keyword at its
+#: docstrings are built from it, see :func:`with_options`). A keyword at its
 #: default is the same as not giving it.
 OPTIONS: Tuple[Option, ...] = (
     Option("estimator", _SKETCH.estimator, "str", (
@@ -79,8 +79,7 @@ OPTIONS: Tuple[Option, ...] = (
         "hidden-Z accounting) or ``\"shared\"`` (one sketch per layer and step)."
     )),
     Option("exact_when_cheaper", _SKETCH.exact_when_cheaper, "bool", (
-        "*randomized*. Compute a linear layer exactly when its\n"
-        "sequence length T <= k."
+        "*randomized*. Compute a linear layer exactly when its sequence length T <= k."
     )),
     Option("sketch_seed", None, "Optional[int]", (
         "*randomized*. Seed of the sketch generator; None: ``os.urandom``\n"
@@ -96,10 +95,9 @@ OPTIONS: Tuple[Option, ...] = (
         "(or the checkpoint holds the generators' states, ``include_rng_state=True``)."
     )),
     Option("accept_replayed_noise", False, "bool", (
-        "*randomized*, with ``seed=``. Loading the optimizer state (or\n"
-        "``load_checkpoint``) of a run that used ``seed=`` into a run with ``seed=`` is refused:\n"
-        "the resumed run would draw the earlier steps' noise again, and the difference of two\n"
-        "updates with the same noise is released without noise. True accepts that hazard."
+        "*randomized*, with ``seed=``. Loading the optimizer state (or ``load_checkpoint``)\n"
+        "of a run that used ``seed=`` into a run with ``seed=`` is refused: it would replay\n"
+        "the noise (see ``seed``). True accepts that hazard."
     )),
     Option("bookkeeping", None, "Optional[bool]", (
         "*randomized*. None, True or False: with ``\"ghost\"``, True runs the\n"
@@ -117,9 +115,8 @@ OPTIONS: Tuple[Option, ...] = (
     )),
     Option("nonfinite", RAISE, "str", (
         "*randomized*. ``\"raise\"`` (a non-finite norm or gradient refuses the\n"
-        "step) or ``\"skip\"`` (book-keeping and the per-example form only: drop\n"
-        "that example's contribution,\n"
-        "counted in ``optimizer.skipped_examples``, a non-private count)."
+        "step) or ``\"skip\"`` (book-keeping and the per-example form only: drop that\n"
+        "example's contribution, counted in ``optimizer.skipped_examples``, a non-private count)."
     )),
     Option("sample_rate", None, "Optional[float]", (
         "*randomized*. The public Poisson rate the loader samples at and\n"
@@ -127,8 +124,8 @@ OPTIONS: Tuple[Option, ...] = (
         "``poisson_sampling=False`` only the loader's own rate is accepted."
     )),
     Option("expected_batch_size", None, "Optional[int]", (
-        "*randomized*. The public normaliser of the averaged\n"
-        "update (a positive int, summed over ranks); None: the loader's batch_size."
+        "*randomized*. The public normaliser of the averaged update (a positive int,\n"
+        "summed over ranks); None: the loader's batch_size."
     )),
     Option("privacy_unit", EXAMPLE_UNIT, "str", (
         "*randomized*. What one clip bounds and epsilon protects: ``\"example\"``\n"
@@ -149,12 +146,8 @@ OPTIONS: Tuple[Option, ...] = (
         "None or ``\"spectral\"`` (any clipping mode): SVD shrinkage of the\n"
         "noisy gradient of the linear weights (:mod:`opacus_rc.denoise`)."
     )),
-    Option("denoise_kappa", DEFAULT_KAPPA, "float", (
-        "the denoiser's gate factor (finite, > 0; needs ``denoise``)."
-    )),
-    Option("denoise_svd", SVD_FULL, "str", (
-        "``\"full\"``, ``\"lowrank\"`` or ``\"auto\"`` (needs ``denoise``)."
-    )),
+    Option("denoise_kappa", DEFAULT_KAPPA, "float", "the denoiser's gate factor (finite, > 0; needs ``denoise``)."),
+    Option("denoise_svd", SVD_FULL, "str", "``\"full\"``, ``\"lowrank\"`` or ``\"auto\"`` (needs ``denoise``)."),
 )
 #: name -> default of :data:`OPTIONS`
 DEFAULTS: Mapping[str, Any] = MappingProxyType({o.name: o.default for o in OPTIONS})
@@ -319,12 +312,9 @@ def loader_batch_size(data_loader) -> Optional[int]:
 def loader_rate(data_loader) -> float:
     """The rate a fixed-size loader used as given is charged:
     ``q = max(B / n, 1 / len(loader))`` (``B``: :func:`loader_batch_size`, ``n``: the
-    dataset's size), capped at 1; ``1 / len(loader)`` when ``B`` or ``n`` is unknown.
-
-    Both terms describe the loader (a batch of ``B`` out of ``n``; ``len(loader)``
-    batches per epoch); their maximum is the larger, so the charge never falls below
-    either (``1 / ceil(n / B) < B / n`` when ``B`` does not divide ``n``).
-    """
+    dataset's size), capped at 1; ``1 / len(loader)`` when ``B`` or ``n`` is unknown. The
+    maximum never falls below either term (``1 / ceil(n / B) < B / n`` when ``B`` does not
+    divide ``n``; docs/accounting.md)."""
     rate = 1.0 / len(data_loader)
     size = loader_batch_size(data_loader)
     try:

@@ -1,12 +1,7 @@
-"""Opacus's ``make_private`` steps for one call: :class:`MakePrivateCall`.
-
-Opacus's ``make_private`` builds the grad-sample module, the Poisson loader, the DP
-optimizer and the criterion in its ``_prepare_*`` steps, with fixed arguments and no
-registry of clipping modes. :class:`~opacus_rc.integration.PrivacyEngine` runs it on a
-:class:`MakePrivateCall` of the engine and the call's parsed
-:class:`~opacus_rc.options.Options`; for a randomized call its steps build the form's
-module and optimizer (:data:`opacus_rc.forms.FORMS`), the loader at the public rate with
-its own generator (never torch's global one) and the two-pass criterion.
+"""Opacus's ``make_private`` steps for one call: :class:`MakePrivateCall`. For a randomized
+call they build the form's module and optimizer (:data:`opacus_rc.forms.FORMS`), the Poisson
+loader at the public rate with its own generator (never torch's global one) and the
+two-pass criterion; Opacus's ``_prepare_*`` steps have no registry of clipping modes.
 """
 
 from __future__ import annotations
@@ -135,8 +130,7 @@ class MakePrivateCall:
         check_no_max_norm(module)  # its forward changes the embedding from the data
         if isinstance(module, AbstractGradSampleModule):
             raise ValueError(
-                "clipping='randomized' needs a plain nn.Module; got an already wrapped "
-                f"{type(module).__name__}"
+                f"clipping='randomized' needs a plain nn.Module; got an already wrapped {type(module).__name__}"
             )
         check_fsdp_mode(module, kwargs["grad_sample_mode"])  # FSDP2: ghost_fsdp only
         return FORMS[self.options.runs].build_module(

@@ -11,8 +11,7 @@ from ..config import SketchConfig
 from ..forms import per_example_chosen
 from ..options import DEFAULTS, OPTIONS, check_sample_rate, finite_real, parse_denoise, refuse_unknown, sketch_of
 from ..units import DEFAULT_MAX_EXAMPLES_PER_USER, check_max_examples_per_user, check_privacy_unit
-from ..values import DENOISERS as ENGINE_DENOISERS
-from ..values import EXAMPLE_UNIT, FLAT, RANDOMIZED, USER_UNIT, check_choice
+from ..values import DENOISERS as ENGINE_DENOISERS, EXAMPLE_UNIT, FLAT, RANDOMIZED, USER_UNIT, check_choice
 
 CLIPPINGS = (RANDOMIZED, FLAT)
 DENOISERS = (None, *ENGINE_DENOISERS)

@@ -106,10 +106,9 @@ def take_units(inputs: Any) -> Optional[RowUnits]:
 class UserPoissonLoader(DataLoader):
     """The private Trainer's loader at ``privacy_unit="user"``: each delivered batch (a
     mapping, or the empty marker) carries its rows' :class:`~opacus_rc.units.RowUnits` under
-    a private key, set in the main process as the batch is delivered
-    (:func:`~opacus_rc.units.delivered_units`); :func:`take_units` removes it before the
-    batch reaches the model. The Trainer fetches a step's batches before training on
-    them, so the units travel with the batch, not beside it."""
+    a private key, set in the main process (:func:`~opacus_rc.units.delivered_units`) and
+    removed by :func:`take_units` before the model: the Trainer fetches a step's batches
+    before training on them, so the units travel with the batch, not beside it."""
 
     def __init__(self, dataset: Dataset, *, batch_sampler: PoissonAccumulationSampler, **kwargs: Any) -> None:
         super().__init__(dataset, batch_sampler=RecordingBatchSampler(batch_sampler), **kwargs)

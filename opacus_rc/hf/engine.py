@@ -28,12 +28,11 @@ def noise_multiplier(privacy: PrivacyArguments, sample_rate: float, steps: int, 
     """``privacy.noise_multiplier``, else sigma calibrated with ``rc_prv`` so that ``steps``
     logical steps at ``sample_rate`` spend ``privacy.target_epsilon`` at ``privacy.delta``
     (with the form's sketch: none for the per-example form)."""
-    p = privacy
-    if p.noise_multiplier is not None:
-        return float(p.noise_multiplier)
+    if privacy.noise_multiplier is not None:
+        return float(privacy.noise_multiplier)
     sigma = get_noise_multiplier_rc(
-        target_epsilon=p.target_epsilon, target_delta=p.delta, sample_rate=sample_rate, steps=steps,
-        sketch_config=p.sketch_config(physical_batch_size),
+        target_epsilon=privacy.target_epsilon, target_delta=privacy.delta, sample_rate=sample_rate, steps=steps,
+        sketch_config=privacy.sketch_config(physical_batch_size),
     )
     logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps at q=%.6g", sigma, steps, sample_rate)
     return sigma
@@ -114,7 +113,7 @@ def make_private(
         module=model, optimizer=optimizer, noise_multiplier=sigma,
         data_loader=public_loader(batch_size, len(user_ids) if users else None),
         max_grad_norm=p.max_grad_norm, clipping=p.clipping, grad_sample_mode=HOOKS,
-        wrap_model=False, poisson_sampling=True, loss_reduction="mean", batch_first=True,
+        wrap_model=False, poisson_sampling=True, loss_reduction="mean", batch_first=True, denoise=p.denoise,
     )
     if p.clipping == RANDOMIZED:
         per_example = p.per_example(physical_batch_size)
@@ -126,12 +125,10 @@ def make_private(
             kwargs["bookkeeping"] = True  # the chunked head's norms: one pass, checkpointed or not
         if users:
             kwargs.update(privacy_unit=p.privacy_unit, user_ids=user_ids, max_examples_per_user=p.max_examples_per_user)
-    if p.clipping != RANDOMIZED and not p.secure_mode:
+    elif not p.secure_mode:
         # Opacus's flat clipping would draw from torch's global generator, which the Trainer's
         # set_seed seeds; randomized clipping has its own os.urandom streams, one per device
         kwargs["noise_generator"] = torch.Generator(device=trainable[0].device).manual_seed(entropy_seed())
-    if p.denoise is not None:
-        kwargs["denoise"] = p.denoise
     was_training = model.training
     model.train()  # Opacus validates a module in training mode (evaluate() may have run first)
     try:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import math
 import os
 from typing import Any, Dict, Optional, Tuple, Type
@@ -35,7 +34,6 @@ from .data import is_empty_batch, one_row_batches, poisson_loader, poisson_sampl
 from .engine import budget_steps, epsilon, make_private, signal_same_draw
 from .losses import causal_lm, chunked_head_losses, model_inputs, row_losses
 
-logger = logging.getLogger(__package__)  # "opacus_rc.hf", as before the package
 
 class DPTrainerMixin:
     """The private part of :class:`DPTrainer`; put it first in the bases of a Trainer
