@@ -23,7 +23,7 @@ POISSON_GENERATOR_ATTR = "_opacus_rc_poisson_generator"
 
 
 def _sources(module: Any, optimizer: Optional[Any], engine: Any) -> Dict[str, Any]:
-    """The random sources present, by their key in :func:`rng_state` (in save and load order):
+    """The random sources present, by their key in the saved state (in save and load order):
     torch generators (keys ``*_generator``) and objects with ``state_dict``/``load_state_dict``."""
     sources = {
         "sketcher": getattr(module, "sketcher", None),
@@ -37,56 +37,33 @@ def _sources(module: Any, optimizer: Optional[Any], engine: Any) -> Dict[str, An
     }
 
 
-def rng_state(module: Any, optimizer: Optional[Any], engine: Any = None) -> Dict[str, Any]:
-    """The sketch source's, the noise generators' and the Poisson generator's states
-    (secrets: see module doc)."""
+def with_rng_state(engine: Any, include_rng_state: bool, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Opacus's ``save_checkpoint`` arguments ``kwargs``, with the generators' states (the
+    sketch source's, the noise generators' and the Poisson generator's: secrets, see module
+    doc) in its ``checkpoint_dict`` when ``include_rng_state`` (a bool; refused in secure mode)."""
+    if not isinstance(include_rng_state, bool):
+        raise ValueError(f"include_rng_state={include_rng_state!r}; accepted values: True, False")
+    if not include_rng_state:
+        return kwargs
+    module, optimizer = kwargs.get("module"), kwargs.get("optimizer")
     if getattr(optimizer, "secure_mode", False) or getattr(getattr(module, "sketcher", None), "secure_mode", False):
         raise ValueError(
             "include_rng_state=True is not available with secure_mode=True: the secure "
             "generator's state is never exported; resume with fresh randomness instead"
         )
-    return {
+    state = {
         key: source.get_state() if key.endswith("_generator") else source.state_dict()
         for key, source in _sources(module, optimizer, engine).items()
     }
-
-
-def load_rng_state(
-    state: Dict[str, Any], module: Any, optimizer: Optional[Any], engine: Any = None
-) -> None:
-    """Restore what :func:`rng_state` saved into ``module``, ``optimizer`` and the
-    engine's Poisson generator."""
-    for key, source in _sources(module, optimizer, engine).items():
-        if key in state:
-            if key.endswith("_generator"):
-                source.set_state(state[key])
-            else:
-                source.load_state_dict(state[key])
-
-
-def with_rng_state(engine: Any, include_rng_state: bool, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """Opacus's ``save_checkpoint`` arguments ``kwargs``, with the generators' states in
-    its ``checkpoint_dict`` when ``include_rng_state`` (default False).
-
-    Args:
-        include_rng_state: also store the sketch, noise and Poisson generators' states and
-            seeds, for a bit-exact resume. Whoever reads such a file can regenerate the
-            noise, the batches and the sketches: keep it as secret as the training data.
-    """
-    if not isinstance(include_rng_state, bool):
-        raise ValueError(f"include_rng_state={include_rng_state!r}; accepted values: True, False")
-    if not include_rng_state:
-        return kwargs
-    extra = dict(kwargs.get("checkpoint_dict") or {})
-    extra[RNG_STATE_KEY] = rng_state(kwargs.get("module"), kwargs.get("optimizer"), engine)
-    return {**kwargs, "checkpoint_dict": extra}
+    return {**kwargs, "checkpoint_dict": {**(kwargs.get("checkpoint_dict") or {}), RNG_STATE_KEY: state}}
 
 
 def load_checked(engine: Any, load: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """Opacus's ``load_checkpoint`` (``load(**kwargs)``) and :func:`restore_rng_state`; the
-    state of a seeded run loaded into a seeded optimizer is refused
-    (:meth:`~opacus_rc.optimizer.RandomizedClippingMixin.check_seeded_resume`) unless the
-    file has the generators' states, which continue the streams instead of replaying them."""
+    """The checkpoint Opacus's ``load_checkpoint`` (``load(**kwargs)``) returns, without the
+    generators' states, which are restored if the file has them (saved with
+    ``include_rng_state=True``). The state of a seeded run loaded into a seeded optimizer is
+    refused (:meth:`~opacus_rc.optimizer.RandomizedClippingMixin.check_seeded_resume`) unless
+    the file has the generators' states, which continue the streams instead of replaying them."""
     optimizer = kwargs.get("optimizer")
     checks = hasattr(optimizer, "check_seeded_resume")
     if checks:
@@ -99,14 +76,9 @@ def load_checked(engine: Any, load: Any, kwargs: Dict[str, Any]) -> Dict[str, An
             optimizer.deferred_seeded_resume = None
     if seeded and RNG_STATE_KEY not in checkpoint:
         optimizer.check_seeded_resume(True)
-    return restore_rng_state(engine, checkpoint, kwargs)
-
-
-def restore_rng_state(engine: Any, checkpoint: Dict[str, Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """The ``checkpoint`` Opacus's ``load_checkpoint(**kwargs)`` returned, without the
-    generators' states, which it restores if the file has them (saved with
-    ``include_rng_state=True``)."""
-    state = checkpoint.pop(RNG_STATE_KEY, None)
-    if state is not None:
-        load_rng_state(state, kwargs.get("module"), kwargs.get("optimizer"), engine)
+    state = checkpoint.pop(RNG_STATE_KEY, {})
+    for key, source in _sources(kwargs.get("module"), optimizer, engine).items():
+        if key in state:
+            restore = source.set_state if key.endswith("_generator") else source.load_state_dict
+            restore(state[key])
     return checkpoint

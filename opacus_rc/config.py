@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .values import ESTIMATORS, HUTCHINSON, PER_EXAMPLE_SKETCH, SKETCHINGS
+from .values import ESTIMATORS, HUTCHINSON, PER_EXAMPLE_SKETCH, SKETCHINGS, check_choice
 
 
 @dataclass(frozen=True)
@@ -39,23 +39,9 @@ class SketchConfig:
     exact_when_cheaper: bool = True
 
     def __post_init__(self) -> None:
-        if self.estimator not in ESTIMATORS:
+        check_choice("estimator", self.estimator, ESTIMATORS)
+        if isinstance(self.sketch_size, bool) or not isinstance(self.sketch_size, int) or self.sketch_size <= 0:
             raise ValueError(
-                f"estimator={self.estimator!r} is not supported; accepted values: "
-                f"{', '.join(repr(e) for e in ESTIMATORS)}"
+                f"sketch_size={self.sketch_size!r} is invalid; accepted values: a positive integer (e.g. 32)"
             )
-        if (
-            isinstance(self.sketch_size, bool)
-            or not isinstance(self.sketch_size, int)
-            or self.sketch_size <= 0
-        ):
-            raise ValueError(
-                f"sketch_size={self.sketch_size!r} is invalid; accepted values: a "
-                "positive integer (e.g. 32)"
-            )
-        if self.sketching not in SKETCHINGS:
-            raise ValueError(
-                f"sketching={self.sketching!r} is not supported; accepted values: "
-                f"{', '.join(repr(s) for s in SKETCHINGS)}"
-            )
-
+        check_choice("sketching", self.sketching, SKETCHINGS)

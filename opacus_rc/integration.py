@@ -1,32 +1,12 @@
 """The one place that extends Opacus: :class:`PrivacyEngine`, a subclass of Opacus's.
 
-``make_private(..., clipping="randomized", estimator=..., sketch_size=...)`` parses the
-plugin's options once into a frozen :class:`~opacus_rc.options.Options` and runs Opacus's
-own ``make_private`` on a :class:`MakePrivateCall` of the engine and those options, whose
-``_prepare_model`` / ``_prepare_optimizer`` / ``_prepare_data_loader`` /
-``_prepare_criterion`` steps hand them to the engine's randomized steps (the
-randomized grad-sample module, optimizer and criterion; a Poisson loader at the public
-rate with its own generator; the public normaliser). Every other clipping mode goes to
-Opacus unchanged. The options, their defaults and their documentation are spelled once,
-in :data:`opacus_rc.options.OPTIONS`; both signatures are built from it. ``make_private_with_epsilon`` calibrates sigma with the ``rc_prv``
-accountant for the requested sketch; ``save_checkpoint`` / ``load_checkpoint`` keep
-generator states out of checkpoints unless ``include_rng_state=True``;
-``PrivacyEngine(secure_mode=True, accountant="rc_prv")`` works without torchcsprng
-(:mod:`opacus_rc.csprng`); ``denoise="spectral"`` (any clipping mode) attaches
-:func:`opacus_rc.denoise.attach_spectral_denoiser`.
-
-Randomness (:mod:`opacus_rc.sketch`'s :class:`~opacus_rc.sketch.DeviceStreams`): the noise
-and the Poisson masks of a randomized run never come from torch's global generator (a
-script that calls ``torch.manual_seed`` and resumes would replay them). The optimizer owns
-its noise stream and the Poisson loader gets its own generator, both seeded from
-``os.urandom`` unless the run is made reproducible: ``seed=`` (one integer; noise, Poisson
-and sketch streams derived with distinct domain tags), or Opacus's ``noise_generator=`` and
-the DataLoader's ``generator=``. Resuming a ``seed=`` run with its seed would replay its
-noise (a privacy hazard): refused unless ``accept_replayed_noise=True``.
-
-``import opacus_rc`` makes ``from opacus import PrivacyEngine`` give this class
-(:mod:`opacus_rc.registration`). Opacus's ``_prepare_*`` steps of one call run on a
-:class:`~opacus_rc.prepare.MakePrivateCall` (:mod:`opacus_rc.prepare`).
+``make_private`` parses the plugin's options (:data:`opacus_rc.options.OPTIONS`) once into
+a frozen :class:`~opacus_rc.options.Options` and runs Opacus's own ``make_private`` on a
+:class:`~opacus_rc.prepare.MakePrivateCall`, whose ``_prepare_*`` steps build the
+randomized module, optimizer, criterion and Poisson loader; every other clipping mode runs
+Opacus unchanged. A randomized run's noise and Poisson masks never come from torch's
+global generator (docs/development.md). ``import opacus_rc`` makes ``from opacus import
+PrivacyEngine`` give this class (:mod:`opacus_rc.registration`).
 """
 
 from __future__ import annotations
@@ -43,23 +23,13 @@ from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
 from .accounting.group import check_group_size, group_epsilon
 from .forms import FORMS
 from .options import (  # noqa: F401  (loader_batch_size, loader_rate, public_sampling: public here too)
-    RC_ACCOUNTANTS,
-    RC_CALIBRATION_KEYWORDS,
-    Options,
-    PublicSampling,
-    loader_batch_size,
-    loader_rate,
-    check_keywords,
-    keywords,
-    public_sampling,
-    split_options,
-    with_options,
+    RC_ACCOUNTANTS, RC_CALIBRATION_KEYWORDS, Options, PublicSampling, check_keywords, keywords, loader_batch_size,
+    loader_rate, public_sampling, split_options, with_options,
 )
 from .prepare import MakePrivateCall, OpacusPrivacyEngine
 from .values import EXAMPLE_UNIT
 
 logger = logging.getLogger(__name__)
-
 
 
 def _with_opacus_defaults(method: Callable, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -76,11 +46,8 @@ def denoised_weights(module: nn.Module) -> List[nn.Parameter]:
     """The 2-D weights spectral denoising acts on: trainable ``nn.Linear`` weights
     (LoRA A/B factors included) and Hugging Face ``Conv1D`` weights."""
     return [
-        m.weight
-        for m in module.modules()
-        if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
-        and m.weight.requires_grad
-        and m.weight.dim() == 2
+        m.weight for m in module.modules()
+        if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D") and m.weight.requires_grad and m.weight.dim() == 2
     ]
 
 
@@ -196,12 +163,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
             )
         calibration = {k: kwargs.pop(k) for k in RC_CALIBRATION_KEYWORDS if k in kwargs}
         noise_multiplier = get_noise_multiplier_rc(
-            target_epsilon=target_epsilon,
-            target_delta=target_delta,
-            sample_rate=options.sampling.sample_rate,
-            epochs=epochs,
-            sketch_config=options.sketch,
-            **calibration,
+            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=options.sampling.sample_rate,
+            epochs=epochs, sketch_config=options.sketch, **calibration,
         )
         logger.info("rc_prv calibrated noise_multiplier=%.4f for %s", noise_multiplier, options.sketch)
         kwargs = {**kwargs, "noise_multiplier": noise_multiplier}
@@ -214,15 +177,6 @@ class PrivacyEngine(OpacusPrivacyEngine):
         epsilon = super().get_epsilon(delta)
         logger.info("epsilon %.4g at delta %g, per %s", epsilon, delta, self.privacy_unit)
         return epsilon
-
-    def _check_privacy_unit(self, unit: str) -> None:
-        """One accountant, one unit: a call at another unit than the engine's earlier calls
-        (any clipping mode: their optimizers all charge this accountant) or steps is refused."""
-        if unit != self.privacy_unit and (self._unit_fixed or len(self.accountant) > 0):
-            raise ValueError(
-                f"privacy_unit={unit!r} on an engine whose earlier make_private call or steps are at "
-                f"privacy_unit={self.privacy_unit!r}: epsilon of the two would mix units; use a new PrivacyEngine"
-            )
 
     def get_user_epsilon(self, delta: float, max_examples_per_user: int) -> float:
         """Epsilon at ``delta`` for a person who owns at most ``max_examples_per_user`` rows,
@@ -238,16 +192,14 @@ class PrivacyEngine(OpacusPrivacyEngine):
             ValueError: ``max_examples_per_user`` not an integer >= 1; a user-level run
                 (``privacy_unit="user"``: ``get_epsilon`` is already per user).
         """
-        unit = self.privacy_unit
-        if unit != EXAMPLE_UNIT:
+        if self.privacy_unit != EXAMPLE_UNIT:
             raise ValueError(
-                f"get_user_epsilon is for example-level runs; this engine's privacy_unit={unit!r}: "
+                f"get_user_epsilon is for example-level runs; this engine's privacy_unit={self.privacy_unit!r}: "
                 "its get_epsilon(delta) is already per user"
             )
         k = check_group_size(max_examples_per_user, "max_examples_per_user")
-        if isinstance(self.accountant, RCPRVAccountant):
-            return group_epsilon(self.accountant.history, delta, k, bin_ratio=self.accountant.bin_ratio)
-        return group_epsilon(self.accountant.history, delta, k)
+        bins = {"bin_ratio": self.accountant.bin_ratio} if isinstance(self.accountant, RCPRVAccountant) else {}
+        return group_epsilon(self.accountant.history, delta, k, **bins)
 
     def save_checkpoint(self, *, include_rng_state: bool = False, **kwargs: Any) -> None:
         """Opacus's ``save_checkpoint``; no generator state is stored unless
@@ -276,15 +228,30 @@ class PrivacyEngine(OpacusPrivacyEngine):
     def _run_opacus(self, method: Callable, options: Options, arguments: Dict[str, Any], call: Dict[str, Any]):
         """Opacus's ``method(**call)`` (its ``make_private`` or ``make_private_with_epsilon``)
         run as :class:`MakePrivateCall` of this engine and ``options``; its outputs completed
-        for the randomized path and the denoiser."""
-        if not options.randomized:
-            self._require_torchcsprng(options.clipping)
-        self._check_privacy_unit(options.privacy_unit)
+        for the randomized path and with the spectral denoiser (``denoise=``)."""
+        if not options.randomized and self._torchcsprng_error is not None:
+            # Opacus's secure-mode ImportError (kept from __init__) when torchcsprng is missing
+            raise ImportError(
+                f"{self._torchcsprng_error} (clipping={options.clipping!r} uses Opacus's torchcsprng "
+                "generator; without it, secure_mode serves clipping='randomized' only, from "
+                "opacus_rc.csprng)"
+            ) from self._torchcsprng_error
+        unit = options.privacy_unit
+        if unit != self.privacy_unit and (self._unit_fixed or len(self.accountant) > 0):
+            # one accountant, one unit (any clipping mode: their optimizers all charge this accountant)
+            raise ValueError(
+                f"privacy_unit={unit!r} on an engine whose earlier make_private call or steps are at "
+                f"privacy_unit={self.privacy_unit!r}: epsilon of the two would mix units; use a new PrivacyEngine"
+            )
         out = method(MakePrivateCall(self, options), **call)
-        self.privacy_unit, self._unit_fixed = options.privacy_unit, True
+        self.privacy_unit, self._unit_fixed = unit, True
         if options.randomized:
             out = self._randomized_outputs(out, options, arguments)
-        return self._denoised(out, options, arguments["module"])
+        if options.denoise is not None:
+            from .denoise import attach_spectral_denoiser
+
+            attach_spectral_denoiser(out[1], denoised_weights(arguments["module"]), **options.denoise_kwargs)
+        return out
 
     def _randomized_outputs(self, out, options: Options, arguments: Dict[str, Any]):
         """Opacus's outputs of a randomized call, charged at the public rate and in the
@@ -296,27 +263,7 @@ class PrivacyEngine(OpacusPrivacyEngine):
         # Opacus charged 1 / len(its DPDataLoader); charge the public rate instead.
         out[1].attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sampling.sample_rate))
         logger.info(
-            "randomized clipping: public normaliser %d, sample rate %.6g", sampling.batch_size,
-            sampling.sample_rate,
+            "randomized clipping: public normaliser %d, sample rate %.6g", sampling.batch_size, sampling.sample_rate
         )
         return FORMS[options.runs].outputs(out, arguments)
-
-    @staticmethod
-    def _denoised(out, options: Options, module: nn.Module):
-        """``out`` with the spectral denoiser attached to its optimizer (``denoise=``)."""
-        if options.denoise is not None:
-            from .denoise import attach_spectral_denoiser
-
-            attach_spectral_denoiser(out[1], denoised_weights(module), **options.denoise_kwargs)
-        return out
-
-    def _require_torchcsprng(self, clipping: str) -> None:
-        """Opacus's secure-mode ImportError (kept from ``__init__``), for any clipping mode
-        but ``"randomized"`` when torchcsprng is missing."""
-        if self._torchcsprng_error is not None:
-            raise ImportError(
-                f"{self._torchcsprng_error} (clipping={clipping!r} uses Opacus's torchcsprng "
-                "generator; without it, secure_mode serves clipping='randomized' only, from "
-                "opacus_rc.csprng)"
-            ) from self._torchcsprng_error
 

@@ -10,7 +10,6 @@ nothing else: every ``_prepare_*`` step of Opacus's ``make_private`` reads the o
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import math
 import numbers
@@ -34,7 +33,7 @@ from .sketch import check_seed
 from .units import DEFAULT_MAX_EXAMPLES_PER_USER, UserIndex, check_max_examples_per_user, check_privacy_unit
 from .values import (
     ADAPTIVE, BOOKKEEPING_MODE, DENOISERS, EXAMPLE_UNIT, FLAT, FSDP_MODE, GHOST, HOOKS, NONFINITE_MODES, PER_LAYER,
-    RAISE, RANDOMIZED, RC_PRV, SKIP, SVD_FULL, USER_UNIT,
+    RAISE, RANDOMIZED, RC_PRV, SKIP, SVD_FULL, USER_UNIT, check_choice, did_you_mean,
 )
 
 #: every clipping mode make_private accepts: Opacus's three and the plugin's
@@ -64,7 +63,7 @@ _SKETCH = SketchConfig()  # the sketch defaults: SketchConfig's fields, the one 
 
 #: The plugin's keywords of make_private and make_private_with_epsilon: the only place
 #: they, their defaults and their documentation are spelled (both signatures and both
-#: docstrings are built from it, see :func:`plugin_signature`). A keyword at its
+#: docstrings are built from it, see :func:`with_options`). A keyword at its
 #: default is the same as not giving it.
 OPTIONS: Tuple[Option, ...] = (
     Option("estimator", _SKETCH.estimator, "str", (
@@ -80,8 +79,7 @@ OPTIONS: Tuple[Option, ...] = (
         "hidden-Z accounting) or ``\"shared\"`` (one sketch per layer and step)."
     )),
     Option("exact_when_cheaper", _SKETCH.exact_when_cheaper, "bool", (
-        "*randomized*. Compute a linear layer exactly when its\n"
-        "sequence length T <= k."
+        "*randomized*. Compute a linear layer exactly when its sequence length T <= k."
     )),
     Option("sketch_seed", None, "Optional[int]", (
         "*randomized*. Seed of the sketch generator; None: ``os.urandom``\n"
@@ -97,10 +95,9 @@ OPTIONS: Tuple[Option, ...] = (
         "(or the checkpoint holds the generators' states, ``include_rng_state=True``)."
     )),
     Option("accept_replayed_noise", False, "bool", (
-        "*randomized*, with ``seed=``. Loading the optimizer state (or\n"
-        "``load_checkpoint``) of a run that used ``seed=`` into a run with ``seed=`` is refused:\n"
-        "the resumed run would draw the earlier steps' noise again, and the difference of two\n"
-        "updates with the same noise is released without noise. True accepts that hazard."
+        "*randomized*, with ``seed=``. Loading the optimizer state (or ``load_checkpoint``)\n"
+        "of a run that used ``seed=`` into a run with ``seed=`` is refused: it would replay\n"
+        "the noise (see ``seed``). True accepts that hazard."
     )),
     Option("bookkeeping", None, "Optional[bool]", (
         "*randomized*. None, True or False: with ``\"ghost\"``, True runs the\n"
@@ -118,9 +115,8 @@ OPTIONS: Tuple[Option, ...] = (
     )),
     Option("nonfinite", RAISE, "str", (
         "*randomized*. ``\"raise\"`` (a non-finite norm or gradient refuses the\n"
-        "step) or ``\"skip\"`` (book-keeping and the per-example form only: drop\n"
-        "that example's contribution,\n"
-        "counted in ``optimizer.skipped_examples``, a non-private count)."
+        "step) or ``\"skip\"`` (book-keeping and the per-example form only: drop that\n"
+        "example's contribution, counted in ``optimizer.skipped_examples``, a non-private count)."
     )),
     Option("sample_rate", None, "Optional[float]", (
         "*randomized*. The public Poisson rate the loader samples at and\n"
@@ -128,8 +124,8 @@ OPTIONS: Tuple[Option, ...] = (
         "``poisson_sampling=False`` only the loader's own rate is accepted."
     )),
     Option("expected_batch_size", None, "Optional[int]", (
-        "*randomized*. The public normaliser of the averaged\n"
-        "update (a positive int, summed over ranks); None: the loader's batch_size."
+        "*randomized*. The public normaliser of the averaged update (a positive int,\n"
+        "summed over ranks); None: the loader's batch_size."
     )),
     Option("privacy_unit", EXAMPLE_UNIT, "str", (
         "*randomized*. What one clip bounds and epsilon protects: ``\"example\"``\n"
@@ -150,12 +146,8 @@ OPTIONS: Tuple[Option, ...] = (
         "None or ``\"spectral\"`` (any clipping mode): SVD shrinkage of the\n"
         "noisy gradient of the linear weights (:mod:`opacus_rc.denoise`)."
     )),
-    Option("denoise_kappa", DEFAULT_KAPPA, "float", (
-        "the denoiser's gate factor (finite, > 0; needs ``denoise``)."
-    )),
-    Option("denoise_svd", SVD_FULL, "str", (
-        "``\"full\"``, ``\"lowrank\"`` or ``\"auto\"`` (needs ``denoise``)."
-    )),
+    Option("denoise_kappa", DEFAULT_KAPPA, "float", "the denoiser's gate factor (finite, > 0; needs ``denoise``)."),
+    Option("denoise_svd", SVD_FULL, "str", "``\"full\"``, ``\"lowrank\"`` or ``\"auto\"`` (needs ``denoise``)."),
 )
 #: name -> default of :data:`OPTIONS`
 DEFAULTS: Mapping[str, Any] = MappingProxyType({o.name: o.default for o in OPTIONS})
@@ -197,8 +189,7 @@ def refuse_unknown(given: Iterable[str], accepted: Collection[str], where: str) 
     for name in given:
         if name in accepted:
             continue
-        near = difflib.get_close_matches(name, sorted(accepted), n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        hint = did_you_mean(name, accepted)
         if name in _ENGINE_KEYWORDS:  # e.g. secure_mode: the engine's, not the call's
             hint = f" (it is PrivacyEngine's: PrivacyEngine({name}=...))"
         raise ValueError(
@@ -209,18 +200,10 @@ def refuse_unknown(given: Iterable[str], accepted: Collection[str], where: str) 
 def check_keywords(
     where: str, given: Iterable[str], clipping: Any, opacus_keywords: Collection[str], accountant: Any = None
 ) -> None:
-    """Refuse (:func:`refuse_unknown`) a keyword of the plugin's ``make_private`` or
-    ``make_private_with_epsilon`` (``where``) that neither it nor Opacus knows. Accepted:
-    ``opacus_keywords`` (the named parameters of Opacus's method), ``clipping``, the
-    plugin's :data:`OPTIONS`, the adaptive optimizer's :data:`ADAPTIVE_KEYWORDS` (with
-    ``clipping="adaptive"`` only) and, for ``make_private_with_epsilon`` (``accountant``:
-    the engine's), the calibration's: Opacus's ``get_noise_multiplier`` and the
-    accountant's ``get_epsilon`` for Opacus's clipping modes,
-    :data:`RC_CALIBRATION_KEYWORDS` for ``clipping="randomized"``.
-
-    Raises:
-        ValueError: naming the keyword and the nearest accepted one.
-    """
+    """Refuse (:func:`refuse_unknown`, a ValueError) a keyword of the plugin's ``make_private``
+    or ``make_private_with_epsilon`` (``where``) that neither it nor Opacus's method
+    (``opacus_keywords``) knows; :data:`ADAPTIVE_KEYWORDS` need ``clipping="adaptive"``. With
+    ``accountant`` (``make_private_with_epsilon``) the calibration's keywords are accepted too."""
     given = list(given)
     for name in given:
         if name in ADAPTIVE_KEYWORDS and clipping != ADAPTIVE:
@@ -268,23 +251,24 @@ def with_options(method: Callable) -> Callable:
 
 #: the keywords that make the SketchConfig (its fields, in order)
 SKETCH_OPTIONS = tuple(f.name for f in fields(SketchConfig))
-#: make_private keywords fixing the public normaliser and sample rate (randomized only)
-SAMPLING_OPTIONS = ("expected_batch_size", "sample_rate")
 #: keywords that only apply with clipping="randomized" (bookkeeping has its own message)
 RANDOMIZED_ONLY = (
-    *SKETCH_OPTIONS, "sketch_seed", "seed", "accept_replayed_noise", "nonfinite", *SAMPLING_OPTIONS,
+    *SKETCH_OPTIONS, "sketch_seed", "seed", "accept_replayed_noise", "nonfinite", "expected_batch_size", "sample_rate",
     "privacy_unit", "user_ids", "max_examples_per_user",
 )
 #: keywords that only apply with privacy_unit="user"
 USER_ONLY = ("user_ids", "max_examples_per_user")
 
 
+def finite_real(x: Any) -> bool:
+    """``x`` is a finite real number (not a bool)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _given(options: Mapping[str, Any], name: str) -> bool:
     """True when the keyword ``name`` is not at its default (same type, same value)."""
     value, default = options[name], DEFAULTS[name]
-    if value is default:
-        return False
-    return type(value) is not type(default) or value != default
+    return value is not default and (type(value) is not type(default) or value != default)
 
 
 @dataclass(frozen=True)
@@ -328,12 +312,9 @@ def loader_batch_size(data_loader) -> Optional[int]:
 def loader_rate(data_loader) -> float:
     """The rate a fixed-size loader used as given is charged:
     ``q = max(B / n, 1 / len(loader))`` (``B``: :func:`loader_batch_size`, ``n``: the
-    dataset's size), capped at 1; ``1 / len(loader)`` when ``B`` or ``n`` is unknown.
-
-    Both terms describe the loader (a batch of ``B`` out of ``n``; ``len(loader)``
-    batches per epoch); their maximum is the larger, so the charge never falls below
-    either (``1 / ceil(n / B) < B / n`` when ``B`` does not divide ``n``).
-    """
+    dataset's size), capped at 1; ``1 / len(loader)`` when ``B`` or ``n`` is unknown. The
+    maximum never falls below either term (``1 / ceil(n / B) < B / n`` when ``B`` does not
+    divide ``n``; docs/accounting.md)."""
     rate = 1.0 / len(data_loader)
     size = loader_batch_size(data_loader)
     try:
@@ -360,12 +341,10 @@ def _matching_loader_rate(data_loader, sample_rate: float) -> float:
 
 
 def public_sampling(
-    data_loader,
-    expected_batch_size: Any = None,
-    sample_rate: Any = None,
-    poisson_sampling: bool = True,
+    data_loader, expected_batch_size: Any = None, sample_rate: Any = None, poisson_sampling: bool = True
 ) -> PublicSampling:
-    """The public normaliser and sample rate of a randomized-clipping run.
+    """The public normaliser and sample rate of a randomized-clipping run (ValueError naming
+    an invalid parameter and its accepted values).
 
     Normaliser: ``expected_batch_size`` when given, else the batch size of the loader as
     the user built it (:func:`loader_batch_size`): a hyper-parameter, never a function
@@ -374,16 +353,10 @@ def public_sampling(
     batches per epoch is public, see docs/accounting.md, "What the guarantee assumes").
     With ``poisson_sampling=False``: the loader's own rate (:func:`loader_rate`); a
     ``sample_rate`` other than it is refused.
-
-    Raises:
-        ValueError: naming the parameter and its accepted values.
     """
     if expected_batch_size is not None:
-        if (
-            isinstance(expected_batch_size, bool)
-            or not isinstance(expected_batch_size, numbers.Integral)
-            or expected_batch_size < 1
-        ):
+        size = expected_batch_size
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
             raise ValueError(
                 f"expected_batch_size={expected_batch_size!r} is invalid; accepted values: "
                 f"a positive int (the expected logical batch size, summed over ranks in DDP) "
@@ -410,20 +383,9 @@ def public_sampling(
 
 
 def check_sample_rate(sample_rate: Any, when_none: str = "1 / len(data_loader)") -> None:
-    """``sample_rate=``: None or a float in (0, 1]; ``when_none``: the rate None stands for
-    (named in the error).
-
-    Raises:
-        ValueError: naming the parameter and its accepted values.
-    """
-    if sample_rate is None:
-        return
-    if (
-        isinstance(sample_rate, bool)
-        or not isinstance(sample_rate, numbers.Real)
-        or not math.isfinite(sample_rate)
-        or not 0.0 < sample_rate <= 1.0
-    ):
+    """``sample_rate=``: None or a float in (0, 1], else a ValueError naming it, its accepted
+    values and ``when_none``, the rate None stands for."""
+    if sample_rate is not None and not (finite_real(sample_rate) and 0.0 < sample_rate <= 1.0):
         raise ValueError(
             f"sample_rate={sample_rate!r} is invalid; accepted values: a float in "
             f"(0, 1] or None ({when_none})"
@@ -445,24 +407,8 @@ def parse_denoise(options: Mapping[str, Any]) -> Optional[Tuple[Tuple[str, Any],
         if given:
             raise ValueError(f"{', '.join('denoise_' + k for k in given)} need denoise='spectral'")
         return None
-    if denoise not in DENOISERS:
-        raise ValueError(
-            f"denoise={denoise!r} is not supported; accepted values: None, "
-            f"{', '.join(repr(d) for d in DENOISERS)}"
-        )
+    check_choice("denoise", denoise, (None, *DENOISERS))
     return tuple(given.items())
-
-
-def _clipping(clipping: Any) -> str:
-    """``clipping=``: one of :data:`CLIPPING_MODES` (the nearest spelling suggested)."""
-    if clipping in CLIPPING_MODES:
-        return clipping
-    near = difflib.get_close_matches(str(clipping), CLIPPING_MODES, n=1)
-    hint = f" (did you mean {near[0]!r}?)" if near else ""
-    raise ValueError(
-        f"clipping={clipping!r} is not supported{hint}; accepted values: "
-        f"{', '.join(repr(m) for m in CLIPPING_MODES)}"
-    )
 
 
 def _noise_multiplier(opacus: Mapping[str, Any]) -> None:
@@ -471,7 +417,7 @@ def _noise_multiplier(opacus: Mapping[str, Any]) -> None:
     if "noise_multiplier" not in opacus:
         return  # make_private_with_epsilon calibrates it
     sigma = opacus["noise_multiplier"]
-    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not math.isfinite(sigma) or sigma < 0:
+    if not finite_real(sigma) or sigma < 0:
         raise ValueError(
             f"noise_multiplier={sigma!r} is invalid; accepted values: a finite real >= 0 "
             f"(the noise std in units of max_grad_norm)"
@@ -487,11 +433,7 @@ def _nonfinite(mode: Any, grad_sample_mode: str, runs: str) -> str:
     """``nonfinite=`` ("raise", the default, or "skip"). "skip" needs a form that assembles
     each example's contribution on its own (:attr:`~opacus_rc.forms.Form.drops_examples`:
     book-keeping, the per-example form), so a non-finite one can be dropped before the sum."""
-    if mode not in NONFINITE_MODES:
-        raise ValueError(
-            f"nonfinite={mode!r} is not supported; accepted values: "
-            f"{', '.join(repr(m) for m in NONFINITE_MODES)}"
-        )
+    check_choice("nonfinite", mode, NONFINITE_MODES)
     if mode == SKIP and not FORMS[runs].drops_examples:
         raise ValueError(
             "nonfinite='skip' needs book-keeping: use grad_sample_mode='bookkeeping' (or its "
@@ -545,14 +487,9 @@ def _accept_replayed_noise(accept: Any, seed: Optional[int]) -> bool:
 
 def _user_index(options: Mapping[str, Any], opacus: Mapping[str, Any], runs: str) -> Optional[UserIndex]:
     """``privacy_unit=`` with ``user_ids=`` and ``max_examples_per_user=``: the
-    :class:`~opacus_rc.units.UserIndex` of a user-level call (None: example level).
-    Refused where the plugin cannot clip per user exactly: a form that does not honour
-    the user unit (:attr:`~opacus_rc.forms.Form.honours_users`; FSDP2's among them), and
-    ``poisson_sampling=False`` (the guarantee is for Poisson sampling over users).
-
-    Raises:
-        ValueError: naming the parameter and its accepted values, or the combination.
-    """
+    :class:`~opacus_rc.units.UserIndex` of a user-level call (None: example level). A
+    ValueError where the plugin cannot clip per user exactly (a form without
+    :attr:`~opacus_rc.forms.Form.honours_users`, ``poisson_sampling=False``)."""
     unit = check_privacy_unit(options["privacy_unit"])
     check_max_examples_per_user(options["max_examples_per_user"])
     if unit == EXAMPLE_UNIT:
@@ -644,15 +581,11 @@ class Options:
     def parse(
         cls, engine: Any, clipping: str, options: Mapping[str, Any], opacus: Mapping[str, Any]
     ) -> "Options":
-        """Validate the plugin's keywords ``options`` (all of :data:`DEFAULTS`) of a call
-        with clipping mode ``clipping`` and Opacus's arguments ``opacus`` (``module``,
-        ``data_loader``, ``grad_sample_mode``, ``poisson_sampling``, ``noise_generator``:
-        read, never changed) on ``engine``.
-
-        Raises:
-            ValueError: naming the parameter and its accepted values.
-        """
-        clipping = _clipping(clipping)
+        """Validate the plugin's keywords ``options`` (all of :data:`DEFAULTS`) of a call with
+        clipping mode ``clipping`` and Opacus's arguments ``opacus`` (``module``, ``data_loader``,
+        ``grad_sample_mode``, ``poisson_sampling``, ``noise_generator``: read, never changed) on
+        ``engine``; a ValueError names an invalid parameter and its accepted values."""
+        clipping = check_choice("clipping", clipping, CLIPPING_MODES, did_you_mean(str(clipping), CLIPPING_MODES))
         _noise_multiplier(opacus)
         denoise = parse_denoise(options)
         runs, mode = resolve_form(

@@ -1,18 +1,13 @@
-"""Opacus's ``make_private`` steps for one call: :class:`MakePrivateCall`.
-
-Opacus's ``make_private`` builds the grad-sample module, the Poisson loader, the DP
-optimizer and the criterion in its ``_prepare_*`` steps, with fixed arguments and no
-registry of clipping modes. :class:`~opacus_rc.integration.PrivacyEngine` runs it on a
-:class:`MakePrivateCall` of the engine and the call's parsed
-:class:`~opacus_rc.options.Options`; for a randomized call its steps build the form's
-module and optimizer (:data:`opacus_rc.forms.FORMS`), the loader at the public rate with
-its own generator (never torch's global one) and the two-pass criterion.
+"""Opacus's ``make_private`` steps for one call: :class:`MakePrivateCall`. For a randomized
+call they build the form's module and optimizer (:data:`opacus_rc.forms.FORMS`), the Poisson
+loader at the public rate with its own generator (never torch's global one) and the
+two-pass criterion; Opacus's ``_prepare_*`` steps have no registry of clipping modes.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import opacus.privacy_engine
@@ -54,16 +49,9 @@ def poisson_generator(data_loader, seed: Optional[int], distributed: bool) -> to
 
 
 class EveryDrawDistributedSampler(DistributedUniformWithReplacementSampler):
-    """Opacus's distributed Poisson sampler (this rank's share of a shuffled dataset, each
-    example in a draw with probability ``sample_rate``, the same masks from ``generator``)
-    that yields every draw, an empty one too, as Opacus's one-process sampler does.
-
-    Opacus's own skips a draw that is empty on this rank: the ranks then take different
-    numbers of steps (each step's collectives, the refusal agreement and the gradient
-    all-reduce, pair rank 0's draw ``t`` with another rank's ``t + 1``, and a rank that
-    runs out first leaves the other waiting in one: a crash when a local draw of a few
-    expected examples is empty), and the released steps are no longer the Poisson draws
-    that the accountant charges."""
+    """Opacus's distributed Poisson sampler (this rank's share of a shuffled dataset) that
+    yields every draw, an empty one too, as its one-process sampler does: Opacus's skips a
+    draw empty on this rank, which unpairs the ranks' steps (docs/development.md)."""
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         if self.shuffle:
@@ -90,24 +78,26 @@ class DistributedDPDataLoader(DPDataLoader):
         init_poisson_loader(self, dataset, sampler, **kwargs)
 
 
+def _prepare_step(name: str) -> Callable:
+    """:class:`MakePrivateCall`'s ``_prepare_<name>``: its ``_randomized_<name>`` for a
+    randomized call, else the engine's ``_prepare_<name>`` (Opacus's)."""
+
+    def prepare(self, *args: Any, **kwargs: Any) -> Any:
+        if self.options.randomized:
+            return getattr(self, f"_randomized_{name}")(*args, **kwargs)
+        return getattr(self.engine, f"_prepare_{name}")(*args, **kwargs)
+
+    return prepare
+
+
 class MakePrivateCall:
     """One call of Opacus's ``make_private`` (or ``make_private_with_epsilon``) on an
-    engine with the call's parsed :class:`~opacus_rc.options.Options`: how the options
-    reach Opacus's ``_prepare_*`` steps.
-
-    Opacus's ``make_private`` calls ``self._prepare_model(...)``,
-    ``self._prepare_data_loader(...)``, ``self._prepare_optimizer(...)`` and
-    ``self._prepare_criterion(...)`` with fixed arguments and no room for the plugin's
-    (``make_private_with_epsilon`` calls ``self.make_private(...)``). So
-    :meth:`opacus_rc.integration.PrivacyEngine._run_opacus` runs Opacus's method with this
-    short-lived object as ``self``, built for the one call and dropped after it: its
-    ``_prepare_*`` steps run the randomized steps below with ``options`` when the call is
-    randomized, and the engine's (Opacus's) own otherwise; its ``make_private`` (Opacus's
-    ``make_private_with_epsilon`` calling back) is Opacus's own, on this object, so the
-    call's keywords are parsed once; every other attribute
-    read or written is the engine's (``accountant``, ``secure_mode``, ``dataset``, ...).
-    The engine stores no options, so there is no state to reset and no re-entry to
-    guard: a nested or concurrent call has its own object.
+    engine with the call's parsed :class:`~opacus_rc.options.Options`, passed to Opacus's
+    method as ``self`` (docs/development.md): its ``_prepare_*`` steps run the randomized
+    steps below when the call is randomized, else the engine's (Opacus's); its
+    ``make_private`` is Opacus's, on this object (the keywords are parsed once); every
+    other attribute read or written is the engine's. The engine stores no options: a
+    nested or concurrent call has its own object.
     """
 
     __slots__ = ("engine", "options")
@@ -125,25 +115,10 @@ class MakePrivateCall:
     def make_private(self, **kwargs: Any):
         return OpacusPrivacyEngine.make_private(self, **kwargs)
 
-    def _prepare_model(self, module: nn.Module, **kwargs: Any):
-        if self.options.randomized:
-            return self._randomized_model(module, **kwargs)
-        return self.engine._prepare_model(module, **kwargs)
-
-    def _prepare_data_loader(self, data_loader, **kwargs: Any):
-        if self.options.randomized:
-            return self._randomized_data_loader(data_loader, **kwargs)
-        return self.engine._prepare_data_loader(data_loader, **kwargs)
-
-    def _prepare_optimizer(self, **kwargs: Any) -> DPOptimizer:
-        if self.options.randomized:
-            return self._randomized_optimizer(**kwargs)
-        return self.engine._prepare_optimizer(**kwargs)
-
-    def _prepare_criterion(self, **kwargs: Any):
-        if self.options.randomized:
-            return self._randomized_criterion(**kwargs)
-        return self.engine._prepare_criterion(**kwargs)
+    _prepare_model = _prepare_step("model")
+    _prepare_data_loader = _prepare_step("data_loader")
+    _prepare_optimizer = _prepare_step("optimizer")
+    _prepare_criterion = _prepare_step("criterion")
 
     # --- the randomized steps ---------------------------------------------------------
 
@@ -155,19 +130,13 @@ class MakePrivateCall:
         check_no_max_norm(module)  # its forward changes the embedding from the data
         if isinstance(module, AbstractGradSampleModule):
             raise ValueError(
-                "clipping='randomized' needs a plain nn.Module; got an already wrapped "
-                f"{type(module).__name__}"
+                f"clipping='randomized' needs a plain nn.Module; got an already wrapped {type(module).__name__}"
             )
         check_fsdp_mode(module, kwargs["grad_sample_mode"])  # FSDP2: ghost_fsdp only
         return FORMS[self.options.runs].build_module(
-            module,
-            kwargs["wrap_model"],
-            kwargs["max_grad_norm"],
-            batch_first=kwargs["batch_first"],
-            loss_reduction=kwargs["loss_reduction"],
-            sketch_config=self.options.sketch,
-            sketch_seed=self.options.sketch_seed,
-            secure_mode=self.secure_mode,
+            module, kwargs["wrap_model"], kwargs["max_grad_norm"], batch_first=kwargs["batch_first"],
+            loss_reduction=kwargs["loss_reduction"], sketch_config=self.options.sketch,
+            sketch_seed=self.options.sketch_seed, secure_mode=self.secure_mode,
         )
 
     def _randomized_optimizer(self, *, optimizer, noise_generator=None, **kwargs: Any) -> DPOptimizer:
@@ -185,19 +154,17 @@ class MakePrivateCall:
         generator = self.secure_rng if self.secure_mode else noise_generator
         return cls(optimizer=optimizer, generator=generator, secure_mode=self.secure_mode, **kwargs)
 
-    def _randomized_data_loader(
-        self, data_loader, *, poisson_sampling: bool, distributed: bool, **kwargs: Any
-    ):
+    def _randomized_data_loader(self, data_loader, *, poisson_sampling: bool, distributed: bool, **kwargs: Any):
         """The Poisson loader at the public rate with its own generator
         (:func:`poisson_generator`), or in secure mode with the CSPRNG's masks; with
         ``poisson_sampling=False`` the loader as given (Opacus)."""
-        if not poisson_sampling and self.secure_rng is None and self.secure_mode:
-            raise ValueError(
-                "poisson_sampling=False is invalid with secure_mode=True without "
-                "torchcsprng: there is no secure generator to shuffle with; accepted "
-                "values: poisson_sampling=True (the sampling rc_prv accounts for)"
-            )
         if not poisson_sampling:
+            if self.secure_rng is None and self.secure_mode:
+                raise ValueError(
+                    "poisson_sampling=False is invalid with secure_mode=True without "
+                    "torchcsprng: there is no secure generator to shuffle with; accepted "
+                    "values: poisson_sampling=True (the sampling rc_prv accounts for)"
+                )
             return self.engine._prepare_data_loader(
                 data_loader, poisson_sampling=poisson_sampling, distributed=distributed, **kwargs
             )
@@ -205,37 +172,25 @@ class MakePrivateCall:
             raise ValueError("Uniform sampling is not supported for IterableDataset")
         self._check_dataset(data_loader)
         settings = dict(
-            sample_rate=self.options.sampling.sample_rate,
-            distributed=distributed,
-            batch_first=kwargs.get("batch_first", True),
-            rand_on_empty=kwargs.get("rand_on_empty", False),
+            sample_rate=self.options.sampling.sample_rate, distributed=distributed,
+            batch_first=kwargs.get("batch_first", True), rand_on_empty=kwargs.get("rand_on_empty", False),
         )
-        if self.options.users is not None:  # privacy_unit="user": Poisson over users
-            return self._user_data_loader(data_loader, settings)
-        if self.secure_mode:  # CSPRNG Poisson sampler, no torchcsprng
+        if self.secure_mode and self.options.users is None:  # CSPRNG Poisson sampler, no torchcsprng
             return SecureDPDataLoader.from_data_loader(data_loader, **settings)
-        generator = poisson_generator(data_loader, self.options.seed, distributed)
-        setattr(self, checkpoint.POISSON_GENERATOR_ATTR, generator)  # include_rng_state
-        # Opacus's DPDataLoader.from_data_loader, at the public rate and with our generator;
-        # distributed: every draw, an empty one too (EveryDrawDistributedSampler)
-        loader = DistributedDPDataLoader if settings.pop("distributed") else DPDataLoader
-        return loader(dataset=data_loader.dataset, **loader_settings(data_loader), generator=generator, **settings)
-
-    def _user_data_loader(self, data_loader, settings: Dict[str, Any]) -> UserDataLoader:
-        """The user-level loader (:class:`~opacus_rc.units.UserDataLoader`): Poisson over
-        users at the public rate (under DDP, over this rank's share of the users), with the
-        masks' generator as the example-level loader's (the CSPRNG in secure mode)."""
-        distributed = settings["distributed"]
-        if self.secure_mode:
+        if self.secure_mode:  # the user-level loader's masks from the CSPRNG
             generator = default_generator()
         else:
             generator = poisson_generator(data_loader, self.options.seed, distributed)
             setattr(self, checkpoint.POISSON_GENERATOR_ATTR, generator)  # include_rng_state
-        return UserDataLoader(
-            data_loader.dataset, index=self.options.users, sample_rate=settings["sample_rate"], generator=generator,
-            distributed=distributed, batch_first=settings["batch_first"], rand_on_empty=settings["rand_on_empty"],
-            **loader_settings(data_loader),
-        )
+        if self.options.users is not None:  # privacy_unit="user": Poisson over (this rank's share of) users
+            return UserDataLoader(
+                data_loader.dataset, index=self.options.users, generator=generator, **settings,
+                **loader_settings(data_loader),
+            )
+        # Opacus's DPDataLoader.from_data_loader, at the public rate and with our generator;
+        # distributed: every draw, an empty one too (EveryDrawDistributedSampler)
+        loader = DistributedDPDataLoader if settings.pop("distributed") else DPDataLoader
+        return loader(dataset=data_loader.dataset, **loader_settings(data_loader), generator=generator, **settings)
 
     def _check_dataset(self, data_loader) -> None:
         """Opacus's one-dataset-per-engine check. Copied: Opacus runs it only inside its

@@ -35,11 +35,9 @@ _OPACUS_SPLITTING_ITER = BatchSplittingSampler.__iter__
 
 @functools.wraps(_OPACUS_INIT)
 def _init_plugin_engine(self, *args: Any, **kwargs: Any) -> None:
-    """``__init__`` of Opacus's engine: ``opacus.privacy_engine.PrivacyEngine(...)`` builds
-    this module's :class:`PrivacyEngine` (the new object becomes one before it is
-    initialised); subclasses of Opacus's, and the plugin's own ``super().__init__()``,
-    run Opacus's ``__init__``. (Not ``__new__``: CPython cannot give a class its
-    original ``__new__`` back once it was replaced, so :func:`uninstall` could not undo it.)"""
+    """``__init__`` of Opacus's engine: ``opacus.privacy_engine.PrivacyEngine(...)`` builds the
+    plugin's :class:`PrivacyEngine`; subclasses of Opacus's, and the plugin's own
+    ``super().__init__()``, run Opacus's ``__init__`` (docs/development.md: not ``__new__``)."""
     if type(self) is OpacusPrivacyEngine:
         self.__class__ = PrivacyEngine
         PrivacyEngine.__init__(self, *args, **kwargs)
@@ -60,12 +58,10 @@ class _SameDrawSignals:
 
 def _splitting_iter(self: BatchSplittingSampler):
     """``BatchSplittingSampler.__iter__`` (BatchMemoryManager's physical batches): Opacus's
-    own, on a copy of the sampler whose optimizer, a plugin one, hears its skipped steps
-    as continuations of the same Poisson draw (charged as one micro-batch, see
-    :meth:`~opacus_rc.optimizer.RandomizedClippingMixin.signal_skip_step`). Over a loader
-    that is split already (the per-example form's), its own batches and signals, unsplit
-    again: two splitters would each signal the end of a draw. Opacus's optimizers hear
-    what they always did."""
+    own, on a copy whose plugin optimizer hears its skipped steps as continuations of the
+    same Poisson draw (:meth:`~opacus_rc.optimizer.RandomizedClippingMixin.signal_skip_step`).
+    Over a loader split already (the per-example form's), its own batches and signals: two
+    splitters would each signal the end of a draw. Opacus's optimizers hear what they did."""
     if form_of(self.optimizer) is None:
         return _OPACUS_SPLITTING_ITER(self)
     if isinstance(self.sampler, BatchSplittingSampler):  # over a loader that splits already

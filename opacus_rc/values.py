@@ -1,4 +1,4 @@
-"""The values of the plugin's options, each spelled once.
+"""The values of the plugin's options, each spelled once, and :func:`check_choice`.
 
 Code compares an option's value with these names, never with a literal string. This
 module imports nothing from the package, so every module can import it (:mod:`opacus_rc.options`
@@ -6,6 +6,9 @@ cannot be imported from the forms, the optimizer or the sketches: it imports the
 """
 
 from __future__ import annotations
+
+import difflib
+from typing import Any, Iterable, Tuple
 
 # clipping=: Opacus's modes and the plugin's
 FLAT, PER_LAYER, ADAPTIVE, RANDOMIZED = "flat", "per_layer", "adaptive", "randomized"
@@ -37,3 +40,17 @@ RC_PRV = "rc_prv"
 # privacy_unit=: what one clip bounds and epsilon protects
 EXAMPLE_UNIT, USER_UNIT = "example", "user"
 PRIVACY_UNITS = (EXAMPLE_UNIT, USER_UNIT)
+
+
+def did_you_mean(given: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` with the nearest of ``choices`` to ``given``, else ``""``."""
+    near = difflib.get_close_matches(given, sorted(choices), n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def check_choice(name: str, value: Any, accepted: Tuple[Any, ...], hint: str = "") -> Any:
+    """``value`` when it is one of ``accepted``, else a ValueError naming ``name=value``,
+    ``hint`` and every accepted value."""
+    if value not in accepted:
+        raise ValueError(f"{name}={value!r} is not supported{hint}; accepted values: {', '.join(map(repr, accepted))}")
+    return value

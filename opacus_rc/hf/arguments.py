@@ -4,17 +4,14 @@ stays in ``TrainingArguments``."""
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 from dataclasses import field, fields, make_dataclass
 from typing import Any, Dict, Optional, Tuple, Union
 
 from ..config import SketchConfig
 from ..forms import per_example_chosen
-from ..options import DEFAULTS, OPTIONS, check_sample_rate, parse_denoise, refuse_unknown, sketch_of
-from ..values import DENOISERS as ENGINE_DENOISERS
+from ..options import DEFAULTS, OPTIONS, check_sample_rate, finite_real, parse_denoise, refuse_unknown, sketch_of
 from ..units import DEFAULT_MAX_EXAMPLES_PER_USER, check_max_examples_per_user, check_privacy_unit
-from ..values import EXAMPLE_UNIT, FLAT, RANDOMIZED, USER_UNIT
+from ..values import DENOISERS as ENGINE_DENOISERS, EXAMPLE_UNIT, FLAT, RANDOMIZED, USER_UNIT, check_choice
 
 CLIPPINGS = (RANDOMIZED, FLAT)
 DENOISERS = (None, *ENGINE_DENOISERS)
@@ -102,17 +99,13 @@ class _PrivacyArgumentsMethods:
         self._refuse_invalid(
             ("target_epsilon", self.target_epsilon is None or _positive(self.target_epsilon), "a float > 0"),
             ("noise_multiplier",
-             self.noise_multiplier is None or (_real(self.noise_multiplier) and self.noise_multiplier >= 0),
+             self.noise_multiplier is None or (finite_real(self.noise_multiplier) and self.noise_multiplier >= 0),
              "a float >= 0"),
-            ("delta", _real(self.delta) and 0.0 < self.delta < 1.0,
+            ("delta", finite_real(self.delta) and 0.0 < self.delta < 1.0,
              "a float in (0, 1), e.g. 1e-5 (below 1 / number of training rows); it is required"),
             ("max_grad_norm", _positive(self.max_grad_norm), "a float > 0"),
         )
-        if self.clipping not in CLIPPINGS:
-            raise ValueError(
-                f"clipping={self.clipping!r} is not supported; accepted values: "
-                f"{', '.join(repr(c) for c in CLIPPINGS)}"
-            )
+        check_choice("clipping", self.clipping, CLIPPINGS)
         options = self.options()
         if self.clipping == RANDOMIZED:
             sketch_of(options)  # validates
@@ -204,12 +197,8 @@ def _init_known_fields_only(self: PrivacyArguments, *args: Any, **kwargs: Any) -
 PrivacyArguments.__init__ = _init_known_fields_only
 
 
-def _real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _positive(x: Any) -> bool:
-    return _real(x) and x > 0
+    return finite_real(x) and x > 0
 
 
 __all__ = ["PrivacyArguments", "CLIPPINGS", "DENOISERS", "PLUGIN_FIELDS", "PRIVATE_LOG_KEYS", "LOSS_LOG_KEYS"]

@@ -21,7 +21,7 @@ from ..accounting.accountant import RCPRVAccountant
 from ..clip_guard import complete_unused
 from ..finite import agree_across_ranks, all_finite
 from ..forms import form_of
-from ..values import RANDOMIZED
+from ..values import RANDOMIZED, check_choice
 from .arguments import PrivacyArguments
 from ..units import RowUnits, UserIndex
 from .data import poisson_sampler_of
@@ -162,8 +162,7 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
             "padding_free=True is not supported: it flattens the batch into one row, so no "
             "per-row gradient exists; accepted value: padding_free=False"
         )
-    if getattr(args, "loss_type", "nll") != "nll":
-        raise ValueError(f"loss_type={args.loss_type!r} is not supported; accepted values: 'nll'")
+    check_choice("loss_type", getattr(args, "loss_type", "nll"), ("nll",))
     if getattr(args, "activation_offloading", False):
         raise ValueError("activation_offloading=True is not supported; accepted values: False")
     compute_loss = type(trainer).compute_loss
@@ -184,16 +183,8 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
             )
     if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
         raise ValueError("an IterableDataset train_dataset is not supported: Poisson sampling needs a map-style dataset")
-    if trainer.privacy.user_level:
-        check_user_setup(trainer)
-
-
-def check_user_setup(trainer: Trainer) -> None:
-    """``privacy_unit="user"``: a ``train_dataset`` with a valid user column (read now, so a
-    bad column is refused at construction). Several processes split the users, not their
-    rows (:class:`~opacus_rc.hf.data.PoissonAccumulationSampler`)."""
-    if trainer.train_dataset is not None:
-        trainer.user_index()
+    if trainer.privacy.user_level and trainer.train_dataset is not None:
+        trainer.user_index()  # the user column read now: a bad one is refused at construction
 
 
 def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
@@ -354,6 +345,6 @@ def replaceable_compute_loss() -> Tuple[Any, ...]:
 
 
 __all__ = [
-    "check_arguments", "check_setup", "check_units", "check_user_setup", "user_index_of", "check_checkpoint_functions", "check_loader", "check_records", "refuse_non_finite",
-    "replaceable_compute_loss", "resumed_history", "DP_STATE_NAME",
+    "check_arguments", "check_setup", "check_units", "user_index_of", "check_checkpoint_functions", "check_loader",
+    "check_records", "refuse_non_finite", "replaceable_compute_loss", "resumed_history", "DP_STATE_NAME",
 ]

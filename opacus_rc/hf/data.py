@@ -39,16 +39,8 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
     """
 
     def __init__(
-        self,
-        *,
-        num_samples: int,
-        sample_rate: float,
-        micro_batches: int,
-        steps: int,
-        rank: int = 0,
-        world_size: int = 1,
-        secure_mode: bool = False,
-        users: Optional[UserIndex] = None,
+        self, *, num_samples: int, sample_rate: float, micro_batches: int, steps: int, rank: int = 0,
+        world_size: int = 1, secure_mode: bool = False, users: Optional[UserIndex] = None,
     ) -> None:
         self.num_samples = int(num_samples)
         self.sample_rate = float(sample_rate)
@@ -114,18 +106,13 @@ def take_units(inputs: Any) -> Optional[RowUnits]:
 class UserPoissonLoader(DataLoader):
     """The private Trainer's loader at ``privacy_unit="user"``: each delivered batch (a
     mapping, or the empty marker) carries its rows' :class:`~opacus_rc.units.RowUnits` under
-    a private key, set in the main process as the batch is delivered
-    (:func:`~opacus_rc.units.delivered_units`); :func:`take_units` removes it before the
-    batch reaches the model. The Trainer fetches a step's batches before training on
-    them, so the units travel with the batch, not beside it."""
+    a private key, set in the main process (:func:`~opacus_rc.units.delivered_units`) and
+    removed by :func:`take_units` before the model: the Trainer fetches a step's batches
+    before training on them, so the units travel with the batch, not beside it."""
 
     def __init__(self, dataset: Dataset, *, batch_sampler: PoissonAccumulationSampler, **kwargs: Any) -> None:
         super().__init__(dataset, batch_sampler=RecordingBatchSampler(batch_sampler), **kwargs)
         self.user_index = batch_sampler.users
-
-    @property
-    def poisson_sampler(self) -> PoissonAccumulationSampler:
-        return self.batch_sampler.batch_sampler
 
     def __iter__(self) -> Iterator[Any]:
         noted: List[RowUnits] = []
@@ -173,11 +160,8 @@ def poisson_loader(
     ``users=`` a :class:`UserPoissonLoader`."""
     batch_sampler = PoissonAccumulationSampler(num_samples=len(dataset), **sampler)
     return (DataLoader if batch_sampler.users is None else UserPoissonLoader)(
-        dataset,
-        batch_sampler=batch_sampler,
-        collate_fn=functools.partial(_collate_or_mark, collator),
-        num_workers=num_workers,
-        pin_memory=pin_memory,
+        dataset, batch_sampler=batch_sampler, collate_fn=functools.partial(_collate_or_mark, collator),
+        num_workers=num_workers, pin_memory=pin_memory,
     )
 
 

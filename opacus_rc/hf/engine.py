@@ -28,15 +28,11 @@ def noise_multiplier(privacy: PrivacyArguments, sample_rate: float, steps: int, 
     """``privacy.noise_multiplier``, else sigma calibrated with ``rc_prv`` so that ``steps``
     logical steps at ``sample_rate`` spend ``privacy.target_epsilon`` at ``privacy.delta``
     (with the form's sketch: none for the per-example form)."""
-    p = privacy
-    if p.noise_multiplier is not None:
-        return float(p.noise_multiplier)
+    if privacy.noise_multiplier is not None:
+        return float(privacy.noise_multiplier)
     sigma = get_noise_multiplier_rc(
-        target_epsilon=p.target_epsilon,
-        target_delta=p.delta,
-        sample_rate=sample_rate,
-        steps=steps,
-        sketch_config=p.sketch_config(physical_batch_size),
+        target_epsilon=privacy.target_epsilon, target_delta=privacy.delta, sample_rate=sample_rate, steps=steps,
+        sketch_config=privacy.sketch_config(physical_batch_size),
     )
     logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps at q=%.6g", sigma, steps, sample_rate)
     return sigma
@@ -89,17 +85,9 @@ class Private(NamedTuple):
 
 
 def make_private(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    privacy: PrivacyArguments,
-    *,
-    batch_size: int,
-    sample_rate: float,
-    steps: int,
-    world_size: int,
-    physical_batch_size: int,
-    history: Optional[List[Any]] = None,
-    user_ids: Optional[Sequence[Any]] = None,
+    model: nn.Module, optimizer: torch.optim.Optimizer, privacy: PrivacyArguments, *, batch_size: int,
+    sample_rate: float, steps: int, world_size: int, physical_batch_size: int,
+    history: Optional[List[Any]] = None, user_ids: Optional[Sequence[Any]] = None,
 ) -> Private:
     """The private Trainer's engine: book-keeping hooks (``wrap_model=False``; the
     per-example form's when ``privacy.per_example(physical_batch_size)``) and a DP
@@ -125,7 +113,7 @@ def make_private(
         module=model, optimizer=optimizer, noise_multiplier=sigma,
         data_loader=public_loader(batch_size, len(user_ids) if users else None),
         max_grad_norm=p.max_grad_norm, clipping=p.clipping, grad_sample_mode=HOOKS,
-        wrap_model=False, poisson_sampling=True, loss_reduction="mean", batch_first=True,
+        wrap_model=False, poisson_sampling=True, loss_reduction="mean", batch_first=True, denoise=p.denoise,
     )
     if p.clipping == RANDOMIZED:
         per_example = p.per_example(physical_batch_size)
@@ -137,12 +125,10 @@ def make_private(
             kwargs["bookkeeping"] = True  # the chunked head's norms: one pass, checkpointed or not
         if users:
             kwargs.update(privacy_unit=p.privacy_unit, user_ids=user_ids, max_examples_per_user=p.max_examples_per_user)
-    if p.clipping != RANDOMIZED and not p.secure_mode:
+    elif not p.secure_mode:
         # Opacus's flat clipping would draw from torch's global generator, which the Trainer's
         # set_seed seeds; randomized clipping has its own os.urandom streams, one per device
         kwargs["noise_generator"] = torch.Generator(device=trainable[0].device).manual_seed(entropy_seed())
-    if p.denoise is not None:
-        kwargs["denoise"] = p.denoise
     was_training = model.training
     model.train()  # Opacus validates a module in training mode (evaluate() may have run first)
     try:
@@ -154,10 +140,11 @@ def make_private(
         # charges 1 / len(its loader), which cannot be every public q: the accountant's hook
         # is set to charge q (it replaces Opacus's; the normaliser came from the loader).
         dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
-    if dp_optimizer.expected_batch_size != per_rank_normaliser(batch_size, world_size > 1):
+    normaliser = per_rank_normaliser(batch_size, world_size > 1)
+    if dp_optimizer.expected_batch_size != normaliser:
         raise RuntimeError(
             f"make_private averages by {dp_optimizer.expected_batch_size!r}, not the public per-rank "
-            f"normaliser {per_rank_normaliser(batch_size, world_size > 1)!r}"
+            f"normaliser {normaliser!r}"
         )
     if history is not None:
         engine.accountant.history = list(history)
@@ -168,10 +155,8 @@ def signal_same_draw(optimizer: DPOptimizer) -> None:
     """A skipped step whose next physical batch continues the same Poisson draw (charged
     once, averaged once). Opacus's flat optimizer has no ``same_draw=``: it counts a
     skipped step as part of the same logical step anyway."""
-    if form_of(optimizer) is not None:
-        optimizer.signal_skip_step(do_skip=True, same_draw=True)
-    else:
-        optimizer.signal_skip_step(do_skip=True)
+    same_draw = {} if form_of(optimizer) is None else {"same_draw": True}
+    optimizer.signal_skip_step(do_skip=True, **same_draw)
 
 
 __all__ = ["Private", "budget_steps", "epsilon", "make_private", "noise_multiplier", "public_loader", "signal_same_draw"]

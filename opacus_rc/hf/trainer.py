@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import math
 import os
 from typing import Any, Dict, Optional, Tuple, Type
@@ -35,7 +34,6 @@ from .data import is_empty_batch, one_row_batches, poisson_loader, poisson_sampl
 from .engine import budget_steps, epsilon, make_private, signal_same_draw
 from .losses import causal_lm, chunked_head_losses, model_inputs, row_losses
 
-logger = logging.getLogger(__package__)  # "opacus_rc.hf", as before the package
 
 class DPTrainerMixin:
     """The private part of :class:`DPTrainer`; put it first in the bases of a Trainer
@@ -178,8 +176,7 @@ class DPTrainerMixin:
     def get_epsilon(self) -> float:
         """Epsilon spent so far at ``privacy.delta`` (rc_prv), per :attr:`privacy_unit`
         (a row, or a user with all their rows)."""
-        acc = self.accountant
-        if acc is None:
+        if self._dp_engine is None:
             return epsilon(self._dp_resumed_history or [], self.privacy.delta)
         return float(self._dp_engine.get_epsilon(delta=self.privacy.delta))
 
@@ -197,9 +194,7 @@ class DPTrainerMixin:
 
     def _dp_shifts_labels(self) -> bool:
         shifts = getattr(self, "_loss_shifts_labels", None)
-        if shifts is not None:
-            return bool(shifts)
-        return causal_lm(self.model)
+        return causal_lm(self.model) if shifts is None else bool(shifts)
 
     def training_step(self, model: nn.Module, inputs: Dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
         """One physical batch: per-example losses averaged over the realised batch (the hooks
@@ -243,7 +238,7 @@ class DPTrainerMixin:
                 # sums: each returns its rows' share of the public batch size
                 report = total / per_rank_normaliser(self.expected_batch_size, self.args.world_size > 1)
         if rows or last:
-            self._dp_check_records(rows)
+            check_records(optimizer, rows, self._dp_names)
         if self._dp_form is None:  # every batch, on every rank (an agreement)
             refuse_non_finite(self, optimizer)
         if not last and rows:
@@ -262,9 +257,6 @@ class DPTrainerMixin:
         if losses.dim() != 1:
             raise ValueError(f"per_example_loss must return shape (B,); got {tuple(losses.shape)}")
         return losses
-
-    def _dp_check_records(self, rows: int) -> None:
-        check_records(self._dp_optimizer, rows, self._dp_names)
 
     def _dp_check_refused_steps(self) -> None:
         """Raise a step a fused optimizer refused on the device (``found_inf``; waits for the

@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from opacus_rc.hf import DPTrainer, PrivacyArguments, private_trainer
+from opacus_rc.hf.checks import check_records
 from tests.models import tiny_llama
 
 VOCAB, PAD = 64, 0
@@ -76,7 +77,7 @@ def released_sum(trainer, rows, side: str) -> torch.Tensor:
     batch = padded(rows, side)
     losses = trainer.per_example_loss(model, batch)
     losses.mean().backward()
-    trainer._dp_check_records(len(rows))
+    check_records(opt, len(rows), trainer._dp_names)
     opt.step()
     out = torch.cat([p.grad.reshape(-1) for p in params]).double() * trainer.expected_batch_size
     with torch.no_grad():
