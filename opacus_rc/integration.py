@@ -46,8 +46,11 @@ def denoised_weights(module: nn.Module) -> List[nn.Parameter]:
     """The 2-D weights spectral denoising acts on: trainable ``nn.Linear`` weights
     (LoRA A/B factors included) and Hugging Face ``Conv1D`` weights."""
     return [
-        m.weight for m in module.modules()
-        if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D") and m.weight.requires_grad and m.weight.dim() == 2
+        m.weight
+        for m in module.modules()
+        if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
+        and m.weight.requires_grad
+        and m.weight.dim() == 2
     ]
 
 
@@ -163,8 +166,12 @@ class PrivacyEngine(OpacusPrivacyEngine):
             )
         calibration = {k: kwargs.pop(k) for k in RC_CALIBRATION_KEYWORDS if k in kwargs}
         noise_multiplier = get_noise_multiplier_rc(
-            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=options.sampling.sample_rate,
-            epochs=epochs, sketch_config=options.sketch, **calibration,
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            sample_rate=options.sampling.sample_rate,
+            epochs=epochs,
+            sketch_config=options.sketch,
+            **calibration,
         )
         logger.info("rc_prv calibrated noise_multiplier=%.4f for %s", noise_multiplier, options.sketch)
         kwargs = {**kwargs, "noise_multiplier": noise_multiplier}
@@ -263,7 +270,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
         # Opacus charged 1 / len(its DPDataLoader); charge the public rate instead.
         out[1].attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sampling.sample_rate))
         logger.info(
-            "randomized clipping: public normaliser %d, sample rate %.6g", sampling.batch_size, sampling.sample_rate
+            "randomized clipping: public normaliser %d, sample rate %.6g", sampling.batch_size,
+            sampling.sample_rate,
         )
         return FORMS[options.runs].outputs(out, arguments)
 

@@ -341,7 +341,10 @@ def _matching_loader_rate(data_loader, sample_rate: float) -> float:
 
 
 def public_sampling(
-    data_loader, expected_batch_size: Any = None, sample_rate: Any = None, poisson_sampling: bool = True
+    data_loader,
+    expected_batch_size: Any = None,
+    sample_rate: Any = None,
+    poisson_sampling: bool = True,
 ) -> PublicSampling:
     """The public normaliser and sample rate of a randomized-clipping run (ValueError naming
     an invalid parameter and its accepted values).

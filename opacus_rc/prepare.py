@@ -134,9 +134,14 @@ class MakePrivateCall:
             )
         check_fsdp_mode(module, kwargs["grad_sample_mode"])  # FSDP2: ghost_fsdp only
         return FORMS[self.options.runs].build_module(
-            module, kwargs["wrap_model"], kwargs["max_grad_norm"], batch_first=kwargs["batch_first"],
-            loss_reduction=kwargs["loss_reduction"], sketch_config=self.options.sketch,
-            sketch_seed=self.options.sketch_seed, secure_mode=self.secure_mode,
+            module,
+            kwargs["wrap_model"],
+            kwargs["max_grad_norm"],
+            batch_first=kwargs["batch_first"],
+            loss_reduction=kwargs["loss_reduction"],
+            sketch_config=self.options.sketch,
+            sketch_seed=self.options.sketch_seed,
+            secure_mode=self.secure_mode,
         )
 
     def _randomized_optimizer(self, *, optimizer, noise_generator=None, **kwargs: Any) -> DPOptimizer:

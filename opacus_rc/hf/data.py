@@ -39,8 +39,16 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
     """
 
     def __init__(
-        self, *, num_samples: int, sample_rate: float, micro_batches: int, steps: int, rank: int = 0,
-        world_size: int = 1, secure_mode: bool = False, users: Optional[UserIndex] = None,
+        self,
+        *,
+        num_samples: int,
+        sample_rate: float,
+        micro_batches: int,
+        steps: int,
+        rank: int = 0,
+        world_size: int = 1,
+        secure_mode: bool = False,
+        users: Optional[UserIndex] = None,
     ) -> None:
         self.num_samples = int(num_samples)
         self.sample_rate = float(sample_rate)
@@ -160,8 +168,11 @@ def poisson_loader(
     ``users=`` a :class:`UserPoissonLoader`."""
     batch_sampler = PoissonAccumulationSampler(num_samples=len(dataset), **sampler)
     return (DataLoader if batch_sampler.users is None else UserPoissonLoader)(
-        dataset, batch_sampler=batch_sampler, collate_fn=functools.partial(_collate_or_mark, collator),
-        num_workers=num_workers, pin_memory=pin_memory,
+        dataset,
+        batch_sampler=batch_sampler,
+        collate_fn=functools.partial(_collate_or_mark, collator),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
     )
 
 

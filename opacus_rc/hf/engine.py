@@ -31,7 +31,10 @@ def noise_multiplier(privacy: PrivacyArguments, sample_rate: float, steps: int, 
     if privacy.noise_multiplier is not None:
         return float(privacy.noise_multiplier)
     sigma = get_noise_multiplier_rc(
-        target_epsilon=privacy.target_epsilon, target_delta=privacy.delta, sample_rate=sample_rate, steps=steps,
+        target_epsilon=privacy.target_epsilon,
+        target_delta=privacy.delta,
+        sample_rate=sample_rate,
+        steps=steps,
         sketch_config=privacy.sketch_config(physical_batch_size),
     )
     logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps at q=%.6g", sigma, steps, sample_rate)
@@ -85,9 +88,17 @@ class Private(NamedTuple):
 
 
 def make_private(
-    model: nn.Module, optimizer: torch.optim.Optimizer, privacy: PrivacyArguments, *, batch_size: int,
-    sample_rate: float, steps: int, world_size: int, physical_batch_size: int,
-    history: Optional[List[Any]] = None, user_ids: Optional[Sequence[Any]] = None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    privacy: PrivacyArguments,
+    *,
+    batch_size: int,
+    sample_rate: float,
+    steps: int,
+    world_size: int,
+    physical_batch_size: int,
+    history: Optional[List[Any]] = None,
+    user_ids: Optional[Sequence[Any]] = None,
 ) -> Private:
     """The private Trainer's engine: book-keeping hooks (``wrap_model=False``; the
     per-example form's when ``privacy.per_example(physical_batch_size)``) and a DP
@@ -140,11 +151,10 @@ def make_private(
         # charges 1 / len(its loader), which cannot be every public q: the accountant's hook
         # is set to charge q (it replaces Opacus's; the normaliser came from the loader).
         dp_optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
-    normaliser = per_rank_normaliser(batch_size, world_size > 1)
-    if dp_optimizer.expected_batch_size != normaliser:
+    if dp_optimizer.expected_batch_size != per_rank_normaliser(batch_size, world_size > 1):
         raise RuntimeError(
             f"make_private averages by {dp_optimizer.expected_batch_size!r}, not the public per-rank "
-            f"normaliser {normaliser!r}"
+            f"normaliser {per_rank_normaliser(batch_size, world_size > 1)!r}"
         )
     if history is not None:
         engine.accountant.history = list(history)
