@@ -632,11 +632,7 @@ def check_randomized_setup(engine: Any, grad_sample_mode: str) -> None:
             f"sensitivity of estimated norms: use PrivacyEngine(accountant='rc_prv') "
             f"(got accountant={mechanism!r}, which would report a too small epsilon)"
         )
-    if grad_sample_mode not in RC_GRAD_SAMPLE_MODES:
-        raise ValueError(
-            f"clipping='randomized' does not support grad_sample_mode={grad_sample_mode!r}; "
-            f"accepted values: {', '.join(repr(m) for m in RC_GRAD_SAMPLE_MODES)}"
-        )
+    check_choice("grad_sample_mode", grad_sample_mode, RC_GRAD_SAMPLE_MODES, " with clipping='randomized'")
 
 
 __all__ = [
