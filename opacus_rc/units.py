@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import math
-import numbers
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Hashable, Iterator, List, Optional, Sequence, Tuple
@@ -33,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from .csprng import init_poisson_loader, rank_share
 from .estimators import as_sequence
 from .sketch import entropy_seed
-from .values import EXAMPLE_UNIT, PRIVACY_UNITS, USER_UNIT
+from .values import EXAMPLE_UNIT, PRIVACY_UNITS, USER_UNIT, positive_int
 
 #: default contribution bound k: the rows a sampled user contributes to one step
 DEFAULT_MAX_EXAMPLES_PER_USER = 8
@@ -51,7 +50,7 @@ def check_privacy_unit(privacy_unit: Any) -> str:
 
 def check_max_examples_per_user(k: Any) -> int:
     """``max_examples_per_user=``: a positive int (else a ValueError naming the parameter)."""
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+    if not positive_int(k):
         raise ValueError(
             f"max_examples_per_user={k!r} is invalid; accepted values: a positive int (the rows "
             f"a sampled user contributes to one step; default {DEFAULT_MAX_EXAMPLES_PER_USER})"
