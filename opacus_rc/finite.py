@@ -27,13 +27,13 @@ KINDS = ("per-sample loss", "per-sample gradient norm", "clipped gradient", OUTS
 def all_finite(tensors: Iterable[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
     """A 0-d bool tensor on the first tensor's device: every entry of every tensor is
     finite (None when there is nothing to check). No host synchronisation."""
-    flags = [torch.isfinite(_local(t)).all() for t in tensors if t is not None and t.numel() > 0]
+    flags = [torch.isfinite(local_shard(t)).all() for t in tensors if t is not None and t.numel() > 0]
     if not flags:
         return None
     return torch.stack([f.to(flags[0].device) for f in flags]).all()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2), or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
 

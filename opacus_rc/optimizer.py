@@ -185,6 +185,12 @@ class RandomizedClippingMixin:
         device."""
         return 0 if self._skipped is None else int(self._skipped)
 
+    def note_skipped(self, dropped: torch.Tensor) -> None:
+        """Count the examples dropped for a non-finite norm (``nonfinite="skip"``): ``dropped``,
+        a bool flag or mask, is summed on the device."""
+        dropped = dropped.sum()
+        self._skipped = dropped if self._skipped is None else self._skipped + dropped
+
     def note_finite(self, kind: str, *tensors: Optional[torch.Tensor]) -> None:
         """Check that every entry of ``tensors`` is finite before this step's update (on
         the device, decided once per step; see :mod:`opacus_rc.finite`). ``kind``: one of

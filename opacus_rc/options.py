@@ -33,7 +33,7 @@ from .sketch import check_seed
 from .units import DEFAULT_MAX_EXAMPLES_PER_USER, UserIndex, check_max_examples_per_user, check_privacy_unit
 from .values import (
     ADAPTIVE, BOOKKEEPING_MODE, DENOISERS, EXAMPLE_UNIT, FLAT, FSDP_MODE, GHOST, HOOKS, NONFINITE_MODES, PER_LAYER,
-    RAISE, RANDOMIZED, RC_PRV, SKIP, SVD_FULL, USER_UNIT, check_choice, did_you_mean,
+    RAISE, RANDOMIZED, RC_PRV, SKIP, SVD_FULL, USER_UNIT, check_choice, did_you_mean, positive_int,
 )
 
 #: every clipping mode make_private accepts: Opacus's three and the plugin's
@@ -358,8 +358,7 @@ def public_sampling(
     ``sample_rate`` other than it is refused.
     """
     if expected_batch_size is not None:
-        size = expected_batch_size
-        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+        if not positive_int(expected_batch_size):
             raise ValueError(
                 f"expected_batch_size={expected_batch_size!r} is invalid; accepted values: "
                 f"a positive int (the expected logical batch size, summed over ranks in DDP) "
@@ -632,11 +631,7 @@ def check_randomized_setup(engine: Any, grad_sample_mode: str) -> None:
             f"sensitivity of estimated norms: use PrivacyEngine(accountant='rc_prv') "
             f"(got accountant={mechanism!r}, which would report a too small epsilon)"
         )
-    if grad_sample_mode not in RC_GRAD_SAMPLE_MODES:
-        raise ValueError(
-            f"clipping='randomized' does not support grad_sample_mode={grad_sample_mode!r}; "
-            f"accepted values: {', '.join(repr(m) for m in RC_GRAD_SAMPLE_MODES)}"
-        )
+    check_choice("grad_sample_mode", grad_sample_mode, RC_GRAD_SAMPLE_MODES, " with clipping='randomized'")
 
 
 __all__ = [

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import math
-import numbers
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Hashable, Iterator, List, Optional, Sequence, Tuple
@@ -33,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from .csprng import init_poisson_loader, rank_share
 from .estimators import as_sequence
 from .sketch import entropy_seed
-from .values import EXAMPLE_UNIT, PRIVACY_UNITS, USER_UNIT
+from .values import EXAMPLE_UNIT, PRIVACY_UNITS, USER_UNIT, positive_int
 
 #: default contribution bound k: the rows a sampled user contributes to one step
 DEFAULT_MAX_EXAMPLES_PER_USER = 8
@@ -51,7 +50,7 @@ def check_privacy_unit(privacy_unit: Any) -> str:
 
 def check_max_examples_per_user(k: Any) -> int:
     """``max_examples_per_user=``: a positive int (else a ValueError naming the parameter)."""
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+    if not positive_int(k):
         raise ValueError(
             f"max_examples_per_user={k!r} is invalid; accepted values: a positive int (the rows "
             f"a sampled user contributes to one step; default {DEFAULT_MAX_EXAMPLES_PER_USER})"
@@ -204,7 +203,8 @@ class RowUnits:
     users: torch.Tensor
     sizes: torch.Tensor
     last: Optional[torch.Tensor] = None
-    #: :meth:`layout` per device, computed and checked once per batch (every layer reads it)
+    #: :meth:`layout` per device and the units' ``"sizes"`` (:func:`unit_sizes`), computed and
+    #: checked once per batch (every layer reads them)
     _layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __len__(self) -> int:
@@ -237,6 +237,7 @@ class RowUnits:
                 "batches, or BatchMemoryManager's, which cut draws between users); per_example_backward=True "
                 "spreads a user's rows over backward passes"
             )
+        self._layouts["sizes"] = sizes
         start = torch.cumsum(counts, 0) - counts
         return slot, torch.arange(len(self)) - start[slot], len(users)
 
@@ -411,9 +412,9 @@ def per_row(values: torch.Tensor, units: RowUnits) -> torch.Tensor:
 
 
 def unit_sizes(units: RowUnits) -> torch.Tensor:
-    """``m_u`` of each unit of the batch (U,), in slot order."""
-    slot, _, count = unit_layout(units, len(units))
-    return torch.zeros(count, dtype=units.sizes.dtype).scatter_(0, slot, units.sizes)
+    """``m_u`` of each unit of the batch (U,), in slot order (kept by the layout's check)."""
+    unit_layout(units, len(units))
+    return units._layouts["sizes"]
 
 
 __all__ = [

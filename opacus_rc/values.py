@@ -1,4 +1,4 @@
-"""The values of the plugin's options, each spelled once, and :func:`check_choice`.
+"""The values of the plugin's options, each spelled once, :func:`check_choice` and :func:`positive_int`.
 
 Code compares an option's value with these names, never with a literal string. This
 module imports nothing from the package, so every module can import it (:mod:`opacus_rc.options`
@@ -8,6 +8,7 @@ cannot be imported from the forms, the optimizer or the sketches: it imports the
 from __future__ import annotations
 
 import difflib
+import numbers
 from typing import Any, Iterable, Tuple
 
 # clipping=: Opacus's modes and the plugin's
@@ -40,6 +41,11 @@ RC_PRV = "rc_prv"
 # privacy_unit=: what one clip bounds and epsilon protects
 EXAMPLE_UNIT, USER_UNIT = "example", "user"
 PRIVACY_UNITS = (EXAMPLE_UNIT, USER_UNIT)
+
+
+def positive_int(x: Any) -> bool:
+    """``x`` is an int >= 1 (not a bool)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
 
 
 def did_you_mean(given: str, choices: Iterable[str]) -> str:

@@ -6,15 +6,13 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterable, Sequence, Tuple
 
+from ..values import check_choice
+
 
 def check_choices(*fields: Tuple[str, Any, Sequence[Any]]) -> None:
-    """``(name, value, accepted)`` triples: ``value`` must be one of ``accepted``."""
-    for name, value, accepted in fields:
-        if value not in accepted:
-            raise ValueError(
-                f"{name}={value!r} is not supported; accepted values: "
-                f"{', '.join(repr(a) for a in accepted)}"
-            )
+    """``(name, value, accepted)`` triples: ``value`` must be one of ``accepted`` (:func:`check_choice`)."""
+    for field in fields:
+        check_choice(*field)
 
 
 def check_fields(config: Any, names: Iterable[str], ok: Callable[[Any], bool], accepted: str) -> None:

@@ -463,8 +463,7 @@ class BookkeepingClippingMixin:
             self.note_finite("per-sample gradient norm", sq)
             return None
         finite = sq.isfinite()
-        dropped = (~finite).sum()
-        self._skipped = dropped if self._skipped is None else self._skipped + dropped
+        self.note_skipped(~finite)
         return finite
 
     def zero_grad(self, set_to_none: bool = False) -> None:

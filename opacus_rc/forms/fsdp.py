@@ -32,10 +32,10 @@ from opacus.grad_sample import (
     GradSampleModuleFastGradientClippingFSDP,
 )
 from opacus.optimizers import FSDPOptimizerFastGradientClipping
-from opacus.optimizers.optimizer import _generate_noise
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..finite import local_shard
 from ..grad_sample import (
     SketchingMixin, _saves_inputs, check_norms_cover_batch, head_used_twice_error, unmatched_tied_uses_error,
 )
@@ -298,13 +298,11 @@ class FSDPRandomizedClippingOptimizer(SketchedClippingMixin, FSDPOptimizerFastGr
             if summed is None:
                 summed = self.grad_state[p]["summed_grad"] = torch.zeros_like(p)
             if self.secure_mode:
-                local = summed.to_local() if hasattr(summed, "to_local") else summed
+                local = local_shard(summed)
                 local.add_(self._noise(std, local))
                 p.grad = summed.view_as(p)
-            else:
-                # full-shape draw sliced to the shard (Opacus's scheme; module docstring)
-                noise = _generate_noise(std=std, reference=summed, generator=self.noise_generator(summed.device))
-                p.grad = (summed + noise).view_as(p)
+            else:  # full-shape draw sliced to the shard (Opacus's scheme; module docstring)
+                p.grad = (summed + self._noise(std, summed)).view_as(p)
 
 
 # --- FSDP2's hooks around a chunked LM head (opacus_rc.lm_head) ----------------------------

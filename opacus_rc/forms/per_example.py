@@ -429,11 +429,6 @@ class PerExampleOptimizerMixin(RandomizedClippingMixin):
         """Nothing to complete: each row's whole gradient was clipped."""
         return []
 
-    def note_skipped(self, dropped: torch.Tensor) -> None:
-        """Count an example dropped for a non-finite norm (``nonfinite="skip"``; on the device)."""
-        dropped = dropped.to(torch.int64)
-        self._skipped = dropped if self._skipped is None else self._skipped + dropped
-
     def add_clipped(self, grads: List[Any], factor: torch.Tensor) -> None:
         """``p.summed_grad += factor * g`` (float32) for each ``(p, g)`` of one example's gradient
         (the first example's buffer becomes the running sum, in place)."""
