@@ -48,9 +48,7 @@ def _lse(a: np.ndarray, axis: Optional[int] = None) -> np.ndarray:
     return out.squeeze(axis) if axis is not None else out.reshape(())
 
 
-@lru_cache(maxsize=8)
-def _leggauss(order: int) -> Tuple[np.ndarray, np.ndarray]:
-    return np.polynomial.legendre.leggauss(order)
+_leggauss = lru_cache(maxsize=8)(np.polynomial.legendre.leggauss)
 
 
 def _gauss_legendre_panels(lo: float, hi: float, panel: float, order: int = 12):
@@ -147,9 +145,6 @@ class StepPRV:
         """Finite-loss masses in the cells between ``edges``, and below / above them
         (:func:`~opacus_rc.accounting.prv.cells.step_cell_masses`)."""
         return step_cell_masses(self, direction, edges)
-
-    def _finite_mass(self, direction: str) -> float:
-        return 1.0 - self.pm_inf(direction)
 
     def _u(self, s: np.ndarray) -> np.ndarray:
         """``u(s) = log((e^s - (1-q)) / q)`` (``-inf`` where ``s <= log(1-q)``)."""
@@ -328,4 +323,4 @@ class StepPRV:
         hidden-Z mixture is integrated directly otherwise.
         """
         beta = mgf_exponent(direction, lam, tail)
-        return self._log_rho_moment(beta) - math.log(self._finite_mass(direction))
+        return self._log_rho_moment(beta) - math.log(1.0 - self.pm_inf(direction))
