@@ -16,9 +16,9 @@ reads those with its sketch keyword arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from opacus.accountants.accountant import IAccountant
@@ -51,7 +51,7 @@ MULTIPLICITY_BIN_RATIO = 0.05
 UNNAMED_SKETCHING = SHARED_SKETCH
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class StepRecord:
     """The mechanism of one history entry, normalised once (hashable: steps group by it).
 
@@ -108,12 +108,7 @@ class StepRecord:
         """The stored form: None for a deterministic single-batch step."""
         if not self.randomized:
             return None if self.micro_batches == 1 else {"micro_batches": self.micro_batches}
-        return {
-            "estimator": self.estimator,
-            "sketch_size": self.sketch_size,
-            "sketching": self.sketching,
-            "micro_batches": self.micro_batches,
-        }
+        return dataclasses.asdict(self)
 
 
 def sketch_record(
@@ -151,19 +146,14 @@ def _step_prv(sigma: float, q: float, record: StepRecord, tail_mass: float, bin_
     one example), each a mixture over ``J ~ Bin(m, q)`` copies.
     """
     m = record.micro_batches
-    if not record.randomized:
-        mixture = DETERMINISTIC
-    else:
-        mixture = envelope_mixture(
-            record.sketch_size,
-            float(tail_mass),
-            hidden=m == 1 and record.sketching == PER_EXAMPLE_SKETCH,
-            bin_ratio=bin_ratio if m == 1 else max(bin_ratio, MULTIPLICITY_BIN_RATIO),
-            draws=m,
-        )
-    if m == 1:
-        return StepPRV(sigma, q, mixture)
-    return AccumulatedStepPRV(sigma, q, m, mixture)
+    mixture = DETERMINISTIC if not record.randomized else envelope_mixture(
+        record.sketch_size,
+        float(tail_mass),
+        hidden=m == 1 and record.sketching == PER_EXAMPLE_SKETCH,
+        bin_ratio=bin_ratio if m == 1 else max(bin_ratio, MULTIPLICITY_BIN_RATIO),
+        draws=m,
+    )
+    return StepPRV(sigma, q, mixture) if m == 1 else AccumulatedStepPRV(sigma, q, m, mixture)
 
 
 class RCPRVAccountant(IAccountant):
