@@ -116,8 +116,7 @@ class StepPRV:
             raise ValueError(f"sample_rate={sample_rate} must lie in [0, 1]")
         if not self.sigma >= 0.0:
             raise ValueError(f"noise_multiplier={noise_multiplier} must be >= 0")
-        if self.sigma == 0.0:
-            self.sigma = 1e-300
+        self.sigma = self.sigma or 1e-300
         self.mixture = mixture
         z = np.asarray(mixture.z, dtype=float)
         p = np.asarray(mixture.p, dtype=float)
@@ -244,8 +243,7 @@ class StepPRV:
         for mu_j, p_j in zip(self.mu, self.p):
             if p_j == 0:
                 continue
-            xl = (u[0] + 0.5 * mu_j**2) / mu_j if np.isfinite(u[0]) else _X_LO
-            xh = (u[1] + 0.5 * mu_j**2) / mu_j if np.isfinite(u[1]) else _X_LO
+            xl, xh = np.where(np.isfinite(u), (u + 0.5 * mu_j**2) / mu_j, _X_LO)
             nodes, w = _gauss_legendre_panels(max(xl, _X_LO), min(xh, mu_j + 40.0), 0.05)
             if not nodes.size:
                 continue
