@@ -16,15 +16,16 @@ reads those with its sketch keyword arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from opacus.accountants.accountant import IAccountant
 
 from ..config import ESTIMATORS, SKETCHINGS, SketchConfig
-from ..values import PER_EXAMPLE_SKETCH, RC_PRV, SHARED_SKETCH
+from ..values import PER_EXAMPLE_SKETCH, RC_PRV, SHARED_SKETCH, check_choice
+from .envelope import check_count
 from .multiplicity import AccumulatedStepPRV, multiplicity_weights
 from .secant import _LogLogSecant
 from .prv import (
@@ -50,13 +51,7 @@ MULTIPLICITY_BIN_RATIO = 0.05
 UNNAMED_SKETCHING = SHARED_SKETCH
 
 
-def _check_micro_batches(micro_batches: Any) -> int:
-    if isinstance(micro_batches, bool) or int(micro_batches) != micro_batches or micro_batches < 1:
-        raise ValueError(f"micro_batches={micro_batches!r}; accepted values: an integer >= 1")
-    return int(micro_batches)
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class StepRecord:
     """The mechanism of one history entry, normalised once (hashable: steps group by it).
 
@@ -78,7 +73,7 @@ class StepRecord:
 
     @classmethod
     def from_config(cls, config: Optional[SketchConfig], micro_batches: int = 1) -> "StepRecord":
-        m = _check_micro_batches(micro_batches)
+        m = check_count(micro_batches, "micro_batches")
         if config is None:
             return cls(micro_batches=m)
         if not isinstance(config, SketchConfig):
@@ -95,7 +90,7 @@ class StepRecord:
             return cls.from_config(raw)
         if not isinstance(raw, dict):
             raise ValueError(f"sketch={raw!r} must be None, a dict or a SketchConfig")
-        m = _check_micro_batches(raw.get("micro_batches", 1))
+        m = check_count(raw.get("micro_batches", 1), "micro_batches")
         count = raw.get("sketch_size", raw.get("accounting_sketch_count"))
         if count is None:
             return cls(micro_batches=m)  # deterministic clipping
@@ -113,12 +108,7 @@ class StepRecord:
         """The stored form: None for a deterministic single-batch step."""
         if not self.randomized:
             return None if self.micro_batches == 1 else {"micro_batches": self.micro_batches}
-        return {
-            "estimator": self.estimator,
-            "sketch_size": self.sketch_size,
-            "sketching": self.sketching,
-            "micro_batches": self.micro_batches,
-        }
+        return dataclasses.asdict(self)
 
 
 def sketch_record(
@@ -156,19 +146,14 @@ def _step_prv(sigma: float, q: float, record: StepRecord, tail_mass: float, bin_
     one example), each a mixture over ``J ~ Bin(m, q)`` copies.
     """
     m = record.micro_batches
-    if not record.randomized:
-        mixture = DETERMINISTIC
-    else:
-        mixture = envelope_mixture(
-            record.sketch_size,
-            float(tail_mass),
-            hidden=m == 1 and record.sketching == PER_EXAMPLE_SKETCH,
-            bin_ratio=bin_ratio if m == 1 else max(bin_ratio, MULTIPLICITY_BIN_RATIO),
-            draws=m,
-        )
-    if m == 1:
-        return StepPRV(sigma, q, mixture)
-    return AccumulatedStepPRV(sigma, q, m, mixture)
+    mixture = DETERMINISTIC if not record.randomized else envelope_mixture(
+        record.sketch_size,
+        float(tail_mass),
+        hidden=m == 1 and record.sketching == PER_EXAMPLE_SKETCH,
+        bin_ratio=bin_ratio if m == 1 else max(bin_ratio, MULTIPLICITY_BIN_RATIO),
+        draws=m,
+    )
+    return StepPRV(sigma, q, mixture) if m == 1 else AccumulatedStepPRV(sigma, q, m, mixture)
 
 
 class RCPRVAccountant(IAccountant):
@@ -240,8 +225,7 @@ class RCPRVAccountant(IAccountant):
         """
         if not 0.0 < delta < 1.0:
             raise ValueError(f"delta={delta} must lie in (0, 1)")
-        if sketching not in SKETCHINGS:
-            raise ValueError(f"sketching={sketching!r}; accepted values: {SKETCHINGS}")
+        check_choice("sketching", sketching, SKETCHINGS)
         default = StepRecord.of(sketch_record(estimator=estimator, sketch_size=sketch_size, sketching=sketching))
         groups = self._groups(default)
         if not groups:
@@ -289,18 +273,10 @@ class RCPRVAccountant(IAccountant):
     def entry(entry: Sequence[Any], default: Optional[StepRecord] = None) -> Tuple[float, float, int, StepRecord]:
         """``(sigma, q, steps, record)`` of a stored entry; a 3-tuple (Opacus's
         ``get_noise_multiplier``) takes ``default``."""
-        if len(entry) == 3:
-            sigma, q, n = entry
-            record = default or StepRecord()
-        elif len(entry) == 4:
-            sigma, q, n, raw = entry
-            record = StepRecord.of(raw)
-        else:
-            raise ValueError(
-                f"history entry {entry!r} must be (noise_multiplier, sample_rate, steps"
-                "[, sketch])"
-            )
-        return (float(sigma), float(q), int(n), record)
+        if len(entry) not in (3, 4):
+            raise ValueError(f"history entry {entry!r} must be (noise_multiplier, sample_rate, steps[, sketch])")
+        sigma, q, n, *raw = entry
+        return (float(sigma), float(q), int(n), StepRecord.of(raw[0]) if raw else default or StepRecord())
 
     @classmethod
     def stored(cls, entry: Sequence[Any]) -> Tuple:
@@ -340,18 +316,34 @@ def get_noise_multiplier_rc(
     exceeds the randomized one) is only a starting point. ``sketch_config=None``
     calibrates deterministic clipping.
     """
-    steps = calibration_steps(target_epsilon, sample_rate, epsilon_tolerance, epochs, steps)
     return noise_multiplier_for_record(
-        target_epsilon, target_delta, sample_rate, steps, StepRecord.from_config(sketch_config),
-        epsilon_tolerance=epsilon_tolerance, eps_error=eps_error, sigma_lower=sigma_lower,
+        target_epsilon,
+        target_delta,
+        sample_rate,
+        epochs,
+        steps,
+        StepRecord.from_config(sketch_config),
+        epsilon_tolerance=epsilon_tolerance,
+        eps_error=eps_error,
+        sigma_lower=sigma_lower,
     )
 
 
-def calibration_steps(
-    target_epsilon: float, sample_rate: float, epsilon_tolerance: float, epochs: Optional[float], steps: Optional[int]
-) -> int:
-    """The number of steps of a planned run (``steps``, or ``epochs / sample_rate``), once
-    the calibration's arguments are checked (ValueError naming the parameter)."""
+def noise_multiplier_for_record(
+    target_epsilon: float,
+    target_delta: float,
+    sample_rate: float,
+    epochs: Optional[float],
+    steps: Optional[int],
+    record: StepRecord,
+    *,
+    epsilon_tolerance: float = 0.01,
+    eps_error: float = 0.01,
+    sigma_lower: Optional[float] = None,
+) -> float:
+    """The search of :func:`get_noise_multiplier_rc` for ``steps`` steps (or
+    ``epochs / sample_rate``) of one :class:`StepRecord` (any ``micro_batches``), once the
+    arguments are checked (ValueError naming the parameter)."""
     if (steps is None) == (epochs is None):
         raise ValueError("give exactly one of steps= or epochs=")
     if not target_epsilon > 0:
@@ -360,15 +352,7 @@ def calibration_steps(
         raise ValueError(f"sample_rate={sample_rate} must lie in (0, 1]")
     if not epsilon_tolerance > 0:
         raise ValueError(f"epsilon_tolerance={epsilon_tolerance} must be > 0")
-    return int(steps) if epochs is None else int(epochs / sample_rate)
-
-
-def noise_multiplier_for_record(
-    target_epsilon: float, target_delta: float, sample_rate: float, steps: int, record: StepRecord, *,
-    epsilon_tolerance: float = 0.01, eps_error: float = 0.01, sigma_lower: Optional[float] = None,
-) -> float:
-    """The search of :func:`get_noise_multiplier_rc` (arguments checked there) for
-    ``steps`` steps of one :class:`StepRecord` (any ``micro_batches``)."""
+    steps = int(steps) if epochs is None else int(epochs / sample_rate)
     acc = RCPRVAccountant()
 
     def eps_at(sigma: float, err: float) -> float:

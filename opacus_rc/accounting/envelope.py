@@ -29,6 +29,8 @@ assumed known to the adversary).
 from __future__ import annotations
 
 import logging
+import numbers
+from typing import Any
 
 import numpy as np
 from scipy import stats
@@ -52,6 +54,14 @@ VERIFIED_K = (frozenset(range(1, 129)) | frozenset((192, 256, 512, 1024))
               | frozenset((2048, 4096, 10000, 16384, 32768, 65536, 100000)))
 
 _warned_k: set = set()
+
+
+def check_count(value: Any, name: str, minimum: int = 1) -> int:
+    """``value`` as an int; a ValueError naming ``name`` unless it is an integer >= ``minimum``."""
+    valid = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (valid and int(value) == value and value >= minimum):
+        raise ValueError(f"{name}={value!r}; accepted values: an integer >= {minimum}")
+    return int(value)
 
 
 def _check_k(k: int) -> int:
@@ -130,8 +140,6 @@ def envelope_cdf(z: np.ndarray, k: int) -> np.ndarray:
     big = z >= 1.0
     xb = 1.0 / z[big] ** 2
     k = _check_k(k)
-    if k in VERIFIED_K:
-        out[big] = stats.chi2.sf(xb * k, df=k)  # accurate where the sf is close to 1
-    else:
-        out[big] = 1.0 - envelope_lower_tail(xb, k)
+    # the chi2 sf is accurate where it is close to 1
+    out[big] = stats.chi2.sf(xb * k, df=k) if k in VERIFIED_K else 1.0 - envelope_lower_tail(xb, k)
     return out

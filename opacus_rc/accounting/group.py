@@ -35,26 +35,17 @@ tuples: read as exact clipping at rate ``q``, one draw per step.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..config import SketchConfig
-from .accountant import (
-    RCPRVAccountant,
-    StepRecord,
-    _check_micro_batches,
-    calibration_steps,
-    noise_multiplier_for_record,
-)
+from .accountant import RCPRVAccountant, StepRecord, noise_multiplier_for_record
+from .envelope import check_count
 from .prv import DEFAULT_BIN_RATIO
 
 
 def check_group_size(group_size: Any, name: str = "group_size") -> int:
     """``group_size`` as an int; a ValueError naming ``name`` unless it is an integer >= 1."""
-    valid = isinstance(group_size, numbers.Real) and not isinstance(group_size, bool)
-    if not (valid and int(group_size) == group_size and group_size >= 1):
-        raise ValueError(f"{name}={group_size!r}; accepted values: an integer >= 1")
-    return int(group_size)
+    return check_count(group_size, name)
 
 
 def group_record(record: StepRecord, group_size: int) -> StepRecord:
@@ -68,11 +59,7 @@ def group_history(history: Sequence[Sequence[Any]], group_size: int) -> List[Tup
     """``history`` (entries of :class:`RCPRVAccountant` or ``(sigma, q, steps)`` of Opacus's
     accountants: exact clipping) with every record grouped by :func:`group_record`."""
     k = check_group_size(group_size)
-    grouped = []
-    for raw in history:
-        sigma, q, n, record = RCPRVAccountant.entry(raw)
-        grouped.append((sigma, q, n, group_record(record, k)))
-    return grouped
+    return [(sigma, q, n, group_record(record, k)) for sigma, q, n, record in map(RCPRVAccountant.entry, history)]
 
 
 def group_epsilon(
@@ -139,13 +126,13 @@ def get_group_noise_multiplier(
     Raises:
         ValueError: an argument outside its accepted values (named).
     """
-    record = StepRecord.from_config(sketch_config, _check_micro_batches(micro_batches))
     return noise_multiplier_for_record(
         target_epsilon,
         target_delta,
         sample_rate,
-        calibration_steps(target_epsilon, sample_rate, epsilon_tolerance, epochs, steps),
-        group_record(record, group_size),
+        epochs,
+        steps,
+        group_record(StepRecord.from_config(sketch_config, micro_batches), group_size),
         epsilon_tolerance=epsilon_tolerance,
         eps_error=eps_error,
     )

@@ -26,6 +26,7 @@ from typing import List, Tuple
 import numpy as np
 from scipy.stats import binom
 
+from .envelope import check_count
 from .prv.cells import infinite_bin_atom, place_atom
 from .prv.mixtures import SensitivityMixture
 from .prv.prvs import StepPRV, _lse, mgf_exponent
@@ -60,12 +61,10 @@ class AccumulatedStepPRV:
         micro_batches: int,
         mixture: SensitivityMixture,
     ) -> None:
-        if isinstance(micro_batches, bool) or int(micro_batches) != micro_batches or micro_batches < 2:
-            raise ValueError(f"micro_batches={micro_batches!r} must be an integer >= 2")
+        self.micro_batches = check_count(micro_batches, "micro_batches", minimum=2)
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate={sample_rate} must lie in (0, 1]")
         self.sigma = float(noise_multiplier)
-        self.micro_batches = int(micro_batches)
         self.q, weights = multiplicity_weights(self.micro_batches, float(sample_rate))
         j = np.arange(1, self.micro_batches + 1)
         self.parts: List[Tuple[float, StepPRV]] = [

@@ -62,8 +62,7 @@ class _LogLogSecant:
             if not inside or self._same_side >= 2:
                 return math.sqrt(self.lo * self.hi) if self.lo > 0 else 0.5 * self.hi
             return min(max(guess, self.lo + margin), self.hi - margin)
-        if self.hi is None and self.lo is not None:
-            guess = max(guess, 1.05 * self.lo)
-        if self.lo is None and self.hi is not None:
-            guess = min(guess, 0.95 * self.hi)
-        return guess
+        # one end at most: the bracket's side of the guess
+        if self.lo is not None:
+            return max(guess, 1.05 * self.lo)
+        return guess if self.hi is None else min(guess, 0.95 * self.hi)

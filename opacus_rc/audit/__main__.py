@@ -54,9 +54,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--variants", nargs="+", default=[*VARIANTS, *NORMALISER_VARIANTS, *PATH_VARIANTS],
         choices=[*VARIANTS, *NORMALISER_VARIANTS, *PATH_VARIANTS],
     )
-    parser.add_argument("--micro-batches", type=int, default=None, help="accumulation_canary: micro-batches per step (default %d)" % PATH_DEFAULTS["accumulation_canary"]["micro_batches"])
-    parser.add_argument("--sample-rate", type=float, default=None, help="accumulation_canary: Poisson rate of each micro-batch (default %g)" % PATH_DEFAULTS["accumulation_canary"]["sample_rate"])
-    parser.add_argument("--episode-steps", type=int, default=None, help="hand_built: optimizer steps per trial (default %d)" % PATH_DEFAULTS["hand_built"]["episode_steps"])
+    for name, kind, variant, what in (
+        ("micro_batches", int, "accumulation_canary", "micro-batches per step"),
+        ("sample_rate", float, "accumulation_canary", "Poisson rate of each micro-batch"),
+        ("episode_steps", int, "hand_built", "optimizer steps per trial"),
+    ):
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=None,
+            help=f"{variant}: {what} (default {PATH_DEFAULTS[variant][name]})",
+        )
     parser.add_argument("--sigma", type=float, default=None, help="noise multiplier for every k (default: per k, %s)" % DEFAULT_SIGMA)
     parser.add_argument("--sketching", default="shared", choices=SKETCHINGS)
     parser.add_argument("--delta", type=float, default=1e-2)
@@ -217,6 +225,7 @@ def table(results: Sequence[AuditResult], exact: Sequence[float]) -> str:
 def _path_note(r: AuditResult, replicas: int) -> Optional[str]:
     """What the notes line says of a side-path result (None: nothing)."""
     v = r.variant
+    refused_or = lambda ran: f"refused by the plugin ({r.refusal[:60]}...)" if r.refusal else ran  # noqa: E731
     if v == "accumulation_canary":
         under = " (below eps_lower: under-charged)" if r.eps_lower > r.eps_old_charge else ""
         return (f"{v}: m={r.micro_batches} micro-batches at q={r.sample_rate}; the old q x m charge (one draw at rate "
@@ -228,14 +237,12 @@ def _path_note(r: AuditResult, replicas: int) -> Optional[str]:
         return (f"{v}: one draw in {r.micro_batches} physical batches, the layer in a reentrant checkpoint region, "
                 "per-example sketches (fresh per physical batch)")
     if v in FUSED_HEAD_VARIANTS:
-        return f"{v}: a loss reading the head's weight outside its module on a checkpointed model: " + (
-            f"refused by the plugin ({r.refusal[:60]}...)" if r.refusal
-            else f"released (mean canary contribution {r.mean_score_in:.1f} C), charged as one step"
+        return f"{v}: a loss reading the head's weight outside its module on a checkpointed model: " + refused_or(
+            f"released (mean canary contribution {r.mean_score_in:.1f} C), charged as one step"
         )
     if v in FORWARD_BUFFER_VARIANTS:
-        return f"{v}: a running sum of the inputs kept in a buffer by the forward pass: " + (
-            f"refused by the plugin ({r.refusal[:60]}...)" if r.refusal
-            else "released exactly (the buffer with the canaries differs from the one without them)"
+        return f"{v}: a running sum of the inputs kept in a buffer by the forward pass: " + refused_or(
+            "released exactly (the buffer with the canaries differs from the one without them)"
         )
     if v in PER_EXAMPLE_VARIANTS:
         off = "" if v == "per_example" else "; its batch check off: two examples per backward pass"
@@ -243,8 +250,7 @@ def _path_note(r: AuditResult, replicas: int) -> Optional[str]:
                 f"as exact steps; the canary's shift {r.mean_score_in:.2f} C")
     if v in DRAW_BOUNDARY_VARIANTS:
         return f"{v}: step() every {ACCUMULATION_EVERY} physical batches of the per-example form's loader: " + (
-            f"refused by the plugin ({r.refusal[:60]}...)" if r.refusal
-            else f"released (the canary's shift {r.mean_score_in:.2f} C: two draws), charged as one draw"
+            refused_or(f"released (the canary's shift {r.mean_score_in:.2f} C: two draws), charged as one draw")
         )
     if v in USER_LEVEL_VARIANTS:
         clip = "each row clipped alone" if v == "user_level_per_row" else "one clip of the mean of its rows"

@@ -45,10 +45,8 @@ class InnerProductLoss(nn.Module):
         per_sample = (output * target).flatten(1).sum(dim=1)
         if self.reduction == "none":
             return per_sample
-        if self.reduction == "sum":
-            return per_sample.sum()
-        if self.reduction == "mean":
-            return per_sample.mean()
+        if self.reduction in ("sum", "mean"):
+            return getattr(per_sample, self.reduction)()
         raise ValueError(f"reduction={self.reduction!r}; accepted values: 'none', 'sum', 'mean'")
 
 
@@ -146,23 +144,17 @@ def result_fields(
     )
 
 
-def _freeze(entry: Tuple) -> Tuple:
-    return tuple(tuple(sorted(e.items())) if isinstance(e, dict) else e for e in entry)
-
-
 @lru_cache(maxsize=64)
 def _cached_epsilon(history: Tuple, delta: float) -> float:
     accountant = RCPRVAccountant()
-    accountant.history = [
-        tuple(dict(e) if isinstance(e, tuple) else e for e in entry) for entry in history
-    ]
+    accountant.history = list(history)
     return float(accountant.get_epsilon(delta))
 
 
 def accounted_epsilon(accountant, delta: float) -> float:
-    """``accountant.get_epsilon(delta)`` by a fresh ``RCPRVAccountant``, cached by history (the
-    variants of a configuration share it)."""
-    return _cached_epsilon(tuple(_freeze(e) for e in accountant.history), float(delta))
+    """``accountant.get_epsilon(delta)`` by a fresh ``RCPRVAccountant``, cached by history (its
+    entries normalised by :meth:`RCPRVAccountant.entry`; the variants of a configuration share it)."""
+    return _cached_epsilon(tuple(map(RCPRVAccountant.entry, accountant.history)), float(delta))
 
 
 def check_one_step(history, q: Optional[float] = 1.0, sigma: Optional[float] = None, **record) -> None:

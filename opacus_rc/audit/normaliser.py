@@ -76,11 +76,6 @@ class NormaliserAuditConfig:
         check_unit_interval(self, ("delta", "alpha"))
 
 
-def dataset_size_normaliser(dataset_size: int, batch_size: int) -> int:
-    """Opacus's normaliser ``int(n * (1 / len(loader)))`` for a loader without drop_last."""
-    return int(dataset_size * (1 / math.ceil(dataset_size / batch_size)))
-
-
 @dataclass
 class _Side:
     engine: object
@@ -104,8 +99,9 @@ def _build(config: NormaliserAuditConfig, n: int, seed: int) -> _Side:
         config, layer, loader, "mean", seed, grad_sample_mode=config.grad_sample_mode
     )
     if config.variant == "normaliser_dataset_size":
-        # audit-only: Opacus's data-dependent normaliser, as before the fix
-        optimizer.expected_batch_size = dataset_size_normaliser(n, config.batch_size)
+        # audit-only: Opacus's data-dependent normaliser ``int(n * (1 / len(loader)))`` (no
+        # drop_last), as before the fix
+        optimizer.expected_batch_size = int(n * (1 / math.ceil(n / config.batch_size)))
     return _Side(engine, layer.weight, model, optimizer, criterion, dp_loader,
                  float(optimizer.expected_batch_size))
 

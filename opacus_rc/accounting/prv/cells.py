@@ -49,13 +49,12 @@ def _hidden_components(step: "StepPRV", remove: bool) -> Tuple[np.ndarray, np.nd
     return ones, beta, log_w
 
 
-def _gauss_mass_beyond(x: float, alpha: np.ndarray, beta: np.ndarray, log_w: np.ndarray,
-                       upper: bool) -> float:
-    """``sum_j w_j P(N(0,1) > alpha_j x + beta_j)`` (``upper``) or ``< ...``."""
-    if math.isinf(x) and (x < 0) == upper:
-        return float(np.exp(log_w).sum())
-    arg = alpha * x + beta
-    return float(np.exp(log_w) @ (ndtr(-arg) if upper else ndtr(arg)))
+def _tail_masses(lo: float, hi: float, alpha: np.ndarray, beta: np.ndarray, log_w: np.ndarray) -> Tuple[float, float]:
+    """``sum_j w_j P(N(0,1) < alpha_j lo + beta_j)`` and ``sum_j w_j P(N(0,1) > alpha_j hi + beta_j)``."""
+    w = np.exp(log_w)
+    low = float(w.sum()) if lo == math.inf else float(w @ ndtr(alpha * lo + beta))
+    high = float(w.sum()) if hi == -math.inf else float(w @ ndtr(-(alpha * hi + beta)))
+    return low, high
 
 
 def step_cell_masses(step: "StepPRV", direction: str, edges: np.ndarray) -> Tuple[np.ndarray, float, float]:
@@ -69,23 +68,18 @@ def step_cell_masses(step: "StepPRV", direction: str, edges: np.ndarray) -> Tupl
     remove = direction == "remove"
     u = step._u(edges if remove else -edges[::-1])  # increasing
     if step.hidden:
-        xe = step._x_hidden(u)
-        xe = np.where(np.isfinite(u), xe, -np.inf)
+        xe = np.where(np.isfinite(u), step._x_hidden(u), -np.inf)
         alpha, beta, log_w = _hidden_components(step, remove)
         masses = mixture_cell_masses(xe[:-1], xe[1:], alpha, beta, log_w)
-        low = _gauss_mass_beyond(float(xe[0]), alpha, beta, log_w, upper=False)
-        high = _gauss_mass_beyond(float(xe[-1]), alpha, beta, log_w, upper=True)
+        low, high = _tail_masses(float(xe[0]), float(xe[-1]), alpha, beta, log_w)
         loc, atom = 0.0, 0.0
     else:
         masses = _revealed_masses(step, u[:-1], u[1:], remove)
         alpha, beta = 1.0 / step.mu, 0.5 * step.mu
-        lw = step._logp + (step.log1mq if remove else 0.0)
-        low = _gauss_mass_beyond(float(u[0]), alpha, beta, lw, upper=False)
-        high = _gauss_mass_beyond(float(u[-1]), alpha, beta, lw, upper=True)
+        low, high = _tail_masses(float(u[0]), float(u[-1]), alpha, beta, step._logp + (step.log1mq if remove else 0.0))
         if remove and step.q > 0:
-            lt = step._logp + math.log(step.q)
-            low += _gauss_mass_beyond(float(u[0]), alpha, beta - 1.0 / alpha, lt, upper=False)
-            high += _gauss_mass_beyond(float(u[-1]), alpha, beta - 1.0 / alpha, lt, upper=True)
+            twin = _tail_masses(float(u[0]), float(u[-1]), alpha, beta - 1.0 / alpha, step._logp + math.log(step.q))
+            low, high = low + twin[0], high + twin[1]
         loc, atom = infinite_bin_atom(direction, step.q, step.p_inf)
     if not remove:  # back to increasing Y: reverse cells, swap the two sides
         masses, low, high = masses[::-1].copy(), high, low

@@ -115,7 +115,7 @@ def compose_epsilon(
     ]
     if not pairs:
         return 0.0
-    steps, counts = [p[0] for p in pairs], [p[1] for p in pairs]
+    steps, counts = zip(*pairs)
     if any(s.sigma <= 0 for s in steps):
         return math.inf
     eps = _compose_direction(steps, counts, "remove", delta, eps_error, delta_error)

@@ -17,16 +17,17 @@ logger = logging.getLogger(__name__)
 MAX_DOMAIN_POINTS = 2**22
 DIRECTIONS = ("remove", "add")
 
-_LAMBDAS_UPPER = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-_LAMBDAS_LOWER = _LAMBDAS_UPPER
+#: The Chernoff bounds' exponents (both tails).
+_LAMBDAS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
-def _chernoff_level(log_mgfs: Sequence[np.ndarray], counts: Sequence[int], lams, delta: float) -> float:
-    """Smallest ``s`` with ``P(sum Y > s) <= delta`` by ``min_l (sum K(l) + log 1/delta) / l``."""
-    lams = np.asarray(lams, dtype=float)
+def _chernoff_level(log_mgfs: Sequence[np.ndarray], counts: Sequence[int], delta: float) -> float:
+    """Smallest ``s`` with ``P(sum Y > s) <= delta`` by ``min_l (sum K(l) + log 1/delta) / l``
+    (``l`` over :data:`_LAMBDAS`, ``K(l)`` in ``log_mgfs``)."""
+    lams = np.asarray(_LAMBDAS, dtype=float)
     total = np.zeros_like(lams)
     for k_vals, n in zip(log_mgfs, counts):
-        total = total + n * np.asarray(k_vals)
+        total = total + n * k_vals
     with np.errstate(invalid="ignore"):
         levels = (total + math.log(1.0 / delta)) / lams
     levels = levels[np.isfinite(levels)]
@@ -52,25 +53,24 @@ def _make_domain(
     total = int(sum(counts))
     levels = [eps_error]
     for direction in DIRECTIONS:
-        for tail, lams in (("upper", _LAMBDAS_UPPER), ("lower", _LAMBDAS_LOWER)):
-            kv = [np.array([st.log_mgf(direction, l, tail) for l in lams]) for st in steps]
-            levels.append(_chernoff_level(kv, counts, lams, delta_error / 4))
-            for kvi in kv:
-                levels.append(_chernoff_level([kvi], [1], lams, delta_error / (8 * total)))
+        for tail in ("upper", "lower"):
+            kv = [np.array([st.log_mgf(direction, l, tail) for l in _LAMBDAS]) for st in steps]
+            levels.append(_chernoff_level(kv, counts, delta_error / 4))
+            levels += [_chernoff_level([kvi], [1], delta_error / (8 * total)) for kvi in kv]
     L = max(levels) + 3.0
     if not math.isfinite(L):
         L = 1e3
-    dt = eps_error / math.sqrt(total * math.log(12.0 / delta_error) / 2.0)
+    spread = math.sqrt(total * math.log(12.0 / delta_error) / 2.0)
+    dt = eps_error / spread
     if 2.0 * L / dt + 2 > MAX_DOMAIN_POINTS:
         dt = 2.0 * L / (MAX_DOMAIN_POINTS - 2)
-        eps_error = dt * math.sqrt(total * math.log(12.0 / delta_error) / 2.0)
+        eps_error = dt * spread
         logger.warning(
             "PRV domain capped at %d points; epsilon error raised to %.3g",
             MAX_DOMAIN_POINTS,
             eps_error,
         )
     i0 = int(math.floor(-L / dt))
-    i1 = int(math.ceil(L / dt))
-    n = i1 - i0 + 1
+    n = int(math.ceil(L / dt)) - i0 + 1
     n += n % 2
     return _Domain(i0=i0, n=n, dt=dt, eps_error=eps_error)

@@ -54,7 +54,7 @@ def _exact_gauss_diff(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return np.where(upper, ndtr(-lo) - ndtr(-hi), ndtr(hi) - ndtr(lo))
 
 
-def _series_coefficients(alpha: np.ndarray, beta: np.ndarray, log_w: np.ndarray):
+def _series_coefficients(alpha: np.ndarray, beta: np.ndarray):
     """Per-component coefficients of the monomials ``w^2k t^r`` of the midpoint series."""
     K = _SERIES_TERMS
     H = _herme_even_coefficients(alpha, beta)  # (m, K, 2K-1)
@@ -105,18 +105,18 @@ def mixture_cell_masses(
     whose density is that of ``j`` times ``exp(t) exp(beta/alpha - 1/(2 alpha^2))``: they
     reuse the same exponentials. Cells too wide for the series are evaluated with ``ndtr``.
     """
-    alpha = np.asarray(alpha, dtype=float)
-    beta = np.asarray(beta, dtype=float)
-    log_w = np.asarray(log_w, dtype=float)
+    alpha, beta, log_w = (np.asarray(v, dtype=float) for v in (alpha, beta, log_w))
     n = t_lo.size
     out = np.zeros(n)
     if n == 0 or alpha.size == 0:
         return out
+    twin = twin_log_w is not None
+    twin_beta = beta - 1.0 / alpha if twin else beta
     all_alpha, all_beta, all_w = alpha, beta, log_w
-    if twin_log_w is not None:
-        all_alpha = np.concatenate([alpha, alpha])
-        all_beta = np.concatenate([beta, beta - 1.0 / alpha])
-        all_w = np.concatenate([log_w, np.asarray(twin_log_w, dtype=float)])
+    if twin:
+        twin_log_w = np.asarray(twin_log_w, dtype=float)
+        pairs = ((alpha, alpha), (beta, twin_beta), (log_w, twin_log_w))
+        all_alpha, all_beta, all_w = (np.concatenate(v) for v in pairs)
     with np.errstate(invalid="ignore"):
         mid = 0.5 * (t_lo + t_hi)
         width = t_hi - t_lo
@@ -144,16 +144,15 @@ def mixture_cell_masses(
     P = -0.5 * alpha**2
     Q = -alpha * beta
     R = -0.5 * beta**2 + log_w + np.log(alpha) - _LOG2PI_HALF  # h = alpha * width
-    coef, k_idx, r_idx = _series_coefficients(alpha, beta, log_w)
-    if twin_log_w is not None:
-        shift = np.asarray(twin_log_w, dtype=float) - log_w + beta / alpha - 0.5 / alpha**2
-        c_twin, _, _ = _series_coefficients(alpha, beta - 1.0 / alpha, log_w)
+    coef, k_idx, r_idx = _series_coefficients(alpha, beta)
+    if twin:
+        shift = twin_log_w - log_w + beta / alpha - 0.5 / alpha**2
+        c_twin, _, _ = _series_coefficients(alpha, twin_beta)
         coef = np.concatenate([coef, c_twin * np.exp(shift)[:, None]], axis=1)
     n_mono = k_idx.size
     # twins: balance the exponent with exp(t/2) so that neither family underflows while the
     # other matters (both are then exp(+-t/2) times the shared exponential)
-    q_row = Q + (0.5 if twin_log_w is not None else 0.0)
-    twin_beta = beta - 1.0 / alpha if twin_log_w is not None else beta
+    q_row = Q + (0.5 if twin else 0.0)
     # exponents laid out (components, cells): each element-wise pass runs along long rows
     buf = np.empty((alpha.size, min(_ROWS_PER_CHUNK, good.size)))
     for start in range(0, good.size, _ROWS_PER_CHUNK):
@@ -179,7 +178,7 @@ def mixture_cell_masses(
         np.exp(x, out=x)
         s = _single_thread_product(x.T, coef[cols])
         mono = w[:, None] ** (2 * k_idx) * t[:, None] ** r_idx
-        if twin_log_w is None:
+        if not twin:
             val = np.einsum("ij,ij->i", s, mono)
         else:
             val = np.exp(-0.5 * t) * np.einsum("ij,ij->i", s[:, :n_mono], mono)

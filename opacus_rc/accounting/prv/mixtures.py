@@ -9,7 +9,8 @@ from typing import Tuple
 
 import numpy as np
 
-from ..envelope import envelope_sf
+from ..envelope import check_count, envelope_sf
+
 
 @dataclass(frozen=True)
 class SensitivityMixture:
@@ -40,17 +41,15 @@ DETERMINISTIC = SensitivityMixture(z=(1.0,), p=(1.0,))
 
 def _quantile_z(k: int, level: float) -> float:
     """Smallest ``z >= 1`` with ``envelope_sf(z, k) <= level`` (bisection in ``log z``)."""
+    above = lambda log_z: float(envelope_sf(np.array([math.exp(log_z)]), k)[0]) > level  # noqa: E731
     lo, hi = 0.0, 1.0
-    while float(envelope_sf(np.array([math.exp(hi)]), k)[0]) > level:
+    while above(hi):
         lo, hi = hi, 2.0 * hi
         if hi > 200.0:  # z > e^200: treat as unbounded
             return math.inf
     for _ in range(60):
         mid = 0.5 * (lo + hi)
-        if float(envelope_sf(np.array([math.exp(mid)]), k)[0]) > level:
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if above(mid) else (lo, mid)
     return math.exp(hi)
 
 
@@ -84,15 +83,11 @@ def envelope_mixture(
     through the union bound ``P(max_i Z_i > z) <= min(1, m P(Z* > z))`` (the sketch slots
     of an example in ``m`` accumulated micro-batches).
     """
-    if isinstance(draws, bool) or int(draws) != draws or draws < 1:
-        raise ValueError(f"draws={draws!r} must be a positive integer")
-    if isinstance(sketch_size, bool) or int(sketch_size) != sketch_size or sketch_size <= 0:
-        raise ValueError(f"sketch_size={sketch_size!r}; accepted values: a positive integer")
+    draws, k = check_count(draws, "draws"), check_count(sketch_size, "sketch_size")
     if not 0.0 < tail_mass < 1.0:
         raise ValueError(f"tail_mass={tail_mass} must lie in (0, 1)")
     if not 0.0 < bin_ratio <= 1.0:
         raise ValueError(f"bin_ratio={bin_ratio} must lie in (0, 1]")
-    k, draws = int(sketch_size), int(draws)
     z_max = _quantile_z(k, tail_mass / draws)
     if not math.isfinite(z_max):
         z_max = math.exp(200.0)

@@ -48,9 +48,7 @@ def _lse(a: np.ndarray, axis: Optional[int] = None) -> np.ndarray:
     return out.squeeze(axis) if axis is not None else out.reshape(())
 
 
-@lru_cache(maxsize=8)
-def _leggauss(order: int) -> Tuple[np.ndarray, np.ndarray]:
-    return np.polynomial.legendre.leggauss(order)
+_leggauss = lru_cache(maxsize=8)(np.polynomial.legendre.leggauss)
 
 
 def _gauss_legendre_panels(lo: float, hi: float, panel: float, order: int = 12):
@@ -118,8 +116,7 @@ class StepPRV:
             raise ValueError(f"sample_rate={sample_rate} must lie in [0, 1]")
         if not self.sigma >= 0.0:
             raise ValueError(f"noise_multiplier={noise_multiplier} must be >= 0")
-        if self.sigma == 0.0:
-            self.sigma = 1e-300
+        self.sigma = self.sigma or 1e-300
         self.mixture = mixture
         z = np.asarray(mixture.z, dtype=float)
         p = np.asarray(mixture.p, dtype=float)
@@ -147,9 +144,6 @@ class StepPRV:
         """Finite-loss masses in the cells between ``edges``, and below / above them
         (:func:`~opacus_rc.accounting.prv.cells.step_cell_masses`)."""
         return step_cell_masses(self, direction, edges)
-
-    def _finite_mass(self, direction: str) -> float:
-        return 1.0 - self.pm_inf(direction)
 
     def _u(self, s: np.ndarray) -> np.ndarray:
         """``u(s) = log((e^s - (1-q)) / q)`` (``-inf`` where ``s <= log(1-q)``)."""
@@ -249,8 +243,7 @@ class StepPRV:
         for mu_j, p_j in zip(self.mu, self.p):
             if p_j == 0:
                 continue
-            xl = (u[0] + 0.5 * mu_j**2) / mu_j if np.isfinite(u[0]) else _X_LO
-            xh = (u[1] + 0.5 * mu_j**2) / mu_j if np.isfinite(u[1]) else _X_LO
+            xl, xh = np.where(np.isfinite(u), (u + 0.5 * mu_j**2) / mu_j, _X_LO)
             nodes, w = _gauss_legendre_panels(max(xl, _X_LO), min(xh, mu_j + 40.0), 0.05)
             if not nodes.size:
                 continue
@@ -328,4 +321,4 @@ class StepPRV:
         hidden-Z mixture is integrated directly otherwise.
         """
         beta = mgf_exponent(direction, lam, tail)
-        return self._log_rho_moment(beta) - math.log(self._finite_mass(direction))
+        return self._log_rho_moment(beta) - math.log(1.0 - self.pm_inf(direction))
