@@ -36,6 +36,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import pathlib
 import platform
 import statistics
@@ -396,7 +397,8 @@ def main(argv=None) -> Dict:
           f"{time.perf_counter() - t0:.0f} s")
     record = dict(command="python -m benchmarks.user_level " + " ".join(argv if argv is not None else sys.argv[1:]),
                   machine=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
-                  args={k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+                  args={k: os.path.relpath(v, ROOT) if k == "cache" else v  # no machine path in a results file
+                        for k, v in vars(args).items() if k not in ("json", "plot")},
                   split=dict(train_rows=len(data.y_train), train_movies=sched["movies"], test_rows=len(data.y_test),
                              test_movies=len(set(data.movie_test)), k_max=data.max_rows, majority=majority),
                   schedule=sched, summary=rows, runs=[dataclasses.asdict(r) for r in results],
