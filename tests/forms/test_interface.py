@@ -4,18 +4,26 @@ objects from Opacus's, and the traits declared on the optimizer base; no code ou
 forms/ sniffs a form's traits by name."""
 
 import ast
+import copy
 import pathlib
 
 import pytest
 import torch
+from opacus import PrivacyEngine
 from opacus.grad_sample import GradSampleModule
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
+import opacus_rc.options as options_module
 from opacus_rc.config import SketchConfig
-from opacus_rc.forms import FORMS, PER_EXAMPLE, form_of
+from opacus_rc.forms import FORMS, PER_EXAMPLE, TWO_PASS, Form, form_of
 from opacus_rc.forms.per_example import PerExampleOptimizer
-from opacus_rc.optimizer import RandomizedClippingOptimizer, SketchedClippingMixin
+from opacus_rc.grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
+from opacus_rc.optimizer import (
+    DistributedRandomizedClippingOptimizer,
+    RandomizedClippingOptimizer,
+    SketchedClippingMixin,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "opacus_rc"
 
@@ -78,3 +86,70 @@ def test_no_code_outside_forms_sniffs_a_form_trait(path):
     rel = str(path.relative_to(ROOT))
     found = list(_sniffed(path))
     assert not found, f"{rel} reads form traits by name: {found}"
+
+
+def _two_steps(model, x, y):
+    """Two seeded steps at noise 1 of ``make_private(grad_sample_mode="ghost")``: the
+    parameters, make_private's outputs and the epsilon charged."""
+    engine = PrivacyEngine(accountant="rc_prv")
+    module, optimizer, criterion, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8),
+        noise_multiplier=1.0,
+        max_grad_norm=0.5,
+        grad_sample_mode="ghost",
+        clipping="randomized",
+        sketch_size=4,
+        seed=7,
+    )
+    for _ in range(2):
+        xb, yb = x[:8], y[:8]  # the same rows in both runs (the loader's draws are seeded too)
+        criterion(module(xb), yb).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], (module, optimizer), engine.get_epsilon(1e-5)
+
+
+def test_a_new_form_is_its_classes_one_row_and_its_branch_of_the_rule(monkeypatch):
+    """What adding a form takes (docs/forms.md, "Adding a form"): its classes, one row of
+    ``FORMS`` and its branch of :func:`~opacus_rc.forms.resolve_form`. The engine builds the
+    new form's module and optimizer from the row, ``form_of`` names its objects, and the
+    accountant charges its sketch: a toy form (the two-pass classes under new names) gives
+    the two-pass run bit for bit (same seed: same noise, sketches and parameters) and the
+    same epsilon."""
+    class ToyModule(GradSampleModuleRandomizedClipping):
+        pass
+
+    class ToyHooks(GradSampleHooksRandomizedClipping):
+        pass
+
+    class ToyOptimizer(RandomizedClippingOptimizer):
+        pass
+
+    class ToyDistributedOptimizer(DistributedRandomizedClippingOptimizer):
+        pass
+
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    torch.manual_seed(0)
+    init = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    two_pass, (module, optimizer), eps = _two_steps(copy.deepcopy(init), x, y)
+    assert form_of(optimizer) is FORMS[TWO_PASS]
+
+    toy = Form("toy", modules=(ToyModule, ToyHooks), optimizers=(ToyOptimizer, ToyDistributedOptimizer))
+    monkeypatch.setitem(FORMS, "toy", toy)
+    rule = options_module.resolve_form  # the decision rule, as the options read it
+
+    def with_toy_branch(*args, **kwargs):
+        runs, mode = rule(*args, **kwargs)
+        return ("toy" if runs == TWO_PASS else runs), mode
+
+    monkeypatch.setattr(options_module, "resolve_form", with_toy_branch)
+    params, (module, optimizer), toy_eps = _two_steps(copy.deepcopy(init), x, y)
+    assert type(module) is ToyModule and type(optimizer) is ToyOptimizer
+    assert form_of(module) is toy and form_of(optimizer) is toy
+    assert 0 < toy_eps == eps < float("inf")
+    for a, b in zip(params, two_pass):
+        assert torch.equal(a, b)
+    assert not torch.equal(params[0], init[0].weight)  # it trained
