@@ -203,6 +203,18 @@ def test_no_import_runs_upward():
     assert out.splitlines()[0].endswith("upward: 0"), out
 
 
+def test_import_graph_sizes_count_by_kind():
+    """tools.import_graph --sizes on a module counted by hand: 2 docstring lines (module and
+    function), 1 comment, 2 blanks, 3 code lines; code tokens: ``def f ( x ) :`` (6),
+    ``return x + 1`` (4), ``y = f ( 2 )`` (6); the layout of a call does not change them."""
+    from tools.import_graph import sizes
+
+    text = '"""Module."""\n\n# a comment\ndef f(x):\n    """Doc."""\n    return x + 1\n\ny = f(2)\n'
+    assert sizes({"m": text}) == dict(docstring=2, comment=1, blank=2, code=3, code_tokens=16)
+    spread = text.replace("y = f(2)", "y = f(\n    2\n)")
+    assert sizes({"m": spread})["code_tokens"] == 16 and sizes({"m": spread})["code"] == 5
+
+
 def test_hf_and_accountant_files_stay_small():
     """The issue-31 limits: no file of opacus_rc/hf/ over 400 lines, accountant.py at most 400."""
     files = [*(ROOT / "opacus_rc" / "hf").glob("*.py"), ROOT / "opacus_rc" / "accounting" / "accountant.py"]

@@ -6,17 +6,20 @@ others, on the importing one: the edge lies on a cycle of the graph of module-le
 function-level imports together. A package's ``__init__`` counts as the module it is; imports under ``if TYPE_CHECKING:`` are
 type annotations only, and not counted.
 
-Run: ``python -m tools.import_graph [--rev COMMIT] [--package opacus_rc]``: modules,
-lines, imports (module level / inside functions) and the upward ones, of the working tree
-or of ``COMMIT``'s tree.
+Run: ``python -m tools.import_graph [--rev COMMIT] [--package opacus_rc] [--sizes]``:
+modules, lines, imports (module level / inside functions) and the upward ones, of the
+working tree or of ``COMMIT``'s tree; ``--sizes``: the lines by kind (docstring, comment,
+blank, code) and the code tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import io
 import pathlib
 import subprocess
+import tokenize
 from typing import Dict, List, Optional, Set, Tuple
 
 Edge = Tuple[str, str, bool]  # importer, imported, inside a function
@@ -87,10 +90,41 @@ def upward(found: List[Edge]) -> List[Edge]:
     return [e for e in found if reaches(e[1], e[0])]
 
 
+_LAYOUT = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+
+
+def sizes(sources: Dict[str, str]) -> Dict[str, int]:
+    """Lines of docstrings, comments, blanks and code, and code tokens (every token but
+    comments, docstrings, newlines and indentation: a count that layout does not change)."""
+    out = dict.fromkeys(("docstring", "comment", "blank", "code", "code_tokens"), 0)
+    for text in sources.values():
+        lines = text.splitlines()
+        docstrings = [
+            n.body[0] for n in ast.walk(ast.parse(text))
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)
+            and isinstance(n.body[0].value.value, str)
+        ]
+        starts = {d.lineno for d in docstrings}
+        doc = sum(d.end_lineno - d.lineno + 1 for d in docstrings)
+        comment = sum(1 for line in lines if line.strip().startswith("#"))
+        blank = sum(1 for line in lines if not line.strip())
+        out["docstring"] += doc
+        out["comment"] += comment
+        out["blank"] += blank
+        out["code"] += len(lines) - doc - comment - blank
+        out["code_tokens"] += sum(
+            1 for t in tokenize.generate_tokens(io.StringIO(text).readline)
+            if t.type not in _LAYOUT and not (t.type == tokenize.STRING and t.start[0] in starts)
+        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rev", default=None)
     parser.add_argument("--package", default="opacus_rc")
+    parser.add_argument("--sizes", action="store_true", help="also the lines by kind and the code tokens")
     args = parser.parse_args()
     sources = _sources(args.package, args.rev)
     packages = {m for m in sources if any(o.startswith(m + ".") for o in sources)}
@@ -102,6 +136,8 @@ def main() -> None:
           f"{sum(pairs.values())} inside functions; upward: {len(up)}")
     for a, b, f in sorted(set(up)):
         print(f"  upward: {a} -> {b}{' (inside a function)' if f else ''}")
+    if args.sizes:
+        print("  " + ", ".join(f"{k} {v}" for k, v in sizes(sources).items()))
 
 
 if __name__ == "__main__":
