@@ -203,8 +203,7 @@ class RowUnits:
     users: torch.Tensor
     sizes: torch.Tensor
     last: Optional[torch.Tensor] = None
-    #: :meth:`layout` per device and the units' ``"sizes"`` (:func:`unit_sizes`), computed and
-    #: checked once per batch (every layer reads them)
+    #: :meth:`layout` per device, computed and checked once per batch (every layer reads it)
     _layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __len__(self) -> int:
@@ -237,7 +236,6 @@ class RowUnits:
                 "batches, or BatchMemoryManager's, which cut draws between users); per_example_backward=True "
                 "spreads a user's rows over backward passes"
             )
-        self._layouts["sizes"] = sizes
         start = torch.cumsum(counts, 0) - counts
         return slot, torch.arange(len(self)) - start[slot], len(users)
 
@@ -412,9 +410,10 @@ def per_row(values: torch.Tensor, units: RowUnits) -> torch.Tensor:
 
 
 def unit_sizes(units: RowUnits) -> torch.Tensor:
-    """``m_u`` of each unit of the batch (U,), in slot order (kept by the layout's check)."""
-    unit_layout(units, len(units))
-    return units._layouts["sizes"]
+    """``m_u`` of each unit of the batch (U,), in slot order: its rows in the batch, which the
+    layout's check proved to be all its rows of the draw."""
+    slot, _, count = unit_layout(units, len(units))
+    return torch.bincount(slot, minlength=count)
 
 
 __all__ = [
