@@ -59,14 +59,17 @@ def private(model, data, user_ids, *, noise=0.0, seed=3, **options):
     return engine, out
 
 
-def one_logical_step(module, optimizer, *rest):
+def one_logical_step(module, optimizer, *rest, loss_of=None):
     """Train on the loader's batches until a step is taken (``rest``: the loader, after
-    the criterion of a ghost script); returns the rows used."""
+    the criterion of a ghost script; ``loss_of(module, x, y)``: the loss, by default the
+    criterion's or cross-entropy); returns the rows used."""
     *criterion, loader = rest
+    if loss_of is None:
+        loss_of = (lambda m, x, y: criterion[0](m(x), y)) if criterion else _ce
     rows = []
     for x, y, index in loader:
         rows += index.tolist()
-        (criterion[0](module(x), y) if criterion else _ce(module, x, y)).backward()
+        loss_of(module, x, y).backward()
         optimizer.step()
         optimizer.zero_grad()
         if not optimizer._is_last_step_skipped:
@@ -189,14 +192,7 @@ def test_chunked_head_per_user_in_the_per_example_form_refused_in_the_others():
     reference = copy.deepcopy(model)
     _, (module, optimizer, loader) = private(model, data, owners, per_example_backward=True)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    rows = []
-    for x, _, index in loader:
-        rows += index.tolist()
-        head_loss(module, x).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if not optimizer._is_last_step_skipped:
-            break
+    rows = one_logical_step(module, optimizer, loader, loss_of=lambda m, x, _: head_loss(m, x))
     assert len({owners[r] for r in rows}) >= 2
     x = data.tensors[0][rows]
     expected = per_user_clipped_mean(reference, lambda m, xi, _: head_loss(m, xi), x, x, [owners[r] for r in rows],

@@ -394,18 +394,14 @@ def test_peft_lora_per_user_equals_brute_force(form):
     )
     module, optimizer, *criterion, loader = out
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    rows = []
-    for x, _, index in loader:
-        rows += index.tolist()
-        if criterion:  # the ghost criterion over per-token losses: one loss per row
-            logits = module(input_ids=x, use_cache=False).logits[:, :-1]
-            criterion[0](logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), shape=x[:, 1:].shape).backward()
-        else:
-            lm_loss(module, x, None).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if not optimizer._is_last_step_skipped:
-            break
+
+    def loss_of(m, x, _):
+        if not criterion:
+            return lm_loss(m, x, None)
+        logits = m(input_ids=x, use_cache=False).logits[:, :-1]  # the ghost criterion: one loss per row
+        return criterion[0](logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), shape=x[:, 1:].shape)
+
+    rows = one_logical_step(module, optimizer, loader, loss_of=loss_of)
     assert len({owners[r] for r in rows}) >= 2
     x = data.tensors[0][rows]
     expected = per_user_clipped_mean(reference, lm_loss, x, x, [owners[r] for r in rows], C, USERS_PER_STEP)
