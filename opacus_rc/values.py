@@ -1,4 +1,5 @@
-"""The values of the plugin's options, each spelled once, :func:`check_choice` and :func:`positive_int`.
+"""The values of the plugin's options, each spelled once, and the checks of a value:
+:func:`check_choice`, :func:`positive_int` and :func:`check_count`.
 
 Code compares an option's value with these names, never with a literal string. This
 module imports nothing from the package, so every module can import it (:mod:`opacus_rc.options`
@@ -46,6 +47,14 @@ PRIVACY_UNITS = (EXAMPLE_UNIT, USER_UNIT)
 def positive_int(x: Any) -> bool:
     """``x`` is an int >= 1 (not a bool)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
+
+
+def check_count(value: Any, name: str, minimum: int = 1) -> int:
+    """``value`` as an int; a ValueError naming ``name`` unless it is an integer >= ``minimum``."""
+    valid = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (valid and int(value) == value and value >= minimum):
+        raise ValueError(f"{name}={value!r}; accepted values: an integer >= {minimum}")
+    return int(value)
 
 
 def did_you_mean(given: str, choices: Iterable[str]) -> str:

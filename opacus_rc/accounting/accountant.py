@@ -24,8 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from opacus.accountants.accountant import IAccountant
 
 from ..config import ESTIMATORS, SKETCHINGS, SketchConfig
-from ..values import PER_EXAMPLE_SKETCH, RC_PRV, SHARED_SKETCH, check_choice
-from .envelope import check_count
+from ..values import PER_EXAMPLE_SKETCH, RC_PRV, SHARED_SKETCH, check_choice, check_count
 from .multiplicity import AccumulatedStepPRV, multiplicity_weights
 from .secant import _LogLogSecant
 from .prv import (

@@ -29,8 +29,6 @@ assumed known to the adversary).
 from __future__ import annotations
 
 import logging
-import numbers
-from typing import Any
 
 import numpy as np
 from scipy import stats
@@ -54,14 +52,6 @@ VERIFIED_K = (frozenset(range(1, 129)) | frozenset((192, 256, 512, 1024))
               | frozenset((2048, 4096, 10000, 16384, 32768, 65536, 100000)))
 
 _warned_k: set = set()
-
-
-def check_count(value: Any, name: str, minimum: int = 1) -> int:
-    """``value`` as an int; a ValueError naming ``name`` unless it is an integer >= ``minimum``."""
-    valid = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not (valid and int(value) == value and value >= minimum):
-        raise ValueError(f"{name}={value!r}; accepted values: an integer >= {minimum}")
-    return int(value)
 
 
 def _check_k(k: int) -> int:

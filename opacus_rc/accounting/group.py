@@ -38,8 +38,8 @@ import dataclasses
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..config import SketchConfig
+from ..values import check_count
 from .accountant import RCPRVAccountant, StepRecord, noise_multiplier_for_record
-from .envelope import check_count
 from .prv import DEFAULT_BIN_RATIO
 
 

@@ -26,7 +26,7 @@ from typing import List, Tuple
 import numpy as np
 from scipy.stats import binom
 
-from .envelope import check_count
+from ..values import check_count
 from .prv.cells import infinite_bin_atom, place_atom
 from .prv.mixtures import SensitivityMixture
 from .prv.prvs import StepPRV, _lse, mgf_exponent

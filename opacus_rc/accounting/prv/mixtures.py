@@ -9,7 +9,8 @@ from typing import Tuple
 
 import numpy as np
 
-from ..envelope import check_count, envelope_sf
+from ...values import check_count
+from ..envelope import envelope_sf
 
 
 @dataclass(frozen=True)
