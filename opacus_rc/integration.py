@@ -21,6 +21,7 @@ from torch import nn
 from . import checkpoint
 from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
 from .accounting.group import check_group_size, group_epsilon
+from .draws import DrawLoader
 from .forms import FORMS
 from .options import (  # noqa: F401  (loader_batch_size, loader_rate, public_sampling: public here too)
     RC_ACCOUNTANTS, RC_CALIBRATION_KEYWORDS, Options, PublicSampling, check_keywords, keywords, loader_batch_size,
@@ -265,8 +266,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
         form the script expects (the form's ``outputs``, :mod:`opacus_rc.forms`)."""
         sampling: PublicSampling = options.sampling
         out[0].follow_steps(out[1])  # fresh sketches after every step the optimizer takes
-        if options.users is not None:
-            out[-1].follow(out[1])  # each batch's users, announced to the optimizer
+        if isinstance(out[-1], DrawLoader):
+            out[-1].follow(out[1])  # each batch, with its draw and units, delivered to the optimizer
         # Opacus charged 1 / len(its DPDataLoader); charge the public rate instead.
         out[1].attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sampling.sample_rate))
         logger.info(

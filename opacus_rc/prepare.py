@@ -27,7 +27,7 @@ from .forms.two_pass import DPLossRandomizedClipping
 from .forward_changes import check_no_max_norm
 from .options import Options, per_rank_normaliser
 from .sketch import POISSON_STREAM, DeviceStreams
-from .units import UserDataLoader
+from .draws import UserDataLoader
 
 #: Opacus's engine, as ``opacus.privacy_engine`` defines it
 OpacusPrivacyEngine = opacus.privacy_engine.PrivacyEngine

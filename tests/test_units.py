@@ -23,9 +23,10 @@ import math
 import pytest
 import torch
 
+from opacus_rc.draws import DrawSampler
 from opacus_rc.units import (
+    EXAMPLES,
     RowUnits,
-    UnitStream,
     UserIndex,
     UserPoissonSampler,
     regroup_rows,
@@ -218,17 +219,34 @@ def test_unit_layout_refuses_a_batch_that_splits_a_user(users, sizes, batch, mes
             sum_rows_by_unit(torch.zeros(batch), units(users, sizes))
 
 
-def test_unit_stream_marks_each_users_last_row_across_batches():
-    stream = UnitStream()
-    assert stream.mark(units([4, 4], [3, 3])).last.tolist() == [False, False]
-    assert stream.mark(units([4, 2, 2], [3, 2, 2])).last.tolist() == [True, False, True]
-    stream = UnitStream()
-    marked = [stream.mark(units([u], [s])).last.item() for u, s in [(1, 2), (1, 2), (3, 1), (0, 3), (0, 3), (0, 3)]]
-    assert marked == [False, True, True, False, False, True]
+class _OneDraw:
+    """A Poisson batch sampler of one fixed draw."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return 1
+
+    def __iter__(self):
+        yield self.rows
 
 
-def test_unit_stream_refuses_a_user_whose_rows_are_interrupted():
-    stream = UnitStream()
-    stream.mark(units([1], [2]))
-    with pytest.raises(ValueError, match="a user's rows were interrupted"):
-        stream.mark(units([3], [1]))
+@pytest.mark.parametrize(
+    "index, most, chunks, last",
+    [
+        (UserIndex(["a", "a", "a", "b", "c", "c"], 6, 3), 1, [[0], [1], [2], [3], [4], [5]],
+         [False, False, True, True, False, True]),
+        (UserIndex(["a", "a", "a", "b", "c", "c"], 6, 3), 4, [[0, 1, 2, 3], [4, 5]], [False, False, True, True, False, True]),
+        (UserIndex(["a", "a", "a", "b", "c", "c"], 6, 3), None, [[0, 1, 2, 3, 4, 5]], [False, False, True, True, False, True]),
+        (EXAMPLES, 4, [[0, 1, 2], [3, 4, 5]], [True] * 6),  # Opacus's np.array_split
+    ],
+)
+def test_a_draws_physical_batches_keep_units_whole_and_mark_each_units_last_row(index, most, chunks, last):
+    sampler = DrawSampler(_OneDraw([0, 1, 2, 3, 4, 5]), index, most)
+    assert list(sampler) == chunks
+    batches = list(sampler.pending)
+    assert [b.index for b in batches] == list(range(len(chunks)))
+    assert all(b.draw is batches[0].draw and b.draw.batches == len(chunks) for b in batches)
+    assert batches[-1].last and not any(b.last for b in batches[:-1])
+    assert torch.cat([b.units.last for b in batches]).tolist() == last

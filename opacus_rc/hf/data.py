@@ -14,7 +14,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..sketch import entropy_seed
-from ..units import RecordingBatchSampler, RowUnits, UserIndex, UserPoissonSampler, delivered_units
+from ..draws import DrawSampler
+from ..units import RowUnits, UserIndex, UserPoissonSampler
 
 _EMPTY = "__opacus_rc_empty_batch__"
 _UNITS = "__opacus_rc_row_units__"
@@ -114,31 +115,31 @@ def take_units(inputs: Any) -> Optional[RowUnits]:
 class UserPoissonLoader(DataLoader):
     """The private Trainer's loader at ``privacy_unit="user"``: each delivered batch (a
     mapping, or the empty marker) carries its rows' :class:`~opacus_rc.units.RowUnits` under
-    a private key, set in the main process (:func:`~opacus_rc.units.delivered_units`) and
+    a private key, set in the main process (:class:`~opacus_rc.draws.DrawSampler`) and
     removed by :func:`take_units` before the model: the Trainer fetches a step's batches
     before training on them, so the units travel with the batch, not beside it."""
 
     def __init__(self, dataset: Dataset, *, batch_sampler: PoissonAccumulationSampler, **kwargs: Any) -> None:
-        super().__init__(dataset, batch_sampler=RecordingBatchSampler(batch_sampler), **kwargs)
+        super().__init__(dataset, batch_sampler=DrawSampler(batch_sampler, batch_sampler.users), **kwargs)
         self.user_index = batch_sampler.users
 
     def __iter__(self) -> Iterator[Any]:
-        noted: List[RowUnits] = []
-        for batch in delivered_units(super().__iter__(), self.batch_sampler, self.user_index, noted.append):
+        pending = self.batch_sampler.pending
+        for batch in super().__iter__():
             if not isinstance(batch, MutableMapping):
                 raise ValueError(
                     f"privacy_unit='user': the data_collator returned a {type(batch).__name__}; accepted "
                     "values: a dict (or BatchEncoding) of the batch's tensors"
                 )
-            batch[_UNITS] = noted.pop()
+            batch[_UNITS] = pending.popleft().units
             yield batch
 
 
 def poisson_sampler_of(loader: Any) -> Optional[PoissonAccumulationSampler]:
     """The :class:`PoissonAccumulationSampler` ``loader`` draws with (None: another sampler)."""
     sampler = getattr(loader, "batch_sampler", None)
-    if isinstance(sampler, RecordingBatchSampler):
-        sampler = sampler.batch_sampler
+    if isinstance(sampler, DrawSampler):
+        sampler = sampler.poisson
     return sampler if isinstance(sampler, PoissonAccumulationSampler) else None
 
 

@@ -24,7 +24,7 @@ from torch import nn
 import opacus_rc  # noqa: F401
 from opacus_rc.accounting.accountant import get_noise_multiplier_rc
 from opacus_rc.csprng import CSPRNG
-from opacus_rc.units import UserDataLoader
+from opacus_rc.draws import UserDataLoader
 
 from tests.forms.test_user_level import C, FORMS, K, USERS_PER_STEP, _ce, one_logical_step, private, user_data
 from tests.models import SequenceClassifier
@@ -141,15 +141,14 @@ def test_bookkeeping_refuses_a_batch_the_loader_did_not_deliver_after_a_step():
     _, (module, optimizer, loader) = private(SequenceClassifier(), data, owners, **FORMS["bookkeeping"])
     (rows,) = drawn_rows(loader, module, optimizer, 1)
     x, y, _ = data[torch.arange(len(rows))]
-    _ce(module, x, y).backward()
-    with pytest.raises(ValueError, match="did not deliver"):
-        optimizer.step()
+    with pytest.raises(ValueError, match="did not deliver"):  # refused at its forward
+        _ce(module, x, y).backward()
 
 
 def test_checkpoint_with_rng_state_resumes_the_user_samplers_draws(tmp_path):
     data, owners = user_data()
     engine, (module, optimizer, loader) = private(SequenceClassifier(), data, owners, **FORMS["bookkeeping"])
-    assert getattr(engine, opacus_rc.checkpoint.POISSON_GENERATOR_ATTR) is loader.recorder.batch_sampler.uniform.generator
+    assert getattr(engine, opacus_rc.checkpoint.POISSON_GENERATOR_ATTR) is loader.batch_sampler.poisson.uniform.generator
     drawn_rows(loader, module, optimizer, 1)
     path = tmp_path / "ckpt.pt"
     engine.save_checkpoint(path=path, module=module, optimizer=optimizer, include_rng_state=True)
@@ -175,7 +174,7 @@ def test_secure_mode_draws_users_and_subsets_from_the_csprng():
         max_grad_norm=C, clipping="randomized", privacy_unit="user", user_ids=owners, max_examples_per_user=K,
         sketch_size=64,
     )
-    assert isinstance(loader.recorder.batch_sampler.uniform.generator, CSPRNG)
+    assert isinstance(loader.batch_sampler.poisson.uniform.generator, CSPRNG)
     # a draw is empty with probability (1 - 3/7)^7 = 0.02 (one failure in 50 runs asserted a
     # single step): some step of 8 holds rows, except with probability 0.02^8 < 1e-13
     assert any(one_logical_step(module, optimizer, loader) for _ in range(8))
@@ -222,11 +221,11 @@ def test_a_user_loader_refuses_to_iterate_without_its_optimizer():
     _, (module, optimizer, loader) = private(SequenceClassifier(), data, owners, **FORMS["bookkeeping"])
     by_hand = UserDataLoader(data, index=loader.user_index, sample_rate=0.5,
                              generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="clips per user only for the optimizer make_private returned"):
+    with pytest.raises(ValueError, match="delivers each batch to the optimizer make_private returned"):
         next(iter(by_hand))
     by_hand.follow(optimizer)
-    x, y, index = next(iter(by_hand))
-    assert optimizer.row_units is not None and len(optimizer.row_units) == len(index)
+    batch = next(iter(by_hand))
+    assert optimizer.delivered.find(batch).units.users.tolist() == loader.user_index.user_of_row[batch[2]].tolist()
 
 
 def test_bookkeeping_refuses_two_backward_passes_in_a_step():
@@ -236,7 +235,7 @@ def test_bookkeeping_refuses_two_backward_passes_in_a_step():
         if len(x):
             break
     _ce(module, x, y).backward()
-    with pytest.raises(ValueError, match="privacy_unit='user'"):
+    with pytest.raises(ValueError, match="a layer saw 24 rows of a batch of 12"):
         _ce(module, x, y).backward()
         optimizer.step()
 
