@@ -342,6 +342,9 @@ class BatchReader:
         self.batch: Batch = NoBatch()
         self._step_batches: List[Batch] = []
         self._batches_from: Optional[Any] = None  # weak reference to the followed optimizer
+        self._took_rows = False  # a training forward since the last step took a non-empty tensor
+        #: the same, for the step being taken (:meth:`take_step_batches`)
+        self.step_took_rows = False
         return root.register_forward_pre_hook(self._batch_hook, with_kwargs=True)
 
     def read_batches_from(self, optimizer: Any) -> None:
@@ -350,6 +353,7 @@ class BatchReader:
     def _batch_hook(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if self.hooks_enabled and module.training and torch.is_grad_enabled() and not self.in_replay():
             self.take_batch(self.find_batch((args, kwargs)))
+            self._took_rows |= any(t.numel() > 0 for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
     def in_replay(self) -> bool:
         """A checkpointed region's replay (no new batch)."""
@@ -379,6 +383,10 @@ class BatchReader:
         if not any(b is batch for b in self._step_batches):
             self._step_batches.append(batch)
 
+    def end_step(self) -> None:
+        """The followed optimizer's step ended: the next layer needs the next forward's batch."""
+        self.batch = NoBatch()
+
     def refuse_step(self, error: ValueError) -> None:
         """Raise ``error``; the followed optimizer drops its step and refuses every later one."""
         optimizer = None if self._batches_from is None else self._batches_from()
@@ -389,6 +397,7 @@ class BatchReader:
     def take_step_batches(self) -> List[Batch]:
         """The batches of the training forwards since the last call (the step's)."""
         batches, self._step_batches = self._step_batches, []
+        self.step_took_rows, self._took_rows = self._took_rows, False
         return batches
 
 

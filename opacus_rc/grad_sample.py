@@ -116,6 +116,19 @@ class PerExampleStore(BatchReader):
         clipped pass, or assembled by book-keeping), never by autograd's first pass."""
         return tuple(self._patched)
 
+    def end_step(self) -> None:
+        """As :class:`~opacus_rc.draws.BatchReader`'s; a forward left without its backward pass (an
+        empty draw's) leaves no captured input nor use count for the next pass."""
+        super().end_step()
+        for m in self._module.modules():
+            if getattr(m, "activations", None):
+                m.activations.clear()
+            m.__dict__.pop("max_batch_len", None)
+        for p in self._module.parameters():
+            if hasattr(p, "_forward_counter"):
+                p._forward_counter = 0
+        self._awaiting_forward = True
+
     def _count_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self._steps_taken += 1
 

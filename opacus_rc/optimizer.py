@@ -25,7 +25,7 @@ from .config import SketchConfig
 from .finite import FORWARD_CHANGE, NonFiniteGuard, failed_kinds
 from .forward_changes import ForwardChanges, watched_model
 from .sketch import NOISE_STREAM, DeviceStreams, check_seed
-from .draws import Batch, Delivered, Draw, NoBatch, accumulation_error
+from .draws import Batch, Delivered, Draw, accumulation_error
 from .units import ExampleUnits, UserIndex
 from .values import EXAMPLE_UNIT, RAISE, USER_UNIT
 
@@ -421,7 +421,7 @@ class RandomizedClippingMixin:
         module = self.bound_module()
         if module is not None:
             module.forget_per_example_values()
-            module.batch = NoBatch()  # the next layer needs the next forward's batch
+            module.end_step()
 
     def drop_step(self) -> None:
         """A refused step: its clipped sums so far (``p.summed_grad``) are never released,

@@ -346,7 +346,11 @@ class BookkeepingClippingMixin:
 
     @property
     def grad_samples(self) -> List[Optional[torch.Tensor]]:
-        """Opacus's per-sample gradients, one entry per parameter; None for a book-kept one."""
+        """Opacus's per-sample gradients, one entry per parameter; None for a book-kept one. A step
+        whose forwards took only empty batches and ran no backward pass contributes zeros."""
+        recorded = any(self._records(p) or getattr(p, "grad_sample", None) is not None for p in self.params)
+        if not recorded and not self.bound_module().step_took_rows:
+            self.complete_batch(0)
         return [None if self._records(p) else self._exact_grad_sample(p) for p in self.params]
 
     def _passes_recorded(self) -> int:
