@@ -20,10 +20,12 @@ import collections
 import math
 import weakref
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Deque, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
+from opacus.utils.batch_memory_manager import BatchSplittingSampler
 from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -134,7 +136,10 @@ class DrawSampler(Sampler[List[int]]):
         self.pending: Deque[Batch] = collections.deque()
 
     def __len__(self) -> int:
-        return len(self.poisson)  # at least one physical batch per draw (their number is random)
+        """Opacus's ``BatchSplittingSampler``'s: the expected number of physical batches."""
+        if self.max_batch_size is None:
+            return len(self.poisson)
+        return BatchSplittingSampler.__len__(SimpleNamespace(sampler=self.poisson, max_batch_size=self.max_batch_size))
 
     def __iter__(self) -> Iterator[List[int]]:
         self.pending.clear()
@@ -195,7 +200,7 @@ class Delivered:
             if found:
                 data, batch = found.popitem()[1]
                 foreign = [t for t in tensors if not any(m(t, b) for m in (_same_memory, _same_values) for b in data)]
-                if every and foreign:
+                if every and foreign and not batch.draw.signalled:  # (the Trainer adds position ids)
                     raise unannounced_batch_error(foreign[0])
                 return batch
         return None
@@ -300,8 +305,6 @@ def split_draws(*, data_loader: DataLoader, max_batch_size: int, optimizer: Any)
     ``optimizer``, a plugin optimizer); Opacus's own loader for Opacus's optimizers."""
     sampler = data_loader.batch_sampler
     if not hasattr(optimizer, "delivered"):  # Opacus's optimizer
-        from opacus.utils.batch_memory_manager import BatchSplittingSampler
-
         sampler = BatchSplittingSampler(sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer)
         return DataLoader(dataset=data_loader.dataset, batch_sampler=sampler, **_options(data_loader))
     if isinstance(sampler, DrawSampler):  # a loader of the plugin's: its draws, split (again)
@@ -337,21 +340,36 @@ class BatchReader:
     #: every tensor argument of a forward must come from the delivered batch (the per-example form)
     one_batch_per_argument = False
 
-    def watch_batches(self, root: torch.nn.Module) -> Any:
-        """Read the batch of every forward of ``root`` (returns the hook's handle)."""
+    def watch_batches(self, root: torch.nn.Module) -> List[Any]:
+        """Read the batch of every outermost forward of ``root``'s modules (the root's, or a
+        submodule called alone, e.g. a chunked head's backbone); returns the hooks' handles."""
         self.batch: Batch = NoBatch()
         self._step_batches: List[Batch] = []
         self._batches_from: Optional[Any] = None  # weak reference to the followed optimizer
+        self._forward_depth = 0
         self._took_rows = False  # a training forward since the last step took a non-empty tensor
         #: the same, for the step being taken (:meth:`take_step_batches`)
         self.step_took_rows = False
-        return root.register_forward_pre_hook(self._batch_hook, with_kwargs=True)
+        handles = []
+        for module in root.modules():
+            handles.append(module.register_forward_pre_hook(self._batch_hook, with_kwargs=True))
+            handles.append(module.register_forward_hook(self._left_forward, always_call=True))
+        return handles
 
     def read_batches_from(self, optimizer: Any) -> None:
         self._batches_from = weakref.ref(optimizer)
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_batches_from": None}  # (a weak reference: saved modules follow none)
+
+    def _left_forward(self, *_: Any) -> None:
+        self._forward_depth = max(0, self._forward_depth - 1)
+
     def _batch_hook(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        if self.hooks_enabled and module.training and torch.is_grad_enabled() and not self.in_replay():
+        self._forward_depth += 1
+        if self._forward_depth > 1 or not (self.hooks_enabled and module.training and torch.is_grad_enabled()):
+            return
+        if not self.in_replay():
             self.take_batch(self.find_batch((args, kwargs)))
             self._took_rows |= any(t.numel() > 0 for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
@@ -362,13 +380,16 @@ class BatchReader:
         return forward_replay() is not None
 
     def find_batch(self, inputs: Any) -> Batch:
-        """The delivered batch ``inputs`` holds; a batch of rows when no plugin loader delivers
-        to the followed optimizer at example level; else refused (ValueError)."""
+        """The delivered batch ``inputs`` holds; else the batch a forward took since the last step
+        (a chunked head's hidden states); a batch of rows when no plugin loader delivers to the
+        followed optimizer at example level; else refused (ValueError)."""
         optimizer = None if self._batches_from is None else self._batches_from()
         delivered = getattr(optimizer, "delivered", None)
         batch = None if delivered is None else delivered.find(inputs, every=self.one_batch_per_argument)
         if batch is not None:
             return batch
+        if not isinstance(self.batch, NoBatch):
+            return self.batch
         if self.privacy_unit != EXAMPLE_UNIT or (delivered is not None and delivered.bound):
             tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
             raise unannounced_batch_error(tensors[0] if tensors else None)

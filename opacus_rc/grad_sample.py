@@ -84,7 +84,7 @@ class PerExampleStore(BatchReader):
         #: tied parameters' running sums of sketched per-sample gradients in this pass, by slot
         #: (:meth:`_tied_slot`), until their last use
         self._tied_sums: Dict[Any, torch.Tensor] = {}
-        self.autograd_grad_sample_hooks.append(self.watch_batches(self._module))
+        self.autograd_grad_sample_hooks.extend(self.watch_batches(self._module))
         self._setup()  # defined by each mixin
 
     @property

@@ -139,7 +139,7 @@ class ExampleUnits:
     def units_of(self, rows: Sequence[int]) -> "RowUnits":
         """The units of dataset ``rows``: the rows themselves."""
         rows = torch.as_tensor(list(rows), dtype=torch.long)
-        return RowUnits(users=rows, sizes=torch.ones_like(rows))
+        return RowUnits.singletons(len(rows), rows)
 
 
 #: the units of example level
@@ -225,9 +225,13 @@ class RowUnits:
             object.__setattr__(self, "last", last)
 
     @classmethod
-    def singletons(cls, rows: int) -> "RowUnits":
-        """``rows`` rows, each its own unit (example level)."""
-        return cls(torch.arange(rows), torch.ones(rows, dtype=torch.long))
+    def singletons(cls, rows: int, users: Optional[torch.Tensor] = None) -> "RowUnits":
+        """``rows`` rows, each its own unit of one row (example level; ``users``: their ids)."""
+        ones = torch.ones(rows, dtype=torch.long)
+        units = cls(torch.arange(rows) if users is None else users, ones, torch.ones(rows, dtype=torch.bool))
+        units._layouts[torch.device("cpu")] = (torch.arange(rows), torch.zeros(rows, dtype=torch.long), rows)
+        units._layouts["singletons"] = True  # (kept by rows(): no layout to compute)
+        return units
 
     def __len__(self) -> int:
         return int(self.users.shape[0])
@@ -269,6 +273,8 @@ class RowUnits:
 
     def rows(self, start: int, stop: int) -> "RowUnits":
         """The units of rows ``start:stop`` of the batch (e.g. one row of a per-example pass)."""
+        if "singletons" in self._layouts:
+            return RowUnits.singletons(len(self.users[start:stop]), self.users[start:stop])
         return RowUnits(self.users[start:stop], self.sizes[start:stop], self.last[start:stop])
 
 

@@ -140,7 +140,7 @@ class PerExampleClipping(BatchReader):
         for module in self._module.modules():
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
-        self._handles.append(self.watch_batches(self._module))
+        self._handles.extend(self.watch_batches(self._module))
 
     # --- Opacus's hooks-object interface --------------------------------------------------
 
