@@ -69,9 +69,13 @@ class Batch:
         return self.units
 
 
-def signalled_batch(units: RowUnits) -> Batch:
-    """A batch with known ``units`` whose draw's end Opacus's skip signals tell (the private Trainer's)."""
-    return Batch(Draw(1, signalled=True), 0, units)
+def signalled_batches(units: RowUnits, one_row_each: bool) -> List[Batch]:
+    """The private Trainer's physical batch of ``units`` (its draw's end told by Opacus's skip
+    signals) as the batches its forwards take: the whole batch, or one row each (the per-example
+    form: a unit's running sum spans them)."""
+    parts = [units.rows(i, i + 1) for i in range(len(units))] if one_row_each else [units]
+    draw = Draw(len(parts), signalled=True)
+    return [Batch(draw, i, part) for i, part in enumerate(parts)]
 
 
 class Rows(Batch):
@@ -424,5 +428,5 @@ class BatchReader:
 
 __all__ = [
     "Batch", "BatchReader", "Delivered", "Draw", "DrawLoader", "DrawSampler", "NoBatch", "Rows", "UserDataLoader",
-    "accumulation_error", "signalled_batch", "split_draws", "unannounced_batch_error",
+    "accumulation_error", "signalled_batches", "split_draws", "unannounced_batch_error",
 ]

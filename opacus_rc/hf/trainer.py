@@ -22,7 +22,7 @@ from ..accounting.accountant import RCPRVAccountant, sketch_record
 from ..forms import Form, form_of
 from ..integration import PrivacyEngine
 from ..options import PublicSampling, per_rank_normaliser, user_sampling
-from ..draws import signalled_batch
+from ..draws import signalled_batches
 from ..units import UserIndex
 from ..values import RC_PRV
 from .callback import DPCallback
@@ -225,10 +225,11 @@ class DPTrainerMixin:
             batches = one_row_batches(inputs) if per_example else [inputs]
             del inputs
             total = torch.zeros((), device=self.args.device)
+            parts = None if units is None else signalled_batches(units, per_example)
             with self._dp_hooks.one_physical_batch() if per_example else contextlib.nullcontext():
                 for i, batch in enumerate(batches):  # the per-example form: one row, one backward pass each
-                    if units is not None:  # the users of the rows this backward pass holds, found by its tensors
-                        optimizer.delivered.add(batch, signalled_batch(units.rows(i, i + 1) if per_example else units))
+                    if parts is not None:  # the users of the rows this backward pass holds, found by its tensors
+                        optimizer.delivered.add(batch, parts[i])
                     losses = self._dp_losses(model, batch)
                     rows += int(losses.shape[0])
                     losses.mean().backward()
