@@ -192,7 +192,7 @@ def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
 
     Raises:
         ValueError: naming ``user_column``: the dataset is not a ``datasets.Dataset``, has no
-            such column, or a row's user is None.
+            such column, or a row's user has no stable value (:func:`~opacus_rc.units.user_key`).
     """
     column = privacy.user_column
     names = getattr(dataset, "column_names", None)
@@ -203,13 +203,10 @@ def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
         )
     if column not in names:
         raise ValueError(f"user_column={column!r} is not a column of train_dataset; its columns: {names}")
-    ids = dataset[column]
-    missing = next((row for row, uid in enumerate(ids) if uid is None), None)
-    if missing is not None:
-        raise ValueError(
-            f"user_column={column!r}: row {missing} has no user (None); accepted values: a user id on every row"
-        )
-    return UserIndex(ids, len(dataset), privacy.max_examples_per_user)
+    try:  # each id read as its units.user_key, as make_private's user_ids
+        return UserIndex(dataset[column], len(dataset), privacy.max_examples_per_user)
+    except ValueError as error:
+        raise ValueError(f"user_column={column!r}: {error}") from None
 
 
 def check_units(privacy: PrivacyArguments, units: Optional[RowUnits]) -> Optional[RowUnits]:

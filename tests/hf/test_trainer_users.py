@@ -263,7 +263,12 @@ def test_bad_privacy_arguments_are_refused_by_name(kw, match):
 @pytest.mark.parametrize("dataset, match", [
     (lambda: user_dataset().remove_columns("author"), r"user_column='author' is not a column of train_dataset"),
     (lambda: user_dataset([None if i == 5 else a for i, a in enumerate(owners())]),
-     r"user_column='author': row 5 has no user \(None\)"),
+     r"user_column='author': user_ids\[5\]=None is invalid"),
+    # issue 46: a float id other than an integral one (1.5, NaN) is refused as make_private's user_ids are
+    (lambda: user_dataset([i % 6 + 0.5 for i in range(len(owners()))]),
+     r"user_column='author': user_ids\[0\]=0.5 is invalid .*accepted values: an int, a str"),
+    (lambda: user_dataset([float("nan") if i < 2 else float(i % 6) for i in range(len(owners()))]),
+     r"user_column='author': user_ids\[0\]=nan is invalid"),
     (lambda: torch.utils.data.TensorDataset(torch.zeros(4)), r"user_column='author' needs a datasets.Dataset"),
 ])
 def test_bad_user_column_is_refused_at_construction(tmp_path, dataset, match):
