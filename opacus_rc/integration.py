@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 
@@ -133,7 +134,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
 
         With ``clipping="randomized"`` the noise multiplier is calibrated with the
         ``rc_prv`` accountant for the requested sketch and the public sample rate
-        (``sample_rate=``, else ``1 / len(data_loader)``).
+        (``sample_rate=``, else ``1 / len(data_loader)``), for the steps the returned loader
+        runs in ``epochs`` epochs: ``epochs x len(loader)`` (:meth:`Options.epoch_draws`).
 
         Args:
             target_epsilon, target_delta, epochs: as in Opacus.
@@ -166,15 +168,18 @@ class PrivacyEngine(OpacusPrivacyEngine):
                 "so your overall privacy budget will be higher."
             )
         calibration = {k: kwargs.pop(k) for k in RC_CALIBRATION_KEYWORDS if k in kwargs}
+        # the steps the returned loader runs in `epochs` epochs (not epochs / q: int(1 / q) or
+        # round(1 / q_u) draws per epoch, len(loader) without Poisson sampling)
+        steps = math.ceil(epochs * options.epoch_draws(arguments["data_loader"], arguments["poisson_sampling"]))
         noise_multiplier = get_noise_multiplier_rc(
             target_epsilon=target_epsilon,
             target_delta=target_delta,
             sample_rate=options.sampling.sample_rate,
-            epochs=epochs,
+            steps=steps,
             sketch_config=options.sketch,
             **calibration,
         )
-        logger.info("rc_prv calibrated noise_multiplier=%.4f for %s", noise_multiplier, options.sketch)
+        logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps, %s", noise_multiplier, steps, options.sketch)
         kwargs = {**kwargs, "noise_multiplier": noise_multiplier}
         return self._make_private(options, {**arguments, **kwargs}, kwargs)
 

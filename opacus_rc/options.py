@@ -30,7 +30,9 @@ from .denoise import DEFAULT_KAPPA
 from .forms import FORMS, resolve_form
 from .forms import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES, TWO_PASS
 from .sketch import check_seed
-from .units import DEFAULT_MAX_EXAMPLES_PER_USER, UserIndex, check_max_examples_per_user, check_privacy_unit
+from .units import (
+    DEFAULT_MAX_EXAMPLES_PER_USER, UserIndex, check_max_examples_per_user, check_privacy_unit, user_epoch_draws,
+)
 from .values import (
     ADAPTIVE, BOOKKEEPING_MODE, DENOISERS, EXAMPLE_UNIT, FLAT, FSDP_MODE, GHOST, HOOKS, NONFINITE_MODES, PER_LAYER,
     RAISE, RANDOMIZED, RC_PRV, SKIP, SVD_FULL, USER_UNIT, check_choice, did_you_mean, positive_int,
@@ -571,6 +573,15 @@ class Options:
     @property
     def denoise_kwargs(self) -> Optional[Dict[str, Any]]:
         return None if self.denoise is None else dict(self.denoise)
+
+    def epoch_draws(self, data_loader: Any, poisson_sampling: bool) -> int:
+        """Logical steps in one epoch of the loader ``make_private`` returns (what calibration
+        counts): the given loader's ``len`` without Poisson sampling, else
+        :func:`~opacus_rc.units.user_epoch_draws` over users, Opacus's ``int(1 / q)`` over rows."""
+        q = self.sampling.sample_rate
+        if not poisson_sampling:
+            return len(data_loader)
+        return user_epoch_draws(q) if self.users is not None else int(1 / q)
 
     def optimizer_kwargs(self) -> Dict[str, Any]:
         """What the randomized optimizer takes through Opacus's ``**kwargs``."""

@@ -187,11 +187,16 @@ class _Uniform:
         return self.generator.uniform(n)
 
 
+def user_epoch_draws(sample_rate: float) -> int:
+    """Draws in one epoch over users at ``q_u = sample_rate``: ``max(1, round(1 / q_u))``."""
+    return max(1, round(1.0 / sample_rate))
+
+
 class UserPoissonSampler(Sampler[List[int]]):
     """Poisson sampling over users: each of ``steps`` draws holds every user independently
     with probability ``sample_rate``, and a sampled user's ``min(k, n_u)`` rows, chosen
     uniformly without replacement (fresh at each draw). A user's rows are contiguous in
-    the draw. ``steps`` defaults to ``round(1 / sample_rate)`` (an epoch over users).
+    the draw. ``steps`` defaults to :func:`user_epoch_draws` (an epoch over users).
 
     Distributed (``world_size > 1``): rank ``r`` owns users ``r, r + world_size, ...``
     (a fixed split of the user index; each user's rows stay on one rank) and samples them
@@ -211,7 +216,7 @@ class UserPoissonSampler(Sampler[List[int]]):
         self.index = index
         self.sample_rate = float(sample_rate)
         self.uniform = _Uniform(generator)
-        self.steps = steps if steps is not None else max(1, round(1.0 / self.sample_rate))
+        self.steps = steps if steps is not None else user_epoch_draws(self.sample_rate)
         self.users = torch.arange(index.num_users)[rank::world_size]  # this rank's users
 
     def __len__(self) -> int:
@@ -378,5 +383,5 @@ def unit_sizes(units: RowUnits) -> torch.Tensor:
 __all__ = [
     "DEFAULT_MAX_EXAMPLES_PER_USER", "EXAMPLES", "EXAMPLE_UNIT", "USER_UNIT", "PRIVACY_UNITS", "ExampleUnits",
     "RowUnits", "UserIndex", "UserPoissonSampler", "check_max_examples_per_user", "check_privacy_unit", "in_row_slots", "mean_clip_factors", "per_row", "regroup_rows", "regroup_uses", "sum_rows_by_unit", "unit_layout", "unit_sizes",
-    "user_key",
+    "user_key", "user_epoch_draws",
 ]

@@ -98,6 +98,21 @@ def test_calibration_uses_the_loaders_rate(monkeypatch):
     assert _charged_rate(engine, out) == 25 / 510
 
 
+def test_calibration_counts_every_batch_of_the_loader_as_given():
+    """Issue 46 path 9 at example level: 510 rows in batches of 25, q = 25/510, 21 batches an
+    epoch. On main sigma was calibrated for int(1 / q) = 20 steps: one epoch spent epsilon
+    3.03 against a target of 3. Now for 21 steps: epsilon within the calibration's window
+    [3 - 0.01, 3] (epsilon_tolerance's default)."""
+    engine, out = _private(_loader(510), "hooks", method="epsilon")
+    module, optimizer, loader = out
+    for x, y in loader:
+        nn.functional.cross_entropy(module(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert sum(entry[2] for entry in engine.accountant.history) == len(loader) == 21
+    assert 3.0 - 0.01 <= engine.get_epsilon(1e-5) <= 3.0
+
+
 def test_loader_rate_and_poisson_default():
     data = _loader(401, 8).dataset
     sharded = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, num_replicas=2, rank=0))
