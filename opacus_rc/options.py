@@ -522,10 +522,21 @@ def _user_index(options: Mapping[str, Any], opacus: Mapping[str, Any], runs: str
 def user_sampling(sampling: PublicSampling, users: UserIndex) -> PublicSampling:
     """The public sampling of a user-level run: the rate ``q_u`` is ``sample_rate=`` when
     given, else the normaliser (expected users per step: ``expected_batch_size``, else the
-    loader's ``batch_size``) over the number of users, capped at 1."""
+    loader's ``batch_size``) over the number of users: ``q_u = B / N``.
+
+    Raises:
+        ValueError: naming ``batch_size`` and ``sample_rate``, when ``B > N`` without
+            ``sample_rate=`` (q_u would be capped at 1 while the update is divided by B).
+    """
     if sampling.explicit_sample_rate:
         return sampling
-    return PublicSampling(sampling.batch_size, min(1.0, sampling.batch_size / users.num_users))
+    if sampling.batch_size > users.num_users:
+        raise ValueError(
+            f"batch_size={sampling.batch_size} (expected users per step: expected_batch_size=, else the data "
+            f"loader's batch_size; the Trainer's per-device batch x accumulation x world size) is above the {users.num_users} users of user_ids, with sample_rate=None; "
+            f"accepted values: a batch_size of at most {users.num_users}, or sample_rate= in (0, 1]"
+        )
+    return PublicSampling(sampling.batch_size, sampling.batch_size / users.num_users)
 
 
 @dataclass(frozen=True)

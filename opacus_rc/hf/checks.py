@@ -184,7 +184,8 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
     if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
         raise ValueError("an IterableDataset train_dataset is not supported: Poisson sampling needs a map-style dataset")
     if trainer.privacy.user_level and trainer.train_dataset is not None:
-        trainer.user_index()  # the user column read now: a bad one is refused at construction
+        trainer.user_index()  # the user column read now: a bad one is refused at construction,
+        trainer.sample_rate  # noqa: B018  (as expected users per step above the users)
 
 
 def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:

@@ -319,24 +319,36 @@ def test_one_engine_one_unit_even_before_a_step(first, second):
     _make_private(engine, *first)  # the same unit again: accepted
 
 
-def test_explicit_sample_rate_is_q_u_and_users_per_step_above_the_users_cap_it_at_one():
+def test_explicit_sample_rate_is_q_u():
     data, owners = user_data()
     engine, (module, optimizer, loader) = private(SequenceClassifier(), data, owners, sample_rate=0.2,
                                                   **FORMS["bookkeeping"])
     assert loader.sample_rate == 0.2 and optimizer.expected_batch_size == USERS_PER_STEP
     one_logical_step(module, optimizer, loader)
     assert engine.accountant.history[-1][1] == 0.2
+
+
+@pytest.mark.parametrize("per_step, refused", [(8, True), (20, True), (7, False)])
+def test_users_per_step_above_the_number_of_users_is_refused_by_name(per_step, refused):
+    """Issue 46: a loader batch_size above the 7 users ran at q_u = 1 with no warning while
+    the update was divided by the larger batch_size (on main: 20 -> q_u 1.0, normaliser 20).
+    Refused, naming batch_size and sample_rate; 7 of 7 users: q_u = 1, every user drawn."""
+    data, owners = user_data()
     model = SequenceClassifier()
-    engine = PrivacyEngine(accountant="rc_prv")
-    module, optimizer, loader = engine.make_private(
+    call = lambda: PrivacyEngine(accountant="rc_prv").make_private(  # noqa: E731
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-        data_loader=torch.utils.data.DataLoader(data, batch_size=20), noise_multiplier=1.0, max_grad_norm=C,
+        data_loader=torch.utils.data.DataLoader(data, batch_size=per_step), noise_multiplier=1.0, max_grad_norm=C,
         clipping="randomized", privacy_unit="user", user_ids=owners, max_examples_per_user=K, sketch_size=64, seed=0,
     )
-    assert loader.sample_rate == 1.0 and len(loader) == 1
+    if refused:
+        with pytest.raises(ValueError, match=rf"batch_size={per_step} .* above the 7 users .*accepted values: a "
+                                             r"batch_size of at most 7, or sample_rate="):
+            call()
+        return
+    module, optimizer, loader = call()
+    assert loader.sample_rate == 1.0 and len(loader) == 1 and optimizer.expected_batch_size == 7
     rows = one_logical_step(module, optimizer, loader)
     assert {owners[r] for r in rows} == set(owners)  # every user in every draw
-    assert engine.accountant.history[-1][1] == 1.0
 
 
 def test_spectral_denoising_at_user_level_steps():

@@ -278,6 +278,20 @@ def test_bad_user_column_is_refused_at_construction(tmp_path, dataset, match):
                   privacy=arguments(privacy_unit="user", user_column="author"))
 
 
+def test_expected_users_per_step_above_the_users_is_refused_at_construction(tmp_path):
+    """Issue 46: 4 x 2 = 8 expected users per step of 6 ran at q_u = 1 with the update divided
+    by 8 (on main); refused by name. 3 x 2 = 6 of 6: q_u = 1."""
+    def trainer(per_device):
+        return DPTrainer(model=tiny_llama(), args=training_args(tmp_path, per_device_train_batch_size=per_device,
+                                                                gradient_accumulation_steps=2),
+                         train_dataset=user_dataset(), privacy=arguments(privacy_unit="user", user_column="author"))
+
+    with pytest.raises(ValueError, match=r"batch_size=8 .* above the 6 users .*accepted values: a batch_size of "
+                                         r"at most 6, or sample_rate="):
+        trainer(4)
+    assert trainer(3).sample_rate == 1.0
+
+
 def test_a_batch_without_its_users_is_refused(tmp_path):
     """A subclass feeding the training step a batch that did not come from the user-level
     loader (no units): refused before any backward pass."""
