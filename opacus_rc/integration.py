@@ -17,6 +17,7 @@ import math
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 
+from opacus.accountants import registry as accountant_registry
 from torch import nn
 
 from . import checkpoint
@@ -29,7 +30,7 @@ from .options import (  # noqa: F401  (loader_batch_size, loader_rate, public_sa
     loader_rate, public_sampling, split_options, with_options,
 )
 from .prepare import MakePrivateCall, OpacusPrivacyEngine
-from .values import EXAMPLE_UNIT
+from .values import EXAMPLE_UNIT, check_choice, did_you_mean
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
     Args:
         accountant: as in Opacus, plus ``"rc_prv"`` (required by
             ``clipping="randomized"``: it accounts for the random sensitivity of
-            estimated norms).
+            estimated norms); another name is a ValueError naming ``accountant``, the
+            nearest registered one and all of them.
         secure_mode: as in Opacus. With ``accountant="rc_prv"`` and without torchcsprng
             installed, the engine serves ``clipping="randomized"`` from
             :mod:`opacus_rc.csprng` (Poisson masks, sketches and noise); other clipping
@@ -80,6 +82,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
         #: ``make_private(..., privacy_unit="user")`` call (:mod:`opacus_rc.units`)
         self.privacy_unit = EXAMPLE_UNIT
         self._unit_fixed = False  # a make_private call fixed privacy_unit (one engine, one unit)
+        known = tuple(sorted(accountant_registry._ACCOUNTANTS))  # Opacus's registry, rc_prv included
+        check_choice("accountant", accountant, known, did_you_mean(str(accountant), known))
         try:
             super().__init__(accountant=accountant, secure_mode=secure_mode)
         except ImportError as error:  # Opacus's secure mode needs torchcsprng
