@@ -19,6 +19,7 @@ units); the design and its checks: docs/privacy_unit.md.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Sampler
 
@@ -93,8 +95,13 @@ class UserIndex:
             )
         position: dict = {}
         owner = []
+        digest = hashlib.sha256()
         for row, uid in enumerate(ids):
-            owner.append(position.setdefault(user_key(uid, row), len(position)))
+            key = user_key(uid, row)
+            digest.update(repr(key).encode() + b"\0")  # repr escapes NUL: one reading per list
+            owner.append(position.setdefault(key, len(position)))
+        #: sha256 of the rows' keys in row order (the same on ranks given the same user_ids)
+        self.digest = digest.digest()
         self.user_of_row = torch.tensor(owner, dtype=torch.long)
         self.num_users = len(position)
         counts = torch.bincount(self.user_of_row, minlength=self.num_users)
@@ -169,6 +176,29 @@ class ExampleUnits:
 
 #: the units of example level
 EXAMPLES = ExampleUnits()
+
+
+def check_same_on_ranks(index: UserIndex) -> None:
+    """Under ``torch.distributed``, refuse ranks given different rows or ids: the sampler
+    splits one user index over the ranks, so a user in two ranks' shards would be drawn and
+    clipped on both (2 C). One all-reduce (MAX) of ``[d, -d]``, ``d`` = (dataset length, the
+    :attr:`UserIndex.digest` bytes): equal on every rank iff max = -max(-d).
+
+    Raises:
+        ValueError: the ranks' dataset lengths or ``user_ids`` differ."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    mine = torch.tensor([len(index.user_of_row), *index.digest], dtype=torch.int64, device=device)
+    both = torch.cat([mine, -mine])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    if not torch.equal(both[: len(mine)], -both[len(mine):]):
+        raise ValueError(
+            "privacy_unit='user' under torch.distributed: the ranks were given different rows or user_ids (the "
+            "dataset's length or its ids differ between ranks); accepted values: every rank passes the whole "
+            "dataset and the same user_ids (the returned loader shards the users itself: rank r draws users "
+            "r, r + world_size, ...)"
+        )
 
 
 class _Uniform:
@@ -383,5 +413,5 @@ def unit_sizes(units: RowUnits) -> torch.Tensor:
 __all__ = [
     "DEFAULT_MAX_EXAMPLES_PER_USER", "EXAMPLES", "EXAMPLE_UNIT", "USER_UNIT", "PRIVACY_UNITS", "ExampleUnits",
     "RowUnits", "UserIndex", "UserPoissonSampler", "check_max_examples_per_user", "check_privacy_unit", "in_row_slots", "mean_clip_factors", "per_row", "regroup_rows", "regroup_uses", "sum_rows_by_unit", "unit_layout", "unit_sizes",
-    "user_key", "user_epoch_draws",
+    "user_key", "user_epoch_draws", "check_same_on_ranks",
 ]
