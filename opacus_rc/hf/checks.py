@@ -23,7 +23,7 @@ from ..finite import agree_across_ranks, all_finite
 from ..forms import form_of
 from ..values import RANDOMIZED, check_choice
 from .arguments import PrivacyArguments
-from ..units import RowUnits, UserIndex
+from ..units import RowUnits, UserIndex, check_same_on_ranks
 from .data import poisson_sampler_of
 from .losses import _base_model
 
@@ -184,8 +184,10 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
     if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
         raise ValueError("an IterableDataset train_dataset is not supported: Poisson sampling needs a map-style dataset")
     if trainer.privacy.user_level and trainer.train_dataset is not None:
-        trainer.user_index()  # the user column read now: a bad one is refused at construction,
-        trainer.sample_rate  # noqa: B018  (as expected users per step above the users)
+        # the user column read now: a bad one is refused at construction, as expected users per
+        # step above the users and (several processes) ranks given different rows or ids
+        check_same_on_ranks(trainer.user_index())
+        trainer.sample_rate  # noqa: B018
 
 
 def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:

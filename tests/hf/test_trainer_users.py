@@ -278,6 +278,16 @@ def test_bad_user_column_is_refused_at_construction(tmp_path, dataset, match):
                   privacy=arguments(privacy_unit="user", user_column="author"))
 
 
+def test_two_gloo_ranks_given_their_own_shards_of_users_are_refused(tmp_path):
+    """Issue 46 path 3 in the Trainer (tests/hf/trainer_ddp_worker.py "users_sharded"): each rank
+    given its own half of the rows, so a user with rows in both halves would be drawn and
+    clipped on both ranks (on main the Trainer was built). Refused at construction on both."""
+    from .test_trainer import run_two_ranks
+
+    for rank in run_two_ranks(tmp_path, 0.0, clipping="users_sharded"):
+        assert "the ranks were given different rows or user_ids" in rank["raised"]
+
+
 def test_expected_users_per_step_above_the_users_is_refused_at_construction(tmp_path):
     """Issue 46: 4 x 2 = 8 expected users per step of 6 ran at q_u = 1 with the update divided
     by 8 (on main); refused by name. 3 x 2 = 6 of 6: q_u = 1."""
