@@ -533,8 +533,9 @@ def user_sampling(sampling: PublicSampling, users: UserIndex) -> PublicSampling:
     if sampling.batch_size > users.num_users:
         raise ValueError(
             f"batch_size={sampling.batch_size} (expected users per step: expected_batch_size=, else the data "
-            f"loader's batch_size; the Trainer's per-device batch x accumulation x world size) is above the {users.num_users} users of user_ids, with sample_rate=None; "
-            f"accepted values: a batch_size of at most {users.num_users}, or sample_rate= in (0, 1]"
+            "loader's batch_size; the Trainer's per-device batch x accumulation x world size) is above the "
+            f"{users.num_users} users of user_ids, with sample_rate=None; accepted values: a batch_size of at most "
+            f"{users.num_users}, or sample_rate= in (0, 1]"
         )
     return PublicSampling(sampling.batch_size, sampling.batch_size / users.num_users)
 
