@@ -28,6 +28,7 @@ from .forward_changes import check_no_max_norm
 from .options import Options, per_rank_normaliser
 from .sketch import POISSON_STREAM, DeviceStreams
 from .draws import UserDataLoader
+from .units import check_same_on_ranks
 
 #: Opacus's engine, as ``opacus.privacy_engine`` defines it
 OpacusPrivacyEngine = opacus.privacy_engine.PrivacyEngine
@@ -188,6 +189,8 @@ class MakePrivateCall:
             generator = poisson_generator(data_loader, self.options.seed, distributed)
             setattr(self, checkpoint.POISSON_GENERATOR_ATTR, generator)  # include_rng_state
         if self.options.users is not None:  # privacy_unit="user": Poisson over (this rank's share of) users
+            if distributed:
+                check_same_on_ranks(self.options.users)  # one user index on every rank, each user on one
             return UserDataLoader(
                 data_loader.dataset, index=self.options.users, generator=generator, **settings,
                 **loader_settings(data_loader),

@@ -19,11 +19,15 @@ units); the design and its checks: docs/privacy_unit.md.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import numbers
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Sampler
 
@@ -59,12 +63,13 @@ class UserIndex:
     """Which user owns each dataset row.
 
     Args:
-        user_ids: one hashable id per dataset row (``len(user_ids) == len(dataset)``).
+        user_ids: one id per dataset row (``len(user_ids) == len(dataset)``), each read as its
+            :func:`user_key` (ids equal as values are one user).
         dataset_size: the dataset's length.
         max_examples_per_user: the contribution bound k.
 
     Raises:
-        ValueError: naming ``user_ids`` (missing, wrong length, a None or unhashable id).
+        ValueError: naming ``user_ids`` (missing, wrong length) or ``user_ids[row]`` (:func:`user_key`).
     """
 
     def __init__(self, user_ids: Any, dataset_size: int, max_examples_per_user: int) -> None:
@@ -90,9 +95,13 @@ class UserIndex:
             )
         position: dict = {}
         owner = []
+        digest = hashlib.sha256()
         for row, uid in enumerate(ids):
-            _check_user_id(row, uid)
-            owner.append(position.setdefault(uid, len(position)))
+            key = user_key(uid, row)
+            digest.update(repr(key).encode() + b"\0")  # repr escapes NUL: one reading per list
+            owner.append(position.setdefault(key, len(position)))
+        #: sha256 of the rows' keys in row order (the same on ranks given the same user_ids)
+        self.digest = digest.digest()
         self.user_of_row = torch.tensor(owner, dtype=torch.long)
         self.num_users = len(position)
         counts = torch.bincount(self.user_of_row, minlength=self.num_users)
@@ -112,23 +121,46 @@ class UserIndex:
         return RowUnits(users=users, sizes=self.contributed[users])
 
 
-def _check_user_id(row: int, uid: Any) -> None:
-    """``user_ids[row]``: hashable, not None, equal to itself and compared by value.
+#: what :func:`user_key` accepts as one row's id
+ACCEPTED_USER_IDS = (
+    "accepted values: an int, a str, bytes, a bool, an integral float (3.0 is the int 3), a numpy scalar of these, "
+    "or a tuple of them (ids in a tensor: the tensor itself or tensor.tolist())"
+)
 
-    An id hashed by identity (a ``torch.Tensor`` element, e.g. of ``list(tensor)``; an
-    object without ``__eq__``) or a NaN (a missing value) is unequal to another copy of
-    itself, so one person's rows would become several units, each clipped to C: refused
-    (a ValueError naming ``user_ids[row]``)."""
-    accepted = "accepted values: a hashable id compared by value (an int, a string, a tuple), not None"
-    if uid is None or not isinstance(uid, Hashable):
-        raise ValueError(f"user_ids[{row}]={uid!r} is invalid; {accepted}")
-    if isinstance(uid, torch.Tensor) or type(uid).__hash__ is object.__hash__:
+
+def _canonical(uid: Any) -> Any:
+    """:func:`user_key` of ``uid``, None where it has no stable value."""
+    if isinstance(uid, np.generic):
+        uid = uid.item()  # a numpy scalar: its Python value
+    if isinstance(uid, tuple):
+        parts = tuple(_canonical(part) for part in uid)
+        return None if None in parts else parts
+    if isinstance(uid, (str, bytes)):  # a subclass (an enum's member): its plain value
+        return str.__str__(uid) if isinstance(uid, str) else bytes(uid)
+    if isinstance(uid, numbers.Integral):  # bool and int: True == 1 in Python, one key
+        return int(uid)
+    if isinstance(uid, numbers.Real) and math.isfinite(uid) and float(uid).is_integer():
+        return int(uid)
+    return None
+
+
+def user_key(uid: Any, row: int = 0) -> Any:
+    """The canonical key of ``user_ids[row]``: equal ids give equal keys (``3``, ``3.0``,
+    ``np.int64(3)``: the int 3; ``True``: 1; tuples part by part), plain ints, strs, bytes and
+    tuples whose ``repr`` is the same in every process.
+
+    Raises:
+        ValueError: naming ``user_ids[row]``, an id with no stable value (one person would
+            be several units, each clipped to C): None, NaN or another non-integer float
+            (anywhere in a tuple too), a tensor element, any other object.
+    """
+    key = _canonical(uid)
+    if key is None:
         raise ValueError(
-            f"user_ids[{row}] (a {type(uid).__name__}) is hashed by identity (two copies of one id would be two "
-            f"users); {accepted}: pass the ids as one tensor or as Python values (tensor.tolist())"
+            f"user_ids[{row}]={uid!r} is invalid (None, NaN, a non-integer float, a tensor element or another "
+            f"object, anywhere in the id, is no stable user: a missing id?); {ACCEPTED_USER_IDS}"
         )
-    if uid != uid:
-        raise ValueError(f"user_ids[{row}]={uid!r} is invalid (a missing id?); {accepted}")
+    return key
 
 
 class ExampleUnits:
@@ -144,6 +176,29 @@ class ExampleUnits:
 
 #: the units of example level
 EXAMPLES = ExampleUnits()
+
+
+def check_same_on_ranks(index: UserIndex) -> None:
+    """Under ``torch.distributed``, refuse ranks given different rows or ids: the sampler
+    splits one user index over the ranks, so a user in two ranks' shards would be drawn and
+    clipped on both (2 C). One all-reduce (MAX) of ``[d, -d]``, ``d`` = (dataset length, the
+    :attr:`UserIndex.digest` bytes): equal on every rank iff max = -max(-d).
+
+    Raises:
+        ValueError: the ranks' dataset lengths or ``user_ids`` differ."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    mine = torch.tensor([len(index.user_of_row), *index.digest], dtype=torch.int64, device=device)
+    both = torch.cat([mine, -mine])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    if not torch.equal(both[: len(mine)], -both[len(mine):]):
+        raise ValueError(
+            "privacy_unit='user' under torch.distributed: the ranks were given different rows or user_ids (the "
+            "dataset's length or its ids differ between ranks); accepted values: every rank passes the whole "
+            "dataset and the same user_ids (the returned loader shards the users itself: rank r draws users "
+            "r, r + world_size, ...)"
+        )
 
 
 class _Uniform:
@@ -162,11 +217,16 @@ class _Uniform:
         return self.generator.uniform(n)
 
 
+def user_epoch_draws(sample_rate: float) -> int:
+    """Draws in one epoch over users at ``q_u = sample_rate``: ``max(1, round(1 / q_u))``."""
+    return max(1, round(1.0 / sample_rate))
+
+
 class UserPoissonSampler(Sampler[List[int]]):
     """Poisson sampling over users: each of ``steps`` draws holds every user independently
     with probability ``sample_rate``, and a sampled user's ``min(k, n_u)`` rows, chosen
     uniformly without replacement (fresh at each draw). A user's rows are contiguous in
-    the draw. ``steps`` defaults to ``round(1 / sample_rate)`` (an epoch over users).
+    the draw. ``steps`` defaults to :func:`user_epoch_draws` (an epoch over users).
 
     Distributed (``world_size > 1``): rank ``r`` owns users ``r, r + world_size, ...``
     (a fixed split of the user index; each user's rows stay on one rank) and samples them
@@ -186,7 +246,7 @@ class UserPoissonSampler(Sampler[List[int]]):
         self.index = index
         self.sample_rate = float(sample_rate)
         self.uniform = _Uniform(generator)
-        self.steps = steps if steps is not None else max(1, round(1.0 / self.sample_rate))
+        self.steps = steps if steps is not None else user_epoch_draws(self.sample_rate)
         self.users = torch.arange(index.num_users)[rank::world_size]  # this rank's users
 
     def __len__(self) -> int:
@@ -359,4 +419,5 @@ def unit_sizes(units: RowUnits) -> torch.Tensor:
 __all__ = [
     "DEFAULT_MAX_EXAMPLES_PER_USER", "EXAMPLES", "EXAMPLE_UNIT", "USER_UNIT", "PRIVACY_UNITS", "ExampleUnits",
     "RowUnits", "UserIndex", "UserPoissonSampler", "check_max_examples_per_user", "check_privacy_unit", "in_row_slots", "mean_clip_factors", "per_row", "regroup_rows", "regroup_uses", "sum_rows_by_unit", "unit_layout", "unit_sizes",
+    "user_key", "user_epoch_draws", "check_same_on_ranks",
 ]

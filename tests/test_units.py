@@ -17,9 +17,11 @@ test is deterministic; the bounds are what a correct sampler meets at any seed):
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,6 +35,7 @@ from opacus_rc.units import (
     sum_rows_by_unit,
     unit_layout,
     unit_sizes,
+    user_key,
 )
 
 #: rows per user: light users (n_u <= k) and two heavy ones (n_u > k)
@@ -155,14 +158,36 @@ def test_user_index_of_a_tensor_of_ids():
         (3, "user_ids=int is invalid"),
         ("abc", "user_ids='abc' is invalid"),  # a column name, not one id per row
         # one person as two units (each clipped to C) if these were taken as ids:
-        (list(torch.tensor([5, 5, 6])), r"user_ids\[0\] \(a Tensor\) is hashed by identity"),
-        ([object(), object(), object()], r"user_ids\[0\] \(a object\) is hashed by identity"),
-        ([1, float("nan"), float("nan")], r"user_ids\[1\]=nan is invalid \(a missing id\?\)"),
+        (list(torch.tensor([5, 5, 6])), r"user_ids\[0\]=tensor\(5\) is invalid .*tensor.tolist\(\)"),
+        ([object(), object(), object()], r"user_ids\[0\]=<object object .* is invalid"),
+        ([1, float("nan"), float("nan")], r"user_ids\[1\]=nan is invalid .*a missing id\?"),
     ],
 )
 def test_user_index_refuses_bad_ids(ids, message):
     with pytest.raises(ValueError, match=message):
         UserIndex(ids, 3, 2)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [("a", float("nan")), ("a", ("b", float("nan"))), np.float64("nan"), 1.5, float("inf"), ("a", 0.5),
+     ("a", torch.tensor(1)), frozenset({1})],
+)
+def test_user_index_refuses_an_id_without_a_stable_value_anywhere_in_it(bad):
+    """Issue 46 path 5: a NaN (nested in a tuple too) is unequal to another copy of itself,
+    so on main one person's two rows ``("a", nan)`` were two users, each clipped to C (2.0 C
+    at sigma 0). Now refused by name, with the accepted values."""
+    ids = [bad, copy.deepcopy(bad), "b"]
+    with pytest.raises(ValueError, match=r"user_ids\[0\]=.* is invalid .*accepted values: an int, a str"):
+        UserIndex(ids, 3, 2)
+
+
+def test_equal_ids_are_one_user_and_keys_are_plain_values():
+    """Ids equal as values are one user (3.0 is the int 3; numpy scalars are their values)."""
+    ids = [3, 3.0, np.int64(3), ("a", 1), ("a", np.int32(1)), ("a", 1.0), "x", np.str_("x"), True, np.bool_(True)]
+    index = UserIndex(ids, len(ids), 2)
+    assert index.user_of_row.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
+    assert [repr(user_key(ids[i])) for i in (2, 5, 7, 9)] == ["3", "('a', 1)", "'x'", "1"]
 
 
 @pytest.mark.parametrize("k", [0, -1, 1.5, True, "2"])

@@ -23,7 +23,7 @@ from ..finite import agree_across_ranks, all_finite
 from ..forms import form_of
 from ..values import RANDOMIZED, check_choice
 from .arguments import PrivacyArguments
-from ..units import RowUnits, UserIndex
+from ..units import RowUnits, UserIndex, check_same_on_ranks
 from .data import poisson_sampler_of
 from .losses import _base_model
 
@@ -184,7 +184,10 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
     if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
         raise ValueError("an IterableDataset train_dataset is not supported: Poisson sampling needs a map-style dataset")
     if trainer.privacy.user_level and trainer.train_dataset is not None:
-        trainer.user_index()  # the user column read now: a bad one is refused at construction
+        # the user column read now: a bad one is refused at construction, as expected users per
+        # step above the users and (several processes) ranks given different rows or ids
+        check_same_on_ranks(trainer.user_index())
+        trainer.sample_rate  # noqa: B018
 
 
 def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
@@ -192,7 +195,7 @@ def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
 
     Raises:
         ValueError: naming ``user_column``: the dataset is not a ``datasets.Dataset``, has no
-            such column, or a row's user is None.
+            such column, or a row's user has no stable value (:func:`~opacus_rc.units.user_key`).
     """
     column = privacy.user_column
     names = getattr(dataset, "column_names", None)
@@ -203,13 +206,10 @@ def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
         )
     if column not in names:
         raise ValueError(f"user_column={column!r} is not a column of train_dataset; its columns: {names}")
-    ids = dataset[column]
-    missing = next((row for row, uid in enumerate(ids) if uid is None), None)
-    if missing is not None:
-        raise ValueError(
-            f"user_column={column!r}: row {missing} has no user (None); accepted values: a user id on every row"
-        )
-    return UserIndex(ids, len(dataset), privacy.max_examples_per_user)
+    try:  # each id read as its units.user_key, as make_private's user_ids
+        return UserIndex(dataset[column], len(dataset), privacy.max_examples_per_user)
+    except ValueError as error:
+        raise ValueError(f"user_column={column!r}: {error}") from None
 
 
 def check_units(privacy: PrivacyArguments, units: Optional[RowUnits]) -> Optional[RowUnits]:

@@ -73,7 +73,7 @@ class DPTrainerMixin:
     @property
     def sample_rate(self) -> float:
         """The public Poisson rate every logical step samples at and is charged at (at
-        ``privacy_unit="user"``, of users: ``min(1, B / number of users)`` by default)."""
+        ``privacy_unit="user"``, of users: ``B / number of users`` by default, B at most their number)."""
         if self.privacy.sample_rate is not None:
             return float(self.privacy.sample_rate)
         if self.train_dataset is None:
