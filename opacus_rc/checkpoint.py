@@ -11,7 +11,8 @@ a file is as secret as the training data.
 
 A Poisson generator that a restarted script re-creates as it was (the DataLoader's own
 ``generator=``, or its per-rank child: :func:`reproducible`) would replay the original run's
-draws on resume: a checkpoint without its state is refused (:func:`load_checked`).
+draws on resume: a checkpoint without its state is refused (:func:`load_checked`). The
+states are one rank's (its own streams): loaded on another rank, they are refused.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import weakref
 from typing import Any, Dict, Optional
 
 import torch
+
+from . import sketch
 
 RNG_STATE_KEY = "opacus_rc_rng_state"
 
@@ -75,6 +78,7 @@ def with_rng_state(engine: Any, include_rng_state: bool, kwargs: Dict[str, Any])
         key: source.get_state() if key.endswith("_generator") else source.state_dict()
         for key, source in _sources(module, optimizer, engine).items()
     }
+    state["rank"] = sketch._process_rank()
     return {**kwargs, "checkpoint_dict": {**(kwargs.get("checkpoint_dict") or {}), RNG_STATE_KEY: state}}
 
 
@@ -99,6 +103,13 @@ def load_checked(engine: Any, load: Any, kwargs: Dict[str, Any]) -> Dict[str, An
     if seeded and RNG_STATE_KEY not in checkpoint:
         optimizer.check_seeded_resume(True)
     state = checkpoint.pop(RNG_STATE_KEY, {})
+    saved_rank, rank = state.pop("rank", None), sketch._process_rank()
+    if saved_rank is not None and saved_rank != rank:
+        raise ValueError(
+            f"this checkpoint holds rank {saved_rank}'s generator states (include_rng_state=True): "
+            f"restored on rank {rank}, its streams (Poisson masks, per-example sketches) would repeat "
+            f"rank {saved_rank}'s. Save and load one checkpoint per rank"
+        )
     if replays(getattr(engine, POISSON_GENERATOR_ATTR, None)) and "poisson_generator" not in state:
         raise ValueError(
             "resuming with the DataLoader's own generator= replays the Poisson draws: the restarted "

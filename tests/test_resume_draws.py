@@ -162,3 +162,17 @@ def test_user_level_resume_with_an_unseeded_loader_draws_fresh_users():
     engine2, module2, optimizer2, loader2 = user_run()
     engine2.load_checkpoint(path=buf, module=module2, optimizer=optimizer2)
     assert drawn_rows(loader2, module2, optimizer2, 2) != first
+
+
+def test_rng_state_of_another_rank_is_refused(monkeypatch):
+    """include_rng_state=True saves this rank's streams: loaded on another rank (one file
+    loaded by every rank), the ranks' Poisson masks would coincide; refused by name."""
+    import opacus_rc.sketch as sk
+
+    run = example_run(seeded())
+    _steps(run)
+    buf = save(run, include_rng_state=True)
+    resumed = example_run(seeded())
+    monkeypatch.setattr(sk, "_process_rank", lambda: 1)
+    with pytest.raises(ValueError, match="rank 0's generator states.*on rank 1.*one checkpoint per rank"):
+        resumed[0].load_checkpoint(path=buf, module=resumed[2], optimizer=resumed[3])
