@@ -176,3 +176,23 @@ def test_rng_state_of_another_rank_is_refused(monkeypatch):
     monkeypatch.setattr(sk, "_process_rank", lambda: 1)
     with pytest.raises(ValueError, match="rank 0's generator states.*on rank 1.*one checkpoint per rank"):
         resumed[0].load_checkpoint(path=buf, module=resumed[2], optimizer=resumed[3])
+
+
+def test_hf_trainer_user_sampler_draws_fresh_after_the_scripts_seed():
+    """DPTrainer's Poisson sampler (user level here) seeds its own generator from os.urandom:
+    a restarted script (``set_seed``, then ``train(resume_from_checkpoint=...)``) draws other
+    users, never the original run's (the Trainer's checkpoint holds no DP generator state)."""
+    from transformers import set_seed
+
+    from opacus_rc.hf import PoissonAccumulationSampler
+    from opacus_rc.units import UserIndex
+
+    _, owners = user_data()
+    draws = []
+    for _ in range(2):
+        set_seed(0)
+        users = UserIndex(owners, len(owners), K)
+        draws.append(list(PoissonAccumulationSampler(
+            num_samples=len(owners), sample_rate=USERS_PER_STEP / 7, micro_batches=1, steps=2, users=users,
+        )))
+    assert draws[0] != draws[1]
