@@ -40,13 +40,16 @@ def poisson_generator(data_loader, seed: Optional[int], distributed: bool) -> to
     The loader's own ``generator`` (reproducible; Opacus's way) as it is in one process;
     under DDP a child of it per rank (root its ``initial_seed()``), so that ranks seeded
     alike still draw independent masks. Else the :data:`~opacus_rc.sketch.POISSON_STREAM`
-    of ``seed`` (``None``: 128 bits from ``os.urandom``), rank folded in.
+    of ``seed`` (``None``: 128 bits from ``os.urandom``), rank folded in. The loader's
+    generator and its child are :func:`~opacus_rc.checkpoint.reproducible`: a resume without
+    their state is refused (it would replay the draws).
     """
     user = getattr(data_loader, "generator", None)
     if user is not None and not distributed:
-        return user
+        return checkpoint.reproducible(user)
     root = np.random.SeedSequence(user.initial_seed() if user is not None else seed)
-    return DeviceStreams(root, POISSON_STREAM, per_rank=True).generator("cpu")
+    generator = DeviceStreams(root, POISSON_STREAM, per_rank=True).generator("cpu")
+    return generator if user is None else checkpoint.reproducible(generator)
 
 
 class EveryDrawDistributedSampler(DistributedUniformWithReplacementSampler):
