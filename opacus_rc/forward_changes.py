@@ -1,19 +1,21 @@
-"""Refusing a step after a forward pass changed the model in place (docs/forms.md, "What every
-form enforces").
+"""Refusing a step after a forward pass changed the model (docs/forms.md, "What every form
+enforces").
 
 A change a forward pass makes to a parameter or buffer depends on the example it saw and
 reaches the released model without noise (``nn.Embedding(max_norm=...)``, a running statistic
-kept in a buffer). :class:`ForwardChanges` watches the model's parameters and buffers across
-each outermost forward pass (each tensor's version counter and identity; a buffer registered
-during the forward counts too); the optimizer refuses the next ``step()`` by name. Changes
-between forward passes are not watched. :func:`check_no_max_norm` refuses
-``nn.Embedding(max_norm=...)`` at ``make_private``.
+kept in a buffer). :class:`ForwardChanges` compares, at each step, the value of every
+parameter, buffer and tensor kept in a module attribute with its value before the draw's first
+forward pass, whoever wrote it (in place, through ``.data``, by reassignment, in a hook or a
+backward pass): a bit-exact digest per tensor; the optimizer refuses the step by name. Changes
+between a step and the next forward pass are the loop's own and are not refused.
+:func:`check_no_max_norm` refuses ``nn.Embedding(max_norm=...)`` at ``make_private``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+import torch
 from torch import nn
 
 
@@ -41,10 +43,6 @@ def watched_model(module: nn.Module) -> nn.Module:
         module = inner
 
 
-#: (what, name, the module's dict of them, key) of a watched tensor
-_Slot = Tuple[str, str, Dict[str, Any], str]
-
-
 def _sharded(model: nn.Module) -> bool:
     """Whether FSDP2's ``fully_shard`` wraps a module of ``model`` (its forward swaps the
     parameters' shards in and out)."""
@@ -53,10 +51,65 @@ def _sharded(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+#: a module's own bookkeeping in its ``__dict__`` (hooks, parameters, buffers, submodules)
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
+#: attributes written by Opacus's per-example hooks during a forward and consumed by the backward
+_HOOK_ATTRIBUTES = frozenset({"activations"})
+#: the digest's tensors are hashed in chunks of this many elements (bounds its scratch memory)
+_CHUNK = 1 << 22
+_weights_cache: Dict[torch.device, torch.Tensor] = {}
+
+
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` odd pseudo-random int32 weights on ``device`` (a splitmix-style mix of the index)."""
+    w = _weights_cache.get(device)
+    if w is None or len(w) < n:
+        x = torch.arange(max(n, 1024), dtype=torch.int64, device=device) * -7046029254386353131
+        x = (x ^ (x >> 31)) * -4658895280553007687  # wraps mod 2^64
+        w = _weights_cache[device] = ((x ^ (x >> 29)) | 1).to(torch.int32)
+    return w[:n]
+
+
+def digest(tensor: torch.Tensor) -> torch.Tensor:
+    """A bit-exact digest of ``tensor``'s value, on its device (no host synchronisation):
+    ``sum_c (2c+1) sum_i w_i b_{c,i} mod 2^32`` over chunks ``c`` of its raw bits ``b`` read as
+    int32, odd pseudo-random weights ``w``: a change to one element always changes it, any other
+    change but for a 2^-32 chance."""
+    x = tensor.detach()
+    x = (torch.view_as_real(x) if x.is_complex() else x).reshape(-1)
+    if x.element_size() >= 4:
+        bits = x.view(torch.int32)
+    else:  # bfloat16, float16, one-byte types: their bits widened
+        bits = x.view(torch.int16 if x.element_size() == 2 else torch.uint8).to(torch.int32)
+    w = _weights(min(len(bits), _CHUNK), bits.device)
+    total = torch.zeros((), dtype=torch.int32, device=bits.device)
+    for c, chunk in enumerate(bits.split(_CHUNK)):
+        dot = torch.dot(chunk, w[: len(chunk)]) if chunk.is_cpu else (chunk * w[: len(chunk)]).sum(dtype=torch.int32)
+        total += dot * (2 * c + 1)
+    return total
+
+
+def _tensors(value: Any, name: str, depth: int = 0) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The tensors a module attribute holds, itself or in lists, tuples and dicts (3 levels)."""
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif depth < 3 and isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _tensors(item, f"{name}[{i}]", depth + 1)
+    elif depth < 3 and isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, f"{name}[{key!r}]", depth + 1)
+
+
+#: what a watched tensor is ("parameter", "buffer", "attribute"), its name, the tensor
+_Entry = Tuple[str, str, torch.Tensor]
+
+
 class ForwardChanges:
-    """Watches ``model``'s parameters (``parameters=False``: buffers only, for FSDP2,
-    whose forward swaps the shards of the parameters in and out) and buffers across its
-    outermost forward passes; :meth:`take` returns what they changed.
+    """Watches the values of ``model``'s parameters (``parameters=False``: not them, for
+    FSDP2, whose forward swaps the parameters' shards in and out), buffers and tensors kept in
+    module attributes, from the first forward pass after each :meth:`take` to the next;
+    :meth:`take` returns what changed.
 
     Args:
         model: the user's model (see :func:`watched_model`).
@@ -65,79 +118,93 @@ class ForwardChanges:
     """
 
     def __init__(self, model: nn.Module, parameters: Optional[bool] = None) -> None:
-        if parameters is None:
-            parameters = not _sharded(model)
-        self._slots: List[_Slot] = []
-        self._containers: List[Dict[str, Any]] = []
-        for prefix, module in model.named_modules(remove_duplicate=False):
-            kinds = [("buffer", module._buffers)] + ([("parameter", module._parameters)] if parameters else [])
-            for what, container in kinds:
-                self._containers.append(container)
-                for key in container:
-                    self._slots.append((what, f"{prefix}.{key}" if prefix else key, container, key))
-        self._depth = 0
-        self._before: List[Any] = []
-        self._sizes: List[int] = []
-        self._changed: List[str] = []
-        self._handles = [
-            model.register_forward_pre_hook(self._forward_starts),
-            model.register_forward_hook(self._forward_ends, always_call=True),
-        ]
+        self._model = model
+        self._parameters = not _sharded(model) if parameters is None else parameters
+        self._before: Optional[Dict[str, Tuple[_Entry, Tuple[Any, ...]]]] = None
+        self._digests: Dict[torch.device, torch.Tensor] = {}
+        # first among the model's pre-hooks: a hook registered before this one runs after it
+        self._handles = [model.register_forward_pre_hook(self._forward_starts, prepend=True)]
 
     def remove(self) -> None:
-        """Stop watching (removes the hooks)."""
+        """Stop watching (removes the hook)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._before = None
+
+    def _entries(self) -> List[_Entry]:
+        entries: List[_Entry] = []
+        for prefix, module in self._model.named_modules(remove_duplicate=False):
+            dot = f"{prefix}." if prefix else ""
+            kinds = [("buffer", module._buffers)] + ([("parameter", module._parameters)] if self._parameters else [])
+            for what, container in kinds:
+                entries += [(what, dot + key, t) for key, t in container.items() if t is not None]
+            for key, value in module.__dict__.items():
+                if key not in _MODULE_INTERNALS and key not in _HOOK_ATTRIBUTES:
+                    entries += [("attribute", dot + n, t) for n, t in _tensors(value, key)]
+        return [e for e in entries if e[2].layout == torch.strided and e[2].device.type != "meta"]
+
+    def _snapshot(self) -> Tuple[Dict[str, Tuple[_Entry, Tuple[Any, ...]]], Dict[torch.device, torch.Tensor]]:
+        """Each entry's (identity, dtype, shape) and one stacked digest per device (a tensor
+        shared by several names is hashed once)."""
+        entries, seen, digests = {}, {}, {}
+        for entry in self._entries():
+            t = entry[2]
+            if id(t) not in seen:
+                per_device = digests.setdefault(t.device, [])
+                seen[id(t)] = (t.device, len(per_device))
+                per_device.append(digest(t))
+            entries[entry[1]] = (entry, (id(t), t.dtype, tuple(t.shape), seen[id(t)]))
+        return entries, {d: torch.stack(v) for d, v in digests.items()}
 
     def take(self) -> List[str]:
-        """What forward passes changed since the last call (``"buffer 'm.running' was changed
-        in place"``, ...); the list starts empty again."""
-        changed, self._changed = self._changed, []
+        """What changed since the first forward pass after the last call (``"buffer
+        'm.running' was changed"``, ...); watching starts again at the next forward pass.
+        Waits for the device (one comparison per device)."""
+        if self._before is None:
+            return []
+        (before, digests), (after, now) = (self._before, self._digests), self._snapshot()
+        self._before, self._digests = None, {}
+        same = [n for n in before if n in after and before[n][1][1:3] == after[n][1][1:3]
+                and before[n][1][3][0] == after[n][1][3][0]]
+        differs = set()
+        for device in digests:
+            names = [n for n in same if before[n][1][3][0] == device]
+            b = digests[device][[before[n][1][3][1] for n in names]]
+            a = now[device][[after[n][1][3][1] for n in names]]
+            differs.update(n for n, d in zip(names, (b != a).tolist()) if d)
+        changed: List[str] = []
+        for name in list(before) + [n for n in after if n not in before]:
+            what = (before.get(name) or after[name])[0][0]
+            if name not in after or name not in before:
+                change = "was " + ("removed" if name in before else "added")
+            elif name in differs or name not in same:
+                change = "was " + ("replaced" if before[name][1][0] != after[name][1][0] else "changed")
+            else:
+                continue
+            shown = name.split("[")[0] if what == "attribute" else name  # an attribute's list: once
+            change = f"{what} {shown!r} {change}"
+            if change not in changed:
+                changed.append(change)
         return changed
 
     def _forward_starts(self, _module: nn.Module, _args: Any) -> None:
-        self._depth += 1
-        if self._depth == 1:
-            self._before = [self._state(slot) for slot in self._slots]
-            self._sizes = [len(container) for container in self._containers]
-
-    def _forward_ends(self, _module: nn.Module, _args: Any, _output: Any) -> None:
-        self._depth = max(0, self._depth - 1)
-        if self._depth:
-            return
-        for slot, before in zip(self._slots, self._before):
-            change = _change(slot, before, self._state(slot))
-            if change is not None and change not in self._changed:
-                self._changed.append(change)
-        if [len(container) for container in self._containers] != self._sizes:
-            self._changed.append("a parameter or buffer was registered")
-        self._before = []
-
-    @staticmethod
-    def _state(slot: _Slot) -> Tuple[Any, int]:
-        tensor = slot[2].get(slot[3])
-        return tensor, (-1 if tensor is None else tensor._version)
+        if self._before is None:
+            self._before, self._digests = self._snapshot()
 
     @staticmethod
     def refusal(changed: List[str]) -> ValueError:
         """The step's refusal for what :meth:`take` returned."""
         return ValueError(
-            "optimizer.step() refused: " + "; ".join(changed) + " during the forward pass: a change "
-            "made from the data reaches the released model without noise (a running statistic "
-            "kept in a buffer, nn.Embedding(max_norm=...)). Compute such values outside the "
-            "model's forward pass, keep them out of the model, or freeze them. Nothing was "
-            "released or charged; call optimizer.zero_grad() before the next step"
+            "optimizer.step() refused: " + "; ".join(changed) + " during the forward pass (from the "
+            "step's first forward pass to step(): in place, through .data, by reassignment, in a "
+            "hook or a backward pass): a change made from the data reaches the released model "
+            "without noise (a running statistic kept in a buffer, nn.Embedding(max_norm=...), "
+            "state kept across forward passes). Compute such values outside the model's forward "
+            "pass, keep them out of the model, or freeze them. Nothing was released or charged, but "
+            "the model holds the change: do not release it (restore a checkpoint taken before the "
+            "step); call optimizer.zero_grad() before the next step"
         )
 
 
-def _change(slot: _Slot, before: Tuple[Any, int], after: Tuple[Any, int]) -> Any:
-    what, name = slot[0], slot[1]
-    if before[0] is not after[0]:
-        return f"{what} {name!r} was replaced"
-    if before[1] != after[1]:
-        return f"{what} {name!r} was changed in place"
-    return None
-
-
-__all__ = ["ForwardChanges", "check_no_max_norm", "watched_model"]
+__all__ = ["ForwardChanges", "check_no_max_norm", "digest", "watched_model"]
