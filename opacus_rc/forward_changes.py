@@ -13,7 +13,7 @@ between a step and the next forward pass are the loop's own and are not refused.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -53,8 +53,8 @@ def _sharded(model: nn.Module) -> bool:
 
 #: a module's own bookkeeping in its ``__dict__`` (hooks, parameters, buffers, submodules)
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
-#: attributes written by Opacus's per-example hooks during a forward and consumed by the backward
-_HOOK_ATTRIBUTES = frozenset({"activations"})
+#: attributes Opacus's per-example hooks write (inputs, FSDP norms), consumed by the step's clip
+_HOOK_ATTRIBUTES = frozenset({"activations", "norm_sample"})
 #: the digest's tensors are hashed in chunks of this many elements (bounds its scratch memory)
 _CHUNK = 1 << 22
 _weights_cache: Dict[torch.device, torch.Tensor] = {}
@@ -84,14 +84,14 @@ def digest(tensor: torch.Tensor) -> torch.Tensor:
     w = _weights(min(len(bits), _CHUNK), bits.device)
     total = torch.zeros((), dtype=torch.int32, device=bits.device)
     for c, chunk in enumerate(bits.split(_CHUNK)):
-        dot = torch.dot(chunk, w[: len(chunk)]) if chunk.is_cpu else (chunk * w[: len(chunk)]).sum(dtype=torch.int32)
-        total += dot * (2 * c + 1)
+        part = w[: len(chunk)]
+        total += (torch.dot(chunk, part) if chunk.is_cpu else (chunk * part).sum(dtype=torch.int32)) * (2 * c + 1)
     return total
 
 
 def _tensors(value: Any, name: str, depth: int = 0) -> Iterator[Tuple[str, torch.Tensor]]:
     """The tensors a module attribute holds, itself or in lists, tuples and dicts (3 levels)."""
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):  # those: as parameters
         yield name, value
     elif depth < 3 and isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
@@ -101,8 +101,13 @@ def _tensors(value: Any, name: str, depth: int = 0) -> Iterator[Tuple[str, torch
             yield from _tensors(item, f"{name}[{key!r}]", depth + 1)
 
 
-#: what a watched tensor is ("parameter", "buffer", "attribute"), its name, the tensor
-_Entry = Tuple[str, str, torch.Tensor]
+class _Seen(NamedTuple):
+    """A watched tensor as a snapshot saw it (held, so that identity stays meaningful)."""
+
+    what: str  # "parameter", "buffer" or "attribute"
+    tensor: torch.Tensor
+    kind: Tuple[torch.dtype, Tuple[int, ...], torch.device]
+    slot: int  # its digest's index among its device's
 
 
 class ForwardChanges:
@@ -115,82 +120,86 @@ class ForwardChanges:
         model: the user's model (see :func:`watched_model`).
         parameters: whether parameters are watched as well as buffers (None: unless
             FSDP2 shards the model).
+        outer: the wrapper the loop calls (the grad-sample module; ignored unless a module),
+            whose pre-hooks run before the model's.
     """
 
-    def __init__(self, model: nn.Module, parameters: Optional[bool] = None) -> None:
+    def __init__(self, model: nn.Module, parameters: Optional[bool] = None, outer: Any = None) -> None:
         self._model = model
         self._parameters = not _sharded(model) if parameters is None else parameters
-        self._before: Optional[Dict[str, Tuple[_Entry, Tuple[Any, ...]]]] = None
-        self._digests: Dict[torch.device, torch.Tensor] = {}
-        # first among the model's pre-hooks: a hook registered before this one runs after it
-        self._handles = [model.register_forward_pre_hook(self._forward_starts, prepend=True)]
+        self._before: Optional[Tuple[Dict[str, _Seen], Dict[torch.device, torch.Tensor]]] = None
+        # first among the pre-hooks of the model and of the wrapper the loop calls (whose run before
+        # the model's): a pre-hook registered before or after this one runs after it
+        modules = {id(m): m for m in (outer, model) if isinstance(m, nn.Module)}
+        self._handles = [m.register_forward_pre_hook(self._forward_starts, prepend=True) for m in modules.values()]
 
     def remove(self) -> None:
-        """Stop watching (removes the hook)."""
+        """Stop watching (removes the hooks)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._before = None
 
-    def _entries(self) -> List[_Entry]:
-        entries: List[_Entry] = []
+    def _entries(self) -> Iterator[Tuple[str, str, torch.Tensor]]:
+        """(what, name, tensor) of each watched tensor."""
         for prefix, module in self._model.named_modules(remove_duplicate=False):
             dot = f"{prefix}." if prefix else ""
             kinds = [("buffer", module._buffers)] + ([("parameter", module._parameters)] if self._parameters else [])
             for what, container in kinds:
-                entries += [(what, dot + key, t) for key, t in container.items() if t is not None]
+                yield from ((what, dot + key, t) for key, t in container.items() if t is not None)
             for key, value in module.__dict__.items():
                 if key not in _MODULE_INTERNALS and key not in _HOOK_ATTRIBUTES:
-                    entries += [("attribute", dot + n, t) for n, t in _tensors(value, key)]
-        return [e for e in entries if e[2].layout == torch.strided and e[2].device.type != "meta"]
+                    yield from (("attribute", dot + name, t) for name, t in _tensors(value, key))
 
-    def _snapshot(self) -> Tuple[Dict[str, Tuple[_Entry, Tuple[Any, ...]]], Dict[torch.device, torch.Tensor]]:
-        """Each entry's (identity, dtype, shape) and one stacked digest per device (a tensor
-        shared by several names is hashed once)."""
-        entries, seen, digests = {}, {}, {}
-        for entry in self._entries():
-            t = entry[2]
-            if id(t) not in seen:
-                per_device = digests.setdefault(t.device, [])
-                seen[id(t)] = (t.device, len(per_device))
-                per_device.append(digest(t))
-            entries[entry[1]] = (entry, (id(t), t.dtype, tuple(t.shape), seen[id(t)]))
-        return entries, {d: torch.stack(v) for d, v in digests.items()}
+    def _snapshot(self) -> Tuple[Dict[str, _Seen], Dict[torch.device, torch.Tensor]]:
+        """Each watched tensor by name, and their digests stacked per device (a tensor under
+        several names is hashed once)."""
+        seen: Dict[str, _Seen] = {}
+        slots: Dict[int, int] = {}
+        digests: Dict[torch.device, List[torch.Tensor]] = {}
+        for what, name, t in self._entries():
+            if t.layout != torch.strided or t.device.type == "meta":
+                continue
+            if id(t) not in slots:
+                slots[id(t)] = len(digests.setdefault(t.device, []))
+                digests[t.device].append(digest(t))
+            seen[name] = _Seen(what, t, (t.dtype, tuple(t.shape), t.device), slots[id(t)])
+        return seen, {device: torch.stack(d) for device, d in digests.items()}
 
     def take(self) -> List[str]:
         """What changed since the first forward pass after the last call (``"buffer
-        'm.running' was changed"``, ...); watching starts again at the next forward pass.
-        Waits for the device (one comparison per device)."""
+        'm.running' was changed in place"``, ...); watching starts again at the next forward
+        pass. Waits for the device (one comparison per device)."""
         if self._before is None:
             return []
-        (before, digests), (after, now) = (self._before, self._digests), self._snapshot()
-        self._before, self._digests = None, {}
-        same = [n for n in before if n in after and before[n][1][1:3] == after[n][1][1:3]
-                and before[n][1][3][0] == after[n][1][3][0]]
+        (before, digests), (after, now) = self._before, self._snapshot()
+        self._before = None
+        pairs = [(n, b.slot, after[n].slot, b.kind[2]) for n, b in before.items()
+                 if n in after and b.kind == after[n].kind]
         differs = set()
-        for device in digests:
-            names = [n for n in same if before[n][1][3][0] == device]
-            b = digests[device][[before[n][1][3][1] for n in names]]
-            a = now[device][[after[n][1][3][1] for n in names]]
-            differs.update(n for n, d in zip(names, (b != a).tolist()) if d)
+        for device, old in digests.items():
+            on = [p for p in pairs if p[3] == device]
+            if on:
+                ne = (old[[p[1] for p in on]] != now[device][[p[2] for p in on]]).tolist()
+                differs.update(p[0] for p, d in zip(on, ne) if d)
         changed: List[str] = []
-        for name in list(before) + [n for n in after if n not in before]:
-            what = (before.get(name) or after[name])[0][0]
-            if name not in after or name not in before:
-                change = "was " + ("removed" if name in before else "added")
-            elif name in differs or name not in same:
-                change = "was " + ("replaced" if before[name][1][0] != after[name][1][0] else "changed")
+        for name in {**before, **after}:  # the names before the forward pass first
+            b, a = before.get(name), after.get(name)
+            if b is None or a is None:
+                how = "added" if b is None else "removed"
+            elif b.kind != a.kind or name in differs:
+                how = "changed in place" if b.tensor is a.tensor else "replaced"
             else:
                 continue
-            shown = name.split("[")[0] if what == "attribute" else name  # an attribute's list: once
-            change = f"{what} {shown!r} {change}"
-            if change not in changed:
-                changed.append(change)
+            what = (b or a).what
+            message = f"{what} {name.split('[')[0] if what == 'attribute' else name!r} was {how}"
+            if message not in changed:  # a list attribute: named once
+                changed.append(message)
         return changed
 
     def _forward_starts(self, _module: nn.Module, _args: Any) -> None:
         if self._before is None:
-            self._before, self._digests = self._snapshot()
+            self._before = self._snapshot()
 
     @staticmethod
     def refusal(changed: List[str]) -> ValueError:

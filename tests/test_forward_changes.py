@@ -68,7 +68,7 @@ def _train(module, optimizer, criterion, loader, between=None):
 def test_a_running_buffer_refuses_the_step_by_name(form, reassign):
     model = RunningMean(reassign)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match="refused: buffer 'running' was " + ("replaced" if reassign else "changed")
+    with pytest.raises(ValueError, match="refused: buffer 'running' was " + ("replaced" if reassign else "changed in place")
                        + " during the forward pass.*Nothing was released"):
         _train(*_private(model, form))
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))  # nothing released
@@ -82,7 +82,7 @@ def test_a_parameter_changed_in_the_forward_is_refused(wrap_model):
                 self.fc.weight[int(x[0, 0] > 0)].mul_(0.5)  # which row depends on the data
             return self.fc(x)
 
-    with pytest.raises(ValueError, match="parameter 'fc.weight' was changed"):
+    with pytest.raises(ValueError, match="parameter 'fc.weight' was changed in place"):
         _train(*_private(Renormalised(), "bookkeeping", wrap_model=wrap_model))
 
 
@@ -130,7 +130,7 @@ def test_the_watch_reports_once_and_stops_when_removed():
     model = RunningMean()
     watch = ForwardChanges(watched_model(model))
     model(torch.randn(2, 4))
-    assert watch.take() == ["buffer 'running' was changed"] and watch.take() == []
+    assert watch.take() == ["buffer 'running' was changed in place"] and watch.take() == []
     watch.remove()
     model(torch.randn(2, 4))
     assert watch.take() == []
@@ -168,8 +168,8 @@ def _refused(model, form, name, register=None):
     before = {n: t.detach().clone() for n, t in model.named_parameters()}
     module, optimizer, criterion, loader = _private(model, form)
     if register is not None:
-        register(model)
-    with pytest.raises(ValueError, match=f"refused: {name} was (changed|replaced|added) during the forward.*"
+        register(model, module)
+    with pytest.raises(ValueError, match=f"refused: {name} was (changed in place|replaced|added) during the forward.*"
                        "Nothing was released.*the model holds the change"):
         _train(module, optimizer, criterion, loader)
     # no update released: the parameters the forward did not write are as they were
@@ -198,7 +198,7 @@ def test_a_forward_hook_registered_after_make_private_is_refused(form):
     model = RunningMean()
     model.forward = lambda x: model.fc(x)
     _refused(model, form, "buffer 'running'",
-             register=lambda m: m.register_forward_hook(lambda m, args, out: _moves(m, args[0])))
+             register=lambda m, _: m.register_forward_hook(lambda m, args, out: _moves(m, args[0])))
 
 
 @pytest.mark.parametrize("form", ["two_pass", "bookkeeping"])
@@ -210,7 +210,7 @@ def test_a_forward_hook_on_a_submodule_under_no_grad_is_refused(form):
         with torch.no_grad():
             fc.bias.add_(out.mean())  # in place, no_grad, on a submodule's parameter
 
-    _refused(model, form, "parameter 'fc.bias'", register=lambda m: m.fc.register_forward_hook(hook))
+    _refused(model, form, "parameter 'fc.bias'", register=lambda m, _: m.fc.register_forward_hook(hook))
 
 
 class Memory(RunningMean):
@@ -274,3 +274,12 @@ def test_the_digest_sees_one_bit_a_swap_and_every_dtype():
         assert bool(x[3] == x[900]) or int(d) != int(digest(z))
     f = torch.tensor([1.0, 2.0])
     assert int(digest(f)) != int(digest(f.view(torch.int32).add(1).view(torch.float32)))  # one ulp
+
+
+@pytest.mark.parametrize("form", ["two_pass", "bookkeeping"])
+def test_a_pre_hook_on_the_returned_wrapper_is_refused(form):
+    """A pre-hook on the module make_private returned runs before the model's own pre-hooks."""
+    model = RunningMean()
+    model.forward = lambda x: model.fc(x)
+    _refused(model, form, "buffer 'running'",
+             register=lambda _, wrapper: wrapper.register_forward_pre_hook(lambda m, args: _moves(model, args[0])))
