@@ -55,9 +55,11 @@ def _sharded(model: nn.Module) -> bool:
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
 #: attributes Opacus's per-example hooks write (inputs, FSDP norms), consumed by the step's clip
 _HOOK_ATTRIBUTES = frozenset({"activations", "norm_sample"})
-#: the digest's tensors are hashed in chunks of this many elements (bounds its scratch memory)
-_CHUNK = 1 << 22
+#: large tensors are hashed alone, in chunks of ``_CHUNK`` elements (bounds the scratch memory);
+#: smaller ones packed together in blocks of ``_BLOCK`` (a few kernels for all of them)
+_CHUNK, _SMALL, _BLOCK = 1 << 22, 1 << 16, 128
 _weights_cache: Dict[torch.device, torch.Tensor] = {}
+_layouts: Dict[Tuple[Any, ...], Tuple[torch.Tensor, ...]] = {}
 
 
 def _weights(n: int, device: torch.device) -> torch.Tensor:
@@ -70,23 +72,53 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
     return w[:n]
 
 
-def digest(tensor: torch.Tensor) -> torch.Tensor:
-    """A bit-exact digest of ``tensor``'s value, on its device (no host synchronisation):
-    ``sum_c (2c+1) sum_i w_i b_{c,i} mod 2^32`` over chunks ``c`` of its raw bits ``b`` read as
-    int32, odd pseudo-random weights ``w``: a change to one element always changes it, any other
-    change but for a 2^-32 chance."""
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of ``tensor`` read as int32 words (a view; a zero-padded copy if unaligned)."""
     x = tensor.detach()
-    x = (torch.view_as_real(x) if x.is_complex() else x).reshape(-1)
-    if x.element_size() >= 4:
-        bits = x.view(torch.int32)
-    else:  # bfloat16, float16, one-byte types: their bits widened
-        bits = x.view(torch.int16 if x.element_size() == 2 else torch.uint8).to(torch.int32)
-    w = _weights(min(len(bits), _CHUNK), bits.device)
-    total = torch.zeros((), dtype=torch.int32, device=bits.device)
-    for c, chunk in enumerate(bits.split(_CHUNK)):
-        part = w[: len(chunk)]
-        total += (torch.dot(chunk, part) if chunk.is_cpu else (chunk * part).sum(dtype=torch.int32)) * (2 * c + 1)
-    return total
+    x = (torch.view_as_real(x) if x.is_complex() else x).reshape(-1).view(torch.uint8)
+    if len(x) % 4 or x.storage_offset() % 4:
+        x = torch.cat([x, x.new_zeros(-len(x) % 4)])
+    return x.view(torch.int32)
+
+
+def digests(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """Bit-exact digests of ``tensors``' values (one device), as one int32 tensor, on the device
+    (no host synchronisation): ``sum_i u_i b_i mod 2^32`` over the raw bits ``b`` read as int32
+    words, ``u_i`` a product of odd pseudo-random weights of ``i``'s chunk or block and offset:
+    a change to one element always changes it, any other change but for a 2^-32 chance."""
+    device, bits = tensors[0].device, [_bits(t) for t in tensors]
+    small = [i for i, b in enumerate(bits) if len(b) < _SMALL]
+    large = [i for i, b in enumerate(bits) if len(b) >= _SMALL]
+    key = (device, tuple(len(b) for b in bits))
+    if key not in _layouts:  # per block of the small ones: its weight, the cumulative sums' ends
+        blocks = [-(-len(bits[i]) // _BLOCK) for i in small]
+        index = [_BLOCK + j for n in blocks for j in range(n)]
+        ends = torch.tensor(blocks, dtype=torch.int64).cumsum(0)
+        order = torch.tensor(small + large, dtype=torch.int64).argsort()
+        if len(_layouts) > 16:
+            _layouts.clear()
+        _layouts[key] = tuple(t.to(device) for t in (torch.tensor(index, dtype=torch.int64), ends, order))
+    index, ends, order = _layouts[key]
+    w = _weights(max([_BLOCK + _SMALL // _BLOCK] + [min(len(bits[i]), _CHUNK) for i in large]), device)
+    out = []
+    if small:
+        pad = torch.zeros(_BLOCK, dtype=torch.int32, device=device)
+        packed = torch.cat([x for i in small for x in (bits[i], pad[: -len(bits[i]) % _BLOCK])]).view(-1, _BLOCK)
+        sums = ((packed * w[:_BLOCK]).sum(1, dtype=torch.int32) * w[index]).cumsum(0, dtype=torch.int32)
+        sums = torch.cat([sums.new_zeros(1), sums])
+        out.append(sums[ends] - sums[torch.cat([ends.new_zeros(1), ends[:-1]])])
+    for i in large:
+        total = torch.zeros((), dtype=torch.int32, device=device)
+        for c, chunk in enumerate(bits[i].split(_CHUNK)):
+            part = w[: len(chunk)]
+            total += (torch.dot(chunk, part) if chunk.is_cpu else (chunk * part).sum(dtype=torch.int32)) * (2 * c + 1)
+        out.append(total[None])
+    return torch.cat(out)[order]
+
+
+def digest(tensor: torch.Tensor) -> torch.Tensor:
+    """The digest of one tensor (see :func:`digests`)."""
+    return digests([tensor])[0]
 
 
 def _tensors(value: Any, name: str, depth: int = 0) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -156,15 +188,15 @@ class ForwardChanges:
         several names is hashed once)."""
         seen: Dict[str, _Seen] = {}
         slots: Dict[int, int] = {}
-        digests: Dict[torch.device, List[torch.Tensor]] = {}
+        unique: Dict[torch.device, List[torch.Tensor]] = {}
         for what, name, t in self._entries():
             if t.layout != torch.strided or t.device.type == "meta":
                 continue
             if id(t) not in slots:
-                slots[id(t)] = len(digests.setdefault(t.device, []))
-                digests[t.device].append(digest(t))
+                slots[id(t)] = len(unique.setdefault(t.device, []))
+                unique[t.device].append(t)
             seen[name] = _Seen(what, t, (t.dtype, tuple(t.shape), t.device), slots[id(t)])
-        return seen, {device: torch.stack(d) for device, d in digests.items()}
+        return seen, {device: digests(ts) for device, ts in unique.items()}
 
     def take(self) -> List[str]:
         """What changed since the first forward pass after the last call (``"buffer
@@ -216,4 +248,4 @@ class ForwardChanges:
         )
 
 
-__all__ = ["ForwardChanges", "check_no_max_norm", "digest", "watched_model"]
+__all__ = ["ForwardChanges", "check_no_max_norm", "digest", "digests", "watched_model"]

@@ -283,3 +283,18 @@ def test_a_pre_hook_on_the_returned_wrapper_is_refused(form):
     model.forward = lambda x: model.fc(x)
     _refused(model, form, "buffer 'running'",
              register=lambda _, wrapper: wrapper.register_forward_pre_hook(lambda m, args: _moves(model, args[0])))
+
+
+def test_packed_digests_name_only_the_tensor_that_changed():
+    """Small tensors are hashed packed together, large ones alone: one flipped bit anywhere
+    changes its own tensor's digest and no other."""
+    from opacus_rc.forward_changes import digest, digests
+
+    xs = [torch.randn(n) for n in (0, 3, 129, 70000)] + [torch.randn(11).bfloat16()[1:], torch.ones(7, dtype=torch.bool)]
+    d = digests(xs)
+    assert d.tolist() == [int(digest(x)) for x in xs]
+    for k, x in enumerate(xs[1:], 1):
+        for pos in (0, x.numel() - 1):
+            y = [t.clone() for t in xs]
+            y[k].view(torch.uint8)[pos * x.element_size()] ^= 1
+            assert (digests(y) != d).tolist() == [j == k for j in range(len(xs))]
