@@ -51,10 +51,9 @@ def _sharded(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-#: a module's own bookkeeping in its ``__dict__`` (hooks, parameters, buffers, submodules)
-_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
-#: attributes Opacus's per-example hooks write (inputs, FSDP norms), consumed by the step's clip
-_HOOK_ATTRIBUTES = frozenset({"activations", "norm_sample"})
+#: not state: a module's own bookkeeping in its ``__dict__`` (hooks, parameters, buffers,
+#: submodules), and what Opacus's per-example hooks write and its clip consumes (inputs, FSDP norms)
+_NOT_STATE = frozenset(nn.Module().__dict__) | {"activations", "norm_sample"}
 #: large tensors are hashed alone, in chunks of ``_CHUNK`` elements (bounds the scratch memory);
 #: smaller ones packed together in blocks of ``_BLOCK`` (a few kernels for all of them)
 _CHUNK, _SMALL, _BLOCK = 1 << 22, 1 << 16, 128
@@ -76,8 +75,8 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     """The raw bytes of ``tensor`` read as int32 words (a view; a zero-padded copy if unaligned)."""
     x = tensor.detach()
     x = (torch.view_as_real(x) if x.is_complex() else x).reshape(-1).view(torch.uint8)
-    if len(x) % 4 or x.storage_offset() % 4:
-        x = torch.cat([x, x.new_zeros(-len(x) % 4)])
+    if x.numel() % 4 or x.storage_offset() % 4:
+        x = torch.cat([x, x.new_zeros(-x.numel() % 4)])
     return x.view(torch.int32)
 
 
@@ -87,11 +86,12 @@ def digests(tensors: List[torch.Tensor]) -> torch.Tensor:
     words, ``u_i`` a product of odd pseudo-random weights of ``i``'s chunk or block and offset:
     a change to one element always changes it, any other change but for a 2^-32 chance."""
     device, bits = tensors[0].device, [_bits(t) for t in tensors]
-    small = [i for i, b in enumerate(bits) if len(b) < _SMALL]
-    large = [i for i, b in enumerate(bits) if len(b) >= _SMALL]
-    key = (device, tuple(len(b) for b in bits))
+    sizes = [b.numel() for b in bits]
+    small = [i for i, n in enumerate(sizes) if n < _SMALL]
+    large = [i for i, n in enumerate(sizes) if n >= _SMALL]
+    key = (device, tuple(sizes))
     if key not in _layouts:  # per block of the small ones: its weight, the cumulative sums' ends
-        blocks = [-(-len(bits[i]) // _BLOCK) for i in small]
+        blocks = [-(-sizes[i] // _BLOCK) for i in small]
         index = [_BLOCK + j for n in blocks for j in range(n)]
         ends = torch.tensor(blocks, dtype=torch.int64).cumsum(0)
         order = torch.tensor(small + large, dtype=torch.int64).argsort()
@@ -99,18 +99,18 @@ def digests(tensors: List[torch.Tensor]) -> torch.Tensor:
             _layouts.clear()
         _layouts[key] = tuple(t.to(device) for t in (torch.tensor(index, dtype=torch.int64), ends, order))
     index, ends, order = _layouts[key]
-    w = _weights(max([_BLOCK + _SMALL // _BLOCK] + [min(len(bits[i]), _CHUNK) for i in large]), device)
+    w = _weights(max([_BLOCK + _SMALL // _BLOCK] + [min(sizes[i], _CHUNK) for i in large]), device)
     out = []
     if small:
         pad = torch.zeros(_BLOCK, dtype=torch.int32, device=device)
-        packed = torch.cat([x for i in small for x in (bits[i], pad[: -len(bits[i]) % _BLOCK])]).view(-1, _BLOCK)
+        packed = torch.cat([x for i in small for x in (bits[i], pad[: -sizes[i] % _BLOCK])]).view(-1, _BLOCK)
         sums = ((packed * w[:_BLOCK]).sum(1, dtype=torch.int32) * w[index]).cumsum(0, dtype=torch.int32)
         sums = torch.cat([sums.new_zeros(1), sums])
         out.append(sums[ends] - sums[torch.cat([ends.new_zeros(1), ends[:-1]])])
     for i in large:
         total = torch.zeros((), dtype=torch.int32, device=device)
         for c, chunk in enumerate(bits[i].split(_CHUNK)):
-            part = w[: len(chunk)]
+            part = w[: chunk.numel()]
             total += (torch.dot(chunk, part) if chunk.is_cpu else (chunk * part).sum(dtype=torch.int32)) * (2 * c + 1)
         out.append(total[None])
     return torch.cat(out)[order]
@@ -121,16 +121,20 @@ def digest(tensor: torch.Tensor) -> torch.Tensor:
     return digests([tensor])[0]
 
 
-def _tensors(value: Any, name: str, depth: int = 0) -> Iterator[Tuple[str, torch.Tensor]]:
-    """The tensors a module attribute holds, itself or in lists, tuples and dicts (3 levels)."""
-    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):  # those: as parameters
-        yield name, value
-    elif depth < 3 and isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from _tensors(item, f"{name}[{i}]", depth + 1)
-    elif depth < 3 and isinstance(value, dict):
-        for key, item in value.items():
-            yield from _tensors(item, f"{name}[{key!r}]", depth + 1)
+_HOLDERS = (torch.Tensor, list, tuple, dict)
+
+
+def _tensors(value: Any, name: str, out: List[Tuple[str, torch.Tensor]], depth: int = 0) -> None:
+    """Append the tensors a module attribute holds, itself or in lists, tuples and dicts (3
+    levels), to ``out``."""
+    if isinstance(value, torch.Tensor):
+        if not isinstance(value, nn.Parameter):  # those: as parameters
+            out.append((name, value))
+    elif depth < 3:
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if issubclass(type(item), _HOLDERS):
+                _tensors(item, f"{name}[{key!r}]", out, depth + 1)
 
 
 class _Seen(NamedTuple):
@@ -179,9 +183,11 @@ class ForwardChanges:
             kinds = [("buffer", module._buffers)] + ([("parameter", module._parameters)] if self._parameters else [])
             for what, container in kinds:
                 yield from ((what, dot + key, t) for key, t in container.items() if t is not None)
+            held: List[Tuple[str, torch.Tensor]] = []
             for key, value in module.__dict__.items():
-                if key not in _MODULE_INTERNALS and key not in _HOOK_ATTRIBUTES:
-                    yield from (("attribute", dot + name, t) for name, t in _tensors(value, key))
+                if issubclass(type(value), _HOLDERS) and key not in _NOT_STATE:
+                    _tensors(value, key, held)
+            yield from (("attribute", dot + name, t) for name, t in held)
 
     def _snapshot(self) -> Tuple[Dict[str, _Seen], Dict[torch.device, torch.Tensor]]:
         """Each watched tensor by name, and their digests stacked per device (a tensor under
