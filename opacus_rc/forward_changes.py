@@ -116,11 +116,6 @@ def digests(tensors: List[torch.Tensor]) -> torch.Tensor:
     return torch.cat(out)[order]
 
 
-def digest(tensor: torch.Tensor) -> torch.Tensor:
-    """The digest of one tensor (see :func:`digests`)."""
-    return digests([tensor])[0]
-
-
 _HOLDERS = (torch.Tensor, list, tuple, dict)
 
 
@@ -254,4 +249,4 @@ class ForwardChanges:
         )
 
 
-__all__ = ["ForwardChanges", "check_no_max_norm", "digest", "digests", "watched_model"]
+__all__ = ["ForwardChanges", "check_no_max_norm", "digests", "watched_model"]
