@@ -281,7 +281,7 @@ class RandomizedClippingMixin:
         # FSDP2, whose forward swaps the parameters' shards): the next step refuses a change
         if self._forward_changes is not None:
             self._forward_changes.remove()
-        self._forward_changes = ForwardChanges(watched_model(module))
+        self._forward_changes = ForwardChanges(watched_model(module), outer=module)
 
     def _check_forward_changes(self) -> None:
         """Refuse the step (ValueError naming them) when a forward pass of the model changed
