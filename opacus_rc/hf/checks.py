@@ -203,7 +203,9 @@ def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
         )
     if column not in names:
         raise ValueError(f"user_column={column!r} is not a column of train_dataset; its columns: {names}")
-    ids = dataset[column]
+    # the stored values, whatever the dataset's format (with_format("torch") would give 0-d
+    # tensors, hashed by identity): ids compared by value
+    ids = dataset.with_format(None)[column] if hasattr(dataset, "with_format") else dataset[column]
     missing = next((row for row, uid in enumerate(ids) if uid is None), None)
     if missing is not None:
         raise ValueError(
@@ -260,8 +262,9 @@ def check_loader(trainer: Trainer, made: Optional[DataLoader]) -> None:
         "the loader the training loop iterates is not the private Trainer's Poisson loader"
         if loader is None or loader is not made or not ok
         else "its Poisson sampler was not drawn from" if sampler.draws == 0
-        else f"its sampler draws at rate {sampler.sample_rate}, not the charged {trainer.sample_rate}"
-        if sampler.sample_rate != trainer.sample_rate
+        else f"its sampler draws at rate {sampler.sample_rate}, not the charged {trainer._dp_rate} (train_dataset "
+        "replaced between two train() calls? Construct a new private Trainer for a new dataset)"
+        if sampler.sample_rate != trainer._dp_rate
         else "its sampler's split, rank, world size or dataset size differ from the Trainer's"
         if (sampler.micro_batches, sampler.rank, sampler.world_size, sampler.num_samples)
         != (trainer.args.gradient_accumulation_steps, trainer.args.process_index, trainer.args.world_size,
