@@ -143,3 +143,73 @@ def test_a_dataset_replaced_between_two_trains_at_another_rate_is_refused(tmp_pa
     with pytest.raises(ValueError, match=r"draws at rate 0.333.*not the charged 0.25.*train_dataset replaced"):
         trainer.train()
     assert trainer.privacy_steps() == 1
+
+
+# --- in_draw_order: each collated row matched to the row it came from ----------------------
+
+
+def features():
+    """Three token rows; the first two have their prompt masked in labels (-100)."""
+    ids = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    labels = [[-100, -100, 7, 8], [-100, 10], [11, 12, 13]]
+    return [{"input_ids": i, "labels": l, "attention_mask": [1] * len(i)} for i, l in zip(ids, labels)]
+
+
+def seq2seq(rows, side: str = "right"):
+    """Padding of input_ids by the attention mask, labels by -100 to their own longest."""
+    t = max(len(r["input_ids"]) for r in rows) + 1
+    out = {"input_ids": torch.zeros(len(rows), t, dtype=torch.long), "attention_mask": torch.zeros(len(rows), t,
+           dtype=torch.long), "labels": torch.full((len(rows), t + 2), -100)}
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        where = slice(0, n) if side == "right" else slice(t - n, t)
+        out["input_ids"][i, where], out["attention_mask"][i, where] = torch.tensor(r["input_ids"]), 1
+        out["labels"][i, :n] = torch.tensor(r["labels"])
+    return out
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_in_draw_order_puts_the_collated_rows_back(side):
+    from opacus_rc.hf.data import in_draw_order
+
+    rows = features()
+    reference = seq2seq(rows, side)
+    for order in ([2, 0, 1], [1, 0, 2], [0, 1, 2]):
+        batch = in_draw_order(rows, seq2seq([rows[i] for i in order], side))
+        assert all(torch.equal(batch[k], reference[k]) for k in reference), order
+    causal = {k: v[:, :v.shape[1] - (k == "labels") * 2] for k, v in reference.items()}  # labels padded as the mask
+    if side == "right":
+        assert torch.equal(in_draw_order(rows, {k: v[[1, 2, 0]] for k, v in causal.items()})["labels"], causal["labels"])
+
+
+def test_in_draw_order_refuses_what_it_cannot_match():
+    from opacus_rc.hf.data import in_draw_order
+
+    rows = features()
+    masked = seq2seq(rows)
+    masked["input_ids"][1, 0] = 3  # random masking (MLM) changes input_ids
+    with pytest.raises(ValueError, match=r"data_collator's batch cannot be matched.*its row 1 matches none"):
+        in_draw_order(rows, masked)
+    with pytest.raises(ValueError, match=r"passes no field"):
+        in_draw_order([{"text": "a b"}, {"text": "c"}], {"input_ids": torch.ones(2, 2)})  # tokenizing collator
+    twins = [dict(rows[0], completion_mask=[0, 0, 1, 1]), dict(rows[0], completion_mask=[0, 1, 1, 1])]
+    with pytest.raises(ValueError, match=r"rows \[0, 1\] differ only in fields the collator does not pass on"):
+        in_draw_order(twins, seq2seq(twins))
+    same = [rows[0], dict(rows[0])]  # identical rows: either order is the same batch
+    assert torch.equal(in_draw_order(same, seq2seq(same))["input_ids"], seq2seq(same)["input_ids"])
+    labelled = [{"input_ids": [1, 2], "label": 0}, {"input_ids": [1, 2], "label": 1}]  # "label" collated as "labels"
+    batch = in_draw_order(labelled, {"input_ids": torch.tensor([[1, 2], [1, 2]]), "labels": torch.tensor([1, 0])})
+    assert batch["labels"].tolist() == [0, 1]
+
+
+def test_a_collator_that_changes_the_rows_is_refused_by_name(tmp_path):
+    """A collator whose rows cannot be matched to the rows it was given (here: random token
+    masking) is refused before any step."""
+
+    def masking(rows):
+        batch = pad(rows)
+        batch["input_ids"][:, 0] = 1
+        return batch
+
+    with pytest.raises(ValueError, match=r"data_collator's batch cannot be matched"):
+        released_sum(tmp_path, user_rows(), collator=masking)
