@@ -214,10 +214,18 @@ def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
     return UserIndex(ids, len(dataset), privacy.max_examples_per_user)
 
 
-def check_units(privacy: PrivacyArguments, units: Optional[RowUnits]) -> Optional[RowUnits]:
+def check_units(privacy: PrivacyArguments, units: Optional[RowUnits], skipping: bool = False) -> Optional[RowUnits]:
     """``units``, the units a physical batch carried; a user-level one must carry them (from
-    the private Trainer's user-level loader)."""
+    the private Trainer's user-level loader). ``skipping``: the run resumed from a checkpoint
+    without ``ignore_data_skip`` (the Trainer skips a resumed epoch's first batches through a
+    loader of its own, whose batches carry no users)."""
     if privacy.user_level and units is None:
+        if skipping:
+            raise ValueError(
+                "privacy_unit='user': the run resumed mid-epoch, and the Trainer skips the epoch's first "
+                "batches through a loader of its own, whose batches carry no users; set "
+                "TrainingArguments(ignore_data_skip=True): every Poisson draw is fresh, there is nothing to skip"
+            )
         raise ValueError(
             "privacy_unit='user': a physical batch came without its users (it is not from the private "
             "Trainer's user-level Poisson loader). " + _LOADING_ACCEPTED

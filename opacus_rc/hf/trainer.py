@@ -223,7 +223,8 @@ class DPTrainerMixin:
         model.train()
         report = torch.zeros((), device=self.args.device)
         rows = 0
-        units = check_units(self.privacy, take_units(inputs))  # removed: they never reach the model
+        skipping = self._dp_resumed_history is not None and not self.args.ignore_data_skip
+        units = check_units(self.privacy, take_units(inputs), skipping)  # removed: they never reach the model
         if not is_empty_batch(inputs):
             inputs = self._prepare_inputs(inputs)
             per_example = self._dp_form is not None and self._dp_form.one_example_per_backward

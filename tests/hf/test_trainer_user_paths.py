@@ -213,3 +213,28 @@ def test_a_collator_that_changes_the_rows_is_refused_by_name(tmp_path):
 
     with pytest.raises(ValueError, match=r"data_collator's batch cannot be matched"):
         released_sum(tmp_path, user_rows(), collator=masking)
+
+
+def test_resuming_mid_epoch_names_ignore_data_skip(tmp_path):
+    """A run resumed mid-epoch: the Trainer skips the epoch's first batches through a loader
+    that is not the user-level one (its batches carry no users). It was refused as 'a physical
+    batch came without its users'; the refusal now names the cause and ignore_data_skip=True
+    (Poisson draws are fresh: nothing to skip), with which the run resumes."""
+
+    def trainer(steps: int, **kw):
+        model = tiny_llama()
+        return DPTrainer(
+            model=model, args=training_args(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=1,
+                                            max_steps=steps, remove_unused_columns=False, save_strategy="steps",
+                                            save_steps=1, **kw),
+            train_dataset=user_rows(), data_collator=pad,
+            privacy=PrivacyArguments(noise_multiplier=1.0, delta=1e-5, privacy_unit="user", user_column="author"),
+        )
+
+    trainer(1).train()  # 4 steps per epoch (q_u = 1/4): checkpoint-1 is mid-epoch
+    checkpoint = str(tmp_path / "out" / "checkpoint-1")
+    with pytest.raises(ValueError, match=r"resumed mid-epoch.*skips.*ignore_data_skip=True"):
+        trainer(2).train(resume_from_checkpoint=checkpoint)
+    resumed = trainer(2, ignore_data_skip=True)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert resumed.privacy_steps() == 2
