@@ -135,7 +135,8 @@ def test_a_dataset_replaced_between_two_trains_at_another_rate_is_refused(tmp_pa
         model=model, args=training_args(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=1,
                                         max_steps=1, remove_unused_columns=False),
         train_dataset=user_rows(), data_collator=pad,
-        privacy=PrivacyArguments(noise_multiplier=1.0, delta=1e-5, privacy_unit="user", user_column="author"),
+        privacy=PrivacyArguments(noise_multiplier=1.0, delta=1e-5, privacy_unit="user", user_column="author",
+                                 **FORMS["bookkeeping"]),
     )
     trainer.train()
     assert trainer.accountant.history[0][1] == pytest.approx(1 / 4)
@@ -228,7 +229,8 @@ def test_resuming_mid_epoch_names_ignore_data_skip(tmp_path):
                                             max_steps=steps, remove_unused_columns=False, save_strategy="steps",
                                             save_steps=1, **kw),
             train_dataset=user_rows(), data_collator=pad,
-            privacy=PrivacyArguments(noise_multiplier=1.0, delta=1e-5, privacy_unit="user", user_column="author"),
+            privacy=PrivacyArguments(noise_multiplier=1.0, delta=1e-5, privacy_unit="user", user_column="author",
+                                     **FORMS["bookkeeping"]),
         )
 
     trainer(1).train()  # 4 steps per epoch (q_u = 1/4): checkpoint-1 is mid-epoch
