@@ -206,16 +206,27 @@ def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
         )
     if column not in names:
         raise ValueError(f"user_column={column!r} is not a column of train_dataset; its columns: {names}")
-    try:  # each id read as its units.user_key, as make_private's user_ids
-        return UserIndex(dataset[column], len(dataset), privacy.max_examples_per_user)
+    # the stored values, whatever the dataset's format (with_format("torch") would give 0-d
+    # tensors, hashed by identity): ids compared by value, each read as its units.user_key
+    ids = dataset.with_format(None)[column] if hasattr(dataset, "with_format") else dataset[column]
+    try:
+        return UserIndex(ids, len(dataset), privacy.max_examples_per_user)
     except ValueError as error:
         raise ValueError(f"user_column={column!r}: {error}") from None
 
 
-def check_units(privacy: PrivacyArguments, units: Optional[RowUnits]) -> Optional[RowUnits]:
+def check_units(privacy: PrivacyArguments, units: Optional[RowUnits], skipping: bool = False) -> Optional[RowUnits]:
     """``units``, the units a physical batch carried; a user-level one must carry them (from
-    the private Trainer's user-level loader)."""
+    the private Trainer's user-level loader). ``skipping``: the run resumed from a checkpoint
+    without ``ignore_data_skip`` (the Trainer skips a resumed epoch's first batches through a
+    loader of its own, whose batches carry no users)."""
     if privacy.user_level and units is None:
+        if skipping:
+            raise ValueError(
+                "privacy_unit='user': the run resumed mid-epoch, and the Trainer skips the epoch's first "
+                "batches through a loader of its own, whose batches carry no users; set "
+                "TrainingArguments(ignore_data_skip=True): every Poisson draw is fresh, there is nothing to skip"
+            )
         raise ValueError(
             "privacy_unit='user': a physical batch came without its users (it is not from the private "
             "Trainer's user-level Poisson loader). " + _LOADING_ACCEPTED
@@ -260,8 +271,9 @@ def check_loader(trainer: Trainer, made: Optional[DataLoader]) -> None:
         "the loader the training loop iterates is not the private Trainer's Poisson loader"
         if loader is None or loader is not made or not ok
         else "its Poisson sampler was not drawn from" if sampler.draws == 0
-        else f"its sampler draws at rate {sampler.sample_rate}, not the charged {trainer.sample_rate}"
-        if sampler.sample_rate != trainer.sample_rate
+        else f"its sampler draws at rate {sampler.sample_rate}, not the charged {trainer._dp_rate} (train_dataset "
+        "replaced between two train() calls? Construct a new private Trainer for a new dataset)"
+        if sampler.sample_rate != trainer._dp_rate
         else "its sampler's split, rank, world size or dataset size differ from the Trainer's"
         if (sampler.micro_batches, sampler.rank, sampler.world_size, sampler.num_samples)
         != (trainer.args.gradient_accumulation_steps, trainer.args.process_index, trainer.args.world_size,
