@@ -119,6 +119,15 @@ def digests(tensors: List[torch.Tensor]) -> torch.Tensor:
 _HOLDERS = (torch.Tensor, list, tuple, dict)
 
 
+class Changes(NamedTuple):
+    """What :meth:`ForwardChanges.take` saw: a tensor added, removed or of another kind (known on
+    the host), whether a digest changed (a device bool; None: nothing compared), and the names."""
+
+    structural: bool
+    flag: Optional[torch.Tensor]
+    names: Any  # () -> List[str]
+
+
 def _tensors(value: Any, name: str, out: List[Tuple[str, torch.Tensor]], depth: int = 0) -> None:
     """Append the tensors a module attribute holds, itself or in lists, tuples and dicts (3
     levels), to ``out``."""
@@ -199,36 +208,42 @@ class ForwardChanges:
             seen[name] = _Seen(what, t, (t.dtype, tuple(t.shape), t.device), slots[id(t)])
         return seen, {device: digests(ts) for device, ts in unique.items()}
 
-    def take(self) -> List[str]:
-        """What changed since the first forward pass after the last call (``"buffer
-        'm.running' was changed in place"``, ...); watching starts again at the next forward
-        pass. Waits for the device (one comparison per device)."""
+    def take(self) -> "Changes":
+        """What changed since the first forward pass after the last call; watching starts again
+        at the next forward pass. No host synchronisation: a change of value is a device flag."""
         if self._before is None:
-            return []
+            return Changes(False, None, list)
         (before, digests), (after, now) = self._before, self._snapshot()
         self._before = None
         pairs = [(n, b.slot, after[n].slot, b.kind[2]) for n, b in before.items()
                  if n in after and b.kind == after[n].kind]
-        differs = set()
+        compared = {}  # device -> (names, whether each digest differs)
         for device, old in digests.items():
             on = [p for p in pairs if p[3] == device]
             if on:
-                ne = (old[[p[1] for p in on]] != now[device][[p[2] for p in on]]).tolist()
-                differs.update(p[0] for p, d in zip(on, ne) if d)
-        changed: List[str] = []
-        for name in {**before, **after}:  # the names before the forward pass first
-            b, a = before.get(name), after.get(name)
-            if b is None or a is None:
-                how = "added" if b is None else "removed"
-            elif b.kind != a.kind or name in differs:
-                how = "changed in place" if b.tensor is a.tensor else "replaced"
-            else:
-                continue
-            what = (b or a).what
-            message = f"{what} {name.split('[')[0] if what == 'attribute' else name!r} was {how}"
-            if message not in changed:  # a list attribute: named once
-                changed.append(message)
-        return changed
+                compared[device] = ([p[0] for p in on], old[[p[1] for p in on]] != now[device][[p[2] for p in on]])
+        structural = before.keys() != after.keys() or len(pairs) != len(before)
+        flags = [ne.any() for _, ne in compared.values()]
+        flag = None if not flags else torch.stack([f.to(flags[0].device) for f in flags]).any()
+
+        def names() -> List[str]:  # (waits for the device: for the refusal's message only)
+            differs = {n for names_on, ne in compared.values() for n, d in zip(names_on, ne.tolist()) if d}
+            changed: List[str] = []
+            for name in {**before, **after}:  # the names before the forward pass first
+                b, a = before.get(name), after.get(name)
+                if b is None or a is None:
+                    how = "added" if b is None else "removed"
+                elif b.kind != a.kind or name in differs:
+                    how = "changed in place" if b.tensor is a.tensor else "replaced"
+                else:
+                    continue
+                what = (b or a).what
+                message = f"{what} {name.split('[')[0] if what == 'attribute' else name!r} was {how}"
+                if message not in changed:  # a list attribute: named once
+                    changed.append(message)
+            return changed
+
+        return Changes(structural, flag, names)
 
     def _forward_starts(self, _module: nn.Module, _args: Any) -> None:
         if self._before is None:

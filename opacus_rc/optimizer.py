@@ -104,7 +104,7 @@ class RandomizedClippingMixin:
         #: whether every gradient a step would release came through the form's clip
         self.clip_guard = self.clip_guard_class(self)
         self._forward_changes: Optional[ForwardChanges] = None  # see bind_module()
-        self._forward_changed: List[str] = []  # what it saw, when the ranks decide together
+        self._forward_changed: Callable[[], List[str]] = list  # what it saw: decided with the step's flags
 
     @property
     def accumulated_iterations(self) -> int:
@@ -284,21 +284,22 @@ class RandomizedClippingMixin:
         self._forward_changes = ForwardChanges(watched_model(module), outer=module)
 
     def _check_forward_changes(self) -> None:
-        """Refuse the step (ValueError naming them) when a forward pass of the model changed
-        a parameter or buffer since the last step; nothing is released, the step's clipped
-        sums are dropped. Distributed: decided with the step's device flags, agreed across
-        ranks (:data:`~opacus_rc.finite.FORWARD_CHANGE`; no host synchronisation)."""
+        """Refuse the step (naming them) when a forward pass of the model changed a parameter,
+        buffer or module attribute since the last step; nothing is released, the step's clipped
+        sums are dropped. A changed value is decided with the step's device flags (agreed across
+        ranks: :data:`~opacus_rc.finite.FORWARD_CHANGE`; no host synchronisation of its own)."""
         watch = self._forward_changes
-        changed = [] if watch is None else watch.take()
-        if not changed:
+        if watch is None:
             return
-        if self.refusals_across_ranks:
-            self._forward_changed = changed
+        structural, flag, names = watch.take()
+        if structural and not self.refusals_across_ranks:
+            self.drop_step()
+            raise watch.refusal(names())
+        if structural or flag is not None:
+            self._forward_changed = names
             device = next((p.device for p in self.params), torch.device("cpu"))
-            self.note_finite(FORWARD_CHANGE, torch.full((), float("inf"), device=device))
-            return
-        self.drop_step()
-        raise watch.refusal(changed)
+            changed = torch.full((), True, device=device) if structural else flag.to(device)
+            self.note_finite(FORWARD_CHANGE, torch.where(changed, float("inf"), 0.0))
 
     def bound_module(self) -> Any:
         """The grad-sample module this optimizer follows (:meth:`bind_module`); None if none."""
@@ -386,8 +387,8 @@ class RandomizedClippingMixin:
             outside = self.clip_guard.refusal(flags)
             if outside is not None:
                 raise outside
-            if FORWARD_CHANGE in flags:
-                changed, self._forward_changed = self._forward_changed, []
+            if FORWARD_CHANGE in flags and not bool(flags[FORWARD_CHANGE]):
+                changed, self._forward_changed = self._forward_changed(), list
                 raise ForwardChanges.refusal(changed)
             self.clip_guard.clear_flags()
             raise FloatingPointError(

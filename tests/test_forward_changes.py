@@ -130,10 +130,10 @@ def test_the_watch_reports_once_and_stops_when_removed():
     model = RunningMean()
     watch = ForwardChanges(watched_model(model))
     model(torch.randn(2, 4))
-    assert watch.take() == ["buffer 'running' was changed in place"] and watch.take() == []
+    assert watch.take().names() == ["buffer 'running' was changed in place"] and watch.take().names() == []
     watch.remove()
     model(torch.randn(2, 4))
-    assert watch.take() == []
+    assert watch.take().names() == []
 
 
 # --- issue 46, path 4: changes the version counters and the forward's own hooks did not see ----
