@@ -8,6 +8,7 @@ rows moves it by at most C / normaliser. Tolerance: float32 summation order (1e-
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from tests.spawn import spawn
 WORLD, C, NORMALISER = 2, 0.05, 6
 
 
-def worker(rank, init_file, form, drop_user, out_dir):
+def worker(rank, init_file, form, drop_user, out_dir, stop_inside=False):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     data, owners = user_data()
     owner_of_row = list(owners)  # by the original row index, the data's third column
@@ -43,15 +44,31 @@ def worker(rank, init_file, form, drop_user, out_dir):
         max_grad_norm=C, clipping="randomized", privacy_unit="user", user_ids=owners, max_examples_per_user=64,
         sample_rate=1.0, seed=2, **FORMS[form],
     )
-    rows = one_logical_step(*out)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if stop_inside:  # `if i == stop: break` after the draw's first physical batch (its first row)
+            x, y, _ = next(iter(out[-1]))
+            _ce(out[0], x, y).backward()
+            out[1].step()
+            out[1].zero_grad()
+        rows = one_logical_step(*out)
     torch.save({"params": model.state_dict(), "users": sorted({owner_of_row[r] for r in rows}),
-                "optimizer": type(out[1]).__name__}, os.path.join(out_dir, f"rank{rank}.pt"))
+                "optimizer": type(out[1]).__name__, "dropped": any("left after 1 of its" in str(w.message) for w in caught)},
+               os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("form", ["bookkeeping", "per_example", "two_pass"])
-def test_ddp_user_level_equals_brute_force_over_all_users(form):
-    ranks = spawn(worker, WORLD, form, None)
+def stopped_worker(rank, init_file, form, out_dir):
+    worker(rank, init_file, form, None, out_dir, stop_inside=True)
+
+
+@pytest.mark.parametrize("form, stop_inside", [("bookkeeping", False), ("per_example", False), ("two_pass", False),
+                                               ("per_example", True)])
+def test_ddp_user_level_equals_brute_force_over_all_users(form, stop_inside):
+    """``stop_inside``: a loop stopped after the first row of a draw, then iterated again (issue 46
+    path 1): each rank drops its stopped draw (a warning), and the release is the next draw's."""
+    ranks = spawn(stopped_worker, WORLD, form) if stop_inside else spawn(worker, WORLD, form, None)
+    assert all(r["dropped"] == stop_inside for r in ranks)
     assert ranks[0]["optimizer"].startswith("Distributed")
     assert set(ranks[0]["users"]).isdisjoint(ranks[1]["users"])  # each user on one rank
     data, owners = user_data()
