@@ -43,6 +43,7 @@ SLOW_TESTS = (
     "test_norm_sampler_memory_linear_in_t_while_ghost_is_quadratic",  # a memory claim (docs/benchmarks.md)
     # the README's other blocks as pasted (docs); fast: the quickstart block runs and learns
     "test_every_other_block_runs_as_pasted_or_is_a_labelled_excerpt",
+    "test_user_level_example_reports_epsilon_per_movie_and_both_accuracies",  # an example end to end
 )
 #: parametrised sweeps: the cases that stay in the fast suite (each form, path and option
 #: value at least once); the other cases of the sweep run in the slow suite. A name here that
