@@ -220,6 +220,7 @@ def run_arm(arm: str, eps: Optional[float], seed: int, data: Data, args) -> Resu
 
     import opacus_rc  # noqa: F401  registers clipping="randomized" and accountant="rc_prv"
     from opacus_rc.accounting import get_group_noise_multiplier
+    from opacus_rc.units import user_epoch_draws
 
     sched = plan(data, args)
     steps, batch = sched["steps"], max(1, round(sched["rows_per_step"]))
@@ -240,7 +241,8 @@ def run_arm(arm: str, eps: Optional[float], seed: int, data: Data, args) -> Resu
                                              batch_size=args.users_per_step)
         head, opt, loader = engine.make_private_with_epsilon(
             module=head, optimizer=opt, data_loader=loader, target_epsilon=eps, target_delta=args.delta,
-            epochs=args.user_epochs, privacy_unit="user", user_ids=data.movie_train,
+            # calibrated for the `steps` _train runs (epochs x round(1 / q_u) draws of the loader)
+            epochs=steps / user_epoch_draws(sched["q_u"]), privacy_unit="user", user_ids=data.movie_train,
             max_examples_per_user=args.k, max_grad_norm=args.clip, clipping="randomized",
             grad_sample_mode="bookkeeping", per_example_backward=False, poisson_sampling=True, seed=seed)
         per_step = _train(head, opt, loader, steps, args.progress, desc)

@@ -1,14 +1,14 @@
-"""Physical batches of Poisson draws, delivered in step with ``optimizer.step()``.
+"""One Poisson draw, one value from the loader to the noise.
 
-A loader that cuts each Poisson draw into physical batches tells the optimizer, through
-Opacus's skip signals (a queue popped by each ``step()``), which batch ends its draw; a script
-calling ``step()`` every ``k`` batches would pop them out of step with its batches, and a
-release would hold part of a draw, or a draw twice. :class:`DrawLoader` counts the physical
-batches it delivers (in the main process), and the plugin's optimizer refuses a ``step()``
-that does not follow exactly one of them
-(:meth:`~opacus_rc.optimizer.RandomizedClippingMixin.check_draw_boundary`): one release, one
-Poisson draw (docs/forms.md). It also hands each batch to the per-example form's module
-(``note_batch``), which holds every forward to the batch in hand.
+The plugin's loaders (the user-level loader, the per-example form's and BatchMemoryManager's
+splits) deliver each physical batch with a :class:`Batch`: its :class:`Draw` (an identity
+and its number of physical batches), its place in it (``index`` of ``draw.batches``) and its
+rows' units (:class:`~opacus_rc.units.RowUnits`; example level: each row its own unit). The
+script still unpacks ``x, y``: the loader hands the batch's tensors and their :class:`Batch`
+to the optimizer's :class:`Delivered`, and a training forward finds its :class:`Batch` again
+by the tensors it takes (:meth:`Delivered.find`). The clipped sums belong to a draw: a step
+releases exactly one complete draw, and a draw left incomplete when another begins is
+dropped, never released (docs/forms.md, "One draw, one release").
 
 ``import opacus_rc`` makes ``opacus.utils.batch_memory_manager.wrap_data_loader``
 (BatchMemoryManager's) :func:`split_draws` (:data:`opacus_rc.registration.PATCHES`).
@@ -16,14 +16,229 @@ Poisson draw (docs/forms.md). It also hands each batch to the per-example form's
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional
+import collections
+import math
+import weakref
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Deque, Iterator, List, Optional, Tuple
 
+import numpy as np
+import torch
 from opacus.utils.batch_memory_manager import BatchSplittingSampler
-from torch.utils.data import DataLoader
+from torch.utils._pytree import tree_leaves
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .optimizer import RandomizedClippingMixin
-from .units import RecordingBatchSampler, UserDataLoader, UserIndex, delivered_units
+from .csprng import init_poisson_loader, rank_share
+from .units import EXAMPLES, RowUnits, UserIndex, UserPoissonSampler
+from .values import EXAMPLE_UNIT
 
+
+class Draw:
+    """One Poisson draw, cut into ``batches`` physical batches (compared by identity).
+    ``signalled``: its end is told by Opacus's skip signals (``signal_skip_step``: the private
+    Trainer, a script that accumulates by hand), not by its batches."""
+
+    __slots__ = ("batches", "signalled", "__weakref__")
+
+    def __init__(self, batches: int, signalled: bool = False) -> None:
+        self.batches, self.signalled = batches, signalled
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """A physical batch: physical batch ``index`` of ``draw`` and its rows' ``units``."""
+
+    draw: Draw
+    index: int
+    units: RowUnits
+
+    @property
+    def last(self) -> bool:
+        """It completes its draw: the step after it releases the draw."""
+        return self.index == self.draw.batches - 1
+
+    def units_of(self, rows: int) -> RowUnits:
+        """Its units, for a layer that saw ``rows`` rows (refused when they differ)."""
+        if len(self.units) != rows:
+            raise ValueError(
+                f"a layer saw {rows} rows of a batch of {len(self.units)} that the loader make_private returned "
+                "delivered: every trainable layer must see the whole batch along dimension 0 (train on the "
+                "returned loader's batches, one forward each)"
+            )
+        return self.units
+
+
+def signalled_batches(units: RowUnits, one_row_each: bool) -> List[Batch]:
+    """The private Trainer's physical batch of ``units`` (its draw's end told by Opacus's skip
+    signals) as the batches its forwards take: the whole batch, or one row each (the per-example
+    form: a unit's running sum spans them)."""
+    parts = [units.rows(i, i + 1) for i in range(len(units))] if one_row_each else [units]
+    draw = Draw(len(parts), signalled=True)
+    return [Batch(draw, i, part) for i, part in enumerate(parts)]
+
+
+class Rows(Batch):
+    """A batch no plugin loader delivered (example level): each row a unit, its draw's end told
+    by Opacus's skip signals (each step a draw of its own unless signalled otherwise)."""
+
+    def __init__(self) -> None:
+        super().__init__(Draw(1, signalled=True), 0, RowUnits.singletons(0))
+
+    def units_of(self, rows: int) -> RowUnits:
+        return RowUnits.singletons(rows)
+
+
+class NoBatch(Batch):
+    """Before a training forward of the model took a batch: no layer can be clipped."""
+
+    def __init__(self) -> None:
+        super().__init__(Draw(1, signalled=True), 0, RowUnits.singletons(0))
+
+    def units_of(self, rows: int) -> RowUnits:
+        raise unannounced_batch_error()
+
+
+def _chunks(units: RowUnits, max_rows: Optional[int]) -> List[Tuple[int, int]]:
+    """A draw's rows cut into physical batches of at most ``max_rows`` (None: one batch):
+    Opacus's ``np.array_split`` when each unit is one row, else whole units packed in order
+    (``max_rows=1``: one row each, a unit's rows spread over batches: the per-example form)."""
+    rows = len(units)
+    if max_rows is None or rows == 0:
+        return [(0, rows)]
+    if max_rows == 1 or units.one_row_each:
+        sizes = [len(part) for part in np.array_split(np.arange(rows), math.ceil(rows / max_rows))]
+    else:
+        sizes, last = [], units.last.tolist()
+        start = 0
+        for end in range(1, rows + 1):
+            if not last[end - 1]:
+                continue  # inside one unit's rows
+            if sizes and sizes[-1] + end - start <= max_rows:
+                sizes[-1] += end - start
+            else:
+                sizes.append(end - start)
+            start = end
+    bounds = np.cumsum([0] + sizes).tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class DrawSampler(Sampler[List[int]]):
+    """The physical batches of a Poisson batch sampler's draws (``max_batch_size`` rows at
+    most; None: a draw is one batch), each with its :class:`Batch`, kept until the loader
+    delivers it (:attr:`pending`: the loader fetches in order, its workers too)."""
+
+    def __init__(self, poisson: Any, index: Any, max_batch_size: Optional[int] = None) -> None:
+        if max_batch_size is not None and 1 < max_batch_size < index.max_examples_per_user:
+            raise ValueError(
+                f"max_physical_batch_size={max_batch_size} is below max_examples_per_user="
+                f"{index.max_examples_per_user}: at privacy_unit='user' a physical batch holds whole users; "
+                "accepted values: max_physical_batch_size >= max_examples_per_user, or 1 with "
+                "per_example_backward=True (one row per backward pass)"
+            )
+        self.poisson, self.index, self.max_batch_size = poisson, index, max_batch_size
+        self.pending: Deque[Batch] = collections.deque()
+
+    def __len__(self) -> int:
+        """Opacus's ``BatchSplittingSampler``'s: the expected number of physical batches."""
+        if self.max_batch_size is None:
+            return len(self.poisson)
+        return BatchSplittingSampler.__len__(SimpleNamespace(sampler=self.poisson, max_batch_size=self.max_batch_size))
+
+    def __iter__(self) -> Iterator[List[int]]:
+        self.pending.clear()
+        for rows in self.poisson:
+            rows = [int(r) for r in rows]
+            units = self.index.units_of(rows)
+            bounds = _chunks(units, self.max_batch_size)
+            draw = Draw(len(bounds))
+            for i, (start, stop) in enumerate(bounds):
+                self.pending.append(Batch(draw, i, units.rows(start, stop)))
+                yield rows[start:stop]
+
+    def __getattr__(self, name: str) -> Any:  # sample_rate, ...: the Poisson sampler's
+        if name in ("poisson", "index", "max_batch_size", "pending"):
+            raise AttributeError(name)
+        return getattr(self.poisson, name)
+
+
+# --- finding a forward's batch by the tensors it takes ------------------------------------
+
+def _same_memory(t: torch.Tensor, b: torch.Tensor) -> bool:
+    return t.device == b.device and t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _same_values(t: torch.Tensor, b: torch.Tensor) -> bool:
+    """A copy of ``b`` (moved to a device, cast): the same elements in order."""
+    return t.numel() == b.numel() and t.numel() > 0 and torch.equal(
+        t.detach().reshape(-1), b.detach().reshape(-1).to(device=t.device, dtype=t.dtype)
+    )
+
+
+class Delivered:
+    """The last ``keep`` batches a plugin loader delivered, found again by the tensors a
+    forward takes (:meth:`find`): the tensor itself, a view of it, or a copy of it."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self._recent: Deque[Tuple[List[torch.Tensor], Batch]] = collections.deque(maxlen=keep)
+        #: a plugin loader delivered to this optimizer: every training forward must take its batches
+        self.bound = False
+
+    def add(self, data: Any, batch: Batch) -> None:
+        self.bound = True
+        self._recent.append(([t for t in tree_leaves(data) if isinstance(t, torch.Tensor)], batch))
+
+    def find(self, inputs: Any, every: bool = False) -> Optional[Batch]:
+        """The delivered :class:`Batch` whose tensors ``inputs`` (a forward's arguments) holds
+        (None: none of them; ``every``: each tensor of ``inputs`` must be of it, else refused).
+        Raises ValueError when several delivered batches match."""
+        tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        for match in (lambda t, b: t is b, _same_memory, _same_values):
+            found = {id(batch): (data, batch) for data, batch in self._recent
+                     if any(match(t, b) for t in tensors for b in data)}
+            if len(found) > 1:
+                raise ValueError(
+                    "a forward pass took tensors of several batches the loader make_private returned "
+                    "delivered (or copies equal to several): each forward must take one batch"
+                )
+            if found:
+                data, batch = found.popitem()[1]
+                foreign = [t for t in tensors if not any(m(t, b) for m in (_same_memory, _same_values) for b in data)]
+                if every and foreign and not batch.draw.signalled:  # (the Trainer adds position ids)
+                    raise unannounced_batch_error(foreign[0])
+                return batch
+        return None
+
+
+def unannounced_batch_error(tensor: Optional[torch.Tensor] = None) -> ValueError:
+    """The refusal of a training forward on tensors no batch of the followed loader holds."""
+    which = "tensors" if tensor is None else f"a tensor of shape {tuple(tensor.shape)}"
+    return ValueError(
+        f"a training forward pass took {which} of a batch the loader make_private returned did not deliver "
+        "(privacy_unit='user', or a loader that splits Poisson draws: the per-example form's, "
+        "BatchMemoryManager's): its rows' units and draw are unknown. Give the model the loader's batch "
+        "(moved to the device, cast or sliced: any view or copy of it), one forward per batch; transform "
+        "the data in the dataset (loader.follow(optimizer) for objects built by hand)"
+    )
+
+
+def accumulation_error(batches: int) -> ValueError:
+    """The refusal of a ``step()`` that does not follow exactly one physical batch."""
+    return ValueError(
+        f"optimizer.step() refused: it followed {batches} physical batches of the loader that splits Poisson draws "
+        "(the per-example form's loader, or BatchMemoryManager's); each physical batch must be "
+        "followed by exactly one optimizer.step() (it only accumulates until the draw ends, then "
+        "releases the whole draw), else a release holds part of a draw or one draw's examples "
+        "twice, charged as fewer micro-batches. To accumulate a larger logical batch, raise the "
+        "sampling rate (a larger batch_size of the loader given to make_private, with "
+        "BatchMemoryManager(max_physical_batch_size=1) over the returned loader), or use "
+        "DPTrainer's gradient_accumulation_steps; never call step() every k batches. Nothing "
+        "was released or charged; a refusal must end the run"
+    )
+
+
+
+# --- the loaders ------------------------------------------------------------------------------
 
 #: the options of a loader its split keeps (as Opacus's ``wrap_data_loader``)
 _LOADER_OPTIONS = (
@@ -32,126 +247,186 @@ _LOADER_OPTIONS = (
 )
 
 
-def _split_loader_kwargs(data_loader: DataLoader, max_batch_size: int, optimizer: Any) -> Dict[str, Any]:
-    """Opacus's ``wrap_data_loader``: ``data_loader`` with its batch sampler split (a
-    recording wrapper of a user-level loader's unwrapped: the new loader records its own)."""
-    sampler = data_loader.batch_sampler
-    if isinstance(sampler, RecordingBatchSampler):
-        sampler = sampler.batch_sampler
-    split = BatchSplittingSampler(sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer)
-    options = {name: getattr(data_loader, name) for name in _LOADER_OPTIONS}
-    return dict(dataset=data_loader.dataset, batch_sampler=split, **options)
-
-
-class UserBatchSplittingSampler(BatchSplittingSampler):
-    """BatchMemoryManager's split of a user-level draw (``max_batch_size > 1``): physical batches
-    of whole users, packed in draw order up to ``max_batch_size`` rows (a form clipping the users
-    of one physical batch sees each whole); draw boundaries signalled as Opacus's splitter does.
-
-    Raises:
-        ValueError: ``max_batch_size`` below ``max_examples_per_user`` (a user could not fit).
-    """
-
-    def __init__(self, *, sampler: Any, max_batch_size: int, optimizer: Any, index: UserIndex) -> None:
-        if max_batch_size < index.max_examples_per_user:
-            raise ValueError(
-                f"max_physical_batch_size={max_batch_size} is below max_examples_per_user="
-                f"{index.max_examples_per_user}: at privacy_unit='user' a physical batch holds whole users; "
-                "accepted values: max_physical_batch_size >= max_examples_per_user, or 1 with "
-                "per_example_backward=True (one row per backward pass)"
-            )
-        super().__init__(sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer)
-        self.index = index
-
-    def __len__(self) -> int:
-        return len(self.sampler)  # at least one physical batch per draw (their number is random)
-
-    def __iter__(self) -> Iterator[List[int]]:
-        for draw in self.sampler:
-            chunks = self._whole_users(draw) or [[]]
-            for chunk in chunks[:-1]:
-                self.optimizer.signal_skip_step(do_skip=True, same_draw=True)
-                yield chunk
-            self.optimizer.signal_skip_step(do_skip=False)
-            yield chunks[-1]
-
-    def _whole_users(self, draw: List[int]) -> List[List[int]]:
-        """``draw`` cut between users (a user's rows are contiguous) into chunks of at most
-        ``max_batch_size`` rows."""
-        chunks: List[List[int]] = []
-        users = self.index.user_of_row[list(draw)].tolist() if draw else []
-        start = 0
-        for end in range(1, len(draw) + 1):
-            if end < len(draw) and users[end] == users[end - 1]:
-                continue  # inside one user's rows
-            if chunks and len(chunks[-1]) + end - start <= self.max_batch_size:
-                chunks[-1].extend(draw[start:end])
-            else:
-                chunks.append(list(draw[start:end]))
-            start = end
-        return chunks
-
-
 class DrawLoader(DataLoader):
-    """``data_loader`` with its batch sampler split into physical batches of at most
-    ``max_batch_size`` rows (Opacus's :class:`BatchSplittingSampler`, which signals the draw
-    boundaries), each delivered batch reported to ``optimizer`` (a plugin optimizer) and to
-    the per-example module it follows, if any."""
+    """A loader over a :class:`DrawSampler`: each physical batch handed, with its
+    :class:`Batch`, to the optimizer it follows (:meth:`follow`) before the script gets it."""
 
-    def __init__(self, *, data_loader: DataLoader, max_batch_size: int, optimizer: Any) -> None:
-        kwargs = _split_loader_kwargs(data_loader, max_batch_size, optimizer)
-        #: a user-level loader's index: each physical batch's users are announced
-        self.user_index: Optional[UserIndex] = (
-            data_loader.user_index if isinstance(data_loader, (UserDataLoader, DrawLoader)) else None
-        )
-        if self.user_index is not None:
-            if isinstance(data_loader, UserDataLoader) and max_batch_size > 1:  # whole users per batch
-                kwargs["batch_sampler"] = UserBatchSplittingSampler(
-                    sampler=kwargs["batch_sampler"].sampler, max_batch_size=max_batch_size, optimizer=optimizer,
-                    index=self.user_index,
-                )
-            kwargs["batch_sampler"] = RecordingBatchSampler(kwargs["batch_sampler"])
-        super().__init__(**kwargs)
-        self.draw_optimizer = optimizer
+    _followed: Optional[Any] = None
+
+    def follow(self, optimizer: Any) -> None:
+        """Deliver each batch to ``optimizer`` (``make_private`` links the pair it returns)."""
+        self._followed = weakref.ref(optimizer)
 
     @property
-    def rows_per_batch(self) -> int:
-        """The most dataset rows a delivered batch holds (the smallest of nested splits)."""
-        sizes, sampler = [], self.batch_sampler
-        if isinstance(sampler, RecordingBatchSampler):
-            sampler = sampler.batch_sampler
-        while isinstance(sampler, BatchSplittingSampler):
-            sizes.append(sampler.max_batch_size)
-            sampler = sampler.sampler
-        return min(sizes)
+    def user_index(self) -> Any:
+        """Who owns each dataset row (:data:`~opacus_rc.units.EXAMPLES` at example level)."""
+        return self.batch_sampler.index
+
+    @property
+    def rows_per_batch(self) -> Optional[int]:
+        """The most dataset rows a delivered batch holds (None: a whole draw)."""
+        return self.batch_sampler.max_batch_size
 
     def __iter__(self) -> Iterator[Any]:
-        optimizer = self.draw_optimizer
-        bound = optimizer.bound_module()
-        module = bound if self.rows_per_batch == 1 else None  # every form's module takes note_batch
-        source = object()  # this iteration
-        batches = super().__iter__()
-        if self.user_index is not None:
-            batches = delivered_units(batches, self.batch_sampler, self.user_index, optimizer.note_units)
-        optimizer.start_physical_batches()
-        try:
-            for batch in batches:
-                optimizer.note_physical_batch()
-                if module is not None:
-                    module.note_batch(batch, source)
-                yield batch
-        finally:
-            optimizer.end_physical_batches()
-            if module is not None:
-                module.note_batch(None, source)
+        optimizer = None if self._followed is None else self._followed()
+        if optimizer is None:
+            raise ValueError(
+                "this loader delivers each batch to the optimizer make_private returned with it "
+                "(loader.follow(optimizer) for objects built by hand)"
+            )
+        pending = self.batch_sampler.pending
+        for data in super().__iter__():
+            optimizer.delivered.add(data, pending.popleft())
+            yield data
+
+
+class UserDataLoader(DrawLoader):
+    """The loader ``make_private(..., privacy_unit="user")`` returns: one batch per draw of
+    :class:`~opacus_rc.units.UserPoissonSampler` (Opacus's ``DPDataLoader`` conventions: the
+    collate function wrapped for empty draws).
+
+    Args:
+        dataset: the dataset.
+        index: its :class:`~opacus_rc.units.UserIndex`.
+        sample_rate: q_u.
+        generator: of the masks and subsets (a ``torch.Generator``, or the CSPRNG); under
+            DDP this rank's own.
+        distributed: sample this rank's share of the users.
+        **kwargs: the worker and collate settings of the loader it replaces.
+    """
+
+    def __init__(self, dataset: Dataset, *, index: UserIndex, sample_rate: float, generator: Any = None,
+                 distributed: bool = False, **kwargs: Any) -> None:
+        self.sample_rate = float(sample_rate)
+        self.distributed = distributed
+        sampler = UserPoissonSampler(index, sample_rate, generator, **rank_share(distributed))
+        init_poisson_loader(self, dataset, DrawSampler(sampler, index), **kwargs)
 
 
 def split_draws(*, data_loader: DataLoader, max_batch_size: int, optimizer: Any) -> DataLoader:
-    """Opacus's ``wrap_data_loader`` (BatchMemoryManager's): a :class:`DrawLoader` for a
-    plugin optimizer, Opacus's own loader otherwise."""
-    if not isinstance(optimizer, RandomizedClippingMixin):  # Opacus's optimizer: Opacus's loader
-        return DataLoader(**_split_loader_kwargs(data_loader, max_batch_size, optimizer))
-    return DrawLoader(data_loader=data_loader, max_batch_size=max_batch_size, optimizer=optimizer)
+    """Opacus's ``wrap_data_loader`` (BatchMemoryManager's): ``data_loader``'s draws cut into
+    physical batches of at most ``max_batch_size`` rows (a :class:`DrawLoader` following
+    ``optimizer``, a plugin optimizer); Opacus's own loader for Opacus's optimizers."""
+    sampler = data_loader.batch_sampler
+    if not hasattr(optimizer, "delivered"):  # Opacus's optimizer
+        sampler = BatchSplittingSampler(sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer)
+        return DataLoader(dataset=data_loader.dataset, batch_sampler=sampler, **_options(data_loader))
+    if isinstance(sampler, DrawSampler):  # a loader of the plugin's: its draws, split (again)
+        if sampler.max_batch_size is not None and sampler.max_batch_size > max_batch_size:
+            raise ValueError(
+                f"BatchMemoryManager(max_physical_batch_size={max_batch_size}) over a loader already split "
+                f"into physical batches of up to {sampler.max_batch_size}: give the unsplit Poisson loader, "
+                f"or a max_physical_batch_size of at least {sampler.max_batch_size}"
+            )
+        size = max_batch_size if sampler.max_batch_size is None else sampler.max_batch_size
+        sampler = DrawSampler(sampler.poisson, sampler.index, size)
+    else:
+        sampler = DrawSampler(sampler, EXAMPLES, max_batch_size)
+    loader = DrawLoader(dataset=data_loader.dataset, batch_sampler=sampler, **_options(data_loader))
+    loader.follow(optimizer)
+    return loader
 
 
-__all__ = ["DrawLoader", "UserBatchSplittingSampler", "split_draws"]
+def _options(data_loader: DataLoader) -> dict:
+    return {name: getattr(data_loader, name) for name in _LOADER_OPTIONS}
+
+
+# --- the module side: the batch each training forward took -------------------------------------
+
+class BatchReader:
+    """What every form's module shares (its per-batch entry point, :meth:`take_batch`): the
+    :class:`Batch` of the model's training forward, found by the tensors it takes among those
+    the followed optimizer's loader delivered (:class:`Delivered`), read by the layers' hooks
+    (:attr:`batch`) and by the optimizer's step (:meth:`take_step_batches`)."""
+
+    #: what the followed optimizer's steps protect (``"example"``/``"user"``; its ``bind_module`` sets it)
+    privacy_unit: str = EXAMPLE_UNIT
+    #: every tensor argument of a forward must come from the delivered batch (the per-example form)
+    one_batch_per_argument = False
+
+    def watch_batches(self, root: torch.nn.Module) -> List[Any]:
+        """Read the batch of every outermost forward of ``root``'s modules (the root's, or a
+        submodule called alone, e.g. a chunked head's backbone); returns the hooks' handles."""
+        self.batch: Batch = NoBatch()
+        self._step_batches: List[Batch] = []
+        self._batches_from: Optional[Any] = None  # weak reference to the followed optimizer
+        self._forward_depth = 0
+        self._took_rows = False  # a training forward since the last step took a non-empty tensor
+        #: the same, for the step being taken (:meth:`take_step_batches`)
+        self.step_took_rows = False
+        handles = []
+        for module in root.modules():
+            handles.append(module.register_forward_pre_hook(self._batch_hook, with_kwargs=True))
+            handles.append(module.register_forward_hook(self._left_forward, always_call=True))
+        return handles
+
+    def read_batches_from(self, optimizer: Any) -> None:
+        self._batches_from = weakref.ref(optimizer)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_batches_from": None}  # (a weak reference: saved modules follow none)
+
+    def _left_forward(self, *_: Any) -> None:
+        self._forward_depth = max(0, self._forward_depth - 1)
+
+    def _batch_hook(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        self._forward_depth += 1
+        if self._forward_depth > 1 or not (self.hooks_enabled and module.training and torch.is_grad_enabled()):
+            return
+        if not self.in_replay():
+            self.take_batch(self.find_batch((args, kwargs)))
+            self._took_rows |= any(t.numel() > 0 for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+
+    def in_replay(self) -> bool:
+        """A checkpointed region's replay (no new batch)."""
+        from .recompute import forward_replay
+
+        return forward_replay() is not None
+
+    def find_batch(self, inputs: Any) -> Batch:
+        """The delivered batch ``inputs`` holds; else the batch a forward took since the last step
+        (a chunked head's hidden states); a batch of rows when no plugin loader delivers to the
+        followed optimizer at example level; else refused (ValueError)."""
+        optimizer = None if self._batches_from is None else self._batches_from()
+        delivered = getattr(optimizer, "delivered", None)
+        batch = None if delivered is None else delivered.find(inputs, every=self.one_batch_per_argument)
+        if batch is not None:
+            return batch
+        if not isinstance(self.batch, NoBatch):
+            return self.batch
+        if self.privacy_unit != EXAMPLE_UNIT or (delivered is not None and delivered.bound):
+            tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+            raise unannounced_batch_error(tensors[0] if tensors else None)
+        return Rows()
+
+    def take_batch(self, batch: Batch) -> None:
+        """A training forward took ``batch``: the layers of its passes clip its units (one
+        physical batch of the plugin's loaders per step: a second is refused)."""
+        if not batch.draw.signalled and any(b is not batch and not b.draw.signalled for b in self._step_batches):
+            self.refuse_step(accumulation_error(2))
+        self.batch = batch
+        if not any(b is batch for b in self._step_batches):
+            self._step_batches.append(batch)
+
+    def end_step(self) -> None:
+        """The followed optimizer's step ended: the next layer needs the next forward's batch."""
+        self.batch = NoBatch()
+
+    def refuse_step(self, error: ValueError) -> None:
+        """Raise ``error``; the followed optimizer drops its step and refuses every later one."""
+        optimizer = None if self._batches_from is None else self._batches_from()
+        if optimizer is not None:
+            optimizer.refuse_steps(error)
+        raise error
+
+    def take_step_batches(self) -> List[Batch]:
+        """The batches of the training forwards since the last call (the step's)."""
+        batches, self._step_batches = self._step_batches, []
+        self.step_took_rows, self._took_rows = self._took_rows, False
+        return batches
+
+
+__all__ = [
+    "Batch", "BatchReader", "Delivered", "Draw", "DrawLoader", "DrawSampler", "NoBatch", "Rows", "UserDataLoader",
+    "accumulation_error", "signalled_batches", "split_draws", "unannounced_batch_error",
+]

@@ -39,12 +39,12 @@ from .recompute import (
     resolve_last,
     save_inputs,
 )
+from .draws import BatchReader
 from .sketch import Sketcher
-from .values import EXAMPLE_UNIT
 from .units import in_row_slots, mean_clip_factors, per_row, regroup_uses, sum_rows_by_unit, unit_sizes
 
 
-class PerExampleStore:
+class PerExampleStore(BatchReader):
     """The base of the sketched forms' grad-sample modules: owns the run's sketcher, the
     layers whose ``forward`` it replaced and the step's per-example values, which layers
     deliver through its public methods (:meth:`start_pass`, :meth:`expect_forward`,
@@ -62,10 +62,6 @@ class PerExampleStore:
     #: the two passes from the model's output of a plain-loss script (set by
     #: :class:`~opacus_rc.forms.output_passes.OutputPasses`; None: the criterion's passes)
     output_passes: Optional[Any] = None
-    #: what the followed optimizer's steps protect (``"example"``/``"user"``; set by its
-    #: ``bind_module``) and the units of the physical batch in hand (user level; None: rows)
-    privacy_unit: str = EXAMPLE_UNIT
-    row_units: Optional[Any] = None
     #: the norm pass's in-module gradient sums (the two-pass forms'; None: not noted)
     in_module_sums: Optional[InModuleSums] = None
 
@@ -88,6 +84,7 @@ class PerExampleStore:
         #: tied parameters' running sums of sketched per-sample gradients in this pass, by slot
         #: (:meth:`_tied_slot`), until their last use
         self._tied_sums: Dict[Any, torch.Tensor] = {}
+        self.autograd_grad_sample_hooks.extend(self.watch_batches(self._module))
         self._setup()  # defined by each mixin
 
     @property
@@ -119,14 +116,18 @@ class PerExampleStore:
         clipped pass, or assembled by book-keeping), never by autograd's first pass."""
         return tuple(self._patched)
 
-    def note_batch(self, batch: Any, source: Any) -> None:
-        """The returned loader delivered ``batch`` (the per-example form holds forwards to
-        it); nothing to note for the sketched forms."""
-
-    def note_units(self, units: Any) -> None:
-        """The rows of the batch in hand belong to ``units`` (:class:`~opacus_rc.units.RowUnits`;
-        the optimizer it follows forwards what the loader announces)."""
-        self.row_units = units
+    def end_step(self) -> None:
+        """As :class:`~opacus_rc.draws.BatchReader`'s; a forward left without its backward pass (an
+        empty draw's) leaves no captured input nor use count for the next pass."""
+        super().end_step()
+        for m in self._module.modules():
+            if getattr(m, "activations", None):
+                m.activations.clear()
+            m.__dict__.pop("max_batch_len", None)
+        for p in self._module.parameters():
+            if hasattr(p, "_forward_counter"):
+                p._forward_counter = 0
+        self._awaiting_forward = True
 
     def _count_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self._steps_taken += 1
@@ -261,15 +262,6 @@ def head_used_twice_error(bookkeeping: bool = False) -> ValueError:
     )
 
 
-def unannounced_batch_error() -> ValueError:
-    """The refusal of a user-level pass on a batch whose users no loader announced."""
-    return ValueError(
-        "privacy_unit='user': a backward pass ran on a batch the loader make_private returned did not "
-        "deliver (its rows' users are unknown, so it cannot be clipped per user): train on the returned "
-        "loader's batches (loader.follow(optimizer) for objects built by hand)"
-    )
-
-
 def head_per_user_error() -> ValueError:
     """The refusal of the chunked LM head at ``privacy_unit="user"`` in a form that clips in
     its layers' hooks (its values are per row, not per user)."""
@@ -330,14 +322,11 @@ class SketchingMixin(PerExampleStore):
         """Opacus's per-example clipping factors of the second pass; at user level each
         row's factor is its user's (:func:`~opacus_rc.units.mean_clip_factors`: the mean of
         the user's rows clipped once)."""
-        if self.row_units is None:
-            if self.privacy_unit != EXAMPLE_UNIT:
-                raise unannounced_batch_error()
-            return super().get_clipping_coef()
-        sizes = unit_sizes(self.row_units)
-        norms = self.get_norm_sample()[: len(sizes)]  # the users' summed gradients' (in_row_slots)
-        sizes = sizes.to(norms)
-        return per_row(mean_clip_factors(norms, sizes, self.max_grad_norm), self.row_units)
+        norms = self.get_norm_sample()
+        units = self.batch.units_of(norms.shape[0])
+        sizes = unit_sizes(units)
+        norms = norms[: len(sizes)]  # the units' summed gradients' (in_row_slots)
+        return per_row(mean_clip_factors(norms, sizes.to(norms), self.max_grad_norm), units)
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-example norms over all trainable parameters (L2 of the per-parameter norms),
@@ -418,7 +407,7 @@ class SketchingMixin(PerExampleStore):
         if passes is not None and self.hooks_enabled:
             passes.check_inside(module)
         if self.hooks_enabled and self._is_tied_use(module):
-            if self.row_units is not None:
+            if not self.batch.units.one_row_each:
                 raise ValueError(
                     "privacy_unit='user' with tied parameters in the two-pass form is not supported: use "
                     "per_example_backward=True"
@@ -446,13 +435,10 @@ class SketchingMixin(PerExampleStore):
     def _scaled_norms(self, norm_sampler, module, activations, backprops):
         if self._get_module_type(module) is nn.Embedding:  # (backprops unscaled here)
             self._note_embedding_use(module, activations, backprops, 1.0)
-        if self.row_units is not None:  # privacy_unit="user": one sequence of all a user's tokens
-            rows = len(self.row_units)
-            a, g = regroup_uses(module, activations[0], backprops, self.row_units)
-            norms = norm_sampler(module, [a], g, self.sketcher)
-            norms = {p: in_row_slots(n, rows) for p, n in norms.items()}  # Opacus keeps B slots
-        else:
-            norms = norm_sampler(module, activations, backprops, self.sketcher)
+        rows = int(backprops.shape[0])  # a unit's rows as one sequence of all its tokens
+        a, g = regroup_uses(module, activations[0], backprops, self.batch.units_of(rows))
+        norms = norm_sampler(module, [a], g, self.sketcher)
+        norms = {p: in_row_slots(n, rows) for p, n in norms.items()}  # Opacus keeps B slots
         if self.loss_reduction == "mean":
             norms = {p: n * module.max_batch_len for p, n in norms.items()}
         return norms
@@ -463,7 +449,7 @@ class SketchingMixin(PerExampleStore):
         sums (:meth:`_add_tied_use`), an untied one's norms are the parameters' own. At
         ``privacy_unit="user"`` refused: the head's values are per row."""
         self.expect_forward()
-        if self.row_units is not None:
+        if not self.batch.units.one_row_each:
             raise head_per_user_error()
         contributions = values.contributions()
         if values.tied:
@@ -565,9 +551,8 @@ class _SummingGradSamplers(dict):
     def _summed(self, fn: Callable, module: nn.Module, activations: Any, backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
         grad_samples = fn(module, activations, backprops)
         owner = self._owner
-        units = owner.row_units
-        if units is not None:  # privacy_unit="user": a user's rows summed, in the first U slots
-            grad_samples = {p: in_row_slots(sum_rows_by_unit(gs, units), len(units)) for p, gs in grad_samples.items()}
+        units = owner.batch.units_of(int(backprops.shape[0]))  # a unit's rows summed, in the first U slots
+        grad_samples = {p: in_row_slots(sum_rows_by_unit(gs, units), len(units)) for p, gs in grad_samples.items()}
         scale = owner._backprops_scale(module)
         for param, gs in grad_samples.items():
             total = gs.sum(dim=0)

@@ -13,21 +13,24 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 
+from opacus.accountants import registry as accountant_registry
 from torch import nn
 
 from . import checkpoint
 from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
 from .accounting.group import check_group_size, group_epsilon
+from .draws import DrawLoader
 from .forms import FORMS
 from .options import (  # noqa: F401  (loader_batch_size, loader_rate, public_sampling: public here too)
     RC_ACCOUNTANTS, RC_CALIBRATION_KEYWORDS, Options, PublicSampling, check_keywords, keywords, loader_batch_size,
     loader_rate, public_sampling, split_options, with_options,
 )
 from .prepare import MakePrivateCall, OpacusPrivacyEngine
-from .values import EXAMPLE_UNIT
+from .values import EXAMPLE_UNIT, check_choice, did_you_mean
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +68,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
     Args:
         accountant: as in Opacus, plus ``"rc_prv"`` (required by
             ``clipping="randomized"``: it accounts for the random sensitivity of
-            estimated norms).
+            estimated norms); another name is a ValueError naming ``accountant``, the
+            nearest registered one and all of them.
         secure_mode: as in Opacus. With ``accountant="rc_prv"`` and without torchcsprng
             installed, the engine serves ``clipping="randomized"`` from
             :mod:`opacus_rc.csprng` (Poisson masks, sketches and noise); other clipping
@@ -78,6 +82,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
         #: ``make_private(..., privacy_unit="user")`` call (:mod:`opacus_rc.units`)
         self.privacy_unit = EXAMPLE_UNIT
         self._unit_fixed = False  # a make_private call fixed privacy_unit (one engine, one unit)
+        known = tuple(sorted(accountant_registry._ACCOUNTANTS))  # Opacus's registry, rc_prv included
+        check_choice("accountant", accountant, known, did_you_mean(str(accountant), known))
         try:
             super().__init__(accountant=accountant, secure_mode=secure_mode)
         except ImportError as error:  # Opacus's secure mode needs torchcsprng
@@ -132,7 +138,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
 
         With ``clipping="randomized"`` the noise multiplier is calibrated with the
         ``rc_prv`` accountant for the requested sketch and the public sample rate
-        (``sample_rate=``, else ``1 / len(data_loader)``).
+        (``sample_rate=``, else ``1 / len(data_loader)``), for the steps the returned loader
+        runs in ``epochs`` epochs: ``epochs x len(loader)`` (:meth:`Options.epoch_draws`).
 
         Args:
             target_epsilon, target_delta, epochs: as in Opacus.
@@ -165,15 +172,18 @@ class PrivacyEngine(OpacusPrivacyEngine):
                 "so your overall privacy budget will be higher."
             )
         calibration = {k: kwargs.pop(k) for k in RC_CALIBRATION_KEYWORDS if k in kwargs}
+        # the steps the returned loader runs in `epochs` epochs (not epochs / q: int(1 / q) or
+        # round(1 / q_u) draws per epoch, len(loader) without Poisson sampling)
+        steps = math.ceil(epochs * options.epoch_draws(arguments["data_loader"], arguments["poisson_sampling"]))
         noise_multiplier = get_noise_multiplier_rc(
             target_epsilon=target_epsilon,
             target_delta=target_delta,
             sample_rate=options.sampling.sample_rate,
-            epochs=epochs,
+            steps=steps,
             sketch_config=options.sketch,
             **calibration,
         )
-        logger.info("rc_prv calibrated noise_multiplier=%.4f for %s", noise_multiplier, options.sketch)
+        logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps, %s", noise_multiplier, steps, options.sketch)
         kwargs = {**kwargs, "noise_multiplier": noise_multiplier}
         return self._make_private(options, {**arguments, **kwargs}, kwargs)
 
@@ -265,8 +275,8 @@ class PrivacyEngine(OpacusPrivacyEngine):
         form the script expects (the form's ``outputs``, :mod:`opacus_rc.forms`)."""
         sampling: PublicSampling = options.sampling
         out[0].follow_steps(out[1])  # fresh sketches after every step the optimizer takes
-        if options.users is not None:
-            out[-1].follow(out[1])  # each batch's users, announced to the optimizer
+        if isinstance(out[-1], DrawLoader):
+            out[-1].follow(out[1])  # each batch, with its draw and units, delivered to the optimizer
         # Opacus charged 1 / len(its DPDataLoader); charge the public rate instead.
         out[1].attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sampling.sample_rate))
         logger.info(

@@ -9,6 +9,7 @@ the ``rc_prv`` accountant reads in its step hook.
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Type
 
@@ -24,7 +25,8 @@ from .config import SketchConfig
 from .finite import FORWARD_CHANGE, NonFiniteGuard, failed_kinds
 from .forward_changes import ForwardChanges, watched_model
 from .sketch import NOISE_STREAM, DeviceStreams, check_seed
-from .units import RowUnits, UserIndex
+from .draws import Batch, Delivered, Draw, accumulation_error
+from .units import ExampleUnits, UserIndex
 from .values import EXAMPLE_UNIT, RAISE, USER_UNIT
 
 
@@ -32,22 +34,6 @@ _LEGACY_STATE_KEY = "opacus_rc"  # generator states stored by versions up to 0.1
 #: key of ``optimizer.state_dict()`` saying the run drew its noise from ``seed=``
 SEEDED_STATE_KEY = "opacus_rc_seeded"
 logger = logging.getLogger(__name__)
-
-
-def accumulation_error(batches: int) -> ValueError:
-    """The refusal of a ``step()`` that does not follow exactly one physical batch."""
-    got = "no physical batch" if batches == 0 else f"{batches} physical batches"
-    return ValueError(
-        f"optimizer.step() refused: it followed {got} of the loader that splits Poisson draws "
-        "(the per-example form's loader, or BatchMemoryManager's); each physical batch must be "
-        "followed by exactly one optimizer.step() (it only accumulates until the draw ends, then "
-        "releases the whole draw), else a release holds part of a draw or one draw's examples "
-        "twice, charged as fewer micro-batches. To accumulate a larger logical batch, raise the "
-        "sampling rate (a larger batch_size of the loader given to make_private, with "
-        "BatchMemoryManager(max_physical_batch_size=1) over the returned loader), or use "
-        "DPTrainer's gradient_accumulation_steps; never call step() every k batches. Nothing "
-        "was released or charged; a refusal must end the run"
-    )
 
 
 class RandomizedClippingMixin:
@@ -86,10 +72,8 @@ class RandomizedClippingMixin:
         **kwargs,
     ) -> None:
         super().__init__(optimizer, **kwargs)
-        #: privacy_unit="user": who owns each dataset row (None: example level)
-        self.user_index = user_index
-        #: the units of the physical batch in hand (:meth:`note_units`; user level only)
-        self.row_units: Optional[RowUnits] = None
+        #: ``"example"`` or ``"user"``: what one clip bounds (see :mod:`opacus_rc.units`)
+        self.privacy_unit = EXAMPLE_UNIT if isinstance(user_index, (type(None), ExampleUnits)) else USER_UNIT
         self.seeded = noise_seed is not None  # the noise stream replays from its seed
         self.accept_replayed_noise = accept_replayed_noise
         #: set while PrivacyEngine.load_checkpoint runs: a seeded state is checked after it
@@ -106,8 +90,13 @@ class RandomizedClippingMixin:
         self._nonfinite_guard = NonFiniteGuard()
         self.backward_passes = 0  # backward passes accumulated since the last real step
         self._draw_splits = 0  # of them, continuations of one Poisson draw (BatchMemoryManager)
-        self._physical_batches: Optional[int] = None  # delivered since the last step(): see DrawLoader
-        self._draw_refused = False  # a step was refused off a draw boundary: every later one is
+        #: the batches the plugin's loaders deliver to this optimizer (:mod:`opacus_rc.draws`)
+        self.delivered = Delivered()
+        self._draw: Optional[Draw] = None  # the draw whose clipped sums p.summed_grad holds
+        self._draw_seen = 0  # of its physical batches
+        self._claimed: Optional[Batch] = None  # the last batch claimed in this step
+        self._closed_draws: "weakref.WeakSet[Draw]" = weakref.WeakSet()  # released or dropped
+        self._refused: Optional[ValueError] = None  # a refusal that ends the run (refuse_steps)
         self._awaiting_zero_grad = False  # a real step was taken and zero_grad() not called
         self._holders: "weakref.WeakSet[Any]" = weakref.WeakSet()  # of per-example norms
         self._grad_sample_module: Optional[Callable[[], Any]] = None  # weak: see bind_module()
@@ -144,38 +133,71 @@ class RandomizedClippingMixin:
             self._draw_splits += 1
         super().signal_skip_step(do_skip)
 
-    # --- the draw boundaries of a loader that splits draws (opacus_rc.draws) ---------------
+    # --- one draw, one release (opacus_rc.draws) --------------------------------------------
 
-    def start_physical_batches(self) -> None:
-        """A :class:`~opacus_rc.draws.DrawLoader` starts delivering physical batches: from
-        now on every ``step()`` must follow exactly one of them."""
-        if self._physical_batches is None:
-            self._physical_batches = 0
-
-    def note_physical_batch(self) -> None:
-        """The loader delivered one physical batch to the script."""
-        self._physical_batches = (self._physical_batches or 0) + 1
-
-    def end_physical_batches(self) -> None:
-        """The loader's iteration ended: with every batch stepped, steps are free again."""
-        if self._physical_batches == 0:
-            self._physical_batches = None
-
-    def check_draw_boundary(self) -> None:
-        """Refuse (ValueError) a ``step()`` that does not follow exactly one physical batch
-        of a loader that splits Poisson draws (:mod:`opacus_rc.draws`; the error says why).
-        Everything accumulated is dropped, and every later step is refused."""
-        batches = self._physical_batches
-        if not self._draw_refused and (batches is None or batches == 1):
-            if batches is not None:
-                self._physical_batches = 0
+    def claim_batches(self, batches: List[Batch]) -> None:
+        """The clipped sums about to join ``p.summed_grad`` come from ``batches`` (the step's):
+        they belong to their draw. A step follows one physical batch of the plugin's loaders, in
+        order; a draw left incomplete when another begins is dropped (a warning says so), and a
+        released or dropped draw is never claimed again."""
+        if self._refused is not None:
+            self.drop_step()
+            raise self._refused
+        batches = [b for b in batches if b is not self._claimed]
+        if not batches:
             return
+        self._claimed = batches[-1]
+        registered = [b for b in batches if not b.draw.signalled]
+        if len(registered) > 1:
+            self.refuse_steps(accumulation_error(len(registered)))
+        if not registered:
+            return
+        batch = registered[0]
+        if batch.draw in self._closed_draws:
+            self.drop_step()
+            raise ValueError(
+                "optimizer.step() refused: a batch of a Poisson draw that was already released (or dropped) "
+                "went through a forward pass again; each batch of the loader make_private returned is trained "
+                "on once. Nothing was released"
+            )
+        if batch.draw is not self._draw:
+            self._drop_incomplete_draw()
+            self._draw, self._draw_seen = batch.draw, 0
+        if batch.index != self._draw_seen:
+            self._closed_draws.add(batch.draw)
+            self.drop_step()
+            raise ValueError(
+                f"optimizer.step() refused: physical batch {batch.index} of a draw came after {self._draw_seen} "
+                "of its batches (a batch skipped or taken twice); give each batch of the loader one forward "
+                "and one backward, in order. Nothing was released"
+            )
+        self._draw_splits += batch.index > 0
+        self._draw_seen += 1
 
-        self._draw_refused = True
+    def refuse_steps(self, error: ValueError) -> None:
+        """Drop this step and refuse every later one with ``error`` (a refusal must end the run)."""
+        self._refused = error
+        self.drop_step()
+        raise error
+
+    def _drop_incomplete_draw(self) -> None:
+        if self._draw is None or self._draw_seen in (0, self._draw.batches):
+            return
+        self._closed_draws.add(self._draw)
+        warnings.warn(
+            f"a Poisson draw was left after {self._draw_seen} of its {self._draw.batches} physical batches "
+            "(a loop stopped inside it, or the loader was iterated again): its clipped sums were dropped, "
+            "never released", RuntimeWarning,
+        )
         self._step_skip_queue.clear()
         self.backward_passes = self._draw_splits = 0
-        self.drop_step()
-        raise accumulation_error(batches or 0)
+        for p in self.params:  # (the current batch's clipped values are not in p.summed_grad yet)
+            p.summed_grad = None
+
+    @property
+    def draw_pending(self) -> bool:
+        """The clipped sums hold part of a draw of the plugin's loaders (its next batch is due)."""
+        return self._draw is not None and self._draw_seen < self._draw.batches
 
     @property
     def skipped_examples(self) -> int:
@@ -205,10 +227,24 @@ class RandomizedClippingMixin:
         self.check_cleared()
         self._check_forward_changes()
         self.clip_guard.check()  # first: its refusal names torch's DDP when that is the cause
-        self.check_draw_boundary()
+        module = self.bound_module()
+        batches = [] if module is None else module.take_step_batches()
+        self.claim_batches([])  # an earlier refusal ends the run
+        if not batches and self.draw_pending and self._claimed is None:
+            self.drop_step()
+            raise ValueError(
+                "optimizer.step() refused: no training forward since the last step, inside a Poisson "
+                "draw of the loader make_private returned (optimizer.step() called twice for one "
+                "physical batch?); follow each physical batch by exactly one step(). Nothing was released"
+            )
+        self.claim_batches(batches)
         taken = super().pre_step(closure)
+        self._claimed = None
         if taken:
             self.backward_passes = self._draw_splits = 0
+            if self._draw is not None:
+                self._closed_draws.add(self._draw)
+            self._draw = None
             self._awaiting_zero_grad = True
         return taken
 
@@ -234,16 +270,18 @@ class RandomizedClippingMixin:
     def bind_module(self, module: Any) -> None:
         """The grad-sample module whose passes this optimizer steps (``follow_steps`` calls
         this): its per-example norms are checked and forgotten with each step, and
-        refusals name its parameters; it learns the unit its passes clip (:meth:`note_units`)."""
+        refusals name its parameters; it learns the unit its passes clip and reads the batches
+        this optimizer's loader delivers (:class:`~opacus_rc.draws.BatchReader`)."""
         self._grad_sample_module = weakref.ref(module)
         module.privacy_unit = self.privacy_unit
+        module.read_batches_from(self)
         inner = getattr(module, "_module", module)
         self._parameter_names = {id(p): name for name, p in inner.named_parameters()}
         # the model's parameters and buffers watched across its forward passes (buffers only under
         # FSDP2, whose forward swaps the parameters' shards): the next step refuses a change
         if self._forward_changes is not None:
             self._forward_changes.remove()
-        self._forward_changes = ForwardChanges(watched_model(module))
+        self._forward_changes = ForwardChanges(watched_model(module), outer=module)
 
     def _check_forward_changes(self) -> None:
         """Refuse the step (ValueError naming them) when a forward pass of the model changed
@@ -261,20 +299,6 @@ class RandomizedClippingMixin:
             return
         self.drop_step()
         raise watch.refusal(changed)
-
-    @property
-    def privacy_unit(self) -> str:
-        """``"example"`` or ``"user"``: what one clip bounds (see :mod:`opacus_rc.units`)."""
-        return EXAMPLE_UNIT if self.user_index is None else USER_UNIT
-
-    def note_units(self, units: Optional[RowUnits]) -> None:
-        """The loader make_private returned delivers a batch whose rows belong to ``units``
-        (user level): the form clips per user (the module it follows is told too). None:
-        no batch announced (after each step)."""
-        self.row_units = units
-        module = self.bound_module()
-        if module is not None:
-            module.note_units(units)
 
     def bound_module(self) -> Any:
         """The grad-sample module this optimizer follows (:meth:`bind_module`); None if none."""
@@ -333,7 +357,11 @@ class RandomizedClippingMixin:
         """Opacus's skip signal (BatchMemoryManager). On a real step, called by
         ``pre_step`` after clipping and before noise: the step's non-finite flags are
         decided here (:meth:`_decide_finite`)."""
-        skip = super()._check_skip_next_step(pop_next)
+        claimed = self._claimed
+        if claimed is not None and not claimed.draw.signalled:
+            skip = not claimed.last  # the draw decides (the plugin's loaders send no signals)
+        else:
+            skip = super()._check_skip_next_step(pop_next)
         if pop_next and not skip:
             self._decide_finite()
         return skip
@@ -384,18 +412,16 @@ class RandomizedClippingMixin:
 
     def forget_per_example_values(self) -> None:
         """Drop the step's per-example values: Opacus's per-sample gradients, the holders'
-        norms (:meth:`forget_after_step`), the batch's units (:meth:`note_units`) and what the
-        followed module keeps (norms a refused step left; a clipped one consumes them)."""
+        norms (:meth:`forget_after_step`) and what the followed module keeps (norms a refused
+        step left, the batch its forward took; a clipped step consumes them)."""
         for holder in self._holders:
             holder.per_sample_gradient_norms = None
         for p in self.params:
             p.grad_sample = None  # consumed by clipping (book-keeping's exact layers)
-        # the users of the batch the step clipped: consumed, so a later batch that the loader
-        # did not announce cannot be clipped with them (privacy_unit="user")
-        self.note_units(None)
         module = self.bound_module()
         if module is not None:
             module.forget_per_example_values()
+            module.end_step()
 
     def drop_step(self) -> None:
         """A refused step: its clipped sums so far (``p.summed_grad``) are never released,

@@ -30,7 +30,9 @@ from .denoise import DEFAULT_KAPPA
 from .forms import FORMS, resolve_form
 from .forms import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES, TWO_PASS
 from .sketch import check_seed
-from .units import DEFAULT_MAX_EXAMPLES_PER_USER, UserIndex, check_max_examples_per_user, check_privacy_unit
+from .units import (
+    DEFAULT_MAX_EXAMPLES_PER_USER, UserIndex, check_max_examples_per_user, check_privacy_unit, user_epoch_draws,
+)
 from .values import (
     ADAPTIVE, BOOKKEEPING_MODE, DENOISERS, EXAMPLE_UNIT, FLAT, FSDP_MODE, GHOST, HOOKS, NONFINITE_MODES, PER_LAYER,
     RAISE, RANDOMIZED, RC_PRV, SKIP, SVD_FULL, USER_UNIT, check_choice, did_you_mean, positive_int,
@@ -520,10 +522,22 @@ def _user_index(options: Mapping[str, Any], opacus: Mapping[str, Any], runs: str
 def user_sampling(sampling: PublicSampling, users: UserIndex) -> PublicSampling:
     """The public sampling of a user-level run: the rate ``q_u`` is ``sample_rate=`` when
     given, else the normaliser (expected users per step: ``expected_batch_size``, else the
-    loader's ``batch_size``) over the number of users, capped at 1."""
+    loader's ``batch_size``) over the number of users: ``q_u = B / N``.
+
+    Raises:
+        ValueError: naming ``batch_size`` and ``sample_rate``, when ``B > N`` without
+            ``sample_rate=`` (q_u would be capped at 1 while the update is divided by B).
+    """
     if sampling.explicit_sample_rate:
         return sampling
-    return PublicSampling(sampling.batch_size, min(1.0, sampling.batch_size / users.num_users))
+    if sampling.batch_size > users.num_users:
+        raise ValueError(
+            f"batch_size={sampling.batch_size} (expected users per step: expected_batch_size=, else the data "
+            "loader's batch_size; the Trainer's per-device batch x accumulation x world size) is above the "
+            f"{users.num_users} users of user_ids, with sample_rate=None; accepted values: a batch_size of at most "
+            f"{users.num_users}, or sample_rate= in (0, 1]"
+        )
+    return PublicSampling(sampling.batch_size, sampling.batch_size / users.num_users)
 
 
 @dataclass(frozen=True)
@@ -571,6 +585,15 @@ class Options:
     @property
     def denoise_kwargs(self) -> Optional[Dict[str, Any]]:
         return None if self.denoise is None else dict(self.denoise)
+
+    def epoch_draws(self, data_loader: Any, poisson_sampling: bool) -> int:
+        """Logical steps in one epoch of the loader ``make_private`` returns (what calibration
+        counts): the given loader's ``len`` without Poisson sampling, else
+        :func:`~opacus_rc.units.user_epoch_draws` over users, Opacus's ``int(1 / q)`` over rows."""
+        q = self.sampling.sample_rate
+        if not poisson_sampling:
+            return len(data_loader)
+        return user_epoch_draws(q) if self.users is not None else int(1 / q)
 
     def optimizer_kwargs(self) -> Dict[str, Any]:
         """What the randomized optimizer takes through Opacus's ``**kwargs``."""

@@ -27,7 +27,8 @@ from .forms.two_pass import DPLossRandomizedClipping
 from .forward_changes import check_no_max_norm
 from .options import Options, per_rank_normaliser
 from .sketch import POISSON_STREAM, DeviceStreams
-from .units import UserDataLoader
+from .draws import UserDataLoader
+from .units import check_same_on_ranks
 
 #: Opacus's engine, as ``opacus.privacy_engine`` defines it
 OpacusPrivacyEngine = opacus.privacy_engine.PrivacyEngine
@@ -39,13 +40,16 @@ def poisson_generator(data_loader, seed: Optional[int], distributed: bool) -> to
     The loader's own ``generator`` (reproducible; Opacus's way) as it is in one process;
     under DDP a child of it per rank (root its ``initial_seed()``), so that ranks seeded
     alike still draw independent masks. Else the :data:`~opacus_rc.sketch.POISSON_STREAM`
-    of ``seed`` (``None``: 128 bits from ``os.urandom``), rank folded in.
+    of ``seed`` (``None``: 128 bits from ``os.urandom``), rank folded in. The loader's
+    generator and its child are :func:`~opacus_rc.checkpoint.reproducible`: a resume without
+    their state is refused (it would replay the draws).
     """
     user = getattr(data_loader, "generator", None)
     if user is not None and not distributed:
-        return user
+        return checkpoint.reproducible(user)
     root = np.random.SeedSequence(user.initial_seed() if user is not None else seed)
-    return DeviceStreams(root, POISSON_STREAM, per_rank=True).generator("cpu")
+    generator = DeviceStreams(root, POISSON_STREAM, per_rank=True).generator("cpu")
+    return generator if user is None else checkpoint.reproducible(generator)
 
 
 class EveryDrawDistributedSampler(DistributedUniformWithReplacementSampler):
@@ -188,6 +192,8 @@ class MakePrivateCall:
             generator = poisson_generator(data_loader, self.options.seed, distributed)
             setattr(self, checkpoint.POISSON_GENERATOR_ATTR, generator)  # include_rng_state
         if self.options.users is not None:  # privacy_unit="user": Poisson over (this rank's share of) users
+            if distributed:
+                check_same_on_ranks(self.options.users)  # one user index on every rank, each user on one
             return UserDataLoader(
                 data_loader.dataset, index=self.options.users, generator=generator, **settings,
                 **loader_settings(data_loader),

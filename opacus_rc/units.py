@@ -19,17 +19,18 @@ units); the design and its checks: docs/privacy_unit.md.
 
 from __future__ import annotations
 
-import collections
+import hashlib
 import math
-import weakref
+import numbers
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Hashable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Sampler
 
-from .csprng import init_poisson_loader, rank_share
 from .estimators import as_sequence
 from .sketch import entropy_seed
 from .values import EXAMPLE_UNIT, PRIVACY_UNITS, USER_UNIT, positive_int
@@ -62,12 +63,13 @@ class UserIndex:
     """Which user owns each dataset row.
 
     Args:
-        user_ids: one hashable id per dataset row (``len(user_ids) == len(dataset)``).
+        user_ids: one id per dataset row (``len(user_ids) == len(dataset)``), each read as its
+            :func:`user_key` (ids equal as values are one user).
         dataset_size: the dataset's length.
         max_examples_per_user: the contribution bound k.
 
     Raises:
-        ValueError: naming ``user_ids`` (missing, wrong length, a None or unhashable id).
+        ValueError: naming ``user_ids`` (missing, wrong length) or ``user_ids[row]`` (:func:`user_key`).
     """
 
     def __init__(self, user_ids: Any, dataset_size: int, max_examples_per_user: int) -> None:
@@ -93,9 +95,13 @@ class UserIndex:
             )
         position: dict = {}
         owner = []
+        digest = hashlib.sha256()
         for row, uid in enumerate(ids):
-            _check_user_id(row, uid)
-            owner.append(position.setdefault(uid, len(position)))
+            key = user_key(uid, row)
+            digest.update(repr(key).encode() + b"\0")  # repr escapes NUL: one reading per list
+            owner.append(position.setdefault(key, len(position)))
+        #: sha256 of the rows' keys in row order (the same on ranks given the same user_ids)
+        self.digest = digest.digest()
         self.user_of_row = torch.tensor(owner, dtype=torch.long)
         self.num_users = len(position)
         counts = torch.bincount(self.user_of_row, minlength=self.num_users)
@@ -115,23 +121,84 @@ class UserIndex:
         return RowUnits(users=users, sizes=self.contributed[users])
 
 
-def _check_user_id(row: int, uid: Any) -> None:
-    """``user_ids[row]``: hashable, not None, equal to itself and compared by value.
+#: what :func:`user_key` accepts as one row's id
+ACCEPTED_USER_IDS = (
+    "accepted values: an int, a str, bytes, a bool, an integral float (3.0 is the int 3), a numpy scalar of these, "
+    "or a tuple of them (ids in a tensor: the tensor itself or tensor.tolist())"
+)
 
-    An id hashed by identity (a ``torch.Tensor`` element, e.g. of ``list(tensor)``; an
-    object without ``__eq__``) or a NaN (a missing value) is unequal to another copy of
-    itself, so one person's rows would become several units, each clipped to C: refused
-    (a ValueError naming ``user_ids[row]``)."""
-    accepted = "accepted values: a hashable id compared by value (an int, a string, a tuple), not None"
-    if uid is None or not isinstance(uid, Hashable):
-        raise ValueError(f"user_ids[{row}]={uid!r} is invalid; {accepted}")
-    if isinstance(uid, torch.Tensor) or type(uid).__hash__ is object.__hash__:
+
+def _canonical(uid: Any) -> Any:
+    """:func:`user_key` of ``uid``, None where it has no stable value."""
+    if isinstance(uid, np.generic):
+        uid = uid.item()  # a numpy scalar: its Python value
+    if isinstance(uid, tuple):
+        parts = tuple(_canonical(part) for part in uid)
+        return None if None in parts else parts
+    if isinstance(uid, (str, bytes)):  # a subclass (an enum's member): its plain value
+        return str.__str__(uid) if isinstance(uid, str) else bytes(uid)
+    if isinstance(uid, numbers.Integral):  # bool and int: True == 1 in Python, one key
+        return int(uid)
+    if isinstance(uid, numbers.Real) and math.isfinite(uid) and float(uid).is_integer():
+        return int(uid)
+    return None
+
+
+def user_key(uid: Any, row: int = 0) -> Any:
+    """The canonical key of ``user_ids[row]``: equal ids give equal keys (``3``, ``3.0``,
+    ``np.int64(3)``: the int 3; ``True``: 1; tuples part by part), plain ints, strs, bytes and
+    tuples whose ``repr`` is the same in every process.
+
+    Raises:
+        ValueError: naming ``user_ids[row]``, an id with no stable value (one person would
+            be several units, each clipped to C): None, NaN or another non-integer float
+            (anywhere in a tuple too), a tensor element, any other object.
+    """
+    key = _canonical(uid)
+    if key is None:
         raise ValueError(
-            f"user_ids[{row}] (a {type(uid).__name__}) is hashed by identity (two copies of one id would be two "
-            f"users); {accepted}: pass the ids as one tensor or as Python values (tensor.tolist())"
+            f"user_ids[{row}]={uid!r} is invalid (None, NaN, a non-integer float, a tensor element or another "
+            f"object, anywhere in the id, is no stable user: a missing id?); {ACCEPTED_USER_IDS}"
         )
-    if uid != uid:
-        raise ValueError(f"user_ids[{row}]={uid!r} is invalid (a missing id?); {accepted}")
+    return key
+
+
+class ExampleUnits:
+    """Example level as a :class:`UserIndex`: each dataset row is its own unit (``m = 1``)."""
+
+    max_examples_per_user = 1
+
+    def units_of(self, rows: Sequence[int]) -> "RowUnits":
+        """The units of dataset ``rows``: the rows themselves."""
+        rows = torch.as_tensor(list(rows), dtype=torch.long)
+        return RowUnits.singletons(len(rows), rows)
+
+
+#: the units of example level
+EXAMPLES = ExampleUnits()
+
+
+def check_same_on_ranks(index: UserIndex) -> None:
+    """Under ``torch.distributed``, refuse ranks given different rows or ids: the sampler
+    splits one user index over the ranks, so a user in two ranks' shards would be drawn and
+    clipped on both (2 C). One all-reduce (MAX) of ``[d, -d]``, ``d`` = (dataset length, the
+    :attr:`UserIndex.digest` bytes): equal on every rank iff max = -max(-d).
+
+    Raises:
+        ValueError: the ranks' dataset lengths or ``user_ids`` differ."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    mine = torch.tensor([len(index.user_of_row), *index.digest], dtype=torch.int64, device=device)
+    both = torch.cat([mine, -mine])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    if not torch.equal(both[: len(mine)], -both[len(mine):]):
+        raise ValueError(
+            "privacy_unit='user' under torch.distributed: the ranks were given different rows or user_ids (the "
+            "dataset's length or its ids differ between ranks); accepted values: every rank passes the whole "
+            "dataset and the same user_ids (the returned loader shards the users itself: rank r draws users "
+            "r, r + world_size, ...)"
+        )
 
 
 class _Uniform:
@@ -150,11 +217,16 @@ class _Uniform:
         return self.generator.uniform(n)
 
 
+def user_epoch_draws(sample_rate: float) -> int:
+    """Draws in one epoch over users at ``q_u = sample_rate``: ``max(1, round(1 / q_u))``."""
+    return max(1, round(1.0 / sample_rate))
+
+
 class UserPoissonSampler(Sampler[List[int]]):
     """Poisson sampling over users: each of ``steps`` draws holds every user independently
     with probability ``sample_rate``, and a sampled user's ``min(k, n_u)`` rows, chosen
     uniformly without replacement (fresh at each draw). A user's rows are contiguous in
-    the draw. ``steps`` defaults to ``round(1 / sample_rate)`` (an epoch over users).
+    the draw. ``steps`` defaults to :func:`user_epoch_draws` (an epoch over users).
 
     Distributed (``world_size > 1``): rank ``r`` owns users ``r, r + world_size, ...``
     (a fixed split of the user index; each user's rows stay on one rank) and samples them
@@ -174,7 +246,7 @@ class UserPoissonSampler(Sampler[List[int]]):
         self.index = index
         self.sample_rate = float(sample_rate)
         self.uniform = _Uniform(generator)
-        self.steps = steps if steps is not None else max(1, round(1.0 / self.sample_rate))
+        self.steps = steps if steps is not None else user_epoch_draws(self.sample_rate)
         self.users = torch.arange(index.num_users)[rank::world_size]  # this rank's users
 
     def __len__(self) -> int:
@@ -195,10 +267,10 @@ class UserPoissonSampler(Sampler[List[int]]):
 
 @dataclass(frozen=True)
 class RowUnits:
-    """The units of a delivered batch's rows: ``users`` (B,) the owner of each row,
-    ``sizes`` (B,) its owner's ``m_u`` (the rows the owner contributes to the draw), and
-    ``last`` (B,) whether the row is its owner's last one in the draw (set by
-    :class:`UnitStream`)."""
+    """The units of a delivered batch's rows: ``users`` (B,) the owner of each row (example
+    level: the row itself), ``sizes`` (B,) its owner's ``m_u`` (the rows the owner contributes
+    to the draw; 1 for an example), and ``last`` (B,) whether the row is its owner's last one in
+    the draw (from a whole draw's rows, where a unit's rows are contiguous; kept by :meth:`rows`)."""
 
     users: torch.Tensor
     sizes: torch.Tensor
@@ -206,8 +278,28 @@ class RowUnits:
     #: :meth:`layout` per device, computed and checked once per batch (every layer reads it)
     _layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.last is None:
+            last = torch.ones(len(self), dtype=torch.bool)
+            last[:-1] = self.users[1:] != self.users[:-1]
+            object.__setattr__(self, "last", last)
+
+    @classmethod
+    def singletons(cls, rows: int, users: Optional[torch.Tensor] = None) -> "RowUnits":
+        """``rows`` rows, each its own unit of one row (example level; ``users``: their ids)."""
+        ones = torch.ones(rows, dtype=torch.long)
+        units = cls(torch.arange(rows) if users is None else users, ones, torch.ones(rows, dtype=torch.bool))
+        units._layouts[torch.device("cpu")] = (torch.arange(rows), torch.zeros(rows, dtype=torch.long), rows)
+        units._layouts["singletons"] = True  # (kept by rows(): no layout to compute)
+        return units
+
     def __len__(self) -> int:
         return int(self.users.shape[0])
+
+    @property
+    def one_row_each(self) -> bool:
+        """Every unit of the batch is one row, in order: a regrouping is the identity."""
+        return self.layout()[2] == len(self)
 
     def layout(self, device: Any = None) -> Tuple[torch.Tensor, torch.Tensor, int]:
         """``(slot, position, count)``: the unit slot of each row (users in order of first
@@ -241,109 +333,9 @@ class RowUnits:
 
     def rows(self, start: int, stop: int) -> "RowUnits":
         """The units of rows ``start:stop`` of the batch (e.g. one row of a per-example pass)."""
-        last = None if self.last is None else self.last[start:stop]
-        return RowUnits(self.users[start:stop], self.sizes[start:stop], last)
-
-
-class UnitStream:
-    """Marks each delivered row that ends its user's rows in the draw (``RowUnits.last``),
-    from the rows in delivery order (a user's rows are contiguous: a row of another user
-    before the count is reached is refused)."""
-
-    def __init__(self) -> None:
-        self.user: Optional[int] = None
-        self.seen = 0
-
-    def mark(self, units: RowUnits) -> RowUnits:
-        last = []
-        for user, size in zip(units.users.tolist(), units.sizes.tolist()):
-            if self.seen and user != self.user:
-                raise ValueError(
-                    f"privacy_unit='user': a user's rows were interrupted ({self.seen} of its rows "
-                    "delivered, then another user's): a user's rows must be contiguous in a draw"
-                )
-            self.user, self.seen = user, self.seen + 1
-            last.append(self.seen == size)
-            if self.seen == size:
-                self.user, self.seen = None, 0
-        return RowUnits(units.users, units.sizes, torch.tensor(last, dtype=torch.bool))
-
-
-class RecordingBatchSampler(Sampler[List[int]]):
-    """``batch_sampler`` that keeps the index list of each batch it yields until the loader
-    delivers that batch (:meth:`take`; the loader fetches in order, workers too)."""
-
-    def __init__(self, batch_sampler: Any) -> None:
-        self.batch_sampler = batch_sampler
-        self.pending: Deque[List[int]] = collections.deque()
-
-    def __len__(self) -> int:
-        return len(self.batch_sampler)
-
-    def __iter__(self) -> Iterator[List[int]]:
-        self.pending.clear()
-        for rows in self.batch_sampler:
-            self.pending.append(list(rows))
-            yield rows
-
-    def take(self) -> List[int]:
-        """The index list of the next delivered batch."""
-        return self.pending.popleft()
-
-    def __getattr__(self, name: str) -> Any:  # sample_rate, max_batch_size, ...: the wrapped sampler's
-        if name in ("batch_sampler", "pending"):
-            raise AttributeError(name)
-        return getattr(self.batch_sampler, name)
-
-
-def delivered_units(loader_iter: Iterator[Any], recorder: RecordingBatchSampler, index: UserIndex,
-                    listener: Callable[[RowUnits], None]) -> Iterator[Any]:
-    """The batches of ``loader_iter``, each announced to ``listener`` with its rows' units
-    (:class:`RowUnits`, ``last`` marked) before it is yielded."""
-    stream = UnitStream()
-    for batch in loader_iter:
-        listener(stream.mark(index.units_of(recorder.take())))
-        yield batch
-
-
-class UserDataLoader(DataLoader):
-    """The loader ``make_private(..., privacy_unit="user")`` returns: one batch per draw of
-    :class:`UserPoissonSampler` (Opacus's ``DPDataLoader`` conventions: the collate
-    function wrapped for empty draws), each batch's units announced to the optimizer it
-    follows (:meth:`follow`) before the batch is yielded.
-
-    Args:
-        dataset: the dataset.
-        index: its :class:`UserIndex`.
-        sample_rate: q_u.
-        generator: of the masks and subsets (a ``torch.Generator``, or the CSPRNG); under
-            DDP this rank's own.
-        distributed: sample this rank's share of the users (:class:`UserPoissonSampler`).
-        **kwargs: the worker and collate settings of the loader it replaces.
-    """
-
-    def __init__(self, dataset: Dataset, *, index: UserIndex, sample_rate: float, generator: Any = None,
-                 distributed: bool = False, **kwargs: Any) -> None:
-        self.sample_rate = float(sample_rate)
-        self.distributed = distributed
-        self.user_index = index
-        sampler = UserPoissonSampler(index, sample_rate, generator, **rank_share(distributed))
-        self.recorder = RecordingBatchSampler(sampler)
-        self._listener: Optional[Callable[[], Any]] = None
-        init_poisson_loader(self, dataset, self.recorder, **kwargs)
-
-    def follow(self, optimizer: Any) -> None:
-        """Announce each batch's :class:`RowUnits` to ``optimizer`` (``note_units``)."""
-        self._listener = weakref.ref(optimizer)
-
-    def __iter__(self) -> Iterator[Any]:
-        optimizer = None if self._listener is None else self._listener()
-        if optimizer is None:
-            raise ValueError(
-                "privacy_unit='user': this loader clips per user only for the optimizer make_private "
-                "returned with it (loader.follow(optimizer) for objects built by hand)"
-            )
-        return delivered_units(super().__iter__(), self.recorder, self.user_index, optimizer.note_units)
+        if "singletons" in self._layouts:
+            return RowUnits.singletons(len(self.users[start:stop]), self.users[start:stop])
+        return RowUnits(self.users[start:stop], self.sizes[start:stop], self.last[start:stop])
 
 
 # --- a batch's rows regrouped into its units -----------------------------------------------
@@ -368,7 +360,9 @@ def regroup_rows(t: torch.Tensor, units: RowUnits) -> torch.Tensor:
     its rows' sequences one after another (zero-padded to the longest unit, L rows): a
     user's gradient ``sum_r A_r^T G_r`` is that of one sequence of all their tokens."""
     slot, position, count = unit_layout(units, t.shape[0], t.device)
-    longest = int(units.sizes.max()) if len(units) else 0
+    if count == len(units):  # one row each, in order: the identity
+        return t
+    longest = int(units.sizes.max())
     out = t.new_zeros((count, longest, *t.shape[1:]))
     out[slot, position] = t
     return out.reshape(count, longest * t.shape[1], *t.shape[2:])
@@ -378,6 +372,8 @@ def regroup_uses(module: nn.Module, a: torch.Tensor, g: torch.Tensor, units: Row
     """A layer's ``(A, G)`` of a batch regrouped into its users (:func:`regroup_rows`; an
     embedding's ``A`` is its ids): ``sum_{r in u} A_r^T G_r`` is the gradient of one
     sequence of all user ``u``'s tokens."""
+    if unit_layout(units, a.shape[0])[2] == len(units):  # one row each, in order: as they are
+        return a, g
     ids = isinstance(module, nn.Embedding)
     a = a.reshape(a.shape[0], math.prod(a.shape[1:])) if ids else as_sequence(a)
     return regroup_rows(a, units), regroup_rows(as_sequence(g), units)
@@ -386,12 +382,16 @@ def regroup_uses(module: nn.Module, a: torch.Tensor, g: torch.Tensor, units: Row
 def sum_rows_by_unit(t: torch.Tensor, units: RowUnits) -> torch.Tensor:
     """``t`` (B, ...) summed over each unit's rows: (U, ...)."""
     slot, _, count = unit_layout(units, t.shape[0], t.device)
+    if count == len(units):  # one row each, in order: the identity
+        return t
     return t.new_zeros((count, *t.shape[1:])).index_add_(0, slot, t)
 
 
 def in_row_slots(values: torch.Tensor, rows: int) -> torch.Tensor:
     """Per-unit ``values`` (U, ...) in the first U of ``rows`` slots, zeros after: the shape
     of per-row values that Opacus's ghost-clipping hooks keep (a unit's norm in slot u)."""
+    if values.shape[0] == rows:
+        return values
     out = values.new_zeros((rows, *values.shape[1:]))
     out[: values.shape[0]] = values
     return out
@@ -417,7 +417,7 @@ def unit_sizes(units: RowUnits) -> torch.Tensor:
 
 
 __all__ = [
-    "DEFAULT_MAX_EXAMPLES_PER_USER", "EXAMPLE_UNIT", "USER_UNIT", "PRIVACY_UNITS", "RowUnits", "UnitStream",
-    "UserDataLoader", "UserIndex", "UserPoissonSampler", "RecordingBatchSampler", "check_max_examples_per_user",
-    "check_privacy_unit", "delivered_units", "in_row_slots", "mean_clip_factors", "per_row", "regroup_rows", "regroup_uses", "sum_rows_by_unit", "unit_layout", "unit_sizes",
+    "DEFAULT_MAX_EXAMPLES_PER_USER", "EXAMPLES", "EXAMPLE_UNIT", "USER_UNIT", "PRIVACY_UNITS", "ExampleUnits",
+    "RowUnits", "UserIndex", "UserPoissonSampler", "check_max_examples_per_user", "check_privacy_unit", "in_row_slots", "mean_clip_factors", "per_row", "regroup_rows", "regroup_uses", "sum_rows_by_unit", "unit_layout", "unit_sizes",
+    "user_key", "user_epoch_draws", "check_same_on_ranks",
 ]

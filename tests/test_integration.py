@@ -54,6 +54,17 @@ def test_opacus_privacy_engine_is_the_plugins():
     assert type(integration.OpacusPrivacyEngine(accountant="rc_prv")) is opacus_rc.PrivacyEngine
 
 
+@pytest.mark.parametrize("name, hint", [("rcprv", " (did you mean 'rc_prv'?)"), ("RDP", ""), (None, "")])
+def test_an_unknown_accountant_is_refused_by_name_with_the_accepted_values(name, hint):
+    """Issue 48: PrivacyEngine(accountant="rcprv") raised Opacus's "Unexpected accounting
+    mechanism: rcprv", with neither the accepted values nor the nearest one."""
+    accepted = "accepted values: 'gdp', 'prv', 'rc_prv', 'rdp'"
+    for engine in (opacus.PrivacyEngine, integration.OpacusPrivacyEngine):
+        with pytest.raises(ValueError) as error:
+            engine(accountant=name)
+        assert str(error.value) == f"accountant={name!r} is not supported{hint}; {accepted}"
+
+
 _PROBE = r"""
 import importlib, json, pkgutil, sys, warnings
 

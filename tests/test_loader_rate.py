@@ -98,6 +98,44 @@ def test_calibration_uses_the_loaders_rate(monkeypatch):
     assert _charged_rate(engine, out) == 25 / 510
 
 
+def test_calibration_counts_every_batch_of_the_loader_as_given():
+    """Issue 46 path 9 at example level: 510 rows in batches of 25, q = 25/510, 21 batches an
+    epoch. On main sigma was calibrated for int(1 / q) = 20 steps: one epoch spent epsilon
+    3.03 against a target of 3. Now for 21 steps: epsilon within the calibration's window
+    [3 - 0.01, 3] (epsilon_tolerance's default)."""
+    engine, out = _private(_loader(510), "hooks", method="epsilon")
+    module, optimizer, loader = out
+    for x, y in loader:
+        nn.functional.cross_entropy(module(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert sum(entry[2] for entry in engine.accountant.history) == len(loader) == 21
+    assert 3.0 - 0.01 <= engine.get_epsilon(1e-5) <= 3.0
+
+
+@pytest.mark.parametrize("secure, options", [
+    (False, dict(poisson_sampling=False)),  # 21 batches of 25 of 510 rows
+    (False, dict()),  # Poisson at 1 / 21
+    (False, dict(sample_rate=0.3)),  # int(1 / 0.3) = 3 draws an epoch, not 10 in 3 epochs
+    (True, dict(sample_rate=0.3)),  # the CSPRNG's Poisson loader
+    (False, dict(privacy_unit="user", user_ids=[r % 8 for r in range(510)], sample_rate=0.625)),  # round(1.6)
+])
+def test_calibration_counts_the_steps_the_returned_loader_runs(monkeypatch, secure, options):
+    """Issue 46 path 9: make_private_with_epsilon(epochs=3) calibrates for 3 x len(loader)
+    steps of the loader it returns, on every kind of loader (recorded, not run)."""
+    import opacus_rc.integration as integration
+
+    calls = []
+    monkeypatch.setattr(integration, "get_noise_multiplier_rc", lambda **kw: calls.append(kw) or 1.5)
+    model = nn.Linear(4, 2)
+    out = PrivacyEngine(accountant="rc_prv", secure_mode=secure).make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=_loader(510),
+        target_epsilon=3.0, target_delta=1e-5, epochs=3, max_grad_norm=1.0, clipping="randomized",
+        grad_sample_mode="hooks", **options,
+    )
+    assert calls[0]["steps"] == 3 * len(out[-1]) and "epochs" not in calls[0]
+
+
 def test_loader_rate_and_poisson_default():
     data = _loader(401, 8).dataset
     sharded = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, num_replicas=2, rank=0))

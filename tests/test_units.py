@@ -17,21 +17,25 @@ test is deterministic; the bounds are what a correct sampler meets at any seed):
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from opacus_rc.draws import DrawSampler
 from opacus_rc.units import (
+    EXAMPLES,
     RowUnits,
-    UnitStream,
     UserIndex,
     UserPoissonSampler,
     regroup_rows,
     sum_rows_by_unit,
     unit_layout,
     unit_sizes,
+    user_key,
 )
 
 #: rows per user: light users (n_u <= k) and two heavy ones (n_u > k)
@@ -154,14 +158,36 @@ def test_user_index_of_a_tensor_of_ids():
         (3, "user_ids=int is invalid"),
         ("abc", "user_ids='abc' is invalid"),  # a column name, not one id per row
         # one person as two units (each clipped to C) if these were taken as ids:
-        (list(torch.tensor([5, 5, 6])), r"user_ids\[0\] \(a Tensor\) is hashed by identity"),
-        ([object(), object(), object()], r"user_ids\[0\] \(a object\) is hashed by identity"),
-        ([1, float("nan"), float("nan")], r"user_ids\[1\]=nan is invalid \(a missing id\?\)"),
+        (list(torch.tensor([5, 5, 6])), r"user_ids\[0\]=tensor\(5\) is invalid .*tensor.tolist\(\)"),
+        ([object(), object(), object()], r"user_ids\[0\]=<object object .* is invalid"),
+        ([1, float("nan"), float("nan")], r"user_ids\[1\]=nan is invalid .*a missing id\?"),
     ],
 )
 def test_user_index_refuses_bad_ids(ids, message):
     with pytest.raises(ValueError, match=message):
         UserIndex(ids, 3, 2)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [("a", float("nan")), ("a", ("b", float("nan"))), np.float64("nan"), 1.5, float("inf"), ("a", 0.5),
+     ("a", torch.tensor(1)), frozenset({1})],
+)
+def test_user_index_refuses_an_id_without_a_stable_value_anywhere_in_it(bad):
+    """Issue 46 path 5: a NaN (nested in a tuple too) is unequal to another copy of itself,
+    so on main one person's two rows ``("a", nan)`` were two users, each clipped to C (2.0 C
+    at sigma 0). Now refused by name, with the accepted values."""
+    ids = [bad, copy.deepcopy(bad), "b"]
+    with pytest.raises(ValueError, match=r"user_ids\[0\]=.* is invalid .*accepted values: an int, a str"):
+        UserIndex(ids, 3, 2)
+
+
+def test_equal_ids_are_one_user_and_keys_are_plain_values():
+    """Ids equal as values are one user (3.0 is the int 3; numpy scalars are their values)."""
+    ids = [3, 3.0, np.int64(3), ("a", 1), ("a", np.int32(1)), ("a", 1.0), "x", np.str_("x"), True, np.bool_(True)]
+    index = UserIndex(ids, len(ids), 2)
+    assert index.user_of_row.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
+    assert [repr(user_key(ids[i])) for i in (2, 5, 7, 9)] == ["3", "('a', 1)", "'x'", "1"]
 
 
 @pytest.mark.parametrize("k", [0, -1, 1.5, True, "2"])
@@ -218,17 +244,34 @@ def test_unit_layout_refuses_a_batch_that_splits_a_user(users, sizes, batch, mes
             sum_rows_by_unit(torch.zeros(batch), units(users, sizes))
 
 
-def test_unit_stream_marks_each_users_last_row_across_batches():
-    stream = UnitStream()
-    assert stream.mark(units([4, 4], [3, 3])).last.tolist() == [False, False]
-    assert stream.mark(units([4, 2, 2], [3, 2, 2])).last.tolist() == [True, False, True]
-    stream = UnitStream()
-    marked = [stream.mark(units([u], [s])).last.item() for u, s in [(1, 2), (1, 2), (3, 1), (0, 3), (0, 3), (0, 3)]]
-    assert marked == [False, True, True, False, False, True]
+class _OneDraw:
+    """A Poisson batch sampler of one fixed draw."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return 1
+
+    def __iter__(self):
+        yield self.rows
 
 
-def test_unit_stream_refuses_a_user_whose_rows_are_interrupted():
-    stream = UnitStream()
-    stream.mark(units([1], [2]))
-    with pytest.raises(ValueError, match="a user's rows were interrupted"):
-        stream.mark(units([3], [1]))
+@pytest.mark.parametrize(
+    "index, most, chunks, last",
+    [
+        (UserIndex(["a", "a", "a", "b", "c", "c"], 6, 3), 1, [[0], [1], [2], [3], [4], [5]],
+         [False, False, True, True, False, True]),
+        (UserIndex(["a", "a", "a", "b", "c", "c"], 6, 3), 4, [[0, 1, 2, 3], [4, 5]], [False, False, True, True, False, True]),
+        (UserIndex(["a", "a", "a", "b", "c", "c"], 6, 3), None, [[0, 1, 2, 3, 4, 5]], [False, False, True, True, False, True]),
+        (EXAMPLES, 4, [[0, 1, 2], [3, 4, 5]], [True] * 6),  # Opacus's np.array_split
+    ],
+)
+def test_a_draws_physical_batches_keep_units_whole_and_mark_each_units_last_row(index, most, chunks, last):
+    sampler = DrawSampler(_OneDraw([0, 1, 2, 3, 4, 5]), index, most)
+    assert list(sampler) == chunks
+    batches = list(sampler.pending)
+    assert [b.index for b in batches] == list(range(len(chunks)))
+    assert all(b.draw is batches[0].draw and b.draw.batches == len(chunks) for b in batches)
+    assert batches[-1].last and not any(b.last for b in batches[:-1])
+    assert torch.cat([b.units.last for b in batches]).tolist() == last

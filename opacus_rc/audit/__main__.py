@@ -27,7 +27,7 @@ from ._broken import VARIANTS
 from .experiment import AuditConfig, AuditResult, run_audit
 from .normaliser import NORMALISER_VARIANTS, NormaliserAuditConfig, run_normaliser_audit
 from .paths import (
-    ACCUMULATION_EVERY, DRAW_BOUNDARY_VARIANTS, FORWARD_BUFFER_VARIANTS, FUSED_HEAD_VARIANTS, PATH_DEFAULTS,
+    ACCUMULATION_EVERY, DRAW_BOUNDARY_VARIANTS, FORWARD_BUFFER_VARIANTS, FUSED_HEAD_VARIANTS, PARTIAL_DRAW_VARIANTS, PATH_DEFAULTS,
     PATH_VARIANTS, PER_EXAMPLE_VARIANTS, REDUCED_STEP_VARIANTS, USER_LEVEL_VARIANTS, PathAuditConfig,
     per_example_steps, run_path_audit,
 )
@@ -138,7 +138,7 @@ def path_configs(args: argparse.Namespace) -> List[PathAuditConfig]:
 
 #: the deliberately broken controls: the audit must flag them (eps_lower above eps_accounted)
 CONTROLS = (*VARIANTS[1:], "normaliser_dataset_size", "fused_head_unchecked", "per_example_unchecked",
-            "draw_boundary_unchecked", "forward_buffer_unchecked", "user_level_per_row")
+            "draw_boundary_unchecked", "partial_draw_carried", "forward_buffer_unchecked", "user_level_per_row")
 LEGEND = (
     "verdict column: 'ok' = eps_lower (the audit's 95% lower bound) is below the accounted epsilon; "
     "'VIOLATION' = it is above, on a variant that is not a control; 'caught (control)' = a "
@@ -252,6 +252,10 @@ def _path_note(r: AuditResult, replicas: int) -> Optional[str]:
         return f"{v}: step() every {ACCUMULATION_EVERY} physical batches of the per-example form's loader: " + (
             refused_or(f"released (the canary's shift {r.mean_score_in:.2f} C: two draws), charged as one draw")
         )
+    if v in PARTIAL_DRAW_VARIANTS:
+        what = "carried into the next release" if v == "partial_draw_carried" else "dropped"
+        return (f"{v}: a loop stopped inside a draw of the per-example form's loader, then iterated again: the "
+                f"stopped draw's clipped sums {what}; the canary's shift {r.mean_score_in:.2f} C, charged as one draw")
     if v in USER_LEVEL_VARIANTS:
         clip = "each row clipped alone" if v == "user_level_per_row" else "one clip of the mean of its rows"
         return (f"{v}: privacy_unit='user', a canary user of {r.user_rows} rows (all removed in the neighbour), "

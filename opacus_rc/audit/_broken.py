@@ -3,7 +3,8 @@ make_private): ``biased_low`` divides the estimate by 4, ``data_dependent_sketch
 sketch orthogonal to the batch's gradients (the canary is estimated as 0, not clipped),
 :func:`unchecked_batches` lets the per-example form clip two examples as one,
 :func:`unchecked_draw_boundary` lets a ``step()`` follow several physical batches of a draw,
-and :func:`per_row_clipping` clips each row of a user alone at ``privacy_unit="user"``.
+:func:`carried_partial_draw` carries a draw left incomplete into the next one's release, and
+:func:`per_row_clipping` clips each row of a user alone at ``privacy_unit="user"``.
 See docs/audit.md, "Broken variants (audit-only)".
 """
 
@@ -13,8 +14,10 @@ from typing import Any, Optional
 
 import torch
 
+from ..draws import Batch, Draw
 from ..estimators import as_sequences, sketch_side
 from ..sketch import Sketcher
+from ..units import RowUnits
 from .checks import check_choices
 
 VARIANTS = ("honest", "biased_low", "data_dependent_sketch")
@@ -83,9 +86,9 @@ def install_sketcher(module: Any, sketcher: Sketcher) -> None:
 def unchecked_batches(module: Any) -> None:
     """Switch the per-example form's batch check off on ``module`` (a
     :class:`~opacus_rc.forms.per_example.PerExampleClipping`, followed by its optimizer):
-    every outermost forward pass counts as one example, whatever its batch, so the
-    backward pass of a physical batch of several examples is clipped once, as one
-    example's gradient (the clip bounds their sum)."""
+    every outermost forward pass counts as one example, whatever its batch (its units: its
+    first row's), so the backward pass of a physical batch of several examples is clipped
+    once, as one example's gradient (the clip bounds their sum)."""
     check = module._pre_forward  # reads the batch from the forward's arguments
 
     def as_one_example(m: Any, args: Any, kwargs: Any) -> None:
@@ -97,22 +100,40 @@ def unchecked_batches(module: Any) -> None:
     module._pre_forward = as_one_example
     module._setup_clipping(module.max_grad_norm)  # the hooks again, with the check off
     module.follow_steps(optimizer)
+    take = module.take_batch
+    module.take_batch = lambda batch: take(Batch(batch.draw, batch.index, batch.units.rows(0, 1)))
 
 
 def unchecked_draw_boundary(optimizer: Any) -> None:
-    """Switch the draw-boundary check off on ``optimizer`` (a plugin optimizer): a
-    ``step()`` may follow any number of physical batches of the loader that splits Poisson
-    draws, and the skip signals that loader queued are popped out of step with the batches
-    trained on (the pre-fix behaviour, issue 38 item 1): a release can hold the tail of one
-    draw and the head of the next, charged as the one draw whose end it holds."""
-    optimizer.check_draw_boundary = lambda: None
+    """The pre-fix behaviour (issue 38 item 1): the loader queues one of Opacus's skip signals per
+    physical batch (``same_draw``) and each ``step()`` pops one, whatever batches it followed; the
+    draws no longer decide. A release can then hold the tail of one draw and the head of the next,
+    charged as the one draw whose end it holds."""
+    add = optimizer.delivered.add
+
+    def signalled(data: Any, batch: Batch) -> None:
+        optimizer.signal_skip_step(do_skip=not batch.last, same_draw=True)
+        add(data, Batch(Draw(1, signalled=True), 0, batch.units))
+
+    optimizer.delivered.add = signalled
+
+
+def carried_partial_draw(optimizer: Any) -> None:
+    """Carry the clipped sums of a draw left incomplete into the next draw's release (issue 46,
+    path 1: a loop stopped inside a draw, then the loader iterated again), charged as the one
+    draw whose end it holds (the micro-batch count restarts, the sums do not)."""
+
+    def carry() -> None:
+        optimizer.backward_passes = optimizer._draw_splits = 0
+
+    optimizer._drop_incomplete_draw = carry
 
 
 def per_row_clipping(optimizer: Any) -> None:
     """Make a user-level book-keeping ``optimizer`` (and the module it follows) clip each row
-    alone: the units the loader announces are dropped (no regrouping of a user's rows, a
-    clip per row) and the check that the records were regrouped into users is off, while
-    the accountant still charges each step per user at q_u. A user of m rows then moves
-    the release by up to m C, charged as C."""
-    optimizer.note_units = lambda _units: None
-    optimizer._check_user_records = lambda: None
+    alone: each batch's units replaced by its rows (no regrouping of a user's rows, a clip per
+    row), while the accountant still charges each step per user at q_u. A user of m rows then
+    moves the release by up to m C, charged as C."""
+    module = optimizer.bound_module()
+    take = module.take_batch
+    module.take_batch = lambda batch: take(Batch(batch.draw, batch.index, RowUnits.singletons(len(batch.units))))

@@ -16,8 +16,10 @@ deliberately broken controls. What each runs, its score and its defaults: docs/a
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
+import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
@@ -42,9 +44,11 @@ FUSED_HEAD_VARIANTS = ("fused_head", "fused_head_unchecked")
 PER_EXAMPLE_VARIANTS = ("per_example", "per_example_unchecked")
 FORWARD_BUFFER_VARIANTS = ("forward_buffer", "forward_buffer_unchecked")
 DRAW_BOUNDARY_VARIANTS = ("draw_boundary", "draw_boundary_unchecked")
+PARTIAL_DRAW_VARIANTS = ("partial_draw", "partial_draw_carried")
 USER_LEVEL_VARIANTS = ("user_level", "user_level_per_row")
 PATH_VARIANTS = ("accumulation_canary", "hand_built", "reused_layer", "reentrant_split", *FUSED_HEAD_VARIANTS,
-                 *PER_EXAMPLE_VARIANTS, *DRAW_BOUNDARY_VARIANTS, *FORWARD_BUFFER_VARIANTS, *USER_LEVEL_VARIANTS)
+                 *PER_EXAMPLE_VARIANTS, *DRAW_BOUNDARY_VARIANTS, *PARTIAL_DRAW_VARIANTS, *FORWARD_BUFFER_VARIANTS,
+                 *USER_LEVEL_VARIANTS)
 
 #: Per variant: sketch size, sigma and the path's own size (why: docs/audit.md).
 PATH_DEFAULTS = {
@@ -55,7 +59,7 @@ PATH_DEFAULTS = {
     **{v: {"sketch_size": 32, "sigma": 1.0} for v in FUSED_HEAD_VARIANTS},
     # per-example and draw-boundary variants: k only sets the shapes
     **{v: {"sketch_size": 4, "sigma": 1.0} for v in (*PER_EXAMPLE_VARIANTS, *FORWARD_BUFFER_VARIANTS,
-                                                      *DRAW_BOUNDARY_VARIANTS)},
+                                                      *DRAW_BOUNDARY_VARIANTS, *PARTIAL_DRAW_VARIANTS)},
     **{v: {"sketch_size": 4, "sigma": 2.0, "user_rows": 8, "replicas": 64} for v in USER_LEVEL_VARIANTS},
 }
 #: the fused-head control's steps at most: its unclipped canary is found at any size
@@ -70,10 +74,10 @@ DRAW_BOUNDARY_MAX_STEPS = 20
 #: the user-level control's steps at most (its canary user shifts by ``user_rows`` C Z, charged as C Z)
 USER_LEVEL_MAX_STEPS = 20
 #: the variants the command runs for a fifth of the requested steps (:func:`per_example_steps`)...
-REDUCED_STEP_VARIANTS = (*PER_EXAMPLE_VARIANTS, *DRAW_BOUNDARY_VARIANTS, *USER_LEVEL_VARIANTS)
+REDUCED_STEP_VARIANTS = (*PER_EXAMPLE_VARIANTS, *DRAW_BOUNDARY_VARIANTS, *PARTIAL_DRAW_VARIANTS, *USER_LEVEL_VARIANTS)
 #: ...and the most steps of those with a cap
 _MAX_STEPS = {"per_example_unchecked": PER_EXAMPLE_MAX_STEPS, "user_level_per_row": USER_LEVEL_MAX_STEPS,
-              **dict.fromkeys(DRAW_BOUNDARY_VARIANTS, DRAW_BOUNDARY_MAX_STEPS)}
+              **dict.fromkeys((*DRAW_BOUNDARY_VARIANTS, *PARTIAL_DRAW_VARIANTS), DRAW_BOUNDARY_MAX_STEPS)}
 #: the accumulation loop's k: ``step()`` every k physical batches (the draws of
 #: :func:`accumulation_draws` are built for k = 2)
 ACCUMULATION_EVERY = 2
@@ -630,6 +634,43 @@ def _draw_boundary(config: PathAuditConfig, progress: Progress, start: float) ->
     return _exact_step_audit(config, built, accumulation_step, 2.0, progress, start)
 
 
+# --- partial_draw: a loop stopped inside a draw, then the loader iterated again (issue 46, path 1) ---
+
+
+def build_partial_draw(config: PathAuditConfig) -> _LoaderExperiment:
+    """:func:`build_per_example`'s honest objects; the control carries a draw left incomplete
+    into the next draw's release (:func:`~opacus_rc.audit._broken.carried_partial_draw`)."""
+    from ._broken import carried_partial_draw
+
+    built = build_per_example(config)
+    if config.variant == "partial_draw_carried":  # the broken control
+        carried_partial_draw(built.exp.optimizer)
+    return built
+
+
+def partial_draw_step(built: _LoaderExperiment, include: np.ndarray) -> torch.Tensor:
+    """A loop over the loader ``make_private`` returned stopped after the "in" canaries of a draw (the
+    canaries then D), then one whole draw of the same rows: the released ``W.grad`` (honest: the
+    stopped draw's clipped sums dropped, each canary once; the control: twice, charged once)."""
+    nb, r = len(built.exp.background[0]), len(include)
+    canaries = [nb + r + j for j in np.flatnonzero(include)]
+    built.sampler.draw = canaries + list(range(nb))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the dropped draw's warning
+        for x, y in itertools.islice(built.loader, len(canaries)):  # `if i == stop: break`
+            built.exp.criterion(built.exp.model(x), y).backward()
+            built.exp.optimizer.step()
+            built.exp.optimizer.zero_grad()
+        return draw_step(built.exp, built.loader)
+
+
+def _partial_draw(config: PathAuditConfig, progress: Progress, start: float) -> PathAuditResult:
+    """``partial_draw``: one exact-clipping step at q = 1 whose canary shifts by C; the control's by
+    2 C (the stopped draw's canary carried into the next release), charged as C."""
+    shift = 2.0 if config.variant == "partial_draw_carried" else 1.0
+    return _exact_step_audit(config, build_partial_draw(config), partial_draw_step, shift, progress, start)
+
+
 # --- user_level: a canary user of several rows, privacy_unit="user" (book-keeping) ----------------
 
 
@@ -706,6 +747,7 @@ _AUDITS = {
     **dict.fromkeys(PER_EXAMPLE_VARIANTS, _per_example),
     **dict.fromkeys(FORWARD_BUFFER_VARIANTS, _forward_buffer),
     **dict.fromkeys(DRAW_BOUNDARY_VARIANTS, _draw_boundary),
+    **dict.fromkeys(PARTIAL_DRAW_VARIANTS, _partial_draw),
     **dict.fromkeys(USER_LEVEL_VARIANTS, _user_level),
 }
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from torch import nn
 
-from ..draws import DrawLoader
+from ..draws import split_draws
 from ..grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
 from ..optimizer import DistributedRandomizedClippingOptimizer, RandomizedClippingOptimizer
 from ..recompute import is_checkpointed
@@ -79,12 +79,12 @@ def _with_bookkeeping_criterion(out: Tuple, arguments: Mapping[str, Any]) -> Tup
 
 
 def _one_example_per_batch(out: Tuple, arguments: Mapping[str, Any]) -> Tuple:
-    """The loader split into physical batches of one example (:class:`~opacus_rc.draws.DrawLoader`);
+    """The loader split into physical batches of one example (:func:`~opacus_rc.draws.split_draws`);
     a ghost script's criterion replaced by book-keeping's (its ``backward()``: the one example's pass)."""
     *head, data_loader = out
     if len(head) == 3:  # a ghost script's 4-tuple
         head[2] = bookkeeping_criterion(head[0], head[1], arguments)
-    return (*head, DrawLoader(data_loader=data_loader, max_batch_size=1, optimizer=head[1]))
+    return (*head, split_draws(data_loader=data_loader, max_batch_size=1, optimizer=head[1]))
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..clip_guard import BuiltSumsGuard, Expected, coarsest_dtype, complete_unused
 from ..estimators import as_sequence
-from ..grad_sample import PerExampleStore, head_per_user_error, head_used_twice_error, unannounced_batch_error
+from ..grad_sample import PerExampleStore, head_per_user_error, head_used_twice_error
 from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from ..optimizer import SketchedClippingMixin
 from ..recompute import late_use_error, missing_per_sample_error
@@ -194,7 +194,7 @@ class BookkeepingMixin(PerExampleStore):
         head in the pass is refused (its record would miss it), and so is ``privacy_unit="user"``
         (its records are per row)."""
         self.expect_forward()
-        if self.row_units is not None:
+        if not self.batch.units.one_row_each:
             raise head_per_user_error()
         params = values.params
         if any(p._forward_counter != 1 for p in params) or layer in self._pending_uses:
@@ -251,10 +251,8 @@ class BookkeepingMixin(PerExampleStore):
             return  # more uses of this layer in this pass are still to come
         a, g = concatenate_uses(module, self._pending_uses.pop(module))
         self._recorded_in_pass.add(module)
-        rows = None
-        if self.row_units is not None:  # privacy_unit="user": one sequence of all a user's tokens
-            rows = int(g.shape[0])
-            a, g = regroup_uses(module, a, g, self.row_units)
+        rows = int(g.shape[0])  # a unit's rows as one sequence of all its tokens
+        a, g = regroup_uses(module, a, g, self.batch.units_of(rows))
         norms = RANDOMIZED_NORM_SAMPLERS[type(module)](module, [a], g, self.sketcher)
         for param, norm in norms.items():
             self.records.add(param, Record(norm.pow(2), _clipped_sum(module, param, a, g), rows))
@@ -338,7 +336,7 @@ class BookkeepingClippingMixin:
         if getattr(p, "grad_sample", None) is None:
             raise missing_per_sample_error(self.describe_parameter(p))
         gs = self._get_flat_grad_sample(p)
-        return gs if self.row_units is None else sum_rows_by_unit(gs, self.row_units)
+        return sum_rows_by_unit(gs, self._step_units(gs.shape[0]))
 
     def _per_sample_sq_norms(self, p: torch.nn.Parameter) -> torch.Tensor:
         records = self._records(p)
@@ -348,7 +346,11 @@ class BookkeepingClippingMixin:
 
     @property
     def grad_samples(self) -> List[Optional[torch.Tensor]]:
-        """Opacus's per-sample gradients, one entry per parameter; None for a book-kept one."""
+        """Opacus's per-sample gradients, one entry per parameter; None for a book-kept one. A step
+        whose forwards took only empty batches and ran no backward pass contributes zeros."""
+        recorded = any(self._records(p) or getattr(p, "grad_sample", None) is not None for p in self.params)
+        if not recorded and not self.bound_module().step_took_rows:
+            self.complete_batch(0)
         return [None if self._records(p) else self._exact_grad_sample(p) for p in self.params]
 
     def _passes_recorded(self) -> int:
@@ -404,29 +406,25 @@ class BookkeepingClippingMixin:
             norms = norms / max(1, max(sizes))
         return sum(parts), dtype, norms
 
-    def _check_user_records(self) -> None:
-        """At user level, refuse a step that is not one physical batch of whole users whose
-        records were regrouped into them (a step of no rows clips nothing)."""
-        if self.user_index is None:
-            return
-        records = [r for p in self.params for r in self._records(p)]
-        if all(r.row_count == 0 for r in records) and all(getattr(p, "grad_sample", None) is None for p in self.params):
-            return
-        if self.row_units is None:
-            self.drop_step()
-            raise unannounced_batch_error()
-        regrouped = all(r.rows is not None for r in records)
-        if self._passes_recorded() != 1 or not regrouped:
+    def _step_units(self, rows: int) -> Any:
+        """The units of the step's physical batch (of ``rows`` rows)."""
+        return self.bound_module().batch.units_of(rows)
+
+    def _unit_sizes(self, count: int) -> torch.Tensor:
+        """``m_u`` of the ``count`` units the step's records hold (their rows in the batch)."""
+        units = self.bound_module().batch.units
+        if units.one_row_each:
+            return torch.ones(count)
+        sizes = unit_sizes(units)
+        if len(sizes) != count:
             self.drop_step()
             raise ValueError(
-                "privacy_unit='user' with book-keeping clips the users of one physical batch, the whole "
-                "draw of the loader make_private returned: one backward pass per step, on its batch "
-                "(no gradient accumulation, no BatchMemoryManager; per_example_backward=True spreads "
-                "a user's rows over backward passes)"
+                "book-keeping clips the units of one physical batch per step: one backward pass per step, on "
+                "its batch (per_example_backward=True spreads a user's rows over backward passes)"
             )
+        return sizes
 
     def clip_and_accumulate(self) -> None:
-        self._check_user_records()
         self._note_outside_uses()
         # counted before the records are consumed: averaging and the accountant read it
         self.count_backward_pass(self._passes_recorded())
@@ -435,7 +433,7 @@ class BookkeepingClippingMixin:
         if keep is not None:
             sq = torch.where(keep, sq, torch.zeros_like(sq))
         # a user's unit is the mean of their m_u rows: norm ||S_u|| / m_u, factor c_u / m_u on S_u
-        rows = 1.0 if self.row_units is None else unit_sizes(self.row_units).to(sq)
+        rows = self._unit_sizes(sq.shape[0]).to(sq)
         clip = mean_clip_factors(sq.sqrt(), rows, self.max_grad_norm)
         if keep is not None:
             clip = clip * keep

@@ -30,11 +30,10 @@ from torch.utils._pytree import tree_leaves
 
 from ..clip_guard import PerExampleGuard
 from ..estimators import at_least_float32
-from ..grad_sample import unannounced_batch_error
+from ..draws import BatchReader
 from ..optimizer import RandomizedClippingMixin
 from ..recompute import forward_replay
-from ..units import RowUnits
-from ..values import EXAMPLE_UNIT, SKIP
+from ..values import SKIP
 from .fsdp import _contains_fsdp
 
 #: Opacus's guard against a zero norm in the clip factor
@@ -102,30 +101,7 @@ def batch_error(n: Optional[int]) -> ValueError:
     )
 
 
-def from_batch(t: torch.Tensor, batch: List[torch.Tensor]) -> bool:
-    """``t`` is a tensor of ``batch``, a view of one (same storage: a transpose, a slice),
-    or a copy of one (same elements, in order: moved to a device, cast)."""
-    for b in batch:
-        if t is b or (t.device == b.device and t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()):
-            return True
-        if t.numel() == b.numel() and torch.equal(
-            t.detach().reshape(-1), b.detach().reshape(-1).to(device=t.device, dtype=t.dtype)
-        ):
-            return True
-    return False
-
-
-def loader_error(why: str) -> ValueError:
-    return ValueError(
-        "the per-example form clips one example per backward pass, and the data loader "
-        f"make_private returned yields one example per batch; a forward of the model: {why}. "
-        "Iterate that loader and give the model its batch (moved to the device, cast, transposed "
-        "or sliced: any view or copy of it), one forward per batch; transform the data in the "
-        "dataset; or choose another form: make_private(..., per_example_backward=False)"
-    )
-
-
-class PerExampleClipping:
+class PerExampleClipping(BatchReader):
     """The per-example form's clipping, attached to the model ``m`` (Opacus's hooks-object
     interface: ``forbid_grad_accumulation``, ``remove_hooks``, ``cleanup``).
 
@@ -157,18 +133,14 @@ class PerExampleClipping:
         self._refusal: Optional[str] = None
         self._grouped: Optional[bool] = None  # inside one_physical_batch(): whether a backward ran
         self._optimizer: Optional[Any] = None
-        self._loader_bound = False  # the returned loader was iterated: forwards take its batches
-        self._in_hand: Optional[List[torch.Tensor]] = None  # the tensors of its latest batch
-        self._in_hand_from: Any = None  # the iteration that delivered it
-        #: privacy_unit="user": the units of the row in hand (:meth:`note_units`) and the
-        #: running gradient of the user whose rows are passing (one gradient-sized buffer)
-        self.row_units: Optional[RowUnits] = None
-        self.privacy_unit = EXAMPLE_UNIT  # the followed optimizer's (its bind_module sets it)
+        #: the running gradient of the unit whose rows are passing (one gradient-sized buffer) and its draw
         self._user_sum: Optional[Dict[int, Tuple[nn.Parameter, torch.Tensor]]] = None
+        self._user_draw: Any = None
         self._handles = []
         for module in self._module.modules():
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
+        self._handles.extend(self.watch_batches(self._module))
 
     # --- Opacus's hooks-object interface --------------------------------------------------
 
@@ -208,23 +180,16 @@ class PerExampleClipping:
             if ran and optimizer is not None:
                 optimizer.count_backward_pass()
 
-    # --- the batches of the loader make_private returned (opacus_rc.draws.DrawLoader) -------
+    one_batch_per_argument = True
 
-    def note_batch(self, batch: Any, source: Any) -> None:
-        """The returned loader's iteration ``source`` delivered ``batch`` (one dataset row), or
-        ended (None); from then on every counted forward must take the batch in hand, once
-        (:meth:`_check_from_loader`)."""
-        if batch is None:
-            if self._in_hand_from is source:
-                self._in_hand = None
-            return
-        self._loader_bound = True
-        self._in_hand = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
-        self._in_hand_from = source
-
-    def note_units(self, units: RowUnits) -> None:
-        """The row in hand belongs to ``units`` (privacy_unit="user", announced by the loader)."""
-        self.row_units = units
+    def take_batch(self, batch: Any) -> None:
+        """One forward per batch of a plugin loader (a second would clip its example twice)."""
+        if not batch.draw.signalled and any(b is batch for b in self._step_batches):
+            self.refuse_step(ValueError(
+                "the per-example form clips one example per backward pass: a batch of the loader "
+                "make_private returned went through a second forward pass; one forward per batch"
+            ))
+        super().take_batch(batch)
 
     @property
     def user_pending(self) -> bool:
@@ -234,7 +199,9 @@ class PerExampleClipping:
     def _add_to_user(self, grads: List[Tuple[nn.Parameter, torch.Tensor]]) -> Optional[List[Tuple[nn.Parameter, torch.Tensor]]]:
         """Add one row's gradient to its user's running sum; at the user's last row, the
         user's mean ``(1/m_u) sum_r g_r`` (the unit that is clipped), else None."""
-        units = self.row_units
+        units = self.batch.units_of(1)
+        if self._user_draw is not self.batch.draw:  # a unit's rows never span two draws
+            self._user_sum, self._user_draw = None, self.batch.draw
         total = self._user_sum if self._user_sum is not None else {}
         for p, g in grads:
             if id(p) in total:
@@ -248,20 +215,6 @@ class PerExampleClipping:
         size = float(units.sizes[0])
         return [(p, g.div_(size)) for p, g in total.values()]
 
-    def _check_from_loader(self, args: Any, kwargs: Dict[str, Any]) -> None:
-        """Refuse a forward that does not take the returned loader's batch in hand (none in hand,
-        or a tensor argument not derived from it: :func:`from_batch`)."""
-        if not self._loader_bound:
-            return
-        batch, self._in_hand = self._in_hand, None  # one forward per delivered batch
-        if batch is None:
-            raise loader_error("no batch of it is in hand (outside its iteration, or its batch "
-                               "already went through a forward)")
-        foreign = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and not from_batch(t, batch)]
-        if foreign:
-            raise loader_error(f"a tensor argument of shape {tuple(foreign[0].shape)} did not come from "
-                               "the batch in hand")
-
     # --- the forward passes ------------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Dict[str, Any]) -> None:
@@ -269,8 +222,7 @@ class PerExampleClipping:
             self._depth.append(False)  # inside a counted forward, untracked, or a replay
             return
         try:
-            self._check_from_loader(args, kwargs)
-            n = examples_in(args, kwargs, self.batch_first)  # the second line
+            n = examples_in(args, kwargs, self.batch_first)
             if n is None or n > 1:
                 raise batch_error(n)
         except ValueError:
@@ -359,14 +311,11 @@ class PerExampleClipping:
             self._grouped = True
         else:
             optimizer.count_backward_pass()
-        if optimizer.user_index is not None and examples:  # privacy_unit="user": clip per user
-            if self.row_units is None or len(self.row_units) != 1:
-                return self._refuse(str(unannounced_batch_error()))
-            grads = self._add_to_user(grads)
-            if grads is None:
-                return  # the user's rows continue
         if examples == 0 or not grads:  # an empty batch: a zero contribution
             return
+        grads = self._add_to_user(grads)  # the clipped unit: the mean of its rows (an example: itself)
+        if grads is None:
+            return  # the unit's rows continue
         norm = torch.linalg.vector_norm(
             torch.stack(torch._foreach_norm([g for _, g in grads], dtype=torch.float32))
         )
@@ -431,7 +380,10 @@ class PerExampleOptimizerMixin(RandomizedClippingMixin):
 
     def add_clipped(self, grads: List[Any], factor: torch.Tensor) -> None:
         """``p.summed_grad += factor * g`` (float32) for each ``(p, g)`` of one example's gradient
-        (the first example's buffer becomes the running sum, in place)."""
+        (the first example's buffer becomes the running sum, in place), claimed by its draw."""
+        module = self.bound_module()
+        if module._step_batches == [module.batch]:  # (several: the step refuses them)
+            self.claim_batches([module.batch])
         for p, g in grads:
             if p.summed_grad is None:
                 p.summed_grad = (g if g.dtype == torch.float32 else g.float()).mul_(factor)

@@ -18,16 +18,28 @@ docs/hf_trainer.md. The modules: :mod:`~opacus_rc.hf.arguments`, :mod:`~opacus_r
 :mod:`~opacus_rc.hf.engine` and :mod:`~opacus_rc.hf.trainer`.
 """
 
-try:
-    import transformers  # noqa: F401
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("opacus_rc.hf needs transformers: pip install 'opacus_rc[hf]'") from exc
+import importlib
+import importlib.util
+from typing import Any
+
+if importlib.util.find_spec("transformers") is None:  # pragma: no cover - exercised only without the extra
+    raise ImportError("opacus_rc.hf needs transformers: pip install 'opacus_rc[hf]'")
 
 from .arguments import CLIPPINGS, DENOISERS, LOSS_LOG_KEYS, PRIVATE_LOG_KEYS, PrivacyArguments
-from .checks import DP_STATE_NAME
 from .data import PoissonAccumulationSampler, is_empty_batch
 from .losses import per_example_sequence_loss, per_example_token_loss
-from .trainer import DPTrainer, DPTrainerMixin, private_trainer
+
+#: names whose modules import transformers (seconds): imported at first use (issue 48)
+_LAZY = {"DPTrainer": "trainer", "DPTrainerMixin": "trainer", "private_trainer": "trainer", "DP_STATE_NAME": "checks"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DPTrainer", "DPTrainerMixin", "PrivacyArguments", "PoissonAccumulationSampler", "private_trainer",

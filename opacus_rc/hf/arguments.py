@@ -74,7 +74,8 @@ class _PrivacyArgumentsMethods:
         denoise: ``None`` or ``"spectral"`` (post-processing of the noisy gradient).
         secure_mode: noise, sketches and Poisson masks from :mod:`opacus_rc.csprng`.
         sample_rate: the public Poisson rate; ``None``: ``1 / ceil(len(train_dataset) / B)``
-            (at ``privacy_unit="user"``: ``min(1, B / number of users)``, B counting users).
+            (at ``privacy_unit="user"``: ``B / number of users``, B counting users: at most
+            their number).
         privacy_unit: ``"example"`` (a dataset row, default) or ``"user"`` (a person with all
             their rows: Poisson over users, one clip of the mean of a user's rows; epsilon
             per user; :mod:`opacus_rc.units`).

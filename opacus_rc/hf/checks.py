@@ -23,7 +23,7 @@ from ..finite import agree_across_ranks, all_finite
 from ..forms import form_of
 from ..values import RANDOMIZED, check_choice
 from .arguments import PrivacyArguments
-from ..units import RowUnits, UserIndex
+from ..units import RowUnits, UserIndex, check_same_on_ranks
 from .data import poisson_sampler_of
 from .losses import _base_model
 
@@ -184,7 +184,10 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
     if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
         raise ValueError("an IterableDataset train_dataset is not supported: Poisson sampling needs a map-style dataset")
     if trainer.privacy.user_level and trainer.train_dataset is not None:
-        trainer.user_index()  # the user column read now: a bad one is refused at construction
+        # the user column read now: a bad one is refused at construction, as expected users per
+        # step above the users and (several processes) ranks given different rows or ids
+        check_same_on_ranks(trainer.user_index())
+        trainer.sample_rate  # noqa: B018
 
 
 def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
@@ -192,7 +195,7 @@ def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
 
     Raises:
         ValueError: naming ``user_column``: the dataset is not a ``datasets.Dataset``, has no
-            such column, or a row's user is None.
+            such column, or a row's user has no stable value (:func:`~opacus_rc.units.user_key`).
     """
     column = privacy.user_column
     names = getattr(dataset, "column_names", None)
@@ -203,19 +206,27 @@ def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
         )
     if column not in names:
         raise ValueError(f"user_column={column!r} is not a column of train_dataset; its columns: {names}")
-    ids = dataset[column]
-    missing = next((row for row, uid in enumerate(ids) if uid is None), None)
-    if missing is not None:
-        raise ValueError(
-            f"user_column={column!r}: row {missing} has no user (None); accepted values: a user id on every row"
-        )
-    return UserIndex(ids, len(dataset), privacy.max_examples_per_user)
+    # the stored values, whatever the dataset's format (with_format("torch") would give 0-d
+    # tensors, hashed by identity): ids compared by value, each read as its units.user_key
+    ids = dataset.with_format(None)[column] if hasattr(dataset, "with_format") else dataset[column]
+    try:
+        return UserIndex(ids, len(dataset), privacy.max_examples_per_user)
+    except ValueError as error:
+        raise ValueError(f"user_column={column!r}: {error}") from None
 
 
-def check_units(privacy: PrivacyArguments, units: Optional[RowUnits]) -> Optional[RowUnits]:
+def check_units(privacy: PrivacyArguments, units: Optional[RowUnits], skipping: bool = False) -> Optional[RowUnits]:
     """``units``, the units a physical batch carried; a user-level one must carry them (from
-    the private Trainer's user-level loader)."""
+    the private Trainer's user-level loader). ``skipping``: the run resumed from a checkpoint
+    without ``ignore_data_skip`` (the Trainer skips a resumed epoch's first batches through a
+    loader of its own, whose batches carry no users)."""
     if privacy.user_level and units is None:
+        if skipping:
+            raise ValueError(
+                "privacy_unit='user': the run resumed mid-epoch, and the Trainer skips the epoch's first "
+                "batches through a loader of its own, whose batches carry no users; set "
+                "TrainingArguments(ignore_data_skip=True): every Poisson draw is fresh, there is nothing to skip"
+            )
         raise ValueError(
             "privacy_unit='user': a physical batch came without its users (it is not from the private "
             "Trainer's user-level Poisson loader). " + _LOADING_ACCEPTED
@@ -260,8 +271,9 @@ def check_loader(trainer: Trainer, made: Optional[DataLoader]) -> None:
         "the loader the training loop iterates is not the private Trainer's Poisson loader"
         if loader is None or loader is not made or not ok
         else "its Poisson sampler was not drawn from" if sampler.draws == 0
-        else f"its sampler draws at rate {sampler.sample_rate}, not the charged {trainer.sample_rate}"
-        if sampler.sample_rate != trainer.sample_rate
+        else f"its sampler draws at rate {sampler.sample_rate}, not the charged {trainer._dp_rate} (train_dataset "
+        "replaced between two train() calls? Construct a new private Trainer for a new dataset)"
+        if sampler.sample_rate != trainer._dp_rate
         else "its sampler's split, rank, world size or dataset size differ from the Trainer's"
         if (sampler.micro_batches, sampler.rank, sampler.world_size, sampler.num_samples)
         != (trainer.args.gradient_accumulation_steps, trainer.args.process_index, trainer.args.world_size,

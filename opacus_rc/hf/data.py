@@ -7,14 +7,15 @@ rows' units (:func:`take_units`)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..sketch import entropy_seed
-from ..units import RecordingBatchSampler, RowUnits, UserIndex, UserPoissonSampler, delivered_units
+from ..draws import DrawSampler
+from ..units import RowUnits, UserIndex, UserPoissonSampler
 
 _EMPTY = "__opacus_rc_empty_batch__"
 _UNITS = "__opacus_rc_row_units__"
@@ -106,6 +107,104 @@ def _collate_or_mark(collate: Callable, rows: List[Any]) -> Any:
     return {_EMPTY: True} if len(rows) == 0 else collate(rows)
 
 
+#: feature keys a collator passes on under another name (transformers' collators: "labels")
+_RENAMED = {"label": "labels", "label_ids": "labels"}
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` (a feature's field) as a hashable value compared by content."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), tuple(value.reshape(-1).tolist()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    return value
+
+
+def _content(value: torch.Tensor, mask: Optional[torch.Tensor]) -> tuple:
+    """A row's field without its padding: its values where ``mask`` is nonzero (a mask of
+    its shape), else with ``-100`` (the label padding) trimmed from both ends."""
+    if mask is not None and mask.shape == value.shape:
+        return tuple(value[mask != 0].tolist())
+    flat = value.reshape(-1).tolist()
+    start, stop = 0, len(flat)
+    while start < stop and flat[start] == -100:
+        start += 1
+    while stop > start and flat[stop - 1] == -100:
+        stop -= 1
+    return tuple(flat[start:stop])
+
+
+def in_draw_order(features: List[Any], batch: Any) -> Any:
+    """``batch`` (the collator's output for ``features``, one physical batch of a user-level
+    draw) with its rows in the order of ``features``, which the units follow (issue 46, path
+    7: a collator that sorts its rows put a user's rows in other users' units).
+
+    Each collated row is matched to the feature it came from by the fields the collator
+    passes on (under their own names, or ``label`` as ``labels``): their values without
+    padding (where ``attention_mask`` is 1, else ``-100`` trimmed). Rows whose fields match
+    several features are taken in order only when those features are identical.
+
+    Raises:
+        ValueError: naming ``data_collator``: a collated row matches no feature (the collator
+            changed, dropped or added rows, or passes no field on), or features that differ.
+    """
+    n = len(features)
+    if n < 2 or not isinstance(batch, MutableMapping):
+        return batch  # nothing to reorder (a non-mapping batch is refused by the loader)
+    mask = batch.get("attention_mask")
+    mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == n else None
+    named = [(k, _RENAMED.get(k, k)) for k in (features[0] if isinstance(features[0], Mapping) else ())]
+    fields = [(k, b) for k, b in named
+              if isinstance(batch.get(b), torch.Tensor) and batch[b].dim() > 0 and batch[b].shape[0] == n]
+
+    # a field padded where attention_mask is 0: of the mask's shape, each row as long as its input_ids
+    aligned = [mask is not None and batch[b].shape == mask.shape and all(
+        "input_ids" in f and torch.as_tensor(f[k]).shape == torch.as_tensor(f["input_ids"]).shape for f in features)
+        for k, b in fields]
+
+    def feature_key(f: Mapping) -> tuple:
+        own = f.get("attention_mask")
+        return tuple(_content(torch.as_tensor(f[k], dtype=batch[b].dtype),
+                              (torch.ones(len(f[k])) if own is None else torch.as_tensor(own)) if a else None)
+                     for (k, b), a in zip(fields, aligned))
+
+    groups: Dict[tuple, List[int]] = {}
+    why = "it passes no field of the rows on under their names" if not fields else None
+    for i, f in enumerate(features if why is None else ()):
+        groups.setdefault(feature_key(f), []).append(i)
+    for rows in groups.values():
+        if len({_frozen(features[i]) for i in rows}) > 1:
+            why = f"rows {rows} differ only in fields the collator does not pass on"
+    order: List[int] = []
+    for j in range(n if why is None else 0):
+        rows = groups.get(tuple(_content(batch[b][j], mask[j] if a else None) for (_, b), a in zip(fields, aligned)))
+        if not rows:
+            why = f"its row {j} matches none of the rows it was given (changed, dropped or added)"
+            break
+        order.append(rows.pop(0))
+    if why is not None:
+        raise ValueError(
+            f"privacy_unit='user': the data_collator's batch cannot be matched to the rows it was given ({why}); "
+            "each collated row is matched to its row by the fields it passes on (e.g. input_ids, labels: the "
+            "values where attention_mask is 1) to clip it with its user. Accepted values: a collator that pads "
+            "and stacks the rows' fields, in any order (tokenize in the dataset, e.g. with dataset.map, not "
+            "in the collator; no random masking)"
+        )
+    if order != list(range(n)):
+        back = torch.argsort(torch.tensor(order))  # collated row back[i] came from feature i
+        for key, value in list(batch.items()):
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
+                batch[key] = value[back]
+    return batch
+
+
+def _collate_in_draw_order(collate: Callable, rows: List[Any]) -> Any:
+    """:func:`_collate_or_mark` with the rows put back in the draw's order (:func:`in_draw_order`)."""
+    return in_draw_order(rows, _collate_or_mark(collate, rows))
+
+
 def take_units(inputs: Any) -> Optional[RowUnits]:
     """Remove and return the units a user-level batch carries (None: example level)."""
     return inputs.pop(_UNITS, None) if isinstance(inputs, MutableMapping) else None
@@ -114,31 +213,31 @@ def take_units(inputs: Any) -> Optional[RowUnits]:
 class UserPoissonLoader(DataLoader):
     """The private Trainer's loader at ``privacy_unit="user"``: each delivered batch (a
     mapping, or the empty marker) carries its rows' :class:`~opacus_rc.units.RowUnits` under
-    a private key, set in the main process (:func:`~opacus_rc.units.delivered_units`) and
+    a private key, set in the main process (:class:`~opacus_rc.draws.DrawSampler`) and
     removed by :func:`take_units` before the model: the Trainer fetches a step's batches
     before training on them, so the units travel with the batch, not beside it."""
 
     def __init__(self, dataset: Dataset, *, batch_sampler: PoissonAccumulationSampler, **kwargs: Any) -> None:
-        super().__init__(dataset, batch_sampler=RecordingBatchSampler(batch_sampler), **kwargs)
+        super().__init__(dataset, batch_sampler=DrawSampler(batch_sampler, batch_sampler.users), **kwargs)
         self.user_index = batch_sampler.users
 
     def __iter__(self) -> Iterator[Any]:
-        noted: List[RowUnits] = []
-        for batch in delivered_units(super().__iter__(), self.batch_sampler, self.user_index, noted.append):
+        pending = self.batch_sampler.pending
+        for batch in super().__iter__():
             if not isinstance(batch, MutableMapping):
                 raise ValueError(
                     f"privacy_unit='user': the data_collator returned a {type(batch).__name__}; accepted "
                     "values: a dict (or BatchEncoding) of the batch's tensors"
                 )
-            batch[_UNITS] = noted.pop()
+            batch[_UNITS] = pending.popleft().units
             yield batch
 
 
 def poisson_sampler_of(loader: Any) -> Optional[PoissonAccumulationSampler]:
     """The :class:`PoissonAccumulationSampler` ``loader`` draws with (None: another sampler)."""
     sampler = getattr(loader, "batch_sampler", None)
-    if isinstance(sampler, RecordingBatchSampler):
-        sampler = sampler.batch_sampler
+    if isinstance(sampler, DrawSampler):
+        sampler = sampler.poisson
     return sampler if isinstance(sampler, PoissonAccumulationSampler) else None
 
 
@@ -170,7 +269,7 @@ def poisson_loader(
     return (DataLoader if batch_sampler.users is None else UserPoissonLoader)(
         dataset,
         batch_sampler=batch_sampler,
-        collate_fn=functools.partial(_collate_or_mark, collator),
+        collate_fn=functools.partial(_collate_or_mark if batch_sampler.users is None else _collate_in_draw_order, collator),
         num_workers=num_workers,
         pin_memory=pin_memory,
     )

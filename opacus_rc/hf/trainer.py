@@ -22,6 +22,7 @@ from ..accounting.accountant import RCPRVAccountant, sketch_record
 from ..forms import Form, form_of
 from ..integration import PrivacyEngine
 from ..options import PublicSampling, per_rank_normaliser, user_sampling
+from ..draws import signalled_batches
 from ..units import UserIndex
 from ..values import RC_PRV
 from .callback import DPCallback
@@ -57,7 +58,8 @@ class DPTrainerMixin:
         self._dp_loader_checked = False
         self._dp_sigma: Optional[float] = None
         self._dp_resumed_history: Optional[list] = None
-        self._dp_users: Optional[UserIndex] = None
+        self._dp_users: Optional[Tuple[Any, UserIndex]] = None  # (the dataset read, its users)
+        self._dp_rate: Optional[float] = None  # the rate the accountant charges (set with the optimizer)
         super().__init__(*args, **kwargs)
         check_setup(self, DPTrainerMixin)
         self.add_callback(DPCallback(self))
@@ -72,7 +74,7 @@ class DPTrainerMixin:
     @property
     def sample_rate(self) -> float:
         """The public Poisson rate every logical step samples at and is charged at (at
-        ``privacy_unit="user"``, of users: ``min(1, B / number of users)`` by default)."""
+        ``privacy_unit="user"``, of users: ``B / number of users`` by default, B at most their number)."""
         if self.privacy.sample_rate is not None:
             return float(self.privacy.sample_rate)
         if self.train_dataset is None:
@@ -87,10 +89,14 @@ class DPTrainerMixin:
         return self.privacy.privacy_unit
 
     def user_index(self) -> Optional[UserIndex]:
-        """The users of ``train_dataset`` (its ``privacy.user_column``; None at example level)."""
-        if self.privacy.user_level and self._dp_users is None:
-            self._dp_users = user_index_of(self.train_dataset, self.privacy)
-        return self._dp_users
+        """The users of ``train_dataset`` (its ``privacy.user_column``; None at example level),
+        read again when ``train_dataset`` was replaced (issue 46, path 8: a cached index gave
+        the rows of a reordered dataset to whoever held their position before)."""
+        if not self.privacy.user_level:
+            return None
+        if self._dp_users is None or self._dp_users[0] is not self.train_dataset:
+            self._dp_users = (self.train_dataset, user_index_of(self.train_dataset, self.privacy))
+        return self._dp_users[1]
 
     @property
     def steps_per_epoch(self) -> int:
@@ -150,6 +156,7 @@ class DPTrainerMixin:
             user_ids=self.user_index().user_of_row.tolist() if self.privacy.user_level else None,
         )
         self._dp_engine, self._dp_hooks, self._dp_optimizer = private.engine, private.hooks, private.optimizer
+        self._dp_rate = self.sample_rate
         self._dp_form = form_of(private.optimizer)
         self._dp_ddp, self._dp_sigma = private.ddp, private.sigma
         model = self.model if private.ddp is None else private.ddp
@@ -217,17 +224,19 @@ class DPTrainerMixin:
         model.train()
         report = torch.zeros((), device=self.args.device)
         rows = 0
-        units = check_units(self.privacy, take_units(inputs))  # removed: they never reach the model
+        skipping = self._dp_resumed_history is not None and not self.args.ignore_data_skip
+        units = check_units(self.privacy, take_units(inputs), skipping)  # removed: they never reach the model
         if not is_empty_batch(inputs):
             inputs = self._prepare_inputs(inputs)
             per_example = self._dp_form is not None and self._dp_form.one_example_per_backward
             batches = one_row_batches(inputs) if per_example else [inputs]
             del inputs
             total = torch.zeros((), device=self.args.device)
+            parts = None if units is None else signalled_batches(units, per_example)
             with self._dp_hooks.one_physical_batch() if per_example else contextlib.nullcontext():
                 for i, batch in enumerate(batches):  # the per-example form: one row, one backward pass each
-                    if units is not None:  # the users of the rows this backward pass holds
-                        optimizer.note_units(units.rows(i, i + 1) if per_example else units)
+                    if parts is not None:  # the users of the rows this backward pass holds, found by its tensors
+                        optimizer.delivered.add(batch, parts[i])
                     losses = self._dp_losses(model, batch)
                     rows += int(losses.shape[0])
                     losses.mean().backward()

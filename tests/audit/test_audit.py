@@ -19,6 +19,8 @@ import math
 import numpy as np
 import pytest
 import torch
+
+from opacus_rc.draws import Rows
 from scipy.stats import binom
 
 from opacus_rc import SketchConfig, Sketcher
@@ -118,6 +120,7 @@ def test_install_sketcher_replaces_every_reference():
     original = new.estimate
     new.estimate = lambda *a, **k: calls.append(1) or original(*a, **k)
     layer = torch.nn.Linear(8, 8, bias=False)
+    exp.model.batch = Rows()  # (a pass's batch, as a training forward takes it)
     exp.model.NORM_SAMPLERS[torch.nn.Linear](layer, [torch.randn(2, 40, 8)], torch.randn(2, 40, 8))
     assert calls, "the norm sampler did not use the installed sketcher"
     with pytest.raises(ValueError, match="variant"):

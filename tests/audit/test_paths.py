@@ -575,3 +575,37 @@ def test_quick_audit_includes_the_user_level_variants(capsys):
     ]
     assert rows[0]["eps_accounted"] == rows[1]["eps_accounted"] > rows[0]["eps_lower"]
     assert "user_level_per_row: privacy_unit='user', a canary user of 8 rows (all removed in the neighbour)" in out[-2]
+
+
+# --- partial_draw: a loop stopped inside a draw, then the loader iterated again (issue 46, path 1)
+
+
+def test_partial_draw_is_dropped_and_the_control_carries_it_charged_once():
+    """Noise 0, 16 replicas, half "in": a loop stopped after the "in" canaries of a draw (one per
+    physical batch), then one whole draw of the same rows. The honest objects drop the stopped
+    draw's clipped sums (a warning), so the release holds each "in" canary once (+C); the control
+    carries them into the release (+2 C), charged as one draw (one exact step at q = 1, m = 1)."""
+    from opacus_rc.audit.paths import PathAuditConfig, build_partial_draw, partial_draw_step
+
+    include = np.arange(16) % 2 == 0
+    for variant, shift in (("partial_draw", 1.0), ("partial_draw_carried", 2.0)):
+        built = build_partial_draw(PathAuditConfig(variant=variant, sketch_size=4, sigma=1.0, replicas=16, steps=2))
+        built.exp.optimizer.noise_multiplier = 0.0
+        released = partial_draw_step(built, include)
+        torch.testing.assert_close(released[:16, -1], torch.where(torch.from_numpy(include), shift, 0.0), atol=1e-5, rtol=0)
+        (sigma, q, steps, record), = built.exp.accountant.history
+        assert (sigma, q, steps) == (0.0, 1.0, 1) and record.estimator is None and record.micro_batches == 1
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # Opacus's prv at q = 1
+def test_partial_draw_audit_passes_and_catches_its_control():
+    """``partial_draw``: the canary shifts by C, charged as C (eps_lower below eps_accounted); the
+    control shifts it by 2 C, charged as C: the audit finds eps_lower above eps_accounted."""
+    from opacus_rc.audit.__main__ import CONTROLS
+
+    honest = run_path_audit(PathAuditConfig(variant="partial_draw", sketch_size=4, sigma=1.0, steps=12, seed=11))
+    assert honest.eps_lower <= honest.eps_accounted and abs(honest.mean_score_in - 1.0) < 5 * math.sqrt(4 / honest.trials)
+    r = run_path_audit(PathAuditConfig(variant="partial_draw_carried", sketch_size=4, sigma=1.0, steps=12, seed=11))
+    assert r.eps_exact > r.eps_accounted and r.eps_lower > r.eps_accounted
+    assert abs(r.mean_score_in - 2.0) < 5 * r.sigma * math.sqrt(4 / r.trials)
+    assert "partial_draw_carried" in CONTROLS and "partial_draw" not in CONTROLS

@@ -449,10 +449,11 @@ def test_state_kept_across_forwards_is_refused_by_name():
     each later example's backward pass), with nothing refused."""
     xs = torch.zeros(4, 4)
     xs[0] = torch.randn(4, generator=torch.Generator().manual_seed(1))
-    with pytest.raises(ValueError, match="reached the graph of an earlier forward pass: the model keeps "
-                                         "attribute 'prev'.*h.detach"):
+    # refused at the step by value first (tests/test_forward_changes.py), before the graph check
+    with pytest.raises(ValueError, match="attribute 'prev' was added during the forward pass"):
         _update_of_one_draw(xs)
-    assert _update_of_one_draw(xs[:1]).norm() == pytest.approx(1.0, rel=1e-4)  # one example: C
+    with pytest.raises(ValueError, match="attribute 'prev' was added"):  # one example: it reaches the next step
+        _update_of_one_draw(xs[:1])
 
 
 def test_state_kept_in_a_closure_is_refused():
@@ -466,13 +467,15 @@ def test_state_kept_in_a_closure_is_refused():
 
 
 def test_detached_state_and_frozen_transforms_still_train():
-    """State detached between forwards, and a tensor computed from a weight before training:
+    """State detached between forwards (kept outside the model: a module attribute is refused
+    by value, tests/test_forward_changes.py), and a tensor computed from a weight before training:
     the update equals brute-force per-example clipping."""
+    kept = {}
 
     class Detached(SequenceClassifier):
         def forward(self, x):
             out = super().forward(x)
-            self.last = out.detach()
+            kept["last"] = out.detach()
             return out
 
     check_update(seeded(Detached), token_task(n=N), per_example_backward=True)

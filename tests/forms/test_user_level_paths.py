@@ -24,7 +24,7 @@ from torch import nn
 import opacus_rc  # noqa: F401
 from opacus_rc.accounting.accountant import get_noise_multiplier_rc
 from opacus_rc.csprng import CSPRNG
-from opacus_rc.units import UserDataLoader
+from opacus_rc.draws import UserDataLoader
 
 from tests.forms.test_user_level import C, FORMS, K, USERS_PER_STEP, _ce, one_logical_step, private, user_data
 from tests.models import SequenceClassifier
@@ -141,15 +141,14 @@ def test_bookkeeping_refuses_a_batch_the_loader_did_not_deliver_after_a_step():
     _, (module, optimizer, loader) = private(SequenceClassifier(), data, owners, **FORMS["bookkeeping"])
     (rows,) = drawn_rows(loader, module, optimizer, 1)
     x, y, _ = data[torch.arange(len(rows))]
-    _ce(module, x, y).backward()
-    with pytest.raises(ValueError, match="did not deliver"):
-        optimizer.step()
+    with pytest.raises(ValueError, match="did not deliver"):  # refused at its forward
+        _ce(module, x, y).backward()
 
 
 def test_checkpoint_with_rng_state_resumes_the_user_samplers_draws(tmp_path):
     data, owners = user_data()
     engine, (module, optimizer, loader) = private(SequenceClassifier(), data, owners, **FORMS["bookkeeping"])
-    assert getattr(engine, opacus_rc.checkpoint.POISSON_GENERATOR_ATTR) is loader.recorder.batch_sampler.uniform.generator
+    assert getattr(engine, opacus_rc.checkpoint.POISSON_GENERATOR_ATTR) is loader.batch_sampler.poisson.uniform.generator
     drawn_rows(loader, module, optimizer, 1)
     path = tmp_path / "ckpt.pt"
     engine.save_checkpoint(path=path, module=module, optimizer=optimizer, include_rng_state=True)
@@ -175,7 +174,7 @@ def test_secure_mode_draws_users_and_subsets_from_the_csprng():
         max_grad_norm=C, clipping="randomized", privacy_unit="user", user_ids=owners, max_examples_per_user=K,
         sketch_size=64,
     )
-    assert isinstance(loader.recorder.batch_sampler.uniform.generator, CSPRNG)
+    assert isinstance(loader.batch_sampler.poisson.uniform.generator, CSPRNG)
     # a draw is empty with probability (1 - 3/7)^7 = 0.02 (one failure in 50 runs asserted a
     # single step): some step of 8 holds rows, except with probability 0.02^8 < 1e-13
     assert any(one_logical_step(module, optimizer, loader) for _ in range(8))
@@ -196,25 +195,34 @@ def test_seeded_draws_do_not_depend_on_torchs_global_generator():
     assert runs[0] == runs[1]
 
 
-def test_make_private_with_epsilon_calibrates_at_the_user_rate():
-    data, owners = user_data()
+@pytest.mark.parametrize("users, per_step", [(8, 5), (7, USERS_PER_STEP)])
+def test_make_private_with_epsilon_spends_the_target_over_epochs_of_the_returned_loader(users, per_step):
+    """Issue 46 path 9: calibrated at q_u (not 1 / len(loader)) for the steps the returned
+    loader runs, E x len(loader). On main sigma was calibrated for int(E / q_u) steps: with 8
+    users, 5 per step (q_u = 5/8), 3 epochs, 4 steps, while the loader runs round(1.6) = 2
+    draws per epoch, 6 steps: epsilon 4.91 against a target of 4. Now epsilon after E epochs
+    lies in [target - epsilon_tolerance, target] (the calibration's window; get_epsilon at
+    the calibration's eps_error, 0.01: the same PRV composition)."""
+    data, owners = user_data(users=users)
     model = SequenceClassifier()
     engine = PrivacyEngine(accountant="rc_prv")
-    target, delta, epochs = 4.0, 1e-5, 3
+    target, delta, epochs, tolerance = 4.0, 1e-5, 3, 0.05
     module, optimizer, loader = engine.make_private_with_epsilon(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-        data_loader=torch.utils.data.DataLoader(data, batch_size=USERS_PER_STEP), target_epsilon=target,
+        data_loader=torch.utils.data.DataLoader(data, batch_size=per_step), target_epsilon=target,
         target_delta=delta, epochs=epochs, max_grad_norm=C, clipping="randomized", privacy_unit="user",
-        user_ids=owners, max_examples_per_user=K, per_example_backward=True, epsilon_tolerance=0.05,
+        user_ids=owners, max_examples_per_user=K, per_example_backward=True, epsilon_tolerance=tolerance, seed=0,
     )
-    q_u = USERS_PER_STEP / len(set(owners))  # 3 of 7 users, not 1 / len(loader)
-    one_logical_step(module, optimizer, loader)
-    assert engine.accountant.history[-1][1] == pytest.approx(q_u)
-    expected = get_noise_multiplier_rc(
-        target_epsilon=target, target_delta=delta, sample_rate=q_u, steps=int(epochs / q_u),
-        sketch_config=optimizer.sketch_config, epsilon_tolerance=0.05,
-    )
-    assert optimizer.noise_multiplier == pytest.approx(expected, rel=1e-9)
+    for _ in range(epochs):
+        for x, y, _ in loader:
+            if len(y):
+                _ce(module, x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    q_u = per_step / users
+    assert [entry[1] for entry in engine.accountant.history] == pytest.approx([q_u] * len(engine.accountant.history))
+    assert sum(entry[2] for entry in engine.accountant.history) == epochs * len(loader)
+    assert target - tolerance <= engine.get_epsilon(delta) <= target
 
 
 def test_a_user_loader_refuses_to_iterate_without_its_optimizer():
@@ -222,11 +230,11 @@ def test_a_user_loader_refuses_to_iterate_without_its_optimizer():
     _, (module, optimizer, loader) = private(SequenceClassifier(), data, owners, **FORMS["bookkeeping"])
     by_hand = UserDataLoader(data, index=loader.user_index, sample_rate=0.5,
                              generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="clips per user only for the optimizer make_private returned"):
+    with pytest.raises(ValueError, match="delivers each batch to the optimizer make_private returned"):
         next(iter(by_hand))
     by_hand.follow(optimizer)
-    x, y, index = next(iter(by_hand))
-    assert optimizer.row_units is not None and len(optimizer.row_units) == len(index)
+    batch = next(iter(by_hand))
+    assert optimizer.delivered.find(batch).units.users.tolist() == loader.user_index.user_of_row[batch[2]].tolist()
 
 
 def test_bookkeeping_refuses_two_backward_passes_in_a_step():
@@ -236,7 +244,7 @@ def test_bookkeeping_refuses_two_backward_passes_in_a_step():
         if len(x):
             break
     _ce(module, x, y).backward()
-    with pytest.raises(ValueError, match="privacy_unit='user'"):
+    with pytest.raises(ValueError, match="a layer saw 24 rows of a batch of 12"):
         _ce(module, x, y).backward()
         optimizer.step()
 
@@ -311,24 +319,36 @@ def test_one_engine_one_unit_even_before_a_step(first, second):
     _make_private(engine, *first)  # the same unit again: accepted
 
 
-def test_explicit_sample_rate_is_q_u_and_users_per_step_above_the_users_cap_it_at_one():
+def test_explicit_sample_rate_is_q_u():
     data, owners = user_data()
     engine, (module, optimizer, loader) = private(SequenceClassifier(), data, owners, sample_rate=0.2,
                                                   **FORMS["bookkeeping"])
     assert loader.sample_rate == 0.2 and optimizer.expected_batch_size == USERS_PER_STEP
     one_logical_step(module, optimizer, loader)
     assert engine.accountant.history[-1][1] == 0.2
+
+
+@pytest.mark.parametrize("per_step, refused", [(8, True), (20, True), (7, False)])
+def test_users_per_step_above_the_number_of_users_is_refused_by_name(per_step, refused):
+    """Issue 46: a loader batch_size above the 7 users ran at q_u = 1 with no warning while
+    the update was divided by the larger batch_size (on main: 20 -> q_u 1.0, normaliser 20).
+    Refused, naming batch_size and sample_rate; 7 of 7 users: q_u = 1, every user drawn."""
+    data, owners = user_data()
     model = SequenceClassifier()
-    engine = PrivacyEngine(accountant="rc_prv")
-    module, optimizer, loader = engine.make_private(
+    call = lambda: PrivacyEngine(accountant="rc_prv").make_private(  # noqa: E731
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-        data_loader=torch.utils.data.DataLoader(data, batch_size=20), noise_multiplier=1.0, max_grad_norm=C,
+        data_loader=torch.utils.data.DataLoader(data, batch_size=per_step), noise_multiplier=1.0, max_grad_norm=C,
         clipping="randomized", privacy_unit="user", user_ids=owners, max_examples_per_user=K, sketch_size=64, seed=0,
     )
-    assert loader.sample_rate == 1.0 and len(loader) == 1
+    if refused:
+        with pytest.raises(ValueError, match=rf"batch_size={per_step} .* above the 7 users .*accepted values: a "
+                                             r"batch_size of at most 7, or sample_rate="):
+            call()
+        return
+    module, optimizer, loader = call()
+    assert loader.sample_rate == 1.0 and len(loader) == 1 and optimizer.expected_batch_size == 7
     rows = one_logical_step(module, optimizer, loader)
     assert {owners[r] for r in rows} == set(owners)  # every user in every draw
-    assert engine.accountant.history[-1][1] == 1.0
 
 
 def test_spectral_denoising_at_user_level_steps():

@@ -612,3 +612,15 @@ def test_private_sft_trainer_with_peft_config_trains_the_adapters(tmp_path):
     assert all(torch.equal(params[n], v) for n, v in frozen.items())
     assert all(not torch.equal(params[n], v) for n, v in lora.items())
     assert trainer.privacy_steps() == 2
+
+
+@pytest.mark.slow
+def test_importing_opacus_rc_hf_does_not_import_transformers():
+    """Issue 48: ``import opacus_rc.hf`` imported transformers and TRL (seconds); the Trainer
+    classes are imported at first use (every other test uses them)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = "import sys; from opacus_rc.hf import PrivacyArguments; assert not {'transformers', 'trl'} & set(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": root})

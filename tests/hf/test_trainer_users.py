@@ -263,7 +263,12 @@ def test_bad_privacy_arguments_are_refused_by_name(kw, match):
 @pytest.mark.parametrize("dataset, match", [
     (lambda: user_dataset().remove_columns("author"), r"user_column='author' is not a column of train_dataset"),
     (lambda: user_dataset([None if i == 5 else a for i, a in enumerate(owners())]),
-     r"user_column='author': row 5 has no user \(None\)"),
+     r"user_column='author': user_ids\[5\]=None is invalid"),
+    # issue 46: a float id other than an integral one (1.5, NaN) is refused as make_private's user_ids are
+    (lambda: user_dataset([i % 6 + 0.5 for i in range(len(owners()))]),
+     r"user_column='author': user_ids\[0\]=0.5 is invalid .*accepted values: an int, a str"),
+    (lambda: user_dataset([float("nan") if i < 2 else float(i % 6) for i in range(len(owners()))]),
+     r"user_column='author': user_ids\[0\]=nan is invalid"),
     (lambda: torch.utils.data.TensorDataset(torch.zeros(4)), r"user_column='author' needs a datasets.Dataset"),
 ])
 def test_bad_user_column_is_refused_at_construction(tmp_path, dataset, match):
@@ -271,6 +276,30 @@ def test_bad_user_column_is_refused_at_construction(tmp_path, dataset, match):
     with pytest.raises(ValueError, match=match):
         DPTrainer(model=model, args=training_args(tmp_path), train_dataset=dataset(),
                   privacy=arguments(privacy_unit="user", user_column="author"))
+
+
+def test_two_gloo_ranks_given_their_own_shards_of_users_are_refused(tmp_path):
+    """Issue 46 path 3 in the Trainer (tests/hf/trainer_ddp_worker.py "users_sharded"): each rank
+    given its own half of the rows, so a user with rows in both halves would be drawn and
+    clipped on both ranks (on main the Trainer was built). Refused at construction on both."""
+    from .test_trainer import run_two_ranks
+
+    for rank in run_two_ranks(tmp_path, 0.0, clipping="users_sharded"):
+        assert "the ranks were given different rows or user_ids" in rank["raised"]
+
+
+def test_expected_users_per_step_above_the_users_is_refused_at_construction(tmp_path):
+    """Issue 46: 4 x 2 = 8 expected users per step of 6 ran at q_u = 1 with the update divided
+    by 8 (on main); refused by name. 3 x 2 = 6 of 6: q_u = 1."""
+    def trainer(per_device):
+        return DPTrainer(model=tiny_llama(), args=training_args(tmp_path, per_device_train_batch_size=per_device,
+                                                                gradient_accumulation_steps=2),
+                         train_dataset=user_dataset(), privacy=arguments(privacy_unit="user", user_column="author"))
+
+    with pytest.raises(ValueError, match=r"batch_size=8 .* above the 6 users .*accepted values: a batch_size of "
+                                         r"at most 6, or sample_rate="):
+        trainer(4)
+    assert trainer(3).sample_rate == 1.0
 
 
 def test_a_batch_without_its_users_is_refused(tmp_path):

@@ -77,6 +77,26 @@ def users(out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def users_sharded(out: str) -> None:
+    """Rank r given its own shard of the rows (r, r + 2, ...) and their authors, privacy_unit="user":
+    refused at construction on both ranks (a user in both shards would be clipped on both)."""
+    import pathlib
+
+    import tests.hf.test_trainer_users as u
+
+    rank = int(os.environ["RANK"])
+    data = u.user_dataset()
+    try:
+        u.DPTrainer(model=u.tiny_llama(), args=t.training_args(pathlib.Path(out), per_device_train_batch_size=1),
+                    train_dataset=data.select(range(rank, len(data), 2)),
+                    privacy=u.arguments(privacy_unit="user", user_column="author"))
+        raised = ""
+    except ValueError as error:
+        raised = str(error)
+    torch.save({"raised": raised}, os.path.join(out, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
 def main(out: str, sigma: float, clipping: str) -> None:
     import pathlib
 
@@ -87,6 +107,8 @@ def main(out: str, sigma: float, clipping: str) -> None:
         return shuffled_loader(out)
     if clipping == "users":
         return users(out)
+    if clipping == "users_sharded":
+        return users_sharded(out)
     model = t.tiny_llama(seed=int(os.environ["RANK"]))  # different on purpose: rank 0's is broadcast
     trainer = t.recording(t.DPTrainer)(
         model=model,
