@@ -28,6 +28,7 @@ from torch import nn
 import opacus_rc  # noqa: F401  registers clipping="randomized" and accountant="rc_prv"
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # repository root: the examples package
+from examples import one_thread_unless_set  # noqa: E402
 from examples.models import TinyDecoder, markov_text  # noqa: E402
 from examples.profiling import NormSamplerMemory  # noqa: E402
 
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    one_thread_unless_set()  # unless OMP_NUM_THREADS is set: a second thread only waits under load
     args.steps = args.steps or (60 if args.full else 40)
     args.seq_len = args.seq_len or (1024 if args.full else 512)
     logging.basicConfig(level=logging.WARNING)

@@ -25,6 +25,7 @@ import warnings
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # repository root: the examples package
+from examples import one_thread_unless_set  # noqa: E402
 from examples.text_data import load_sms_spam, train_test_split  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--output-dir", default=None)
     args = parser.parse_args()
+    one_thread_unless_set()  # unless OMP_NUM_THREADS is set: a second thread only waits under load
     args.steps = args.steps or (30 if args.full else 15)
     args.held_out = args.held_out or (256 if args.full else 64)
     logging.basicConfig(level=logging.WARNING)

@@ -29,6 +29,7 @@ import opacus_rc  # noqa: F401  registers clipping="randomized" and accountant="
 from opacus_rc.lm_head import from_causal_lm, hidden_states
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # repository root: the examples package
+from examples import one_thread_unless_set  # noqa: E402
 from examples.models import markov_text  # noqa: E402
 
 
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=128, help="positions per block of the chunked LM head")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    one_thread_unless_set()  # unless OMP_NUM_THREADS is set: a second thread only waits under load
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(args.seed)

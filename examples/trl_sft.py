@@ -30,6 +30,7 @@ import warnings
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # repository root: the examples package
+from examples import one_thread_unless_set  # noqa: E402
 from examples.text_data import load_sms_spam, train_test_split  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--lr", type=float, default=2e-3)
     args = parser.parse_args()
+    one_thread_unless_set()  # unless OMP_NUM_THREADS is set: a second thread only waits under load
     args.steps = args.steps or (30 if args.full else 8)
     args.batch_size = args.batch_size or (32 if args.full else 16)
     args.held_out = args.held_out or (256 if args.full else 64)

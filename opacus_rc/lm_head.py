@@ -464,8 +464,8 @@ class ChunkedLMHeadLoss(nn.Module):
 def hidden_states(model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
     """The final hidden states (B, T, d) of a Hugging Face causal LM (its base model's
     ``last_hidden_state``; the LM head is not run), also through a grad-sample module
-    (``wrap_model=True``). Not for an FSDP2 root (``ValueError``): FSDP2 needs the root's
-    own forward to run."""
+    (``wrap_model=True``); of an empty batch (an empty Poisson draw), (0, T, d) of zero
+    contribution. Not for an FSDP2 root (``ValueError``): FSDP2 needs the root's own forward to run."""
     inner = getattr(model, "_module", model)
     base = getattr(inner, "base_model", None)
     if is_fsdp_module(inner) and base is not None and base is not inner:
@@ -480,7 +480,36 @@ def hidden_states(model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
             f"{type(inner).__name__} has no separate base model; pass the hidden states "
             "of your model's body to ChunkedLMHeadLoss directly"
         )
+    key = "inputs_embeds" if kwargs.get("inputs_embeds") is not None else "input_ids"
+    ids = kwargs.get(key, args[0] if args else None)
+    if isinstance(ids, torch.Tensor) and ids.dim() > 1 and ids.shape[0] == 0:
+        return _empty_draw(base, inner.get_output_embeddings(), key, ids)
     return base(*args, **kwargs).last_hidden_state
+
+
+def _empty_draw(base: nn.Module, head: nn.Linear, key: str, ids: torch.Tensor) -> torch.Tensor:
+    """The hidden states (0, T, d) of an empty Poisson draw, which Hugging Face's attention
+    cannot reshape: each trainable layer of ``base`` runs on 0 rows instead (its input's shape
+    from a run of one row without gradients), so its hooks see the empty batch and it
+    contributes zero, as in a model that runs on 0 rows."""
+    shapes: Dict[nn.Module, torch.Tensor] = {}
+    layers = [m for m in base.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+
+    def note(module: nn.Module, args: tuple) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            shapes.setdefault(module, args[0])
+
+    hooks = [m.register_forward_pre_hook(note) for m in layers]
+    try:
+        with torch.no_grad():
+            base(**{key: ids.new_zeros(1, *ids.shape[1:])})
+    finally:
+        for hook in hooks:
+            hook.remove()
+    total = head.weight.new_zeros(0, ids.shape[1], head.in_features)
+    for m, x in shapes.items():
+        total = total + m(x.new_zeros(0, *x.shape[1:])).sum()
+    return total
 
 
 def from_causal_lm(model: nn.Module, block_size: int = 1024, **kwargs: Any) -> ChunkedLMHeadLoss:

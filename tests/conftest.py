@@ -1,6 +1,9 @@
+import json
+import os
 import pathlib
 import time
 import warnings
+from typing import Dict, Optional
 
 import pytest
 import torch
@@ -40,6 +43,7 @@ SLOW_TESTS = (
     "test_norm_sampler_memory_linear_in_t_while_ghost_is_quadratic",  # a memory claim (docs/benchmarks.md)
     # the README's other blocks as pasted (docs); fast: the quickstart block runs and learns
     "test_every_other_block_runs_as_pasted_or_is_a_labelled_excerpt",
+    "test_user_level_example_reports_epsilon_per_movie_and_both_accuracies",  # an example end to end
 )
 #: parametrised sweeps: the cases that stay in the fast suite (each form, path and option
 #: value at least once); the other cases of the sweep run in the slow suite. A name here that
@@ -132,34 +136,80 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-class Progress:
-    """Every ``every`` seconds: tests done of those selected, and the time left at the mean
-    pace so far (a rough figure: the tests differ in length)."""
+#: Each test file's recorded seconds and test count (the fast suite's), by which the progress
+#: line weights a test; ``OPACUS_RC_RECORD_DURATIONS=1 bash scripts/test.sh`` records it again.
+DURATIONS = TESTS / "durations.json"
 
-    def __init__(self, reporter, every: float = 30.0) -> None:
-        self.reporter, self.every = reporter, every
+
+def test_file(nodeid: str) -> str:
+    """The file part of a test id, relative to tests/ (``tests/a/b.py::t[x]`` -> ``a/b.py``)."""
+    path = nodeid.split("::", 1)[0]
+    return path[len("tests/"):] if path.startswith("tests/") else path
+
+
+class Progress:
+    """Every ``every`` seconds: tests done of those selected and, once a tenth of the expected
+    work is done, the time left at the pace so far. The expected work of a test is its file's
+    recorded seconds per test (:data:`DURATIONS`; the mean of the recorded files for another
+    file, 1 for each test without a table): by the count of tests alone the estimate was 7 to
+    78 times the time left early on (issue 48), the files' tests differing in length."""
+
+    def __init__(self, reporter, every: float = 30.0, table: Optional[dict] = None,
+                 record: Optional[pathlib.Path] = None) -> None:
+        self.reporter, self.every, self.record = reporter, every, record
+        if table is None:
+            table = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        self.per_test = {f: r["seconds"] / r["tests"] for f, r in table.items() if r["tests"]}
+        self.default = sum(self.per_test.values()) / len(self.per_test) if self.per_test else 1.0
+        self.weights: Dict[str, float] = {}
         self.total = self.done = 0
+        self.work = self.work_done = 0.0
+        self.seconds: Dict[str, float] = {}
         self.start = self.last = time.monotonic()
+
+    def select(self, nodeids) -> None:
+        self.weights = {n: self.per_test.get(test_file(n), self.default) for n in nodeids}
+        self.total, self.work = len(self.weights), sum(self.weights.values())
+        self.start = self.last = time.monotonic()  # the clock starts once the tests are known
 
     def pytest_collection_finish(self, session) -> None:
-        self.total = len(session.items)
-        self.start = self.last = time.monotonic()
+        self.select(item.nodeid for item in session.items)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node, ids) -> None:
         """Under pytest-xdist (``-n``): the controller learns the selection from a worker."""
-        self.total = len(ids)
+        if not self.total:
+            self.select(ids)
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if self.record is not None:
+            self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
 
     def pytest_runtest_logfinish(self, nodeid, location) -> None:
         self.done += 1
+        self.work_done += self.weights.get(nodeid, self.default)
         now = time.monotonic()
         if now - self.last < self.every or not self.total or self.done >= self.total:
             return
         self.last = now
         elapsed = now - self.start
-        left = elapsed / self.done * (self.total - self.done)
-        # on a line of its own, after the progress dots of -q
-        self.reporter.write_line(f"\n  {self.done}/{self.total} tests in {elapsed:.0f} s, about {left:.0f} s left")
+        line = f"\n  {self.done}/{self.total} tests in {elapsed:.0f} s"  # own line, after -q's dots
+        if self.work_done >= 0.1 * self.work:
+            line += f", about {elapsed / self.work_done * max(self.work - self.work_done, 0.0):.0f} s left"
+        self.reporter.write_line(line)
+
+    def pytest_sessionfinish(self, session) -> None:
+        """With ``OPACUS_RC_RECORD_DURATIONS=1``: the files run are recorded again in :data:`DURATIONS`."""
+        if self.record is None or not self.seconds:
+            return
+        table = json.loads(self.record.read_text()) if self.record.exists() else {}
+        files: Dict[str, dict] = {}
+        for nodeid, seconds in self.seconds.items():
+            entry = files.setdefault(test_file(nodeid), {"tests": 0, "seconds": 0.0})
+            entry["tests"] += 1
+            entry["seconds"] += seconds
+        table.update({f: {"tests": r["tests"], "seconds": round(r["seconds"], 2)} for f, r in files.items()})
+        self.record.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
 
 
 @pytest.hookimpl(trylast=True)  # after the terminal reporter's own pytest_configure registers it
@@ -167,7 +217,8 @@ def pytest_configure(config):
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     worker = hasattr(config, "workerinput")  # a pytest-xdist worker: the controller reports
     if reporter is not None and not config.option.collectonly and not worker:
-        config.pluginmanager.register(Progress(reporter), "opacus_rc_progress")
+        record = DURATIONS if os.environ.get("OPACUS_RC_RECORD_DURATIONS") == "1" else None
+        config.pluginmanager.register(Progress(reporter, record=record), "opacus_rc_progress")
 
 
 @pytest.fixture

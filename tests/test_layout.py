@@ -244,9 +244,9 @@ def test_fast_cases_keep_named_cases_and_refuse_a_name_never_collected(monkeypat
         conftest.check_fast_cases([_case("test_sweep", "b")])
 
 
-def test_progress_line_estimates_the_time_left(monkeypatch):
-    """The progress plugin prints tests done of those selected and the time left at the pace
-    so far, at most every ``every`` seconds, never after the last test."""
+def _progress(monkeypatch, ids, table, ends, **kwargs):
+    """The lines a progress plugin over the tests ``ids`` (a table of recorded durations) prints
+    when test i ends ``ends[i]`` seconds after the start."""
     from types import SimpleNamespace
 
     from tests import conftest
@@ -254,10 +254,48 @@ def test_progress_line_estimates_the_time_left(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(conftest.time, "monotonic", lambda: now[0])
     lines = []
-    progress = conftest.Progress(SimpleNamespace(write_line=lines.append), every=30.0)
-    progress.pytest_collection_finish(SimpleNamespace(items=[None] * 4))
-    for t in (10.0, 40.0, 70.0, 130.0):  # four tests end at these seconds after the start
+    progress = conftest.Progress(SimpleNamespace(write_line=lines.append), every=30.0, table=table, **kwargs)
+    progress.pytest_collection_finish(SimpleNamespace(items=[SimpleNamespace(nodeid=i) for i in ids]))
+    for nodeid, t in zip(ids, ends):
         now[0] = 100.0 + t
-        progress.pytest_runtest_logfinish("nodeid", None)
-    # at 40 s: 2 of 4 done, 40 s left at 20 s a test; at 70 s: 3 of 4, ~23 s left; none at the end
-    assert lines == ["\n  2/4 tests in 40 s, about 40 s left", "\n  3/4 tests in 70 s, about 23 s left"]
+        progress.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, duration=t))
+        progress.pytest_runtest_logfinish(nodeid, None)
+    progress.pytest_sessionfinish(None)
+    return lines
+
+
+def test_progress_line_estimates_the_time_left_by_count_without_a_table(monkeypatch):
+    """Without recorded durations: tests done of those selected at most every ``every``
+    seconds, the time left at the pace so far once a tenth of the tests is done, never after
+    the last test."""
+    ids = [f"tests/test_a.py::t{i}" for i in range(20)]
+    lines = _progress(monkeypatch, ids, {}, [5.0, 40.0, 45.0, 80.0] + [90.0] * 16)
+    # at 40 s: 2 of 20 done, 10%: 18 left at 20 s a test; at 80 s: 4 of 20, 16 left at 20 s
+    assert lines == ["\n  2/20 tests in 40 s, about 360 s left", "\n  4/20 tests in 80 s, about 320 s left"]
+    early = _progress(monkeypatch, ids, {}, [40.0] + [60.0] * 19)
+    assert early == ["\n  1/20 tests in 40 s"]  # 1 of 20 done: no estimate yet
+
+
+def test_progress_line_weights_each_test_by_its_files_recorded_duration(monkeypatch):
+    """Issue 48: a slow file first (10 s a test recorded) and a fast one after (1 s a test; an
+    unrecorded file counts as the recorded mean, 5.5 s): the time left is the work left at the
+    pace so far, not the count of tests left at the first file's pace."""
+    table = {"test_slow.py": {"tests": 2, "seconds": 20.0}, "test_fast.py": {"tests": 10, "seconds": 10.0}}
+    ids = ["tests/test_slow.py::a", "tests/test_slow.py::b"] + [f"tests/test_fast.py::t{i}" for i in range(8)]
+    ids += ["tests/test_new.py::t"]  # work: 20 + 8 + 5.5 = 33.5 recorded seconds
+    lines = _progress(monkeypatch, ids, table, [15.0, 31.0] + [31.0 + i for i in range(1, 9)] + [60.0])
+    # at 31 s: 20 of 33.5 done at 1.55 s a second: 13.5 * 1.55 = 21 s left (by count: 139 s)
+    assert lines == ["\n  2/11 tests in 31 s, about 21 s left"]
+
+
+def test_progress_records_the_files_durations(monkeypatch, tmp_path):
+    """``OPACUS_RC_RECORD_DURATIONS=1``: each file run gets its tests' seconds and count, the
+    other files of the table are kept."""
+    import json
+
+    record = tmp_path / "durations.json"
+    record.write_text(json.dumps({"test_other.py": {"tests": 1, "seconds": 3.0}}))
+    _progress(monkeypatch, ["tests/forms/test_a.py::x", "tests/forms/test_a.py::y"], {}, [1.0, 2.5], record=record)
+    assert json.loads(record.read_text()) == {
+        "forms/test_a.py": {"tests": 2, "seconds": 3.5}, "test_other.py": {"tests": 1, "seconds": 3.0},
+    }

@@ -580,3 +580,38 @@ def test_the_head_applied_before_the_chunked_loss_is_a_tied_use():
     same row sketch), as two direct uses of the head do on the unchunked path."""
     x, y = batch(4, 8, 24)
     assert_close(_two_uses_step(TinyLM(), x, y, "aux_first"), _two_uses_step(TinyLM(), x, y, "unchunked"))
+
+
+@pytest.mark.parametrize("mode, checkpointing", [("ghost", False), ("hooks", False), ("ghost", True),
+                                                  ("bookkeeping", True), ("per_example", True)])
+def test_empty_poisson_draw_through_a_hugging_face_body_updates_nothing(mode, checkpointing):
+    """An empty Poisson draw through ``hidden_states`` (Hugging Face's attention cannot reshape
+    0 rows: examples/long_context.py crashed in 2 of 7 runs, issue 46): a step of zero
+    contribution, as elsewhere, then an ordinary step."""
+    from opacus_rc.lm_head import from_causal_lm, hidden_states
+
+    model = hf_model("llama")
+    model.train()
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    x, labels = lm_batch(4)
+    engine = PrivacyEngine(accountant="rc_prv")
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, labels), batch_size=4)
+    head_loss = from_causal_lm(model, block_size=16)
+    kwargs = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader,
+                  noise_multiplier=0.0, max_grad_norm=C, grad_sample_mode=mode, clipping="randomized")
+    if mode == "per_example":
+        kwargs.update(grad_sample_mode="ghost", per_example_backward=True)
+    if kwargs["grad_sample_mode"] == "ghost":
+        module, opt, crit, _ = engine.make_private(criterion=head_loss, **kwargs)
+    else:
+        (module, opt, _), crit = engine.make_private(**kwargs), head_loss
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for rows in (0, 1 if mode == "per_example" else 4):
+        hidden = hidden_states(module, input_ids=x[:rows])
+        assert hidden.shape == (rows, x.shape[1], model.config.hidden_size)
+        crit(hidden, labels[:rows]).backward()
+        opt.step()
+        opt.zero_grad()
+        moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+        assert moved == (set() if rows == 0 else set(before)), rows

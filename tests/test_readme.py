@@ -60,3 +60,19 @@ def test_every_other_block_runs_as_pasted_or_is_a_labelled_excerpt(tmp_path):
         lines = {line.strip() for line in source.read_text().splitlines()}
         missing = [line for line in code.splitlines() if line.strip() and line.strip() not in lines]
         assert missing == [], f"lines of the README's excerpt of {path} not in that file: {missing}"
+
+
+def test_user_level_example_reports_epsilon_per_movie_and_both_accuracies():
+    """examples/user_level.py, small: the user-level and the group-privacy example-level runs
+    each report the per-movie epsilon they were calibrated for, and a test accuracy."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "user_level.py"), "--movies", "60", "--movies-per-step", "12", "--epochs", "4",
+         "--epsilon", "4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    reports = re.findall(r"epsilon 4 per movie .*accuracy (\d\.\d+) .*reported epsilon per movie (\d+\.\d+)", out.stdout)
+    assert len(reports) == 2, out.stdout
+    for accuracy, epsilon in reports:
+        assert 0.0 < float(accuracy) <= 1.0 and 3.9 <= float(epsilon) <= 4.0, out.stdout
+    assert re.search(r"non-private reference +accuracy \d\.\d+", out.stdout), out.stdout
