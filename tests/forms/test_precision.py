@@ -215,3 +215,24 @@ def test_fsdp2_in_one_gloo_process(fsdp_runs, precision, sigma):
     assert seen["grad_dtypes"] == {dtype}
     assert seen["sum_dtypes"] == {torch.float32}
     assert_close_to_float32(seen, fsdp_runs[precision, sigma, "float32"], autocast or dtype, ROWS)
+
+
+# --- benchmarks/precision.py (the table of docs/guide.md, "Precision: bf16 and fp16") ----------
+
+
+@pytest.mark.slow
+def test_precision_benchmark_smoke(tmp_path):
+    """``python -m benchmarks.precision`` at a tiny size: one row per (T, precision), every figure
+    finite; the ghost norms with the sketch longer than T are exact (the per-example form's)."""
+    import json
+
+    from benchmarks import precision
+
+    out = tmp_path / "precision.json"
+    precision.main(["--seq-lens", "32", "--batch", "2", "--no-progress", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["seq_len"], r["precision"]) for r in rows] == [(32, "bf16"), (32, "autocast")]
+    for r in rows:
+        assert r["ghost_vs_per_example_float32"]["worst"] < 1e-5
+        assert all(r[f"update_{form}"] < 0.05 for form in precision.FORMS)
+        assert 0 < r["exact_per_example"]["worst"] < 0.05 and r["sketched"]["worst"] < 0.05
