@@ -32,7 +32,15 @@ reads one value per forward pass (``find_packed_sequence_indices``), in every mo
 start after ``--time-budget-s``, or whose predicted duration (the same mode's last step time
 scaled by (T / T_last)², attention's growth) would end past it, are recorded as skipped.
 
-Schedule: 30 configurations in one call of at most 600 s (``--time-budget-s 540``). Not yet
+bf16 parameters (issue 48; ``--bf16-params``, default ``nonprivate_ckpt``, ``randomized_ckpt``,
+``per_example_ckpt``, ``per_example_ckpt_chunked``; ``''`` for none): each of these modes also
+runs, right after its float32 run at each T, on the model converted with
+``.to(torch.bfloat16)`` (no float32 master weights: half the parameter and gradient memory;
+the clipped sums and the noise stay float32, one gradient-sized buffer). Records carry
+``"params": "float32"`` or ``"bfloat16"``.
+
+Schedule: 30 float32 configurations and 12 bf16-parameter ones in one call of at most 600 s
+(``--time-budget-s 540``; a bf16 run past the budget is recorded as skipped). Not yet
 run on a GPU, so the budget is estimated (H200, about 300 TFLOP/s sustained): the
 configurations up to T = 65536 in about 4-5 minutes (the five uncheckpointed modes at 65536
 are expected to run out of memory within seconds), then at 131072 the two chunked-head
@@ -76,6 +84,9 @@ CHUNKED_MODES = ("nonprivate_ckpt_chunked", "randomized_ckpt_chunked", "per_exam
 #: plain loss): make_private(..., per_example_backward=True)
 PER_EXAMPLE_MODES = ("per_example_ckpt_chunked", "per_example_ckpt")
 MODES = PLAIN_MODES + CKPT_MODES
+#: the modes that also run with bf16 parameters (``model.to(torch.bfloat16)``: no float32 master
+#: weights; issue 48, the set-up that crashed the per-example form), right after their float32 run
+BF16_PARAM_MODES = ("nonprivate_ckpt", "randomized_ckpt", "per_example_ckpt", "per_example_ckpt_chunked")
 #: positions per block of the chunked head on the full shape (one block's logits: 1024 x
 #: 128,256 float32, 0.5 GB)
 BLOCK_SIZE = 1024
@@ -105,9 +116,11 @@ def enable_reentrant_checkpointing(model: nn.Module) -> None:
     model.train()
 
 
-def build_model(cfg: Dict[str, Any], max_len: int, device: torch.device, checkpointing: bool = False) -> nn.Module:
+def build_model(cfg: Dict[str, Any], max_len: int, device: torch.device, checkpointing: bool = False,
+                bf16_params: bool = False) -> nn.Module:
     """``LlamaForCausalLM`` with random weights (float32 master weights; bf16 autocast);
-    ``checkpointing``: one reentrant checkpoint per decoder layer."""
+    ``checkpointing``: one reentrant checkpoint per decoder layer; ``bf16_params``: converted
+    with ``.to(torch.bfloat16)`` (the same values, rounded)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -119,6 +132,8 @@ def build_model(cfg: Dict[str, Any], max_len: int, device: torch.device, checkpo
     torch.manual_seed(0)
     with torch.device(device):  # initialised where it runs (no 6 GB host init and copy per configuration)
         model = LlamaForCausalLM(config)
+    if bf16_params:
+        model.to(torch.bfloat16)
     if checkpointing:
         enable_reentrant_checkpointing(model)
     return model
@@ -218,11 +233,12 @@ def count_syncs(runner: Runner, tokens: torch.Tensor, device: torch.device) -> D
 
 
 def run_one(mode: str, cfg: Dict[str, Any], seq_len: int, steps: int, device: torch.device,
-            count_host_syncs: bool = True, block_size: int = BLOCK_SIZE) -> Dict[str, Any]:
-    """Median step time, peak allocated memory and host syncs of one (mode, T)."""
+            count_host_syncs: bool = True, block_size: int = BLOCK_SIZE, params: str = "float32") -> Dict[str, Any]:
+    """Median step time, peak allocated memory and host syncs of one (mode, T), with
+    ``params`` "float32" (master weights, bf16 autocast) or "bfloat16" (the model converted)."""
     checkpointing = mode in CKPT_MODES
     record: Dict[str, Any] = {"mode": mode, "seq_len": seq_len, "checkpointing": "reentrant" if checkpointing else None,
-                              "head": "chunked" if mode in CHUNKED_MODES else "whole"}
+                              "head": "chunked" if mode in CHUNKED_MODES else "whole", "params": params}
     if mode in CHUNKED_MODES:
         record["block_size"] = block_size
     if device.type == "cuda":
@@ -232,7 +248,9 @@ def run_one(mode: str, cfg: Dict[str, Any], seq_len: int, steps: int, device: to
     try:
         gen = torch.Generator().manual_seed(seq_len)
         tokens = torch.randint(0, cfg["vocab"], (1, seq_len + 1), generator=gen).to(device)
-        runner = Runner(mode, build_model(cfg, seq_len + 1, device, checkpointing), tokens, device, block_size)
+        model = build_model(cfg, seq_len + 1, device, checkpointing, bf16_params=params == "bfloat16")
+        runner = Runner(mode, model, tokens, device, block_size)
+        del model
         record["warmup_loss"] = float(runner.step(tokens))  # warm-up (the read waits for it, untimed)
         times: List[float] = []
         for _ in range(steps):
@@ -292,6 +310,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--block-size", type=int, default=None,
                         help=f"positions per block of the chunked LM head (the *_chunked modes; default {BLOCK_SIZE}, "
                              "32 with --tiny)")
+    parser.add_argument("--bf16-params", default=",".join(BF16_PARAM_MODES),
+                        help="modes that also run with bf16 parameters (model.to(torch.bfloat16)), after their "
+                             "float32 run at each T; '' for none")
     parser.add_argument("--out", default=None,
                         help=f"the JSON written (default {RESULT}; with --tiny, gpu_bench_tiny.json in the "
                              "temporary directory)")
@@ -304,7 +325,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("gpu_bench: no CUDA device available (use --device cpu --tiny for the CPU form)")
         return 2
     modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in modes if m not in MODES]
+    bf16_modes = [m for m in args.bf16_params.split(",") if m]
+    bad = [m for m in modes + bf16_modes if m not in MODES]
     if bad or args.steps < 1 or args.long_steps < 1 or (args.block_size is not None and args.block_size < 1):
         parser.error(f"--modes accepts {','.join(MODES)}; --steps, --long-steps and --block-size must be positive")
     cfg = dict(TINY if args.tiny else FULL)
@@ -316,25 +338,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device = torch.device(args.device)
     started = time.perf_counter()
     results: List[Dict[str, Any]] = []
-    last: Dict[str, tuple] = {}  # mode -> (T, seconds per step) of its last successful run
-    for seq_len, mode in schedule(modes, plain_lens, ckpt_lens):
+    last: Dict[tuple, tuple] = {}  # (mode, params) -> (T, seconds per step) of its last successful run
+    runs = [(t, m, p) for t, m in schedule(modes, plain_lens, ckpt_lens)
+            for p in ("float32", "bfloat16") if p == "float32" or m in bf16_modes]
+    for seq_len, mode, params in runs:
         elapsed = time.perf_counter() - started
         steps = args.steps if seq_len <= 16384 else args.long_steps
         count = seq_len <= args.sync_max_seq_len
-        predicted = predicted_seconds(last.get(mode), seq_len, steps + 1 + count)
+        predicted = predicted_seconds(last.get((mode, params)), seq_len, steps + 1 + count)
         if elapsed > args.time_budget_s or elapsed + predicted > args.time_budget_s:
             why = "time budget" if elapsed > args.time_budget_s else f"predicted {predicted:.0f} s, over the time budget"
-            results.append({"mode": mode, "seq_len": seq_len, "status": f"skipped ({why})"})
+            results.append({"mode": mode, "seq_len": seq_len, "params": params, "status": f"skipped ({why})"})
             print(json.dumps(results[-1]), flush=True)
             continue
-        record = run_one(mode, cfg, seq_len, steps, device, count_host_syncs=count, block_size=block_size)
+        record = run_one(mode, cfg, seq_len, steps, device, count_host_syncs=count, block_size=block_size,
+                         params=params)
         if record["status"] == "ok":
-            last[mode] = (seq_len, record["median_step_s"])
+            last[mode, params] = (seq_len, record["median_step_s"])
         results.append(record)
         print(json.dumps({k: v for k, v in record.items() if k != "step_times_s"}), flush=True)
     summary = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "model": cfg, "batch": 1, "autocast": "bfloat16",
+        "torch": torch.__version__, "model": cfg, "batch": 1, "autocast": "bfloat16", "bf16_params": bf16_modes,
         "steps": args.steps, "long_steps": args.long_steps, "checkpointing": "HF, per decoder layer, reentrant",
         "chunked_head": {"modes": list(CHUNKED_MODES), "block_size": block_size}, "wall_s": time.perf_counter() - started, "results": results,
     }

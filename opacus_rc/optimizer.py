@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from .clip_guard import ClipGuard
 from .config import SketchConfig
+from .estimators import at_least_float32
 from .finite import FORWARD_CHANGE, NonFiniteGuard, failed_kinds
 from .forward_changes import ForwardChanges, watched_model
 from .sketch import NOISE_STREAM, DeviceStreams, check_seed
@@ -439,8 +440,8 @@ class RandomizedClippingMixin:
                 continue
             if p.summed_grad is not None:
                 p.summed_grad.add_(p.grad.detach())
-            else:
-                p.summed_grad = p.grad.detach()
+            else:  # float32 for half-precision parameters (a copy then): the noise is added there
+                p.summed_grad = at_least_float32(p.grad.detach())
             p.grad = None
 
     def add_noise(self) -> None:
@@ -448,13 +449,15 @@ class RandomizedClippingMixin:
         sum, whose buffer becomes ``p.grad`` (one parameter-sized buffer less than
         ``summed_grad + noise``). Distributed: only rank 0 adds noise, as in Opacus."""
         if getattr(self, "rank", 0) != 0:
-            return super().add_noise()
+            for p in self.params:  # Opacus's, with p.grad in the parameter's dtype
+                p.grad = p.summed_grad.view_as(p).to(p.dtype)
+            return
         std = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
         for p in self.params:
             _check_processed_flag(p.summed_grad)
             noise = self._noise(std, p.summed_grad)
             _mark_as_processed(p.summed_grad)
-            p.grad = p.summed_grad.add_(noise).view_as(p)
+            p.grad = p.summed_grad.add_(noise).view_as(p).to(p.dtype)  # noised in float32, then rounded once
 
     def noise_generator(self, device: Any) -> torch.Generator:
         """The noise source on ``device``: the user's ``noise_generator`` (Opacus's

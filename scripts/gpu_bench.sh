@@ -7,7 +7,9 @@
 # (one sequence per backward pass, exact clipping, the head a plain loss), then non-private,
 # randomized (book-keeping), the per-example form and Opacus ghost (last: out of memory at
 # 131072 by the model of docs/scaling.md); JSON with the median step time and
-# torch.cuda.max_memory_allocated per mode (out-of-memory recorded as such).
+# torch.cuda.max_memory_allocated per mode (out-of-memory recorded as such). The bf16 case
+# (issue 48): the per-example, randomized and non-private checkpointed modes also run on the model
+# converted with .to(torch.bfloat16), in the same call (--bf16-params MODES, '' for none).
 #   bash scripts/gpu_bench.sh [--out PATH]   # one large GPU (default docs/results/gpu_bench.json), about 10 minutes
 #   bash scripts/gpu_bench.sh --device cpu --tiny         # CI: the same code paths on CPU (JSON in $TMPDIR)
 # Without CUDA (and without --device cpu) it says so in one line and exits with status 2.

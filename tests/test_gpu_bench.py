@@ -23,7 +23,10 @@ def test_tiny_cpu_form_runs_every_mode(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
-    results = record["results"]
+    from benchmarks import gpu
+
+    bf16 = [r for r in record["results"] if r["params"] == "bfloat16"]
+    results = [r for r in record["results"] if r["params"] == "float32"]
     assert {r["mode"] for r in results} == {
         "nonprivate", "opacus_hooks", "opacus_ghost", "randomized", "randomized_bk",
         "nonprivate_ckpt", "opacus_ghost_ckpt", "randomized_ckpt",
@@ -32,8 +35,6 @@ def test_tiny_cpu_form_runs_every_mode(tmp_path):
     assert {r["seq_len"] for r in results} == {64, 128}
     assert all(r["status"] == "ok" and r["median_step_s"] > 0 for r in results)
     ckpt = [r for r in results if r["checkpointing"] is not None]
-    from benchmarks import gpu
-
     assert {r["mode"] for r in ckpt} == set(gpu.CKPT_MODES)
     assert len(ckpt) == 7 and all(r["checkpointing"] == "reentrant" and r["seq_len"] == 128 for r in ckpt)
     by_mode = {r["mode"]: r["syncing_ops_per_step"] for r in ckpt}
@@ -48,6 +49,12 @@ def test_tiny_cpu_form_runs_every_mode(tmp_path):
         # the same model and tokens: the chunked head's loss is the whole head's (bf16 rounding)
         assert rec[mode]["warmup_loss"] == pytest.approx(rec["nonprivate_ckpt"]["warmup_loss"], rel=1e-2)
     assert all(rec[m]["head"] == "whole" for m in ("nonprivate_ckpt", "randomized_ckpt", "per_example_ckpt", "opacus_ghost_ckpt"))
+    # the bf16 case (issue 48): the same modes on the model converted to bf16 run, their loss
+    # the float32 model's (bf16 rounding of the weights: a few 2^-8)
+    assert record["bf16_params"] == list(gpu.BF16_PARAM_MODES)
+    assert {r["mode"] for r in bf16} == set(gpu.BF16_PARAM_MODES) and all(r["status"] == "ok" for r in bf16)
+    for r in bf16:
+        assert r["warmup_loss"] == pytest.approx(rec[r["mode"]]["warmup_loss"], rel=2e-2)
     # randomized clipping adds no operation that makes the host wait: its modes see
     # exactly the syncing operations of non-private training (the model's own)
     for t in (64, 128):

@@ -444,11 +444,11 @@ class BookkeepingClippingMixin:
                 for r in records:
                     rows = slice(start, start + r.batch_size)
                     kept = None if keep is None else keep[rows]
-                    part = r.clipped(clip[rows], kept).to(p.dtype).view_as(p)
+                    part = r.clipped(clip[rows], kept).to(torch.promote_types(p.dtype, torch.float32)).view_as(p)
                     grad = part if grad is None else grad + part
                     start += r.batch_size
             else:
-                gs = keep_rows(self._exact_grad_sample(p).to(p.dtype), keep)
+                gs = keep_rows(self._exact_grad_sample(p).to(torch.promote_types(p.dtype, torch.float32)), keep)
                 grad = torch.einsum("i,i...", clip.to(gs), gs)
                 _mark_as_processed(p.grad_sample)
             p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad

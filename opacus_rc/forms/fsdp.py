@@ -35,6 +35,7 @@ from opacus.optimizers import FSDPOptimizerFastGradientClipping
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..estimators import at_least_float32
 from ..finite import local_shard
 from ..grad_sample import (
     SketchingMixin, _saves_inputs, check_norms_cover_batch, head_used_twice_error, unmatched_tied_uses_error,
@@ -282,8 +283,8 @@ class FSDPRandomizedClippingOptimizer(SketchedClippingMixin, FSDPOptimizerFastGr
             if p.grad is None:
                 continue
             state = self.grad_state[p]
-            if state["summed_grad"] is None:
-                state["summed_grad"] = p.grad.detach()
+            if state["summed_grad"] is None:  # float32 for half-precision parameters (a copy then)
+                state["summed_grad"] = at_least_float32(p.grad.detach())
             else:
                 state["summed_grad"].add_(p.grad.detach())
 
@@ -296,13 +297,13 @@ class FSDPRandomizedClippingOptimizer(SketchedClippingMixin, FSDPOptimizerFastGr
         for p in self.params:
             summed = self.grad_state[p]["summed_grad"]
             if summed is None:
-                summed = self.grad_state[p]["summed_grad"] = torch.zeros_like(p)
+                summed = self.grad_state[p]["summed_grad"] = torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
             if self.secure_mode:
                 local = local_shard(summed)
                 local.add_(self._noise(std, local))
-                p.grad = summed.view_as(p)
+                p.grad = summed.view_as(p).to(p.dtype)
             else:  # full-shape draw sliced to the shard (Opacus's scheme; module docstring)
-                p.grad = (summed + self._noise(std, summed)).view_as(p)
+                p.grad = (summed + self._noise(std, summed)).view_as(p).to(p.dtype)
 
 
 # --- FSDP2's hooks around a chunked LM head (opacus_rc.lm_head) ----------------------------
