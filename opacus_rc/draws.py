@@ -384,18 +384,18 @@ class BatchReader:
         return forward_replay() is not None
 
     def find_batch(self, inputs: Any) -> Batch:
-        """The delivered batch ``inputs`` holds; else the batch a forward took since the last step
-        (a chunked head's hidden states); a batch of rows when no plugin loader delivers to the
+        """The delivered batch ``inputs`` holds; else, for inputs computed in a graph, the batch a
+        forward took since the last step (a chunked head's hidden states); a batch of rows when no plugin loader delivers to the
         followed optimizer at example level; else refused (ValueError)."""
         optimizer = None if self._batches_from is None else self._batches_from()
         delivered = getattr(optimizer, "delivered", None)
         batch = None if delivered is None else delivered.find(inputs, every=self.one_batch_per_argument)
         if batch is not None:
             return batch
-        if not isinstance(self.batch, NoBatch):
-            return self.batch
+        tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        if not isinstance(self.batch, NoBatch) and any(t.grad_fn is not None for t in tensors):
+            return self.batch  # inputs the pass computed from its batch (a chunked head's hidden states)
         if self.privacy_unit != EXAMPLE_UNIT or (delivered is not None and delivered.bound):
-            tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
             raise unannounced_batch_error(tensors[0] if tensors else None)
         return Rows()
 
