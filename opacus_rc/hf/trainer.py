@@ -1,6 +1,5 @@
-"""The private Trainer: :class:`DPTrainerMixin` (the private part of a Trainer),
-:class:`DPTrainer`, :func:`private_trainer` and its checkpoint state (``dp_state.json``);
-its callback: :mod:`.callback`. How it makes the Trainer private: :mod:`opacus_rc.hf`."""
+"""The private Trainer: :class:`DPTrainerMixin` (the private part of a Trainer), :class:`DPTrainer`,
+:func:`private_trainer` and its checkpoint state (``dp_state.json``; callback: :mod:`.callback`)."""
 
 from __future__ import annotations
 
@@ -21,8 +20,9 @@ from transformers import Trainer
 from ..accounting.accountant import RCPRVAccountant, sketch_record
 from ..forms import Form, form_of
 from ..integration import PrivacyEngine
-from ..options import PublicSampling, per_rank_normaliser, user_sampling
 from ..draws import signalled_batches
+from ..options import PublicSampling, per_rank_normaliser, user_sampling
+from ..recompute import quiet_hook_notes
 from ..units import UserIndex
 from ..values import RC_PRV
 from .callback import DPCallback
@@ -204,10 +204,10 @@ class DPTrainerMixin:
         return causal_lm(self.model) if shifts is None else bool(shifts)
 
     def training_step(self, model: nn.Module, inputs: Dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
-        """One physical batch: per-example losses averaged over the realised batch (the hooks
-        undo that factor; the update is divided by the public B only), one plain backward (one
-        per row in the per-example form), then, but for the logical step's last physical batch,
-        clipping into the step's sum (a same-draw skipped step). ``num_items_in_batch`` is ignored."""
+        """One physical batch: per-example losses averaged over the realised batch (the hooks undo
+        that factor; the update is divided by the public B only), one plain backward (one per row in
+        the per-example form), then, but for the logical step's last physical batch, clipping into
+        the step's sum (a same-draw skipped step; torch's notes on Opacus's hooks not shown)."""
         optimizer = self._dp_optimizer
         if optimizer is None:
             raise RuntimeError("the private optimizer was not created (train() creates it)")
@@ -239,7 +239,8 @@ class DPTrainerMixin:
                         optimizer.delivered.add(batch, parts[i])
                     losses = self._dp_losses(model, batch)
                     rows += int(losses.shape[0])
-                    losses.mean().backward()
+                    with quiet_hook_notes():
+                        losses.mean().backward()
                     total = total + losses.detach().sum()
             del batches
             if self.privacy.log_train_loss:
