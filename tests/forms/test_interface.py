@@ -15,12 +15,15 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 import opacus_rc.options as options_module
+from opacus_rc.clip_guard import BuiltSumsGuard
 from opacus_rc.config import SketchConfig
+from opacus_rc.draws import BatchReader
 from opacus_rc.forms import FORMS, PER_EXAMPLE, TWO_PASS, Form, form_of
 from opacus_rc.forms.per_example import PerExampleOptimizer
 from opacus_rc.grad_sample import GradSampleHooksRandomizedClipping, GradSampleModuleRandomizedClipping
 from opacus_rc.optimizer import (
     DistributedRandomizedClippingOptimizer,
+    RandomizedClippingMixin,
     RandomizedClippingOptimizer,
     SketchedClippingMixin,
 )
@@ -153,3 +156,80 @@ def test_a_new_form_is_its_classes_one_row_and_its_branch_of_the_rule(monkeypatc
     for a, b in zip(params, two_pass):
         assert torch.equal(a, b)
     assert not torch.equal(params[0], init[0].weight)  # it trained
+
+
+class _MaterialisedModule(BatchReader, GradSampleModule):
+    """A form of its own (no base of the plugin's forms): Opacus's per-sample gradients,
+    materialised, reading each forward's batch through the modules' one base."""
+
+    def __init__(self, m, *, batch_first=True, loss_reduction="mean", **_sketch):
+        GradSampleModule.__init__(self, m, batch_first=batch_first, loss_reduction=loss_reduction)
+        self.autograd_grad_sample_hooks.extend(self.watch_batches(self._module))
+
+    def follow_steps(self, optimizer):
+        optimizer.bind_module(self)
+
+    def forget_per_example_values(self):
+        pass
+
+
+class _MaterialisedOptimizer(RandomizedClippingMixin, DPOptimizer):
+    """Opacus's flat clipping of the materialised per-sample gradients, by the plugin's step."""
+
+    clip_guard_class = BuiltSumsGuard
+
+    def __init__(self, optimizer, **kwargs):
+        kwargs.pop("sketch_config", None)
+        super().__init__(optimizer, **kwargs)
+
+
+def test_a_form_of_its_own_is_its_module_one_row_and_its_branch(monkeypatch):
+    """A form whose module and optimizer subclass none of the plugin's forms (the modules' one
+    base, :class:`~opacus_rc.draws.BatchReader`, and the optimizers', ``RandomizedClippingMixin``):
+    one row of ``FORMS`` and its branch of the rule make ``make_private`` build it; at noise 0 its
+    release equals brute-force per-example clipping, and under BatchMemoryManager a loop stopped
+    inside a draw drops that draw (the draw is the plugin's, not the form's), charged as exact steps."""
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    from tests.oracles import per_example_clipped_mean
+
+    toy = Form("materialised", modules=(_MaterialisedModule, _MaterialisedModule),
+               optimizers=(_MaterialisedOptimizer, _MaterialisedOptimizer), takes_bound=False, exact=True)
+    monkeypatch.setitem(FORMS, "materialised", toy)
+    rule = options_module.resolve_form
+    monkeypatch.setattr(options_module, "resolve_form",
+                        lambda *a, **k: ("materialised", rule(*a, **k)[1]))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    x, y = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    engine = PrivacyEngine(accountant="rc_prv")
+    module, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8),
+        max_grad_norm=0.1, clipping="randomized", grad_sample_mode="hooks", seed=1,
+    )
+    assert type(module) is _MaterialisedModule and type(optimizer) is _MaterialisedOptimizer
+    assert form_of(optimizer) is toy and not isinstance(module, (GradSampleModuleRandomizedClipping, PerExampleOptimizer))
+    loss_of = lambda m, a, b: nn.functional.cross_entropy(m(a), b)  # noqa: E731
+    managed = BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=optimizer).__enter__()
+    for xb, yb in managed:  # stopped inside the first draw
+        loss_of(module, xb, yb).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        break
+    assert optimizer.draw_pending, "pick another seed: the first draw fits one physical batch"
+    reference, xs, ys = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)), [], []
+    reference.load_state_dict(model.state_dict())  # (no hooks)
+    with pytest.warns(RuntimeWarning, match="left after 1 of its"):
+        for xb, yb in managed:
+            xs, ys = xs + list(xb), ys + list(yb)
+            loss_of(module, xb, yb).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if not optimizer._is_last_step_skipped:
+                break
+    want = per_example_clipped_mean(reference, loss_of, xs, ys, 0.1, 8)
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(r.detach() - p.detach(), want[name], rtol=1e-5, atol=1e-6)
+    (sigma, q, steps, record), = engine.accountant.history
+    assert steps == 1 and record.estimator is None and record.micro_batches == 1
