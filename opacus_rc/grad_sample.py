@@ -28,7 +28,9 @@ from torch import nn
 
 from .clip_guard import InModuleSums
 from .config import SketchConfig
+from .draws import BatchReader
 from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, third_party_layers
+from .per_parameter import count_uses, reset_uses, set_norm_sample
 from .recompute import (
     NON_REENTRANT,
     current_saved_tensors_hooks,
@@ -39,7 +41,6 @@ from .recompute import (
     resolve_last,
     save_inputs,
 )
-from .draws import BatchReader
 from .sketch import Sketcher
 from .units import in_row_slots, mean_clip_factors, per_row, regroup_uses, sum_rows_by_unit, unit_sizes
 
@@ -125,8 +126,7 @@ class PerExampleStore(BatchReader):
                 m.activations.clear()
             m.__dict__.pop("max_batch_len", None)
         for p in self._module.parameters():
-            if hasattr(p, "_forward_counter"):
-                p._forward_counter = 0
+            reset_uses(p)
         self._awaiting_forward = True
 
     def _count_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -163,7 +163,7 @@ class PerExampleStore(BatchReader):
         tied (the weight is trainable and used earlier in this pass or owned by another module)."""
         for p in (weight, bias):
             if p is not None and p.requires_grad:
-                p._forward_counter += 1
+                count_uses(p, 1)
         return weight.requires_grad and (weight._forward_counter > 1 or self._shares_parameter(layer, weight))
 
     def _shares_parameter(self, layer: nn.Module, weight: nn.Parameter) -> bool:
@@ -356,7 +356,7 @@ class SketchingMixin(PerExampleStore):
         """Drop the per-example norms kept on the parameters (they would reach
         ``torch.save(model)``), and the norm pass's in-module gradient sums."""
         for p in self.trainable_parameters:
-            p._norm_sample = None
+            set_norm_sample(p, None)
         self._tied_sums.clear()
         self.in_module_sums.clear()
 
@@ -466,8 +466,8 @@ class SketchingMixin(PerExampleStore):
         if any(p._forward_counter != 1 or p in self._tied_sums for p in params):
             raise head_used_twice_error()
         for p, norm in zip(params, norms.values()):
-            p._norm_sample = norm
-            p._forward_counter -= 1
+            set_norm_sample(p, norm)
+            count_uses(p, -1)
 
     def _is_tied_use(self, module: nn.Module) -> bool:
         """True if one of the module's trainable parameters is used more than once in
@@ -511,9 +511,8 @@ class SketchingMixin(PerExampleStore):
         slot = self._tied_slot(module, param)
         total = self._tied_sums.pop(slot, None)
         total = contribution if total is None else total + contribution
-        slot._forward_counter -= 1
-        if slot._forward_counter == 0:
-            slot._norm_sample = total.flatten(start_dim=1).norm(2, dim=1)
+        if count_uses(slot, -1) == 0:
+            set_norm_sample(slot, total.flatten(start_dim=1).norm(2, dim=1))
         else:
             self._tied_sums[slot] = total
 

@@ -22,11 +22,12 @@ from torch.optim import Optimizer
 
 from .clip_guard import ClipGuard
 from .config import SketchConfig
+from .draws import Batch, Delivered, Draw, accumulation_error
 from .estimators import at_least_float32
 from .finite import FORWARD_CHANGE, NonFiniteGuard, failed_kinds
 from .forward_changes import ForwardChanges, watched_model
+from .per_parameter import drop_sums, set_grad_sample, set_summed
 from .sketch import NOISE_STREAM, DeviceStreams, check_seed
-from .draws import Batch, Delivered, Draw, accumulation_error
 from .units import ExampleUnits, UserIndex
 from .values import EXAMPLE_UNIT, RAISE, USER_UNIT
 
@@ -192,8 +193,7 @@ class RandomizedClippingMixin:
         )
         self._step_skip_queue.clear()
         self.backward_passes = self._draw_splits = 0
-        for p in self.params:  # (the current batch's clipped values are not in p.summed_grad yet)
-            p.summed_grad = None
+        drop_sums(self.params)  # (the current batch's clipped values are not in p.summed_grad yet)
 
     @property
     def draw_pending(self) -> bool:
@@ -419,7 +419,7 @@ class RandomizedClippingMixin:
         for holder in self._holders:
             holder.per_sample_gradient_norms = None
         for p in self.params:
-            p.grad_sample = None  # consumed by clipping (book-keeping's exact layers)
+            set_grad_sample(p, None)  # consumed by clipping (book-keeping's exact layers)
         module = self.bound_module()
         if module is not None:
             module.forget_per_example_values()
@@ -429,8 +429,7 @@ class RandomizedClippingMixin:
         """A refused step: its clipped sums so far (``p.summed_grad``) are never released,
         and its per-example values are forgotten."""
         self.forget_per_example_values()
-        for p in self.params:
-            p.summed_grad = None
+        drop_sums(self.params)
 
     def accumulate(self) -> None:
         """Move the clipped gradient into ``p.summed_grad`` without copying it (Opacus
@@ -441,7 +440,7 @@ class RandomizedClippingMixin:
             if p.summed_grad is not None:
                 p.summed_grad.add_(p.grad.detach())
             else:  # float32 for half-precision parameters (a copy then): the noise is added there
-                p.summed_grad = at_least_float32(p.grad.detach())
+                set_summed(p, at_least_float32(p.grad.detach()))
             p.grad = None
 
     def add_noise(self) -> None:

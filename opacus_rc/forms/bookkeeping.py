@@ -40,6 +40,7 @@ from ..estimators import as_sequence
 from ..grad_sample import PerExampleStore, head_per_user_error, head_used_twice_error
 from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from ..optimizer import SketchedClippingMixin
+from ..per_parameter import count_uses, set_summed
 from ..recompute import late_use_error, missing_per_sample_error
 from ..units import mean_clip_factors, regroup_uses, sum_rows_by_unit, unit_sizes
 from ..values import SKIP
@@ -200,7 +201,7 @@ class BookkeepingMixin(PerExampleStore):
         if any(p._forward_counter != 1 for p in params) or layer in self._pending_uses:
             raise head_used_twice_error(bookkeeping=True)
         for p in params:
-            p._forward_counter -= 1
+            count_uses(p, -1)
         for p, record in values.records().items():
             self.records.add(p, record)
 
@@ -244,7 +245,7 @@ class BookkeepingMixin(PerExampleStore):
         uses = self._pending_uses.setdefault(module, [])
         uses.append((activations[0], backprops))
         for param in params:
-            param._forward_counter -= 1
+            count_uses(param, -1)
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len
         if any(param._forward_counter > 0 for param in params):
@@ -451,7 +452,7 @@ class BookkeepingClippingMixin:
                 gs = keep_rows(self._exact_grad_sample(p).to(torch.promote_types(p.dtype, torch.float32)), keep)
                 grad = torch.einsum("i,i...", clip.to(gs), gs)
                 _mark_as_processed(p.grad_sample)
-            p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
+            set_summed(p, grad if p.summed_grad is None else p.summed_grad + grad)
 
     def _finite_examples(self, sq: torch.Tensor) -> Optional[torch.Tensor]:
         """Under ``nonfinite="raise"``: None, and the norms join the step's non-finite check.

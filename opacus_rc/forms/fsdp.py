@@ -40,8 +40,9 @@ from ..finite import local_shard
 from ..grad_sample import (
     SketchingMixin, _saves_inputs, check_norms_cover_batch, head_used_twice_error, unmatched_tied_uses_error,
 )
-from ..optimizer import SketchedClippingMixin
 from ..norm_samplers import TIED_PROJECTIONS
+from ..optimizer import SketchedClippingMixin
+from ..per_parameter import set_norm_sample
 from ..recompute import late_use_error
 from ..sketch import entropy_seed
 from ..values import FSDP_MODE
@@ -248,7 +249,7 @@ class FSDPSketchingMixin(SketchingMixin):
         for module in self.iterate_submodules(self._module):
             module.__dict__.pop("norm_sample", None)
         for slot in self._tied_slots.values():
-            slot._norm_sample = None
+            set_norm_sample(slot, None)
         self._tied_sums.clear()
 
 

@@ -29,9 +29,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_leaves
 
 from ..clip_guard import PerExampleGuard
-from ..estimators import at_least_float32
 from ..draws import BatchReader
+from ..estimators import at_least_float32
 from ..optimizer import RandomizedClippingMixin
+from ..per_parameter import set_summed
 from ..recompute import forward_replay
 from ..values import SKIP
 from .fsdp import _contains_fsdp
@@ -386,7 +387,7 @@ class PerExampleOptimizerMixin(RandomizedClippingMixin):
             self.claim_batches([module.batch])
         for p, g in grads:
             if p.summed_grad is None:
-                p.summed_grad = (g if g.dtype == torch.float32 else g.float()).mul_(factor)
+                set_summed(p, (g if g.dtype == torch.float32 else g.float()).mul_(factor))
             else:
                 p.summed_grad.addcmul_(g, factor)
 
@@ -395,7 +396,7 @@ class PerExampleOptimizerMixin(RandomizedClippingMixin):
         for p in self.params:
             p.grad = None  # zero_grad's zeros, if any
             if p.summed_grad is None:
-                p.summed_grad = torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
+                set_summed(p, torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)))
 
     def add_noise(self) -> None:
         """Opacus's noise on the float32 sum; ``p.grad`` in the parameter's dtype. At user

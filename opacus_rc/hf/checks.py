@@ -21,9 +21,10 @@ from ..accounting.accountant import RCPRVAccountant
 from ..clip_guard import complete_unused
 from ..finite import agree_across_ranks, all_finite
 from ..forms import form_of
+from ..per_parameter import set_grad_sample
+from ..units import RowUnits, UserIndex, check_same_on_ranks
 from ..values import RANDOMIZED, check_choice
 from .arguments import PrivacyArguments
-from ..units import RowUnits, UserIndex, check_same_on_ranks
 from .data import poisson_sampler_of
 from .losses import _base_model
 
@@ -298,7 +299,7 @@ def check_records(optimizer: DPOptimizer, rows: int, names: Dict[int, str]) -> N
     else:
         unseen = complete_unused(
             optimizer.params, rows, lambda p: getattr(p, "grad_sample", None) is not None,
-            lambda p: setattr(p, "grad_sample", torch.zeros(rows, *p.shape, device=p.device, dtype=p.dtype)),
+            lambda p: set_grad_sample(p, torch.zeros(rows, *p.shape, device=p.device, dtype=p.dtype)),
         )
     if unseen:
         raise ValueError(

@@ -18,15 +18,15 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 
 from ..accounting.accountant import RCPRVAccountant, sketch_record
+from ..draws import signalled_batches
 from ..forms import Form, form_of
 from ..integration import PrivacyEngine
-from ..draws import signalled_batches
 from ..options import PublicSampling, per_rank_normaliser, user_sampling
 from ..recompute import quiet_hook_notes
 from ..units import UserIndex
 from ..values import RC_PRV
-from .callback import DPCallback
 from .arguments import LOSS_LOG_KEYS, PRIVATE_LOG_KEYS, PrivacyArguments
+from .callback import DPCallback
 from .checks import (
     DP_STATE_NAME, check_arguments, check_checkpoint_functions, check_loader, check_records, check_setup,
     refuse_non_finite, replaceable_compute_loss, resumed_history, check_units, user_index_of,
