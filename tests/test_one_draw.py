@@ -17,7 +17,7 @@ import torch
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 
 from tests.forms.test_per_example_draws import C, _ce, _copy, _lockstep_releases, private
-from tests.forms.test_user_level import FORMS as USER_FORMS, K, user_data
+from tests.forms.test_user_level import FORMS as USER_FORMS, one_logical_step, user_data
 from tests.forms.test_user_level import private as user_private
 from tests.models import SequenceClassifier
 from tests.oracles import per_example_clipped_mean, per_user_clipped_mean
@@ -68,15 +68,8 @@ def test_a_partial_users_running_sum_is_dropped_with_its_draw():
         if optimizer.draw_pending:
             break
     reference = _copy_user(module)
-    rows = []
     with pytest.warns(RuntimeWarning, match="left after"):
-        for x, y, index in loader:
-            rows += index.tolist()
-            _ce(module, x, y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            if not optimizer._is_last_step_skipped:
-                break
+        rows = one_logical_step(module, optimizer, loader)
     _check_user_release(module, reference, data, owners, rows, optimizer)
 
 
