@@ -385,8 +385,8 @@ class BatchReader:
 
     def find_batch(self, inputs: Any) -> Batch:
         """The delivered batch ``inputs`` holds; else, for inputs computed in a graph, the batch a
-        forward took since the last step (a chunked head's hidden states); a batch of rows when no plugin loader delivers to the
-        followed optimizer at example level; else refused (ValueError)."""
+        forward took since the last step (a chunked head's hidden states); a batch of rows when no
+        plugin loader delivers to the followed optimizer at example level; else refused (ValueError)."""
         optimizer = None if self._batches_from is None else self._batches_from()
         delivered = getattr(optimizer, "delivered", None)
         batch = None if delivered is None else delivered.find(inputs, every=self.one_batch_per_argument)

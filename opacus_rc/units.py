@@ -418,6 +418,7 @@ def unit_sizes(units: RowUnits) -> torch.Tensor:
 
 __all__ = [
     "DEFAULT_MAX_EXAMPLES_PER_USER", "EXAMPLES", "EXAMPLE_UNIT", "USER_UNIT", "PRIVACY_UNITS", "ExampleUnits",
-    "RowUnits", "UserIndex", "UserPoissonSampler", "check_max_examples_per_user", "check_privacy_unit", "in_row_slots", "mean_clip_factors", "per_row", "regroup_rows", "regroup_uses", "sum_rows_by_unit", "unit_layout", "unit_sizes",
-    "user_key", "user_epoch_draws", "check_same_on_ranks",
+    "RowUnits", "UserIndex", "UserPoissonSampler", "check_max_examples_per_user", "check_privacy_unit",
+    "in_row_slots", "mean_clip_factors", "per_row", "regroup_rows", "regroup_uses", "sum_rows_by_unit",
+    "unit_layout", "unit_sizes", "user_key", "user_epoch_draws", "check_same_on_ranks",
 ]
