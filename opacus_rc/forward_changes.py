@@ -172,6 +172,7 @@ class ForwardChanges:
         # the model's): a pre-hook registered before or after this one runs after it
         modules = {id(m): m for m in (outer, model) if isinstance(m, nn.Module)}
         self._handles = [m.register_forward_pre_hook(self._forward_starts, prepend=True) for m in modules.values()]
+        self._snapshot()  # the digests' weights and layouts made now, not inside a step
 
     def remove(self) -> None:
         """Stop watching (removes the hooks)."""
@@ -200,7 +201,7 @@ class ForwardChanges:
         slots: Dict[int, int] = {}
         unique: Dict[torch.device, List[torch.Tensor]] = {}
         for what, name, t in self._entries():
-            if t.layout != torch.strided or t.device.type == "meta":
+            if t.layout != torch.strided:
                 continue
             if id(t) not in slots:
                 slots[id(t)] = len(unique.setdefault(t.device, []))

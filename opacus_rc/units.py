@@ -275,6 +275,8 @@ class RowUnits:
     users: torch.Tensor
     sizes: torch.Tensor
     last: Optional[torch.Tensor] = None
+    #: each unit is one row of one (:meth:`singletons`: examples): a unit is its row
+    single_rows: bool = field(default=False, compare=False)
     #: :meth:`layout` per device, computed and checked once per batch (every layer reads it)
     _layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -288,9 +290,8 @@ class RowUnits:
     def singletons(cls, rows: int, users: Optional[torch.Tensor] = None) -> "RowUnits":
         """``rows`` rows, each its own unit of one row (example level; ``users``: their ids)."""
         ones = torch.ones(rows, dtype=torch.long)
-        units = cls(torch.arange(rows) if users is None else users, ones, torch.ones(rows, dtype=torch.bool))
+        units = cls(torch.arange(rows) if users is None else users, ones, torch.ones(rows, dtype=torch.bool), True)
         units._layouts[torch.device("cpu")] = (torch.arange(rows), torch.zeros(rows, dtype=torch.long), rows)
-        units._layouts["singletons"] = True  # (kept by rows(): no layout to compute)
         return units
 
     def __len__(self) -> int:
@@ -333,7 +334,7 @@ class RowUnits:
 
     def rows(self, start: int, stop: int) -> "RowUnits":
         """The units of rows ``start:stop`` of the batch (e.g. one row of a per-example pass)."""
-        if "singletons" in self._layouts:
+        if self.single_rows:
             return RowUnits.singletons(len(self.users[start:stop]), self.users[start:stop])
         return RowUnits(self.users[start:stop], self.sizes[start:stop], self.last[start:stop])
 

@@ -201,6 +201,8 @@ class PerExampleClipping(BatchReader):
         """Add one row's gradient to its user's running sum; at the user's last row, the
         user's mean ``(1/m_u) sum_r g_r`` (the unit that is clipped), else None."""
         units = self.batch.units_of(1)
+        if units.single_rows:  # an example: the unit is the row
+            return grads
         if self._user_draw is not self.batch.draw:  # a unit's rows never span two draws
             self._user_sum, self._user_draw = None, self.batch.draw
         total = self._user_sum if self._user_sum is not None else {}

@@ -54,12 +54,13 @@ def _loop(module, optimizer, loader, every):
     """``step()`` and ``zero_grad()`` every ``every`` physical batches, over one epoch: the
     physical batches delivered before a refusal (None: no refusal) and its message."""
     for i, (x, y) in enumerate(loader):
-        _ce(module, x, y).backward()
-        if (i + 1) % every == 0:
-            try:
+        try:  # refused at the forward of a second physical batch before a step, or at the step
+            _ce(module, x, y).backward()
+            if (i + 1) % every == 0:
                 optimizer.step()
-            except ValueError as error:
-                return i + 1, str(error)
+        except ValueError as error:
+            return i + 1, str(error)
+        if (i + 1) % every == 0:
             optimizer.zero_grad()
     return None, ""
 
