@@ -255,9 +255,10 @@ class RandomizedClippingMixin:
         next backward would add raw, unclipped gradients into the noised sum."""
         if self._awaiting_zero_grad:
             raise ValueError(
-                "Gradients haven't been cleared since the last optimizer step. In order to "
-                "obtain privacy guarantees you must call optimizer.zero_grad() on each step "
-                "(the DP optimizer's: model.zero_grad() does not clear what it accumulated)"
+                "Gradients haven't been cleared since the last optimizer step: optimizer.step() was "
+                "called twice for one physical batch, or optimizer.zero_grad() was not called between "
+                "steps. In order to obtain privacy guarantees you must call optimizer.zero_grad() on each "
+                "step (the DP optimizer's: model.zero_grad() does not clear what it accumulated)"
             )
 
     def zero_grad(self, set_to_none: bool = False) -> None:

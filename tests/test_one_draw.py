@@ -131,3 +131,22 @@ def test_bookkeeping_runs_a_loop_that_skips_the_backward_on_an_empty_draw():
             empty, nonempty = empty + (len(x) == 0), nonempty + (len(x) > 0)
     assert empty and nonempty, "pick another seed: both kinds of draw are needed"
     assert len(engine.accountant.history) >= 1 and sum(h[2] for h in engine.accountant.history) == empty + nonempty
+
+
+def test_a_second_step_for_one_batch_names_the_double_step():
+    """``optimizer.step()`` twice for one physical batch (issue 48): after a release, and inside a draw
+    of BatchMemoryManager's loader; the refusal names the double step, not only ``zero_grad``."""
+    model, engine, (module, optimizer, *_, loader) = private(n=8, batch_size=4, **EXAMPLE_FORMS["bookkeeping"])
+    x, y = next(iter(loader))
+    _ce(module, x, y).backward()
+    optimizer.step()
+    with pytest.raises(ValueError, match="called twice for one physical batch"):
+        optimizer.step()
+    model, engine, (module, optimizer, *_, loader) = private(n=16, batch_size=8, **EXAMPLE_FORMS["bookkeeping"])
+    managed = BatchMemoryManager(data_loader=loader, max_physical_batch_size=1, optimizer=optimizer).__enter__()
+    x, y = next(iter(managed))
+    _ce(module, x, y).backward()
+    optimizer.step()
+    assert optimizer._is_last_step_skipped, "the first draw held one row: pick another seed"
+    with pytest.raises(ValueError, match="called twice for one physical batch"):
+        optimizer.step()
