@@ -360,11 +360,9 @@ class RandomizedClippingMixin:
         """Opacus's skip signal (BatchMemoryManager). On a real step, called by
         ``pre_step`` after clipping and before noise: the step's non-finite flags are
         decided here (:meth:`_decide_finite`)."""
-        claimed = self._claimed
+        skip, claimed = super()._check_skip_next_step(pop_next), self._claimed  # (a queue kept in step)
         if claimed is not None and not claimed.draw.signalled:
             skip = not claimed.last  # the draw decides (the plugin's loaders send no signals)
-        else:
-            skip = super()._check_skip_next_step(pop_next)
         if pop_next and not skip:
             self._decide_finite()
         return skip
