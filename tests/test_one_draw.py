@@ -16,7 +16,7 @@ import pytest
 import torch
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 
-from tests.forms.test_per_example_draws import C, _ce, _copy, _lockstep_releases, private
+from tests.forms.test_per_example_draws import C, _ce, _lockstep_releases, private
 from tests.forms.test_user_level import FORMS as USER_FORMS, one_logical_step, user_data
 from tests.forms.test_user_level import private as user_private
 from tests.models import SequenceClassifier
