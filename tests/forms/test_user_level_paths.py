@@ -22,7 +22,6 @@ from opacus import PrivacyEngine
 from torch import nn
 
 import opacus_rc  # noqa: F401
-from opacus_rc.accounting.accountant import get_noise_multiplier_rc
 from opacus_rc.csprng import CSPRNG
 from opacus_rc.draws import UserDataLoader
 
