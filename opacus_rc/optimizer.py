@@ -142,9 +142,7 @@ class RandomizedClippingMixin:
         they belong to their draw. A step follows one physical batch of the plugin's loaders, in
         order; a draw left incomplete when another begins is dropped (a warning says so), and a
         released or dropped draw is never claimed again."""
-        if self._refused is not None:
-            self.drop_step()
-            raise self._refused
+        self._raise_refusal()
         batches = [b for b in batches if b is not self._claimed]
         if not batches:
             return
@@ -156,31 +154,33 @@ class RandomizedClippingMixin:
             return
         batch = registered[0]
         if batch.draw in self._closed_draws:
-            self.drop_step()
-            raise ValueError(
+            self.refuse_steps(ValueError(
                 "optimizer.step() refused: a batch of a Poisson draw that was already released (or dropped) "
                 "went through a forward pass again; each batch of the loader make_private returned is trained "
                 "on once. Nothing was released"
-            )
+            ))
         if batch.draw is not self._draw:
             self._drop_incomplete_draw()
             self._draw, self._draw_seen = batch.draw, 0
         if batch.index != self._draw_seen:
             self._closed_draws.add(batch.draw)
-            self.drop_step()
-            raise ValueError(
+            self.refuse_steps(ValueError(
                 f"optimizer.step() refused: physical batch {batch.index} of a draw came after {self._draw_seen} "
                 "of its batches (a batch skipped or taken twice); give each batch of the loader one forward "
                 "and one backward, in order. Nothing was released"
-            )
+            ))
         self._draw_splits += batch.index > 0
         self._draw_seen += 1
 
     def refuse_steps(self, error: ValueError) -> None:
         """Drop this step and refuse every later one with ``error`` (a refusal must end the run)."""
         self._refused = error
-        self.drop_step()
-        raise error
+        self._raise_refusal()
+
+    def _raise_refusal(self) -> None:
+        if self._refused is not None:
+            self.drop_step()
+            raise self._refused
 
     def _drop_incomplete_draw(self) -> None:
         if self._draw is None or self._draw_seen in (0, self._draw.batches):
@@ -230,14 +230,13 @@ class RandomizedClippingMixin:
         self.clip_guard.check()  # first: its refusal names torch's DDP when that is the cause
         module = self.bound_module()
         batches = [] if module is None else module.take_step_batches()
-        self.claim_batches([])  # an earlier refusal ends the run
+        self._raise_refusal()  # an earlier refusal ends the run
         if not batches and self.draw_pending and self._claimed is None:
-            self.drop_step()
-            raise ValueError(
+            self.refuse_steps(ValueError(
                 "optimizer.step() refused: no training forward since the last step, inside a Poisson "
                 "draw of the loader make_private returned (optimizer.step() called twice for one "
                 "physical batch?); follow each physical batch by exactly one step(). Nothing was released"
-            )
+            ))
         self.claim_batches(batches)
         taken = super().pre_step(closure)
         self._claimed = None
