@@ -30,19 +30,21 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .csprng import init_poisson_loader, rank_share
-from .units import EXAMPLES, RowUnits, UserIndex, UserPoissonSampler
+from .units import EXAMPLES, CyclicPoissonSampler, RowUnits, UserIndex, UserPoissonSampler
 from .values import EXAMPLE_UNIT
 
 
 class Draw:
     """One Poisson draw, cut into ``batches`` physical batches (compared by identity).
     ``signalled``: its end is told by Opacus's skip signals (``signal_skip_step``: the private
-    Trainer, a script that accumulates by hand), not by its batches."""
+    Trainer, a script that accumulates by hand), not by its batches. ``step``: its number in a
+    cyclic Poisson sampler's sequence (the banded noise's time, :mod:`opacus_rc.correlated`;
+    None for other samplers)."""
 
-    __slots__ = ("batches", "signalled", "__weakref__")
+    __slots__ = ("batches", "signalled", "step", "__weakref__")
 
-    def __init__(self, batches: int, signalled: bool = False) -> None:
-        self.batches, self.signalled = batches, signalled
+    def __init__(self, batches: int, signalled: bool = False, step: Optional[int] = None) -> None:
+        self.batches, self.signalled, self.step = batches, signalled, step
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,11 +149,12 @@ class DrawSampler(Sampler[List[int]]):
 
     def __iter__(self) -> Iterator[List[int]]:
         self.pending.clear()
-        for rows in self.poisson:
+        numbered = getattr(self.poisson, "numbered_draws", None)
+        for step, rows in numbered() if numbered is not None else ((None, rows) for rows in self.poisson):
             rows = [int(r) for r in rows]
             units = self.index.units_of(rows)
             bounds = _chunks(units, self.max_batch_size)
-            draw = Draw(len(bounds))
+            draw = Draw(len(bounds), step=step)
             for i, (start, stop) in enumerate(bounds):
                 self.pending.append(Batch(draw, i, units.rows(start, stop)))
                 yield rows[start:stop]
@@ -274,6 +277,9 @@ class DrawLoader(DataLoader):
                 "this loader delivers each batch to the optimizer make_private returned with it "
                 "(loader.follow(optimizer) for objects built by hand)"
             )
+        continue_at = getattr(self.batch_sampler, "continue_at", None)
+        if continue_at is not None:  # a cyclic sampler numbers its draws from the noise's next step
+            continue_at(optimizer.next_noise_step)
         pending = self.batch_sampler.pending
         for data in super().__iter__():
             optimizer.delivered.add(data, pending.popleft())
@@ -301,6 +307,30 @@ class UserDataLoader(DrawLoader):
         self.distributed = distributed
         sampler = UserPoissonSampler(index, sample_rate, generator, **rank_share(distributed))
         init_poisson_loader(self, dataset, DrawSampler(sampler, index), **kwargs)
+
+
+class CyclicPoissonLoader(DrawLoader):
+    """The loader ``make_private(..., noise="banded", bands=b)`` returns: one batch per draw of
+    :class:`~opacus_rc.units.CyclicPoissonSampler` (draw ``t`` from part ``t mod b`` of the
+    units), numbered for the banded noise; Opacus's ``DPDataLoader`` conventions otherwise.
+
+    Args:
+        dataset: the dataset.
+        index: its :class:`~opacus_rc.units.UserIndex` (None: example level, each row a unit).
+        bands: b, the number of parts.
+        sample_rate: the rate inside a part (b times the overall rate).
+        steps: draws per epoch.
+        generator, distributed, **kwargs: as :class:`UserDataLoader`.
+    """
+
+    def __init__(self, dataset: Dataset, *, index: Optional[UserIndex], bands: int, sample_rate: float, steps: int,
+                 generator: Any = None, distributed: bool = False, **kwargs: Any) -> None:
+        self.sample_rate = float(sample_rate)
+        self.distributed = distributed
+        sampler = CyclicPoissonSampler(
+            index, sample_rate, bands, generator, steps, num_units=len(dataset), **rank_share(distributed)
+        )
+        init_poisson_loader(self, dataset, DrawSampler(sampler, EXAMPLES if index is None else index), **kwargs)
 
 
 def split_draws(*, data_loader: DataLoader, max_batch_size: int, optimizer: Any) -> DataLoader:
@@ -427,6 +457,6 @@ class BatchReader:
 
 
 __all__ = [
-    "Batch", "BatchReader", "Delivered", "Draw", "DrawLoader", "DrawSampler", "NoBatch", "Rows", "UserDataLoader",
+    "Batch", "BatchReader", "CyclicPoissonLoader", "Delivered", "Draw", "DrawLoader", "DrawSampler", "NoBatch", "Rows", "UserDataLoader",
     "accumulation_error", "signalled_batches", "split_draws", "unannounced_batch_error",
 ]

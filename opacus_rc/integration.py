@@ -21,7 +21,7 @@ from opacus.accountants import registry as accountant_registry
 from torch import nn
 
 from . import checkpoint
-from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
+from .accounting.accountant import RCPRVAccountant, noise_multiplier_for_record
 from .accounting.group import check_group_size, group_epsilon
 from .draws import DrawLoader
 from .forms import FORMS
@@ -175,15 +175,10 @@ class PrivacyEngine(OpacusPrivacyEngine):
         # the steps the returned loader runs in `epochs` epochs (not epochs / q: int(1 / q) or
         # round(1 / q_u) draws per epoch, len(loader) without Poisson sampling)
         steps = math.ceil(epochs * options.epoch_draws(arguments["data_loader"], arguments["poisson_sampling"]))
-        noise_multiplier = get_noise_multiplier_rc(
-            target_epsilon=target_epsilon,
-            target_delta=target_delta,
-            sample_rate=options.sampling.sample_rate,
-            steps=steps,
-            sketch_config=options.sketch,
-            **calibration,
+        noise_multiplier = noise_multiplier_for_record(
+            target_epsilon, target_delta, options.charged_rate, None, steps, options.step_record(), **calibration
         )
-        logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps, %s", noise_multiplier, steps, options.sketch)
+        logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps, %s", noise_multiplier, steps, options.step_record())
         kwargs = {**kwargs, "noise_multiplier": noise_multiplier}
         return self._make_private(options, {**arguments, **kwargs}, kwargs)
 
@@ -278,7 +273,7 @@ class PrivacyEngine(OpacusPrivacyEngine):
         if isinstance(out[-1], DrawLoader):
             out[-1].follow(out[1])  # each batch, with its draw and units, delivered to the optimizer
         # Opacus charged 1 / len(its DPDataLoader); charge the public rate instead.
-        out[1].attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sampling.sample_rate))
+        out[1].attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=options.charged_rate))
         logger.info(
             "randomized clipping: public normaliser %d, sample rate %.6g", sampling.batch_size,
             sampling.sample_rate,

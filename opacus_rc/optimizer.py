@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from .clip_guard import ClipGuard
 from .config import SketchConfig
+from .correlated import BANDED_STATE_KEY, BandedNoise, draw_step_error
 from .draws import Batch, Delivered, Draw, accumulation_error
 from .estimators import at_least_float32
 from .finite import FORWARD_CHANGE, NonFiniteGuard, failed_kinds
@@ -71,9 +72,16 @@ class RandomizedClippingMixin:
         nonfinite: str = RAISE,
         accept_replayed_noise: bool = False,
         user_index: Optional[UserIndex] = None,
+        band_coefficients: Optional[Sequence[float]] = None,
         **kwargs,
     ) -> None:
         super().__init__(optimizer, **kwargs)
+        #: the banded noise's recursion (``noise="banded"``, :mod:`opacus_rc.correlated`); None: independent
+        self.banded = None if band_coefficients is None else BandedNoise(band_coefficients)
+        #: mechanism steps the last release advanced (the accountant charges them; banded: the
+        #: draws since the last release, discarded ones included)
+        self.mechanism_steps = 1
+        self._noise_steps = 1  # of the step being noised
         #: ``"example"`` or ``"user"``: what one clip bounds (see :mod:`opacus_rc.units`)
         self.privacy_unit = EXAMPLE_UNIT if isinstance(user_index, (type(None), ExampleUnits)) else USER_UNIT
         self.seeded = noise_seed is not None  # the noise stream replays from its seed
@@ -442,6 +450,29 @@ class RandomizedClippingMixin:
             p.grad = None
 
     def add_noise(self) -> None:
+        """The step's noise added into the clipped sums (:meth:`noise_sums`): independent
+        Gaussian noise, or the banded recursion at the step's draw (:mod:`opacus_rc.correlated`)."""
+        self._noise_steps = 1
+        if self.banded is not None:
+            draw = self._draw
+            if draw is None or draw.step is None or self.accumulated_iterations > 1:
+                self.refuse_steps(draw_step_error())
+            try:
+                self._noise_steps = self.banded.steps_to(draw.step)
+            except ValueError as error:
+                self.refuse_steps(error)
+        self.noise_sums()
+        if self.banded is not None:
+            self.banded.advance(self._noise_steps)
+        self.mechanism_steps = self._noise_steps
+
+    @property
+    def next_noise_step(self) -> int:
+        """The banded noise's next mechanism step (the cyclic loader numbers its draws from it); 0
+        for independent noise."""
+        return 0 if self.banded is None else self.banded.next_step
+
+    def noise_sums(self) -> None:
         """Opacus's Gaussian noise ``N(0, sigma^2 C^2)`` added in place into the clipped
         sum, whose buffer becomes ``p.grad`` (one parameter-sized buffer less than
         ``summed_grad + noise``). Distributed: only rank 0 adds noise, as in Opacus."""
@@ -450,11 +481,21 @@ class RandomizedClippingMixin:
                 p.grad = p.summed_grad.view_as(p).to(p.dtype)
             return
         std = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
-        for p in self.params:
+        for slot, p in enumerate(self.params):
             _check_processed_flag(p.summed_grad)
-            noise = self._noise(std, p.summed_grad)
+            noise = self.step_noise(slot, std, p.summed_grad)
             _mark_as_processed(p.summed_grad)
             p.grad = p.summed_grad.add_(noise).view_as(p).to(p.dtype)  # noised in float32, then rounded once
+
+    def step_noise(self, slot: int, std: float, reference: torch.Tensor) -> torch.Tensor:
+        """The noise of parameter ``slot`` (position in :attr:`params`) at this step, like
+        ``reference``: fresh ``N(0, std^2)``, or the banded recursion's ``w_t`` (advanced over
+        the draws never released since the last step, whose noise is discarded)."""
+        if self.banded is None:
+            return self._noise(std, reference)
+        for _ in range(self._noise_steps):
+            noise = self.banded.correlate(slot, self._noise(std, reference))
+        return noise
 
     def noise_generator(self, device: Any) -> torch.Generator:
         """The noise source on ``device``: the user's ``noise_generator`` (Opacus's
@@ -476,8 +517,11 @@ class RandomizedClippingMixin:
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state; a seeded run's says so (:data:`SEEDED_STATE_KEY`,
-        never the seed itself)."""
+        never the seed itself); banded noise's recursion (:data:`BANDED_STATE_KEY`: the kept
+        noise vectors, as secret as the training data)."""
         state = super().state_dict()
+        if self.banded is not None:
+            state = {**state, BANDED_STATE_KEY: self.banded.state_dict()}
         return {**state, SEEDED_STATE_KEY: True} if self.seeded else state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -489,6 +533,15 @@ class RandomizedClippingMixin:
         if state_dict.pop(_LEGACY_STATE_KEY, None) is not None:
             logger.warning("ignored the sketch/noise generator states of a legacy optimizer state_dict")
         seeded = bool(state_dict.pop(SEEDED_STATE_KEY, False))
+        banded = state_dict.pop(BANDED_STATE_KEY, None)
+        if (banded is None) != (self.banded is None):
+            raise ValueError(
+                "an optimizer state of a run with noise="
+                f"{'independent' if banded is None else 'banded'} loaded into a run with noise="
+                f"{'independent' if self.banded is None else 'banded'}: resume with the same noise= and bands="
+            )
+        if banded is not None:
+            self.banded.load_state_dict(banded)
         if self.deferred_seeded_resume is not None:
             self.deferred_seeded_resume = seeded
         else:

@@ -15,6 +15,7 @@ import math
 import numbers
 import textwrap
 import warnings
+import dataclasses
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Callable, Collection, Dict, FrozenSet, Iterable, Mapping, Optional, Tuple
@@ -24,8 +25,9 @@ from opacus.accountants.utils import get_noise_multiplier
 from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer
 from torch.utils.data.distributed import DistributedSampler
 
-from .accounting.accountant import get_noise_multiplier_rc
+from .accounting.accountant import StepRecord, get_noise_multiplier_rc
 from .config import SketchConfig
+from .correlated import banded_sqrt_coefficients, max_column_norm
 from .denoise import DEFAULT_KAPPA
 from .forms import FORMS, resolve_form
 from .forms import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES, TWO_PASS
@@ -35,7 +37,8 @@ from .units import (
 )
 from .values import (
     ADAPTIVE, BOOKKEEPING_MODE, DENOISERS, EXAMPLE_UNIT, FLAT, FSDP_MODE, GHOST, HOOKS, NONFINITE_MODES, PER_LAYER,
-    RAISE, RANDOMIZED, RC_PRV, SKIP, SVD_FULL, USER_UNIT, check_choice, did_you_mean, positive_int,
+    BANDED_NOISE, INDEPENDENT_NOISE, NOISES, RAISE, RANDOMIZED, RC_PRV, SKIP, SVD_FULL, USER_UNIT, check_choice,
+    did_you_mean, positive_int,
 )
 
 #: every clipping mode make_private accepts: Opacus's three and the plugin's
@@ -143,6 +146,17 @@ OPTIONS: Tuple[Option, ...] = (
         "*randomized*, with ``privacy_unit=\"user\"``. The contribution bound k: a\n"
         "sampled user contributes min(k, n_u) of their rows, drawn uniformly at each step.\n"
         "It bounds compute, not privacy (a user's clipped mean has norm <= C for any k)."
+    )),
+    Option("noise", INDEPENDENT_NOISE, "str", (
+        "*randomized*. ``\"independent\"`` (DP-SGD: fresh noise at every step) or\n"
+        "``\"banded\"`` (banded matrix factorisation: noise correlated over ``bands``\n"
+        "steps, much of it cancelling in the model; cyclic Poisson sampling over\n"
+        "``bands`` parts of the units; :mod:`opacus_rc.correlated`)."
+    )),
+    Option("bands", None, "Optional[int]", (
+        "*randomized*, with ``noise=\"banded\"``. b, the number of noise coefficients\n"
+        "and of the sampler's parts (1 <= b <= the draws of an epoch); it costs b - 1\n"
+        "noise buffers of the trainable parameters' size."
     )),
     Option("denoise", None, "Optional[str]", (
         "None or ``\"spectral\"`` (any clipping mode): SVD shrinkage of the\n"
@@ -256,7 +270,7 @@ SKETCH_OPTIONS = tuple(f.name for f in fields(SketchConfig))
 #: keywords that only apply with clipping="randomized" (bookkeeping has its own message)
 RANDOMIZED_ONLY = (
     *SKETCH_OPTIONS, "sketch_seed", "seed", "accept_replayed_noise", "nonfinite", "expected_batch_size", "sample_rate",
-    "privacy_unit", "user_ids", "max_examples_per_user",
+    "privacy_unit", "user_ids", "max_examples_per_user", "noise", "bands",
 )
 #: keywords that only apply with privacy_unit="user"
 USER_ONLY = ("user_ids", "max_examples_per_user")
@@ -540,6 +554,42 @@ def user_sampling(sampling: PublicSampling, users: UserIndex) -> PublicSampling:
     return PublicSampling(sampling.batch_size, sampling.batch_size / users.num_users)
 
 
+def _band_coefficients(
+    options: Mapping[str, Any], opacus: Mapping[str, Any], denoise: Any, sampling: PublicSampling, draws: int
+) -> Optional[Tuple[float, ...]]:
+    """``noise=`` and ``bands=``: the banded square root's coefficients (``noise="banded"``) or
+    None (independent noise). Refused by name where a unit's draws cannot be kept ``bands``
+    apart or the combination is not computed exactly."""
+    noise = check_choice("noise", options["noise"], NOISES, did_you_mean(str(options["noise"]), NOISES))
+    bands = options["bands"]
+    if noise == INDEPENDENT_NOISE:
+        if bands is not None:
+            raise ValueError(f"bands={bands!r} only applies with noise='banded'; got noise='independent'")
+        return None
+    if not positive_int(bands):
+        raise ValueError(
+            f"bands={bands!r} is invalid with noise='banded'; accepted values: an int from 1 to the draws of an "
+            f"epoch ({draws}): the noise's coefficients and the sampler's parts"
+        )
+    if not opacus["poisson_sampling"]:
+        raise ValueError(
+            "noise='banded' needs poisson_sampling=True: the loader make_private returns samples cyclic Poisson "
+            "draws (draw t from part t mod bands), which keeps a unit's draws bands= steps apart"
+        )
+    if bands > draws or bands * sampling.sample_rate > 1.0:
+        raise ValueError(
+            f"bands={bands} is above the {draws} draws of an epoch (sample rate {sampling.sample_rate:.6g}): "
+            f"each part would be sampled at a rate above 1; accepted values: 1 <= bands <= {draws}"
+        )
+    if denoise is not None:
+        raise ValueError(
+            "denoise='spectral' with noise='banded' is not supported: the denoiser shrinks each step's noisy "
+            "gradient as if its noise were fresh, which undoes the cancellation of banded noise in the running "
+            "sum; accepted: denoise=None with noise='banded', or noise='independent' with denoise"
+        )
+    return banded_sqrt_coefficients(bands)
+
+
 @dataclass(frozen=True)
 class Options:
     """The plugin's options of one ``make_private`` call, parsed once (:meth:`parse`).
@@ -560,6 +610,7 @@ class Options:
             at user level, of users.
         users: the :class:`~opacus_rc.units.UserIndex` of a ``privacy_unit="user"`` call
             (None: example level).
+        band_coefficients: ``c_0 .. c_{b-1}`` of banded noise (``noise="banded"``), else None.
     """
 
     clipping: str = FLAT
@@ -573,10 +624,28 @@ class Options:
     accept_replayed_noise: bool = False
     sampling: Optional[PublicSampling] = None
     users: Optional[UserIndex] = None
+    band_coefficients: Optional[Tuple[float, ...]] = None
 
     @property
     def randomized(self) -> bool:
         return self.clipping == RANDOMIZED
+
+    @property
+    def bands(self) -> int:
+        """b of banded noise (1: independent noise)."""
+        return 1 if self.band_coefficients is None else len(self.band_coefficients)
+
+    @property
+    def charged_rate(self) -> float:
+        """The rate the accountant charges: the sample rate, inside a part with banded noise
+        (``bands`` times it: each part holds 1 / bands of the units)."""
+        return self.sampling.sample_rate * self.bands
+
+    def step_record(self) -> StepRecord:
+        """The accountant's record of one step of this call (its sketch, its banded noise)."""
+        if self.band_coefficients is None:
+            return StepRecord.from_config(self.sketch)
+        return StepRecord.from_config(self.sketch, 1, self.bands, max_column_norm(self.band_coefficients))
 
     @property
     def privacy_unit(self) -> str:
@@ -600,6 +669,7 @@ class Options:
         return {
             "sketch_config": self.sketch, "nonfinite": self.nonfinite, "noise_seed": self.seed,
             "accept_replayed_noise": self.accept_replayed_noise, "user_index": self.users,
+            "band_coefficients": self.band_coefficients,
         }
 
     @classmethod
@@ -638,11 +708,14 @@ class Options:
         if users is not None:
             sampling = user_sampling(sampling, users)
         sketch_seed = options["sketch_seed"]
-        return cls(
+        parsed = cls(
             clipping=clipping, grad_sample_mode=mode, runs=runs, denoise=denoise, sketch=sketch,
             sketch_seed=seed if sketch_seed is None else sketch_seed, seed=seed,
             nonfinite=nonfinite, accept_replayed_noise=accept_replayed_noise, sampling=sampling, users=users,
         )
+        draws = parsed.epoch_draws(opacus.get("data_loader"), opacus["poisson_sampling"])
+        bands = _band_coefficients(options, opacus, denoise, sampling, draws)
+        return parsed if bands is None else dataclasses.replace(parsed, band_coefficients=bands)
 
 
 def check_randomized_setup(engine: Any, grad_sample_mode: str) -> None:

@@ -27,7 +27,7 @@ from .forms.two_pass import DPLossRandomizedClipping
 from .forward_changes import check_no_max_norm
 from .options import Options, per_rank_normaliser
 from .sketch import POISSON_STREAM, DeviceStreams
-from .draws import UserDataLoader
+from .draws import CyclicPoissonLoader, UserDataLoader
 from .units import check_same_on_ranks
 
 #: Opacus's engine, as ``opacus.privacy_engine`` defines it
@@ -184,13 +184,23 @@ class MakePrivateCall:
             sample_rate=self.options.sampling.sample_rate, distributed=distributed,
             batch_first=kwargs.get("batch_first", True), rand_on_empty=kwargs.get("rand_on_empty", False),
         )
-        if self.secure_mode and self.options.users is None:  # CSPRNG Poisson sampler, no torchcsprng
+        if self.secure_mode and self.options.users is None and self.options.band_coefficients is None:
+            # CSPRNG Poisson sampler, no torchcsprng
             return SecureDPDataLoader.from_data_loader(data_loader, **settings)
-        if self.secure_mode:  # the user-level loader's masks from the CSPRNG
+        if self.secure_mode:  # the user-level or cyclic loader's masks from the CSPRNG
             generator = default_generator()
         else:
             generator = poisson_generator(data_loader, self.options.seed, distributed)
             setattr(self, checkpoint.POISSON_GENERATOR_ATTR, generator)  # include_rng_state
+        if self.options.band_coefficients is not None:  # noise="banded": cyclic Poisson over parts of the units
+            if distributed and self.options.users is not None:
+                check_same_on_ranks(self.options.users)
+            return CyclicPoissonLoader(
+                data_loader.dataset, index=self.options.users, bands=self.options.bands,
+                sample_rate=self.options.charged_rate, generator=generator, distributed=distributed,
+                steps=self.options.epoch_draws(data_loader, True), batch_first=settings["batch_first"],
+                rand_on_empty=settings["rand_on_empty"], **loader_settings(data_loader),
+            )
         if self.options.users is not None:  # privacy_unit="user": Poisson over (this rank's share of) users
             if distributed:
                 check_same_on_ranks(self.options.users)  # one user index on every rank, each user on one

@@ -253,16 +253,69 @@ class UserPoissonSampler(Sampler[List[int]]):
         return self.steps
 
     def __iter__(self) -> Iterator[List[int]]:
-        k = self.index.max_examples_per_user
         for _ in range(self.steps):
-            users = self.users[self.uniform(len(self.users)) < self.sample_rate]
-            draw: List[int] = []
-            for user in users.tolist():
-                rows = self.index.rows_of(user)
-                if len(rows) > k:  # a uniform k-subset: the k smallest of i.i.d. uniforms
-                    rows = rows[torch.argsort(self.uniform(len(rows)))[:k]]
-                draw.extend(rows.tolist())
-            yield draw
+            yield self.draw_from(self.users)
+
+    def draw_from(self, users: torch.Tensor) -> List[int]:
+        """The rows of one draw: each of ``users`` with probability ``sample_rate``, a sampled
+        user's ``min(k, n_u)`` rows uniformly without replacement (contiguous)."""
+        k = self.index.max_examples_per_user
+        draw: List[int] = []
+        for user in users[self.uniform(len(users)) < self.sample_rate].tolist():
+            rows = self.index.rows_of(user)
+            if len(rows) > k:  # a uniform k-subset: the k smallest of i.i.d. uniforms
+                rows = rows[torch.argsort(self.uniform(len(rows)))[:k]]
+            draw.extend(rows.tolist())
+        return draw
+
+
+class _ExampleRows:
+    """Example level as a user index of ``n`` rows for :class:`CyclicPoissonSampler`: unit
+    ``u`` is row ``u``."""
+
+    max_examples_per_user = 1
+
+    def __init__(self, n: int) -> None:
+        self.num_users = n
+
+    def rows_of(self, unit: int) -> torch.Tensor:
+        return torch.tensor([unit])
+
+
+class CyclicPoissonSampler(UserPoissonSampler):
+    """Cyclic Poisson sampling (amplified banded matrix factorisation, :mod:`opacus_rc.correlated`):
+    the units (users, or rows at example level: ``index=None`` and ``num_units``) are split into
+    ``bands`` fixed parts by a public rule, unit ``u`` in part ``u mod bands``; draw ``t`` samples
+    part ``t mod bands`` only, each of its units with probability ``sample_rate`` (the rate
+    inside a part), so a unit's draws are always ``bands`` apart. Draws are numbered across
+    epochs (:meth:`numbered_draws`; :meth:`continue_at` resumes the sequence of a checkpoint).
+
+    Distributed: every rank has the same parts and takes every ``world_size``-th unit of each
+    (the union over ranks is one Poisson draw of the part); every rank yields every draw.
+    """
+
+    def __init__(self, index: Optional[UserIndex], sample_rate: float, bands: int, generator: Any = None,
+                 steps: Optional[int] = None, rank: int = 0, world_size: int = 1, num_units: int = 0) -> None:
+        super().__init__(index if index is not None else _ExampleRows(num_units), sample_rate, generator, steps)
+        units = torch.arange(self.index.num_users)
+        self.bands = bands
+        self.parts = [units[part::bands][rank::world_size] for part in range(bands)]
+        #: the number of the next draw (all epochs)
+        self.next_draw = 0
+
+    def continue_at(self, step: int) -> None:
+        """Number the next draw at least ``step`` (a resumed run's: its noise's next step)."""
+        self.next_draw = max(self.next_draw, int(step))
+
+    def numbered_draws(self) -> Iterator[Tuple[int, List[int]]]:
+        """An epoch's ``(draw number, rows)``; draw ``t`` samples part ``t mod bands``."""
+        for _ in range(self.steps):
+            step, self.next_draw = self.next_draw, self.next_draw + 1
+            yield step, self.draw_from(self.parts[step % self.bands])
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for _, rows in self.numbered_draws():
+            yield rows
 
 
 @dataclass(frozen=True)
@@ -418,7 +471,7 @@ def unit_sizes(units: RowUnits) -> torch.Tensor:
 
 
 __all__ = [
-    "DEFAULT_MAX_EXAMPLES_PER_USER", "EXAMPLES", "EXAMPLE_UNIT", "USER_UNIT", "PRIVACY_UNITS", "ExampleUnits",
+    "CyclicPoissonSampler", "DEFAULT_MAX_EXAMPLES_PER_USER", "EXAMPLES", "EXAMPLE_UNIT", "USER_UNIT", "PRIVACY_UNITS", "ExampleUnits",
     "RowUnits", "UserIndex", "UserPoissonSampler", "check_max_examples_per_user", "check_privacy_unit",
     "in_row_slots", "mean_clip_factors", "per_row", "regroup_rows", "regroup_uses", "sum_rows_by_unit",
     "unit_layout", "unit_sizes", "user_key", "user_epoch_draws", "check_same_on_ranks",

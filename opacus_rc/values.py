@@ -43,6 +43,10 @@ RC_PRV = "rc_prv"
 EXAMPLE_UNIT, USER_UNIT = "example", "user"
 PRIVACY_UNITS = (EXAMPLE_UNIT, USER_UNIT)
 
+# noise=: independent Gaussian noise at every step (DP-SGD) or banded matrix factorisation
+INDEPENDENT_NOISE, BANDED_NOISE = "independent", "banded"
+NOISES = (INDEPENDENT_NOISE, BANDED_NOISE)
+
 
 def positive_int(x: Any) -> bool:
     """``x`` is an int >= 1 (not a bool)."""

@@ -23,7 +23,7 @@ from .models import token_task
 OPTIONS = (
     "estimator", "sketch_size", "sketching", "exact_when_cheaper", "sketch_seed", "seed", "accept_replayed_noise",
     "bookkeeping", "per_example_backward", "denoise", "denoise_kappa", "denoise_svd", "nonfinite", "sample_rate",
-    "expected_batch_size", "privacy_unit", "user_ids", "max_examples_per_user",
+    "expected_batch_size", "privacy_unit", "user_ids", "max_examples_per_user", "noise", "bands",
 )
 ENTRY_POINTS = ("make_private", "make_private_with_epsilon")
 
@@ -224,7 +224,7 @@ def test_make_private_parses_once(monkeypatch, clipping):
 @pytest.mark.parametrize("clipping", ["randomized", "flat"])
 def test_make_private_with_epsilon_parses_once(monkeypatch, clipping):
     calls = _count_parses(monkeypatch)
-    monkeypatch.setattr(integration, "get_noise_multiplier_rc", lambda **kw: 1.0)
+    monkeypatch.setattr(integration, "noise_multiplier_for_record", lambda *args, **kw: 1.0)
     engine = opacus.PrivacyEngine(accountant="rc_prv" if clipping == "randomized" else "prv")
     engine.make_private_with_epsilon(
         **_setup(), target_epsilon=8.0, target_delta=1e-5, epochs=1, max_grad_norm=1.0,

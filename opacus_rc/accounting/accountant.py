@@ -65,19 +65,38 @@ class StepRecord:
     sketch_size: Optional[int] = None
     sketching: str = UNNAMED_SKETCHING
     micro_batches: int = 1
+    #: banded noise (``noise="banded"``): b, and the largest column norm of its ``C``
+    bands: int = 1
+    column_norm: float = 1.0
 
     @property
     def randomized(self) -> bool:
         return self.sketch_size is not None
 
+    @property
+    def banded(self) -> bool:
+        return self.bands > 1 or self.column_norm != 1.0
+
+    def reduced(self, sigma: float, steps: int) -> Tuple[float, int, "StepRecord"]:
+        """Amplified banded matrix factorisation as DP-SGD (Choquette-Choo et al., 2023):
+        ``steps`` consecutive steps in which a unit's draws are ``b`` apart are
+        ``ceil(steps / b)`` rounds at ``sigma / max_column_norm(C)``, the same rate and sketch."""
+        if not self.banded:
+            return sigma, steps, self
+        plain = dataclasses.replace(self, bands=1, column_norm=1.0)
+        return sigma / self.column_norm, -(-steps // self.bands), plain
+
     @classmethod
-    def from_config(cls, config: Optional[SketchConfig], micro_batches: int = 1) -> "StepRecord":
+    def from_config(
+        cls, config: Optional[SketchConfig], micro_batches: int = 1, bands: int = 1, column_norm: float = 1.0
+    ) -> "StepRecord":
         m = check_count(micro_batches, "micro_batches")
+        band = dict(bands=check_count(bands, "bands"), column_norm=_column_norm(column_norm))
         if config is None:
-            return cls(micro_batches=m)
+            return cls(micro_batches=m, **band)
         if not isinstance(config, SketchConfig):
             raise ValueError(f"sketch_config={config!r} must be an opacus_rc.SketchConfig or None")
-        return cls(config.estimator, int(config.sketch_size), config.sketching, m)
+        return cls(config.estimator, int(config.sketch_size), config.sketching, m, **band)
 
     @classmethod
     def of(cls, raw: Any) -> "StepRecord":
@@ -90,9 +109,10 @@ class StepRecord:
         if not isinstance(raw, dict):
             raise ValueError(f"sketch={raw!r} must be None, a dict or a SketchConfig")
         m = check_count(raw.get("micro_batches", 1), "micro_batches")
+        band = dict(bands=check_count(raw.get("bands", 1), "bands"), column_norm=_column_norm(raw.get("column_norm", 1.0)))
         count = raw.get("sketch_size", raw.get("accounting_sketch_count"))
         if count is None:
-            return cls(micro_batches=m)  # deterministic clipping
+            return cls(micro_batches=m, **band)  # deterministic clipping
         est, kind = raw.get("estimator", SketchConfig.estimator), raw.get("sketching", UNNAMED_SKETCHING)
         if est not in ESTIMATORS or kind not in SKETCHINGS:
             raise ValueError(
@@ -101,13 +121,26 @@ class StepRecord:
             )
         if int(count) <= 0:
             raise ValueError(f"sketch record {raw!r}: sketch_size must be positive")
-        return cls(est, int(count), kind, m)
+        return cls(est, int(count), kind, m, **band)
 
     def as_dict(self) -> Optional[Dict[str, Any]]:
-        """The stored form: None for a deterministic single-batch step."""
+        """The stored form: None for a deterministic single-batch step of independent noise."""
+        band = {"bands": self.bands, "column_norm": self.column_norm} if self.banded else {}
         if not self.randomized:
-            return None if self.micro_batches == 1 else {"micro_batches": self.micro_batches}
-        return dataclasses.asdict(self)
+            if self.micro_batches == 1 and not band:
+                return None
+            return {**({"micro_batches": self.micro_batches} if self.micro_batches != 1 else {}), **band}
+        stored = dataclasses.asdict(self)
+        if not band:
+            del stored["bands"], stored["column_norm"]
+        return stored
+
+
+def _column_norm(value: Any) -> float:
+    """A record's ``column_norm``: a finite real > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"column_norm={value!r}; accepted values: a finite real > 0 (the largest column norm of C)")
+    return float(value)
 
 
 def sketch_record(
@@ -178,29 +211,40 @@ class RCPRVAccountant(IAccountant):
         sample_rate: float,
         sketch_config: Optional[SketchConfig] = None,
         micro_batches: int = 1,
+        steps: int = 1,
+        bands: int = 1,
+        column_norm: float = 1.0,
     ) -> None:
-        """Record one step (``micro_batches`` independently sampled micro-batches at rate
-        ``sample_rate`` each); consecutive identical steps are merged."""
-        record = StepRecord.from_config(sketch_config, micro_batches)
+        """Record ``steps`` steps (``micro_batches`` independently sampled micro-batches at rate
+        ``sample_rate`` each; banded noise: ``bands`` and ``column_norm`` of ``C``, ``steps``
+        the mechanism steps the release advanced); consecutive identical steps are merged."""
+        record = StepRecord.from_config(sketch_config, micro_batches, bands, column_norm)
+        steps = check_count(steps, "steps")
         if self.history:
             sigma, q, n, last = self.entry(self.history[-1])
             if (sigma, q, last) == (noise_multiplier, sample_rate, record):
-                self.history[-1] = (sigma, q, n + 1, last)
+                self.history[-1] = (sigma, q, n + steps, last)
                 return
-        self.history.append((noise_multiplier, sample_rate, 1, record))
+        self.history.append((noise_multiplier, sample_rate, steps, record))
 
     def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
-        """Hook for the DP optimizer: like Opacus's, plus ``optim.sketch_config``, and the
+        """Hook for the DP optimizer: like Opacus's, plus ``optim.sketch_config``, the
         micro-batches accumulated into the step as a multiplicity (Opacus charges
         ``sample_rate * accumulated_iterations``, which under-charges independently
-        sampled micro-batches)."""
+        sampled micro-batches), and banded noise's bands and mechanism steps
+        (``optim.banded``, ``optim.mechanism_steps``: ``sample_rate`` is then the rate inside a part)."""
 
         def hook_fn(optim: Any) -> None:
+            banded = getattr(optim, "banded", None)
+            band = {} if banded is None else dict(
+                steps=optim.mechanism_steps, bands=banded.bands, column_norm=banded.column_norm
+            )
             self.step(
                 noise_multiplier=optim.noise_multiplier,
                 sample_rate=sample_rate,
                 sketch_config=getattr(optim, "sketch_config", None),
                 micro_batches=optim.accumulated_iterations,
+                **band,
             )
 
         return hook_fn
@@ -283,11 +327,21 @@ class RCPRVAccountant(IAccountant):
         sigma, q, n, record = cls.entry(entry)
         return (sigma, q, n, record.as_dict())
 
-    def _groups(self, default: StepRecord) -> List[Tuple[Tuple[float, float, StepRecord], int]]:
-        """History merged into ``((sigma, q, record), steps)`` groups."""
-        merged: Dict[Tuple[float, float, StepRecord], int] = {}
+    def charged(self, default: Optional[StepRecord] = None) -> List[Tuple[float, float, int, StepRecord]]:
+        """What :meth:`get_epsilon` composes: each history entry, banded noise's reduced to
+        DP-SGD (:meth:`StepRecord.reduced`: ``ceil(steps / b)`` rounds at ``sigma / column_norm``;
+        each entry is a run of consecutive steps)."""
+        charged = []
         for raw in self.history:
             sigma, q, n, record = self.entry(raw, default)
+            sigma, n, record = record.reduced(sigma, n)
+            charged.append((sigma, q, n, record))
+        return charged
+
+    def _groups(self, default: StepRecord) -> List[Tuple[Tuple[float, float, StepRecord], int]]:
+        """History (:meth:`charged`) merged into ``((sigma, q, record), steps)`` groups."""
+        merged: Dict[Tuple[float, float, StepRecord], int] = {}
+        for sigma, q, n, record in self.charged(default):
             if n > 0:
                 merged[(sigma, q, record)] = merged.get((sigma, q, record), 0) + n
         return sorted(merged.items(), key=lambda kv: (kv[0][0], kv[0][1], repr(kv[0][2])))

@@ -289,22 +289,23 @@ class FSDPRandomizedClippingOptimizer(SketchedClippingMixin, FSDPOptimizerFastGr
             else:
                 state["summed_grad"].add_(p.grad.detach())
 
-    def add_noise(self) -> None:
+    def noise_sums(self) -> None:
         """Noise ``N(0, (sigma C / world)^2)`` (mean loss) on this rank's shard of every
-        parameter; Opacus's FSDP optimizer calls this under ``implicit_replication``."""
+        parameter (banded: each rank's recursion on its shard, its buffers sharded like the
+        parameters); Opacus's FSDP optimizer calls this under ``implicit_replication``."""
         std = self.noise_multiplier * self.max_grad_norm
         if self.loss_reduction == "mean":
             std /= self.world_size
-        for p in self.params:
+        for slot, p in enumerate(self.params):
             summed = self.grad_state[p]["summed_grad"]
             if summed is None:
                 summed = self.grad_state[p]["summed_grad"] = torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
             if self.secure_mode:
                 local = local_shard(summed)
-                local.add_(self._noise(std, local))
+                local.add_(self.step_noise(slot, std, local))
                 p.grad = summed.view_as(p).to(p.dtype)
             else:  # full-shape draw sliced to the shard (Opacus's scheme; module docstring)
-                p.grad = (summed + self._noise(std, summed)).view_as(p).to(p.dtype)
+                p.grad = (summed + self.step_noise(slot, std, summed)).view_as(p).to(p.dtype)
 
 
 # --- FSDP2's hooks around a chunked LM head (opacus_rc.lm_head) ----------------------------

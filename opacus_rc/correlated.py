@@ -1,0 +1,164 @@
+"""Correlated noise: banded matrix factorisation (``make_private(..., noise="banded", bands=b)``).
+
+DP-SGD releases ``x_t + z_t`` with fresh noise ``z_t`` at every step, and the model is the
+running sum ``A x̂`` (A: the lower-triangular matrix of ones). A factorisation ``A = B C``
+releases instead ``x̂ = x + C⁻¹ z``, so the model holds ``A x + B z``: with a good ``C`` much
+of the noise cancels in the running sum. Here ``C`` is lower-triangular banded Toeplitz with
+``b`` coefficients ``c_0 .. c_{b-1}``; the noise of step ``t`` is the recursion
+
+    w_t = (z_t - sum_{j=1}^{b-1} c_j w_{t-j}) / c_0,     z_t ~ N(0, sigma^2 C_clip^2 I),
+
+which keeps the last ``b - 1`` noise vectors (``b - 1`` buffers of the trainable parameters'
+size, :class:`BandedNoise`). The default coefficients are the banded square root of ``A``
+(Kalinin and Lampert, 2024): those of ``(1 - x)^(-1/2)`` cut at ``b`` terms, divided by their
+norm, so every column of ``C`` has norm at most 1.
+
+Privacy (Choquette-Choo et al., 2023, amplified BandMF): when a unit can only be drawn at
+steps ``b`` apart (cyclic Poisson sampling, :class:`~opacus_rc.units.CyclicPoissonSampler`),
+the columns of ``C`` it touches are disjoint and the mechanism is accounted as DP-SGD with the
+rate inside a part, over the rounds a unit can take part in (``ceil(steps / b)``), with
+``sigma / max_column_norm(C)`` (:mod:`opacus_rc.accounting.accountant`).
+
+The mechanism's time is the draw's: step ``t`` of the noise is draw ``t`` of the cyclic
+sampler (:attr:`opacus_rc.draws.Draw.step`), so a draw that was never released (a loop stopped
+inside it) still advances the recursion and is charged: a unit's draws stay ``b`` apart in the
+noise too.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import sys
+from typing import Any, Deque, Dict, List, Sequence, Tuple
+
+import torch
+
+from .values import check_count
+
+#: key of ``optimizer.state_dict()`` holding the banded noise's state (a secret, as the noise)
+BANDED_STATE_KEY = "opacus_rc_banded_noise"
+
+
+def banded_sqrt_coefficients(bands: int) -> Tuple[float, ...]:
+    """The banded square root's ``b`` coefficients: ``(1 - x)^(-1/2) = sum_j c_j x^j`` with
+    ``c_0 = 1, c_j = c_{j-1} (2j - 1) / (2j)``, cut at ``b`` terms and divided by their
+    Euclidean norm (every column of ``C`` then has norm <= 1, the first ones exactly 1)."""
+    bands = check_count(bands, "bands")
+    coefficients = [1.0]
+    for j in range(1, bands):
+        coefficients.append(coefficients[-1] * (2 * j - 1) / (2 * j))
+    norm = math.sqrt(sum(c * c for c in coefficients))
+    return tuple(c / norm for c in coefficients)
+
+
+def max_column_norm(coefficients: Sequence[float]) -> float:
+    """``max_t ||C[:, t]||_2`` of the banded Toeplitz ``C`` (the sensitivity of ``C x`` to one
+    participation of norm 1): the norm of a full column, ``sqrt(sum_j c_j^2)`` (an upper bound
+    for runs shorter than ``b`` steps), rounded up by a few ulps (never below the exact norm)."""
+    return math.sqrt(math.fsum(float(c) ** 2 for c in coefficients)) * (1.0 + 4.0 * sys.float_info.epsilon)
+
+
+def banded_matrix(coefficients: Sequence[float], steps: int) -> torch.Tensor:
+    """The ``steps x steps`` lower-triangular banded Toeplitz ``C`` (float64), for tests and docs."""
+    c = torch.zeros(steps, steps, dtype=torch.float64)
+    for j, value in enumerate(coefficients):
+        if j < steps:
+            c += torch.diag(torch.full((steps - j,), float(value), dtype=torch.float64), -j)
+    return c
+
+
+class BandedNoise:
+    """The state of the banded noise recursion: the next mechanism step and, per parameter
+    slot, the last ``b - 1`` released noise vectors (``w_{t-1}, ..., w_{t-b+1}``).
+
+    Args:
+        coefficients: ``c_0 .. c_{b-1}`` of ``C`` (``c_0 > 0``; :func:`banded_sqrt_coefficients`).
+    """
+
+    def __init__(self, coefficients: Sequence[float]) -> None:
+        coefficients = tuple(float(c) for c in coefficients)
+        if not coefficients or not all(math.isfinite(c) for c in coefficients) or coefficients[0] <= 0:
+            raise ValueError(
+                f"band coefficients {coefficients!r}: accepted values: finite reals with c_0 > 0"
+            )
+        self.coefficients = coefficients
+        #: the noise's next mechanism step: the cyclic sampler's next draw to release
+        self.next_step = 0
+        self._past: Dict[int, Deque[torch.Tensor]] = {}
+
+    @property
+    def bands(self) -> int:
+        return len(self.coefficients)
+
+    @property
+    def column_norm(self) -> float:
+        return max_column_norm(self.coefficients)
+
+    def steps_to(self, step: int) -> int:
+        """Mechanism steps from :attr:`next_step` through ``step`` (a draw's; > 1 when draws
+        between were never released: their noise is drawn and discarded). ValueError for a
+        draw before :attr:`next_step`: its noise was already released."""
+        if step < self.next_step:
+            raise ValueError(
+                f"noise='banded': draw {step} of the cyclic Poisson sampler came after draw {self.next_step - 1} was "
+                "released; each draw is released at most once and in order (train on the loader make_private "
+                "returned, one pass over each batch). Nothing was released"
+            )
+        return step - self.next_step + 1
+
+    def correlate(self, slot: int, z: torch.Tensor) -> torch.Tensor:
+        """The noise of parameter ``slot`` at the next mechanism step, from fresh ``z``
+        (overwritten): ``w = (z - sum_j c_j w_{t-j}) / c_0``, kept for the next steps."""
+        past = self._past.setdefault(slot, collections.deque(maxlen=self.bands - 1))
+        for c, previous in zip(self.coefficients[1:], past):
+            z.sub_(previous, alpha=c)
+        if self.coefficients[0] != 1.0:
+            z.div_(self.coefficients[0])
+        past.appendleft(z)
+        return z
+
+    def advance(self, steps: int) -> None:
+        """The recursion moved ``steps`` mechanism steps (every slot was correlated that often)."""
+        self.next_step += steps
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Memory the kept noise vectors hold (at most ``b - 1`` per parameter)."""
+        return sum(t.numel() * t.element_size() for past in self._past.values() for t in past)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The next step, the coefficients and the kept noise (as secret as the noise itself)."""
+        return {
+            "coefficients": list(self.coefficients),
+            "next_step": self.next_step,
+            "past": {slot: list(past) for slot, past in self._past.items()},
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue the recursion of a checkpoint (its coefficients must be these)."""
+        if tuple(float(c) for c in state["coefficients"]) != self.coefficients:
+            raise ValueError(
+                f"a checkpoint of banded noise with {len(state['coefficients'])} bands (coefficients "
+                f"{state['coefficients']}) loaded into a run with bands={self.bands}: resume with the same bands="
+            )
+        self.next_step = int(state["next_step"])
+        self._past = {
+            int(slot): collections.deque(past, maxlen=self.bands - 1) for slot, past in state["past"].items()
+        }
+
+
+def draw_step_error() -> ValueError:
+    """The refusal of a banded step whose clipped sums do not come from one draw of the
+    cyclic Poisson loader (its draw carries the noise's time)."""
+    return ValueError(
+        "noise='banded': optimizer.step() released clipped sums that no draw of the cyclic Poisson loader "
+        "make_private returned delivered (data built by hand, accumulation over several draws, or a loader "
+        "of your own); banded noise needs each step to train on that loader's batches (BatchMemoryManager "
+        "over it is fine), so that a unit's draws stay bands= steps apart. Nothing was released"
+    )
+
+
+__all__: List[str] = [
+    "BANDED_STATE_KEY", "BandedNoise", "banded_matrix", "banded_sqrt_coefficients", "draw_step_error", "max_column_norm",
+]
