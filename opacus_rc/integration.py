@@ -21,7 +21,7 @@ from opacus.accountants import registry as accountant_registry
 from torch import nn
 
 from . import checkpoint
-from .accounting.accountant import RCPRVAccountant, noise_multiplier_for_record
+from .accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
 from .accounting.group import check_group_size, group_epsilon
 from .draws import DrawLoader
 from .forms import FORMS
@@ -175,8 +175,16 @@ class PrivacyEngine(OpacusPrivacyEngine):
         # the steps the returned loader runs in `epochs` epochs (not epochs / q: int(1 / q) or
         # round(1 / q_u) draws per epoch, len(loader) without Poisson sampling)
         steps = math.ceil(epochs * options.epoch_draws(arguments["data_loader"], arguments["poisson_sampling"]))
-        noise_multiplier = noise_multiplier_for_record(
-            target_epsilon, target_delta, options.charged_rate, None, steps, options.step_record(), **calibration
+        record = options.step_record()
+        noise_multiplier = get_noise_multiplier_rc(
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            sample_rate=options.charged_rate,
+            steps=steps,
+            sketch_config=options.sketch,
+            bands=record.bands,
+            column_norm=record.column_norm,
+            **calibration,
         )
         logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps, %s", noise_multiplier, steps, options.step_record())
         kwargs = {**kwargs, "noise_multiplier": noise_multiplier}

@@ -191,7 +191,9 @@ ADAPTIVE_KEYWORDS = keywords(AdaClipDPOptimizer.__init__) - keywords(DPOptimizer
 #: (``steps``: it calibrates for ``epochs``)
 _CALIBRATION_SET = frozenset(("target_epsilon", "target_delta", "sample_rate", "epochs", "steps", "accountant"))
 #: keywords of the rc_prv calibration a randomized make_private_with_epsilon passes on
-RC_CALIBRATION_KEYWORDS = keywords(get_noise_multiplier_rc) - _CALIBRATION_SET - {"sketch_config", "sigma_lower"}
+RC_CALIBRATION_KEYWORDS = keywords(get_noise_multiplier_rc) - _CALIBRATION_SET - {
+    "sketch_config", "sigma_lower", "bands", "column_norm",
+}
 
 
 #: keywords of ``PrivacyEngine(...)`` itself (a user may pass them to make_private by mistake)

@@ -224,7 +224,7 @@ def test_make_private_parses_once(monkeypatch, clipping):
 @pytest.mark.parametrize("clipping", ["randomized", "flat"])
 def test_make_private_with_epsilon_parses_once(monkeypatch, clipping):
     calls = _count_parses(monkeypatch)
-    monkeypatch.setattr(integration, "noise_multiplier_for_record", lambda *args, **kw: 1.0)
+    monkeypatch.setattr(integration, "get_noise_multiplier_rc", lambda **kw: 1.0)
     engine = opacus.PrivacyEngine(accountant="rc_prv" if clipping == "randomized" else "prv")
     engine.make_private_with_epsilon(
         **_setup(), target_epsilon=8.0, target_delta=1e-5, epochs=1, max_grad_norm=1.0,
