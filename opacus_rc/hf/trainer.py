@@ -287,7 +287,7 @@ class DPTrainerMixin:
         self._dp_loader_checked = False
         self._dp_after_step()
         sampler = poisson_sampler_of(self._dp_loader)
-        if sampler is not None:  # banded noise: its draws numbered from the noise's next step (a resumed recursion)
+        if self.privacy.banded and sampler is not None:  # draws numbered from the noise's next step (a resumed recursion)
             sampler.continue_at(self._dp_optimizer.next_noise_step)
         self._dp_max_steps = self._dp_budget_steps()
         if self._dp_max_steps is not None and self._dp_max_steps <= self.privacy_steps():
