@@ -27,15 +27,16 @@ logger = logging.getLogger(__package__)
 def noise_multiplier(privacy: PrivacyArguments, sample_rate: float, steps: int, physical_batch_size: int) -> float:
     """``privacy.noise_multiplier``, else sigma calibrated with ``rc_prv`` so that ``steps``
     logical steps sampled at ``sample_rate`` (charged at :meth:`PrivacyArguments.charged_rate`:
-    with banded noise the rate inside a part, ``bands`` times it) spend ``privacy.target_epsilon`` at ``privacy.delta``, each
-    step of :meth:`PrivacyArguments.step_record` (the form's sketch: none for the per-example
+    with banded noise the rate inside a part, ``bands`` times it) spend ``privacy.target_epsilon``
+    at ``privacy.delta``, each step of :meth:`PrivacyArguments.step_record` (the form's sketch: none for the per-example
     form; banded noise's bands and column norm), as ``make_private_with_epsilon`` does."""
     if privacy.noise_multiplier is not None:
         return float(privacy.noise_multiplier)
     record = privacy.step_record(physical_batch_size)
     rate = privacy.charged_rate(sample_rate)
     sigma = noise_multiplier_for_record(privacy.target_epsilon, privacy.delta, rate, None, steps, record)
-    logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps charged at q=%.6g, %s", sigma, steps, rate, record)
+    logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps charged at q=%.6g, %s",
+                sigma, steps, rate, record)
     return sigma
 
 

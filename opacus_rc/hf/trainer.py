@@ -127,7 +127,8 @@ class DPTrainerMixin:
         else:
             collator = self._get_collator_with_removed_columns(collator, description="Training")
         self._dp_loader = poisson_loader(
-            dataset, collator, sample_rate=self.privacy.charged_rate(self.sample_rate), micro_batches=self.args.gradient_accumulation_steps,
+            dataset, collator, sample_rate=self.privacy.charged_rate(self.sample_rate),
+            micro_batches=self.args.gradient_accumulation_steps,
             steps=self.steps_per_epoch, rank=self.args.process_index, world_size=self.args.world_size,
             secure_mode=self.privacy.secure_mode, num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory, users=users,
@@ -287,7 +288,7 @@ class DPTrainerMixin:
         self._dp_loader_checked = False
         self._dp_after_step()
         sampler = poisson_sampler_of(self._dp_loader)
-        if self.privacy.banded and sampler is not None:  # draws numbered from the noise's next step (a resumed recursion)
+        if self.privacy.banded and sampler is not None:  # numbered from the noise's next step (a resumed recursion)
             sampler.continue_at(self._dp_optimizer.next_noise_step)
         self._dp_max_steps = self._dp_budget_steps()
         if self._dp_max_steps is not None and self._dp_max_steps <= self.privacy_steps():

@@ -150,7 +150,8 @@ def test_the_sampler_draws_part_t_mod_b_numbered_across_epochs():
             assert all(r % 3 == step % 3 for r in rows)
     assert [s for s, _ in batches][::2] == [12, 13, 14, 15, 16]
     users = UserIndex([i % 6 for i in range(24)], 24, 3)
-    sampler = PoissonAccumulationSampler(num_samples=24, sample_rate=1.0, micro_batches=1, steps=4, bands=2, users=users)
+    sampler = PoissonAccumulationSampler(num_samples=24, sample_rate=1.0, micro_batches=1, steps=4, bands=2,
+                                         users=users)
     for step, rows in sampler.numbered_draws():
         owners = set(users.user_of_row[rows].tolist())
         assert owners == {u for u in range(6) if u % 2 == step % 2}  # rate 1: the whole part
