@@ -82,6 +82,7 @@ class RandomizedClippingMixin:
         #: draws since the last release, discarded ones included)
         self.mechanism_steps = 1
         self._noise_steps = 1  # of the step being noised
+        self._signalled_step: Optional[int] = None  # the draw a signalling loop named (signal_draw_step)
         #: ``"example"`` or ``"user"``: what one clip bounds (see :mod:`opacus_rc.units`)
         self.privacy_unit = EXAMPLE_UNIT if isinstance(user_index, (type(None), ExampleUnits)) else USER_UNIT
         self.seeded = noise_seed is not None  # the noise stream replays from its seed
@@ -142,6 +143,15 @@ class RandomizedClippingMixin:
         if do_skip and same_draw:
             self._draw_splits += 1
         super().signal_skip_step(do_skip)
+
+    def signal_draw_step(self, step: int) -> None:
+        """A loop that tells its draws' ends by Opacus's skip signals (the private Trainer, whose
+        draws are :attr:`~opacus_rc.draws.Draw.signalled`) names the number of the cyclic Poisson
+        draw the clipped sums being accumulated belong to: the next release's banded noise step.
+        Another draw named before that release is refused (one release, one draw)."""
+        if self._signalled_step is not None and self._signalled_step != step:
+            self.refuse_steps(draw_step_error())
+        self._signalled_step = int(step)
 
     # --- one draw, one release (opacus_rc.draws) --------------------------------------------
 
@@ -250,6 +260,7 @@ class RandomizedClippingMixin:
         self._claimed = None
         if taken:
             self.backward_passes = self._draw_splits = 0
+            self._signalled_step = None
             if self._draw is not None:
                 self._closed_draws.add(self._draw)
             self._draw = None
@@ -454,11 +465,12 @@ class RandomizedClippingMixin:
         Gaussian noise, or the banded recursion at the step's draw (:mod:`opacus_rc.correlated`)."""
         self._noise_steps = 1
         if self.banded is not None:
-            draw = self._draw
-            if draw is None or draw.step is None or self.accumulated_iterations > 1:
+            draw, signalled = self._draw, self._signalled_step
+            step = signalled if draw is None else draw.step
+            if step is None or (draw is not None and signalled is not None) or self.accumulated_iterations > 1:
                 self.refuse_steps(draw_step_error())
             try:
-                self._noise_steps = self.banded.steps_to(draw.step)
+                self._noise_steps = self.banded.steps_to(step)
             except ValueError as error:
                 self.refuse_steps(error)
         self.noise_sums()

@@ -7,11 +7,16 @@ import functools
 from dataclasses import field, fields, make_dataclass
 from typing import Any, Dict, Optional, Tuple, Union
 
+from ..accounting.accountant import StepRecord
 from ..config import SketchConfig
+from ..correlated import banded_sqrt_coefficients, max_column_norm
 from ..forms import per_example_chosen
 from ..options import DEFAULTS, OPTIONS, check_sample_rate, finite_real, parse_denoise, refuse_unknown, sketch_of
 from ..units import DEFAULT_MAX_EXAMPLES_PER_USER, check_max_examples_per_user, check_privacy_unit
-from ..values import DENOISERS as ENGINE_DENOISERS, EXAMPLE_UNIT, FLAT, RANDOMIZED, USER_UNIT, check_choice
+from ..values import (
+    BANDED_NOISE, DENOISERS as ENGINE_DENOISERS, EXAMPLE_UNIT, FLAT, INDEPENDENT_NOISE, NOISES, RANDOMIZED, USER_UNIT,
+    check_choice, did_you_mean, positive_int,
+)
 
 CLIPPINGS = (RANDOMIZED, FLAT)
 DENOISERS = (None, *ENGINE_DENOISERS)
@@ -37,6 +42,7 @@ _FIELDS: Tuple[Union[str, Tuple[str, str, Any]], ...] = (
     "estimator", "sketch_size", "sketching", "per_example_backward",
     ("lm_head_block_size", "Optional[int]", None),
     "denoise",
+    "noise", "bands",
     ("secure_mode", "bool", False),
     "sample_rate",
     "privacy_unit",
@@ -72,6 +78,9 @@ class _PrivacyArgumentsMethods:
         lm_head_block_size: positions per block of the chunked LM head
             (:class:`~opacus_rc.lm_head.ChunkedLMHeadLoss`; ``None``: the model's own logits).
         denoise: ``None`` or ``"spectral"`` (post-processing of the noisy gradient).
+        noise, bands: ``"independent"`` (DP-SGD, default) or ``"banded"`` with ``bands=b``
+            (banded matrix factorisation: the Trainer's sampler draws cyclic Poisson draws,
+            draw t from part t mod b of the units at rate b q; :mod:`opacus_rc.correlated`).
         secure_mode: noise, sketches and Poisson masks from :mod:`opacus_rc.csprng`.
         sample_rate: the public Poisson rate; ``None``: ``1 / ceil(len(train_dataset) / B)``
             (at ``privacy_unit="user"``: ``B / number of users``, B counting users: at most
@@ -111,6 +120,7 @@ class _PrivacyArgumentsMethods:
         if self.clipping == RANDOMIZED:
             sketch_of(options)  # validates
         parse_denoise(options)
+        self._check_noise()
         check_sample_rate(self.sample_rate, when_none="1 / ceil(len(train_dataset) / B)")
         self._check_unit()
         self._refuse_invalid(
@@ -151,6 +161,49 @@ class _PrivacyArgumentsMethods:
         for bad, what, accepted in refused:
             if bad:
                 raise ValueError(f"privacy_unit='user' is not supported with {what}; accepted: {accepted}")
+
+    def _check_noise(self) -> None:
+        """``noise`` and ``bands`` (what depends on the sample rate, ``bands * q <= 1``, is
+        checked at construction of the Trainer)."""
+        check_choice("noise", self.noise, NOISES, did_you_mean(str(self.noise), NOISES))
+        if self.noise == INDEPENDENT_NOISE:
+            if self.bands is not None:
+                raise ValueError(f"bands={self.bands!r} only applies with noise='banded'; got noise='independent'")
+            return
+        if not positive_int(self.bands):
+            raise ValueError(
+                f"bands={self.bands!r} is invalid with noise='banded'; accepted values: an int from 1 to the "
+                "logical steps of an epoch (int(1 / sample_rate)): the noise's coefficients and the sampler's parts"
+            )
+        refused = [(self.clipping != RANDOMIZED, f"clipping={self.clipping!r}", "clipping='randomized'"),
+                   (self.denoise is not None, f"denoise={self.denoise!r}", "denoise=None (the denoiser would "
+                    "shrink each step's noise as if it were fresh, undoing the banded noise's cancellation)")]
+        for bad, what, accepted in refused:
+            if bad:
+                raise ValueError(f"noise='banded' is not supported with {what}; accepted: {accepted}")
+
+    @property
+    def banded(self) -> bool:
+        """Whether the noise is banded (``noise="banded"``)."""
+        return self.noise == BANDED_NOISE
+
+    @property
+    def parts(self) -> int:
+        """b: the sampler's parts and the noise's coefficients (1: independent noise)."""
+        return int(self.bands) if self.banded else 1
+
+    def charged_rate(self, sample_rate: float) -> float:
+        """The rate the accountant charges a logical step sampled at ``sample_rate``: inside a
+        part with banded noise (``bands`` times it; as ``Options.charged_rate``)."""
+        return sample_rate * self.parts
+
+    def step_record(self, physical_batch_size: int) -> StepRecord:
+        """The accountant's record of one logical step (:meth:`sketch_config`; banded noise:
+        ``bands`` and the largest column norm of its ``C``), as the optimizer's hook records it."""
+        if not self.banded:
+            return StepRecord.from_config(self.sketch_config(physical_batch_size))
+        norm = max_column_norm(banded_sqrt_coefficients(self.parts))
+        return StepRecord.from_config(self.sketch_config(physical_batch_size), 1, self.parts, norm)
 
     @property
     def user_level(self) -> bool:

@@ -2,23 +2,26 @@
 (:class:`PoissonAccumulationSampler`; at ``privacy_unit="user"`` a draw over users,
 :class:`~opacus_rc.units.UserPoissonSampler`), collated by the Trainer's collator, an empty
 draw becoming a marker batch (:func:`is_empty_batch`); at user level each batch carries its
-rows' units (:func:`take_units`)."""
+rows' units (:func:`take_units`). With banded noise (``bands=b``) the draws are cyclic
+(:class:`~opacus_rc.units.CyclicPoissonSampler`: draw t from part t mod b of the units) and
+each batch carries its draw's number (:func:`take_draw_step`), the banded noise's time."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..sketch import entropy_seed
 from ..draws import DrawSampler
-from ..units import RowUnits, UserIndex, UserPoissonSampler
+from ..units import EXAMPLES, CyclicPoissonSampler, RowUnits, UserIndex, UserPoissonSampler
 
 _EMPTY = "__opacus_rc_empty_batch__"
 _UNITS = "__opacus_rc_row_units__"
+_DRAW = "__opacus_rc_draw_step__"
 
 
 class PoissonAccumulationSampler(Sampler[List[int]]):
@@ -37,6 +40,12 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
     whole users: book-keeping clips a user within one backward pass). Distributed: rank ``r``
     draws its share of the USERS, ``r, r + world_size, ...`` (a user's rows stay on one
     rank), with its own generator; the union over ranks is one Poisson draw of users.
+
+    ``bands`` (banded noise): cyclic Poisson draws of
+    :class:`~opacus_rc.units.CyclicPoissonSampler` over the units (rows, or ``users``): draw
+    ``t`` samples part ``t mod bands`` only, at ``sample_rate`` (the rate inside a part, b
+    times the overall rate); draws are numbered across epochs (:meth:`numbered_draws`,
+    :meth:`continue_at`).
     """
 
     def __init__(
@@ -50,6 +59,7 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
         world_size: int = 1,
         secure_mode: bool = False,
         users: Optional[UserIndex] = None,
+        bands: Optional[int] = None,
     ) -> None:
         self.num_samples = int(num_samples)
         self.sample_rate = float(sample_rate)
@@ -60,14 +70,15 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
         self.share = len(range(self.rank, self.num_samples, self.world_size))
         self._generator = None if secure_mode else torch.Generator().manual_seed(entropy_seed())
         self.users = users
+        self.bands = bands
         self._user_draws: Optional[UserPoissonSampler] = None
-        if users is not None:
+        if users is not None or bands is not None:
             from ..csprng import default_generator
 
             generator = default_generator() if secure_mode else self._generator
-            self._user_draws = UserPoissonSampler(
-                users, self.sample_rate, generator, steps=1, rank=self.rank, world_size=self.world_size
-            )
+            share = dict(steps=1, rank=self.rank, world_size=self.world_size)
+            self._user_draws = UserPoissonSampler(users, self.sample_rate, generator, **share) if bands is None else \
+                CyclicPoissonSampler(users, self.sample_rate, bands, generator, num_units=self.num_samples, **share)
         self.draws = 0  #: logical steps drawn so far (the loader check: this sampler is iterated)
 
     def __len__(self) -> int:
@@ -80,23 +91,43 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
             return secure_bernoulli(self.sample_rate, self.share)
         return torch.rand(self.share, generator=self._generator) < self.sample_rate
 
-    def _draw(self) -> List[torch.Tensor]:
-        """One logical step's rows, split into ``micro_batches`` physical batches."""
+    def _draw(self) -> Tuple[Optional[int], List[torch.Tensor]]:
+        """One logical step's number (banded noise; else None) and rows, split into
+        ``micro_batches`` physical batches."""
+        step = None
         if self._user_draws is None:
             rows = self._mask().nonzero().reshape(-1) * self.world_size + self.rank
-            return list(torch.tensor_split(rows, self.micro_batches))
-        rows = torch.tensor(next(iter(self._user_draws)), dtype=torch.long)
+            return step, list(torch.tensor_split(rows, self.micro_batches))
+        if self.bands is None:
+            drawn = next(iter(self._user_draws))
+        else:
+            step, drawn = next(self._user_draws.numbered_draws())
+        rows = torch.tensor(drawn, dtype=torch.long)
+        if self.users is None:
+            return step, list(torch.tensor_split(rows, self.micro_batches))
         # a user's rows are contiguous: split the users, not the rows
         _, counts = torch.unique_consecutive(self.users.user_of_row[rows], return_counts=True)
         per_part = [int(c.sum()) for c in torch.tensor_split(counts, self.micro_batches)]
-        return list(torch.split(rows, per_part))
+        return step, list(torch.split(rows, per_part))
 
-    def __iter__(self) -> Iterator[List[int]]:
+    def continue_at(self, step: int) -> None:
+        """Number the next cyclic draw at least ``step`` (the banded noise's next step: a
+        resumed run continues the recursion)."""
+        if self.bands is not None:
+            self._user_draws.continue_at(step)
+
+    def numbered_draws(self) -> Iterator[Tuple[Optional[int], List[int]]]:
+        """An epoch's physical batches, each with its logical step's draw number (banded
+        noise; None otherwise): what :class:`~opacus_rc.draws.DrawSampler` reads."""
         for _ in range(self.steps):
-            parts = self._draw()
+            step, parts = self._draw()
             self.draws += 1
             for part in parts:
-                yield part.tolist()
+                yield step, part.tolist()
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for _, rows in self.numbered_draws():
+            yield rows
 
     def __getstate__(self):
         raise TypeError("the Poisson sampler's generator is a secret: it is never pickled or saved")
@@ -210,26 +241,43 @@ def take_units(inputs: Any) -> Optional[RowUnits]:
     return inputs.pop(_UNITS, None) if isinstance(inputs, MutableMapping) else None
 
 
+def take_draw_step(inputs: Any) -> Optional[int]:
+    """Remove and return the number of the cyclic draw a batch of a banded run belongs to
+    (None: independent noise, or a batch from another loader)."""
+    return inputs.pop(_DRAW, None) if isinstance(inputs, MutableMapping) else None
+
+
+USER_AT, BANDED_AT = "privacy_unit='user'", "noise='banded'"
+
+
 class UserPoissonLoader(DataLoader):
-    """The private Trainer's loader at ``privacy_unit="user"``: each delivered batch (a
-    mapping, or the empty marker) carries its rows' :class:`~opacus_rc.units.RowUnits` under
-    a private key, set in the main process (:class:`~opacus_rc.draws.DrawSampler`) and
-    removed by :func:`take_units` before the model: the Trainer fetches a step's batches
-    before training on them, so the units travel with the batch, not beside it."""
+    """The private Trainer's loader at ``privacy_unit="user"`` or with banded noise: each
+    delivered batch (a mapping, or the empty marker) carries its rows'
+    :class:`~opacus_rc.units.RowUnits` (user level) and its draw's number (banded noise)
+    under private keys, set in the main process (:class:`~opacus_rc.draws.DrawSampler`) and
+    removed by :func:`take_units` and :func:`take_draw_step` before the model: the Trainer
+    fetches a step's batches before training on them, so they travel with the batch, not
+    beside it."""
 
     def __init__(self, dataset: Dataset, *, batch_sampler: PoissonAccumulationSampler, **kwargs: Any) -> None:
-        super().__init__(dataset, batch_sampler=DrawSampler(batch_sampler, batch_sampler.users), **kwargs)
+        index = EXAMPLES if batch_sampler.users is None else batch_sampler.users
+        super().__init__(dataset, batch_sampler=DrawSampler(batch_sampler, index), **kwargs)
         self.user_index = batch_sampler.users
 
     def __iter__(self) -> Iterator[Any]:
         pending = self.batch_sampler.pending
+        users, banded = self.user_index is not None, self.batch_sampler.poisson.bands is not None
         for batch in super().__iter__():
             if not isinstance(batch, MutableMapping):
                 raise ValueError(
-                    f"privacy_unit='user': the data_collator returned a {type(batch).__name__}; accepted "
-                    "values: a dict (or BatchEncoding) of the batch's tensors"
+                    f"{USER_AT if users else BANDED_AT}: the data_collator returned a "
+                    f"{type(batch).__name__}; accepted values: a dict (or BatchEncoding) of the batch's tensors"
                 )
-            batch[_UNITS] = pending.popleft().units
+            delivered = pending.popleft()
+            if users:
+                batch[_UNITS] = delivered.units
+            if banded:
+                batch[_DRAW] = delivered.draw.step
             yield batch
 
 
@@ -264,9 +312,10 @@ def poisson_loader(
     """The private Trainer's training loader: ``dataset`` drawn by a
     :class:`PoissonAccumulationSampler` (``sampler``: its arguments but ``num_samples``),
     collated by ``collator`` (an empty batch: the marker of :func:`is_empty_batch`); with
-    ``users=`` a :class:`UserPoissonLoader`."""
+    ``users=`` or ``bands=`` a :class:`UserPoissonLoader`."""
     batch_sampler = PoissonAccumulationSampler(num_samples=len(dataset), **sampler)
-    return (DataLoader if batch_sampler.users is None else UserPoissonLoader)(
+    plain = batch_sampler.users is None and batch_sampler.bands is None
+    return (DataLoader if plain else UserPoissonLoader)(
         dataset,
         batch_sampler=batch_sampler,
         collate_fn=functools.partial(_collate_or_mark if batch_sampler.users is None else _collate_in_draw_order, collator),
@@ -277,5 +326,5 @@ def poisson_loader(
 
 __all__ = [
     "PoissonAccumulationSampler", "UserPoissonLoader", "is_empty_batch", "one_row_batches", "poisson_loader",
-    "poisson_sampler_of", "take_units",
+    "poisson_sampler_of", "take_draw_step", "take_units",
 ]

@@ -13,7 +13,7 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ..accounting.accountant import RCPRVAccountant, get_noise_multiplier_rc
+from ..accounting.accountant import RCPRVAccountant, noise_multiplier_for_record
 from ..integration import PrivacyEngine
 from ..forms import form_of
 from ..options import per_rank_normaliser
@@ -26,18 +26,17 @@ logger = logging.getLogger(__package__)
 
 def noise_multiplier(privacy: PrivacyArguments, sample_rate: float, steps: int, physical_batch_size: int) -> float:
     """``privacy.noise_multiplier``, else sigma calibrated with ``rc_prv`` so that ``steps``
-    logical steps at ``sample_rate`` spend ``privacy.target_epsilon`` at ``privacy.delta``
-    (with the form's sketch: none for the per-example form)."""
+    logical steps sampled at ``sample_rate`` (charged at :meth:`PrivacyArguments.charged_rate`:
+    with banded noise the rate inside a part, ``bands`` times it) spend ``privacy.target_epsilon``
+    at ``privacy.delta``, each step of :meth:`PrivacyArguments.step_record` (the form's sketch: none for the per-example
+    form; banded noise's bands and column norm), as ``make_private_with_epsilon`` does."""
     if privacy.noise_multiplier is not None:
         return float(privacy.noise_multiplier)
-    sigma = get_noise_multiplier_rc(
-        target_epsilon=privacy.target_epsilon,
-        target_delta=privacy.delta,
-        sample_rate=sample_rate,
-        steps=steps,
-        sketch_config=privacy.sketch_config(physical_batch_size),
-    )
-    logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps at q=%.6g", sigma, steps, sample_rate)
+    record = privacy.step_record(physical_batch_size)
+    rate = privacy.charged_rate(sample_rate)
+    sigma = noise_multiplier_for_record(privacy.target_epsilon, privacy.delta, rate, None, steps, record)
+    logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps charged at q=%.6g, %s",
+                sigma, steps, rate, record)
     return sigma
 
 
@@ -104,7 +103,8 @@ def make_private(
     per-example form's when ``privacy.per_example(physical_batch_size)``) and a DP
     optimizer averaging by the public ``batch_size`` (summed over ranks), charging
     ``sample_rate``, with the noise multiplier of ``privacy`` (calibrated for ``steps``);
-    ``history``: a resumed accountant history. At ``privacy.privacy_unit="user"``,
+    ``history``: a resumed accountant history. With banded noise the accountant charges
+    ``bands * sample_rate``, the rate inside a part. At ``privacy.privacy_unit="user"``,
     ``user_ids`` (one per train_dataset row): ``batch_size`` counts expected users and
     ``sample_rate`` is the users' rate q_u (make_private clips per user)."""
     p = privacy
@@ -132,6 +132,8 @@ def make_private(
             estimator=p.estimator, sketch_size=p.sketch_size, sketching=p.sketching,
             expected_batch_size=batch_size, sample_rate=sample_rate, per_example_backward=per_example,
         )
+        if p.banded:  # the optimizer's banded recursion; its loader (cyclic draws) is the Trainer's own
+            kwargs.update(noise=p.noise, bands=p.bands)
         if p.lm_head_block_size is not None and not per_example:
             kwargs["bookkeeping"] = True  # the chunked head's norms: one pass, checkpointed or not
         if users:

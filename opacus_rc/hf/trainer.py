@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer
 
-from ..accounting.accountant import RCPRVAccountant, sketch_record
+from ..accounting.accountant import RCPRVAccountant
 from ..draws import signalled_batches
 from ..forms import Form, form_of
 from ..integration import PrivacyEngine
@@ -29,9 +29,9 @@ from .arguments import LOSS_LOG_KEYS, PRIVATE_LOG_KEYS, PrivacyArguments
 from .callback import DPCallback
 from .checks import (
     DP_STATE_NAME, check_arguments, check_checkpoint_functions, check_loader, check_records, check_setup,
-    refuse_non_finite, replaceable_compute_loss, resumed_history, check_units, user_index_of,
+    check_draw_step, refuse_non_finite, replaceable_compute_loss, resumed_history, check_units, user_index_of,
 )
-from .data import is_empty_batch, one_row_batches, poisson_loader, poisson_sampler_of, take_units
+from .data import is_empty_batch, one_row_batches, poisson_loader, poisson_sampler_of, take_draw_step, take_units
 from .engine import budget_steps, epsilon, make_private, signal_same_draw
 from .losses import causal_lm, chunked_head_losses, model_inputs, row_losses
 
@@ -127,10 +127,12 @@ class DPTrainerMixin:
         else:
             collator = self._get_collator_with_removed_columns(collator, description="Training")
         self._dp_loader = poisson_loader(
-            dataset, collator, sample_rate=self.sample_rate, micro_batches=self.args.gradient_accumulation_steps,
+            dataset, collator, sample_rate=self.privacy.charged_rate(self.sample_rate),
+            micro_batches=self.args.gradient_accumulation_steps,
             steps=self.steps_per_epoch, rank=self.args.process_index, world_size=self.args.world_size,
             secure_mode=self.privacy.secure_mode, num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory, users=users,
+            **({"bands": self.privacy.bands} if self.privacy.banded else {}),
         )
         return self._dp_loader
 
@@ -156,7 +158,7 @@ class DPTrainerMixin:
             user_ids=self.user_index().user_of_row.tolist() if self.privacy.user_level else None,
         )
         self._dp_engine, self._dp_hooks, self._dp_optimizer = private.engine, private.hooks, private.optimizer
-        self._dp_rate = self.sample_rate
+        self._dp_rate = self.privacy.charged_rate(self.sample_rate)
         self._dp_form = form_of(private.optimizer)
         self._dp_ddp, self._dp_sigma = private.ddp, private.sigma
         model = self.model if private.ddp is None else private.ddp
@@ -226,6 +228,9 @@ class DPTrainerMixin:
         rows = 0
         skipping = self._dp_resumed_history is not None and not self.args.ignore_data_skip
         units = check_units(self.privacy, take_units(inputs), skipping)  # removed: they never reach the model
+        draw_step = check_draw_step(self.privacy, take_draw_step(inputs), skipping)
+        if draw_step is not None:  # banded noise: the step's noise is that of its draw's number
+            optimizer.signal_draw_step(draw_step)
         if not is_empty_batch(inputs):
             inputs = self._prepare_inputs(inputs)
             per_example = self._dp_form is not None and self._dp_form.one_example_per_backward
@@ -282,6 +287,9 @@ class DPTrainerMixin:
         self._dp_micro = 0
         self._dp_loader_checked = False
         self._dp_after_step()
+        sampler = poisson_sampler_of(self._dp_loader)
+        if self.privacy.banded and sampler is not None:  # numbered from the noise's next step (a resumed recursion)
+            sampler.continue_at(self._dp_optimizer.next_noise_step)
         self._dp_max_steps = self._dp_budget_steps()
         if self._dp_max_steps is not None and self._dp_max_steps <= self.privacy_steps():
             raise ValueError(
@@ -296,7 +304,8 @@ class DPTrainerMixin:
         if budget is None:
             return None
         further = budget_steps(
-            list(self.accountant.history), self._dp_sigma, self.sample_rate, sketch_record(self.privacy.sketch_config(self.args.per_device_train_batch_size)),
+            list(self.accountant.history), self._dp_sigma, self._dp_rate,
+            self.privacy.step_record(self.args.per_device_train_batch_size),
             delta=self.privacy.delta, budget=budget, planned=self.planned_steps(),
         )
         return None if further is None else self.privacy_steps() + further

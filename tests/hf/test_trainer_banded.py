@@ -1,0 +1,253 @@
+"""The private Trainer (and TRL's SFTTrainer) with ``noise="banded"``: cyclic Poisson draws
+(draw t from part t mod b of the units, at b q), each logical step's draw number carried to the
+optimizer as the banded noise's step, sigma calibrated and epsilon charged for the banded record
+(``ceil(steps / b)`` DP-SGD rounds at ``sigma / column_norm``, rate b q), the recursion continued
+on resume. Tiny Llama from a config, generated data; nothing downloaded."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from opacus.accountants import PRVAccountant
+from transformers import default_data_collator
+
+from opacus_rc.accounting.accountant import RCPRVAccountant
+from opacus_rc.correlated import banded_sqrt_coefficients, max_column_norm
+from opacus_rc.hf import DPTrainer, PrivacyArguments, is_empty_batch, private_trainer
+from opacus_rc.hf.checks import check_draw_step
+from opacus_rc.hf.data import PoissonAccumulationSampler
+from opacus_rc.units import UserIndex
+
+from tests.models import RowDataset, tiny_llama
+
+from .test_trainer import char_tokenizer, sft_dataset, training_args
+from .test_trainer_users import user_dataset
+
+DELTA, SIGMA = 1e-5, 1.0
+_DRAW, _UNITS = "__opacus_rc_draw_step__", "__opacus_rc_row_units__"
+
+
+def banded(bands: int, **kw) -> PrivacyArguments:
+    return PrivacyArguments(**{"noise_multiplier": SIGMA, "delta": DELTA, "noise": "banded", "bands": bands, **kw})
+
+
+def recording(trainer_class):
+    """The trainer class recording each physical batch's draw number and units, and each
+    release's banded noise step (the argument of ``BandedNoise.steps_to`` and the step it
+    starts from)."""
+
+    class Recording(trainer_class):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.draws = getattr(self, "draws", [])
+            self.draws.append((inputs.get(_DRAW), inputs.get(_UNITS), is_empty_batch(inputs)))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+        def create_optimizer(self, model=None):
+            optimizer = super().create_optimizer(model)
+            noise = optimizer.banded
+            if not hasattr(noise, "released"):
+                noise.released = []
+                steps_to = noise.steps_to
+                noise.steps_to = lambda step: noise.released.append((step, noise.next_step)) or steps_to(step)
+            return optimizer
+
+    return Recording
+
+
+def logical_draws(trainer, accumulation: int) -> list:
+    """The draw number of each logical step (checked equal over its physical batches)."""
+    steps = [trainer.draws[i:i + accumulation] for i in range(0, len(trainer.draws), accumulation)]
+    numbers = [{d for d, _, _ in step} for step in steps]
+    assert all(len(n) == 1 for n in numbers), numbers
+    return [n.pop() for n in numbers]
+
+
+def expected_record(trainer, bands: int):
+    record = trainer.privacy.step_record(trainer.args.per_device_train_batch_size)
+    assert record.bands == bands and record.column_norm == max_column_norm(banded_sqrt_coefficients(bands))
+    return record
+
+
+def test_example_level_trains_and_charges_the_banded_record(tmp_path):
+    """Five logical steps at q = 1/6 with b = 3: draws 0..4, each released as noise step t;
+    charged at 3q with bands=3; epsilon that of ceil(5/3) = 2 rounds at sigma / column_norm."""
+    model = tiny_llama()
+    before = model.lm_head.weight.detach().clone()
+    trainer = recording(DPTrainer)(
+        model=model, args=training_args(tmp_path, max_steps=5, logging_steps=5, learning_rate=1e-2),
+        train_dataset=RowDataset(), privacy=banded(3, sample_rate=1 / 6),
+    )
+    trainer.train()
+    assert not torch.equal(model.lm_head.weight, before)
+    assert logical_draws(trainer, 2) == [0, 1, 2, 3, 4]
+    noise = trainer._dp_optimizer.banded
+    assert noise.released == [(t, t) for t in range(5)]  # the noise's step is the draw's, one step each
+    assert trainer._dp_optimizer.next_noise_step == 5
+    record = expected_record(trainer, 3)
+    assert trainer.accountant.history == [(SIGMA, 3 * (1 / 6), 5, record)]
+    # epsilon: the accountant's reduction, recomputed independently from charged()
+    (sigma, q, rounds, plain), = trainer.accountant.charged()
+    assert (sigma, q, rounds) == (pytest.approx(SIGMA / record.column_norm), pytest.approx(0.5), 2)
+    assert plain.bands == 1 and plain.sketch_size == record.sketch_size
+    probe = RCPRVAccountant()
+    probe.history = [(SIGMA / record.column_norm, 0.5, 2, plain)]
+    assert trainer.get_epsilon() == pytest.approx(probe.get_epsilon(delta=DELTA), rel=1e-9)
+    assert trainer.state.log_history[-1]["epsilon"] == pytest.approx(trainer.get_epsilon())
+
+
+def test_target_epsilon_is_calibrated_for_the_banded_record(tmp_path):
+    """The per-example form (exact clipping: an ordinary subsampled Gaussian): sigma is calibrated
+    for the banded record, and epsilon equals Opacus's prv at ceil(steps / b) rounds of
+    sigma / column_norm at b q."""
+    trainer = recording(DPTrainer)(
+        model=tiny_llama(), args=training_args(tmp_path, max_steps=4, per_device_train_batch_size=1,
+                                               gradient_accumulation_steps=4, logging_steps=4),
+        train_dataset=RowDataset(), privacy=banded(2, noise_multiplier=None, target_epsilon=4.0),
+    )
+    trainer.train()
+    q = 1 / 6  # B = 4 of N = 24
+    assert trainer.sample_rate == pytest.approx(q)
+    assert logical_draws(trainer, 4) == [0, 1, 2, 3]
+    sigma = trainer._dp_sigma
+    record = expected_record(trainer, 2)
+    assert record.sketch_size is None  # exact clipping
+    assert trainer.accountant.history == [(sigma, 2 * q, 4, record)]
+    prv = PRVAccountant()
+    prv.history = [(sigma / record.column_norm, 2 * q, math.ceil(4 / 2))]
+    assert trainer.get_epsilon() == pytest.approx(prv.get_epsilon(DELTA), rel=1e-6)
+    assert 4.0 - 0.05 <= trainer.get_epsilon() <= 4.0
+
+
+def test_user_level_draws_a_part_of_the_users_per_step(tmp_path):
+    """privacy_unit="user" at q_u = 1/6, b = 2: every user of draw t is in part t mod 2 of the
+    users; charged at 2 q_u with bands=2."""
+    trainer = recording(DPTrainer)(
+        model=tiny_llama(),
+        args=training_args(tmp_path, max_steps=4, per_device_train_batch_size=2, remove_unused_columns=False),
+        train_dataset=user_dataset(), data_collator=default_data_collator,
+        privacy=banded(2, sample_rate=0.25, privacy_unit="user", user_column="author", max_examples_per_user=3),
+    )
+    trainer.train()
+    assert logical_draws(trainer, 2) == [0, 1, 2, 3]
+    assert trainer._dp_optimizer.banded.released == [(t, t) for t in range(4)]
+    for step, units, empty in trainer.draws:
+        assert empty or all(u % 2 == step % 2 for u in units.users.tolist())
+    assert trainer.accountant.history == [(SIGMA, 0.5, 4, expected_record(trainer, 2))]
+    assert trainer.state.log_history[-1]["privacy_unit"] == "user"
+
+
+def test_the_sampler_draws_part_t_mod_b_numbered_across_epochs():
+    """PoissonAccumulationSampler(bands=b): rows (or users) of draw t all in part t mod b, at the
+    rate inside a part; numbered on across epochs, from continue_at."""
+    sampler = PoissonAccumulationSampler(num_samples=30, sample_rate=0.6, micro_batches=2, steps=5, bands=3)
+    sampler.continue_at(7)
+    for _ in range(2):  # two epochs
+        batches = list(sampler.numbered_draws())
+        assert len(batches) == 10
+        for step, rows in batches:
+            assert all(r % 3 == step % 3 for r in rows)
+    assert [s for s, _ in batches][::2] == [12, 13, 14, 15, 16]
+    users = UserIndex([i % 6 for i in range(24)], 24, 3)
+    sampler = PoissonAccumulationSampler(num_samples=24, sample_rate=1.0, micro_batches=1, steps=4, bands=2,
+                                         users=users)
+    for step, rows in sampler.numbered_draws():
+        owners = set(users.user_of_row[rows].tolist())
+        assert owners == {u for u in range(6) if u % 2 == step % 2}  # rate 1: the whole part
+
+
+def test_empty_draws_still_advance_the_noise(tmp_path):
+    """At q = 0.02 most draws are empty: each is still its noise step, released and charged."""
+    trainer = recording(DPTrainer)(
+        model=tiny_llama(), args=training_args(tmp_path, max_steps=6, learning_rate=1e-2), train_dataset=RowDataset(),
+        privacy=banded(4, sample_rate=0.02),
+    )
+    trainer.train()
+    assert any(empty for _, _, empty in trainer.draws)
+    assert logical_draws(trainer, 2) == list(range(6))
+    assert trainer._dp_optimizer.banded.released == [(t, t) for t in range(6)]
+    assert trainer.accountant.history == [(SIGMA, 0.08, 6, expected_record(trainer, 4))]
+
+
+def test_resume_continues_the_recursion(tmp_path):
+    """A checkpoint keeps the recursion (the optimizer state): the resumed run numbers its
+    draws from the noise's next step; resuming mid-epoch without ignore_data_skip is refused
+    by name (the Trainer's skipping loader carries no draw numbers)."""
+
+    def run(steps, resume=None, **args):
+        trainer = recording(DPTrainer)(
+            model=tiny_llama(),
+            args=training_args(tmp_path, max_steps=steps, save_strategy="steps", save_steps=2, logging_steps=1, **args),
+            train_dataset=RowDataset(), privacy=banded(3, sample_rate=1 / 6),
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    first = run(2)
+    kept = first._dp_optimizer.state_dict()["opacus_rc_banded_noise"]
+    assert kept["next_step"] == 2 and all(len(past) == 2 for past in kept["past"].values())
+    checkpoint = str(tmp_path / "out" / "checkpoint-2")
+    resumed = run(4, checkpoint, ignore_data_skip=True)
+    assert logical_draws(resumed, 2) == [2, 3]
+    assert resumed._dp_optimizer.banded.released == [(2, 2), (3, 3)]
+    record = expected_record(resumed, 3)
+    assert resumed.accountant.history == [(SIGMA, 0.5, 4, record)]
+    probe = RCPRVAccountant()
+    probe.history = [(SIGMA / record.column_norm, 0.5, 2, resumed.accountant.charged()[0][3])]
+    assert resumed.get_epsilon() == pytest.approx(probe.get_epsilon(delta=DELTA), rel=1e-9)
+    with pytest.raises(ValueError, match="noise='banded'.*ignore_data_skip=True"):
+        run(4, checkpoint)
+
+
+def test_banded_options_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="noise='bandd'.*did you mean 'banded'"):
+        PrivacyArguments(noise_multiplier=1.0, delta=DELTA, noise="bandd", bands=2)
+    for bands in (0, -1, 1.5, None, True):
+        with pytest.raises(ValueError, match=f"bands={bands!r}"):
+            banded(bands)
+    with pytest.raises(ValueError, match="bands=2 only applies with noise='banded'"):
+        PrivacyArguments(noise_multiplier=1.0, delta=DELTA, bands=2)
+    with pytest.raises(ValueError, match="noise='banded'.*clipping='flat'"):
+        banded(2, clipping="flat")
+    with pytest.raises(ValueError, match="noise='banded'.*denoise='spectral'"):
+        banded(2, denoise="spectral")
+    with pytest.raises(ValueError, match="bands=7 is above the 6 logical steps"):  # 7 q > 1 at q = 1/6
+        DPTrainer(model=tiny_llama(), args=training_args(tmp_path), train_dataset=RowDataset(),
+                  privacy=banded(7, sample_rate=1 / 6))
+    with pytest.raises(ValueError, match="noise='banded': a physical batch came without its draw's number"):
+        check_draw_step(banded(2), None)
+
+
+def test_the_optimizer_refuses_two_draws_in_one_release(tmp_path):
+    trainer = DPTrainer(model=tiny_llama(), args=training_args(tmp_path), train_dataset=RowDataset(),
+                        privacy=banded(2, sample_rate=1 / 6))
+    optimizer = trainer.create_optimizer()
+    optimizer.signal_draw_step(0)
+    optimizer.signal_draw_step(0)  # another physical batch of the same draw
+    with pytest.raises(ValueError, match="noise='banded'"):
+        optimizer.signal_draw_step(1)
+
+
+def test_private_sft_trainer_with_banded_noise(tmp_path):
+    """TRL's SFTTrainer made private (bf16 autocast, gradient checkpointing: SFTConfig's
+    defaults) trains with banded noise: draws numbered, charged at b q with bands=b."""
+    import trl
+
+    model = tiny_llama()
+    before = model.lm_head.weight.detach().clone()
+    config = trl.SFTConfig(
+        output_dir=str(tmp_path / "sft"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        max_steps=3, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, logging_steps=3,
+        learning_rate=1e-2,
+    )
+    trainer = recording(private_trainer(trl.SFTTrainer))(
+        model=model, args=config, train_dataset=sft_dataset(), processing_class=char_tokenizer(),
+        privacy=banded(3, sample_rate=1 / 6),
+    )
+    trainer.train()
+    assert not torch.equal(model.lm_head.weight, before)
+    assert logical_draws(trainer, 2) == [0, 1, 2]
+    assert trainer._dp_optimizer.banded.released == [(t, t) for t in range(3)]
+    assert trainer.accountant.history == [(SIGMA, 0.5, 3, expected_record(trainer, 3))]
+    assert trainer.state.log_history[-1]["epsilon"] == pytest.approx(trainer.get_epsilon())
