@@ -25,6 +25,7 @@ from ..per_parameter import set_grad_sample
 from ..units import RowUnits, UserIndex, check_same_on_ranks
 from ..values import RANDOMIZED, check_choice
 from .arguments import PrivacyArguments
+from .banded import check_banded
 from .data import poisson_sampler_of
 from .losses import _base_model
 
@@ -190,28 +191,7 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
         check_same_on_ranks(trainer.user_index())
         trainer.sample_rate  # noqa: B018
     if trainer.privacy.banded:
-        _check_banded(trainer)
-
-
-def _check_banded(trainer: Trainer) -> None:
-    """``noise="banded"`` where the Trainer runs it: one process (not verified under DDP), and
-    ``bands`` parts each sampled at ``bands * q <= 1`` (at most the logical steps of an epoch)."""
-    bands = trainer.privacy.bands
-    if trainer.args.world_size > 1:
-        raise ValueError(
-            f"noise='banded' is not supported by {type(trainer).__name__} with world_size={trainer.args.world_size} "
-            "(not verified across ranks); accepted: one process, or the plain make_private loop "
-            "(make_private(..., noise='banded', bands=b) returns a cyclic Poisson loader that shards the units)"
-        )
-    if trainer.train_dataset is None and trainer.privacy.sample_rate is None:
-        return  # the rate is known at train(); make_private refuses bands above the epoch's draws
-    q = trainer.sample_rate
-    if bands > trainer.steps_per_epoch or bands * q > 1.0:
-        raise ValueError(
-            f"bands={bands} is above the {trainer.steps_per_epoch} logical steps of an epoch (sample rate {q:.6g}): "
-            f"each of the {bands} parts would be sampled at a rate above 1; accepted values: "
-            f"1 <= bands <= {trainer.steps_per_epoch} (or a lower sample_rate, a smaller batch)"
-        )
+        check_banded(trainer)
 
 
 def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
@@ -256,25 +236,6 @@ def check_units(privacy: PrivacyArguments, units: Optional[RowUnits], skipping: 
             "Trainer's user-level Poisson loader). " + _LOADING_ACCEPTED
         )
     return units
-
-
-def check_draw_step(privacy: PrivacyArguments, step: Optional[int], skipping: bool = False) -> Optional[int]:
-    """``step``, the draw number a physical batch carried; a banded run's batch must carry it
-    (from the private Trainer's cyclic Poisson loader: the banded noise's time is its draw's).
-    ``skipping``: as :func:`check_units`."""
-    if privacy.banded and step is None:
-        if skipping:
-            raise ValueError(
-                "noise='banded': the run resumed mid-epoch, and the Trainer skips the epoch's first batches "
-                "through a loader of its own, whose batches carry no draw numbers (the banded noise's time); "
-                "set TrainingArguments(ignore_data_skip=True): every Poisson draw is fresh, there is nothing to "
-                "skip, and the draws continue the noise's recursion from the checkpoint's optimizer state"
-            )
-        raise ValueError(
-            "noise='banded': a physical batch came without its draw's number (it is not from the private "
-            "Trainer's cyclic Poisson loader), and banded noise needs each step's draw. " + _LOADING_ACCEPTED
-        )
-    return step
 
 
 def check_checkpoint_functions(model: nn.Module) -> None:

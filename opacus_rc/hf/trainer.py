@@ -26,12 +26,13 @@ from ..recompute import quiet_hook_notes
 from ..units import UserIndex
 from ..values import RC_PRV
 from .arguments import LOSS_LOG_KEYS, PRIVATE_LOG_KEYS, PrivacyArguments
+from .banded import continue_numbering, signal_draw_step
 from .callback import DPCallback
 from .checks import (
     DP_STATE_NAME, check_arguments, check_checkpoint_functions, check_loader, check_records, check_setup,
-    check_draw_step, refuse_non_finite, replaceable_compute_loss, resumed_history, check_units, user_index_of,
+    refuse_non_finite, replaceable_compute_loss, resumed_history, check_units, user_index_of,
 )
-from .data import is_empty_batch, one_row_batches, poisson_loader, poisson_sampler_of, take_draw_step, take_units
+from .data import is_empty_batch, one_row_batches, poisson_loader, poisson_sampler_of, take_units
 from .engine import budget_steps, epsilon, make_private, signal_same_draw
 from .losses import causal_lm, chunked_head_losses, model_inputs, row_losses
 
@@ -73,8 +74,8 @@ class DPTrainerMixin:
 
     @property
     def sample_rate(self) -> float:
-        """The public Poisson rate every logical step samples at and is charged at (at
-        ``privacy_unit="user"``, of users: ``B / number of users`` by default, B at most their number)."""
+        """The public Poisson rate of every logical step (of users at ``privacy_unit="user"``: ``B / users``
+        by default, B at most their number); banded noise charges ``bands`` times it inside a part."""
         if self.privacy.sample_rate is not None:
             return float(self.privacy.sample_rate)
         if self.train_dataset is None:
@@ -89,9 +90,8 @@ class DPTrainerMixin:
         return self.privacy.privacy_unit
 
     def user_index(self) -> Optional[UserIndex]:
-        """The users of ``train_dataset`` (its ``privacy.user_column``; None at example level),
-        read again when ``train_dataset`` was replaced (issue 46, path 8: a cached index gave
-        the rows of a reordered dataset to whoever held their position before)."""
+        """The users of ``train_dataset`` (its ``privacy.user_column``; None at example level), read
+        again when ``train_dataset`` was replaced (a cached index misassigns a reordered dataset's rows)."""
         if not self.privacy.user_level:
             return None
         if self._dp_users is None or self._dp_users[0] is not self.train_dataset:
@@ -127,12 +127,10 @@ class DPTrainerMixin:
         else:
             collator = self._get_collator_with_removed_columns(collator, description="Training")
         self._dp_loader = poisson_loader(
-            dataset, collator, sample_rate=self.privacy.charged_rate(self.sample_rate),
-            micro_batches=self.args.gradient_accumulation_steps,
-            steps=self.steps_per_epoch, rank=self.args.process_index, world_size=self.args.world_size,
-            secure_mode=self.privacy.secure_mode, num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory, users=users,
-            **({"bands": self.privacy.bands} if self.privacy.banded else {}),
+            dataset, collator, sample_rate=self.privacy.charged_rate(self.sample_rate), bands=self.privacy.bands,
+            micro_batches=self.args.gradient_accumulation_steps, steps=self.steps_per_epoch,
+            rank=self.args.process_index, world_size=self.args.world_size, secure_mode=self.privacy.secure_mode,
+            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory, users=users,
         )
         return self._dp_loader
 
@@ -228,9 +226,7 @@ class DPTrainerMixin:
         rows = 0
         skipping = self._dp_resumed_history is not None and not self.args.ignore_data_skip
         units = check_units(self.privacy, take_units(inputs), skipping)  # removed: they never reach the model
-        draw_step = check_draw_step(self.privacy, take_draw_step(inputs), skipping)
-        if draw_step is not None:  # banded noise: the step's noise is that of its draw's number
-            optimizer.signal_draw_step(draw_step)
+        signal_draw_step(self, optimizer, inputs, skipping)  # banded noise: its step is the draw's number
         if not is_empty_batch(inputs):
             inputs = self._prepare_inputs(inputs)
             per_example = self._dp_form is not None and self._dp_form.one_example_per_backward
@@ -284,12 +280,9 @@ class DPTrainerMixin:
             self._dp_optimizer.zero_grad(set_to_none=True)
 
     def _dp_on_train_begin(self) -> None:
-        self._dp_micro = 0
-        self._dp_loader_checked = False
+        self._dp_micro, self._dp_loader_checked = 0, False
         self._dp_after_step()
-        sampler = poisson_sampler_of(self._dp_loader)
-        if self.privacy.banded and sampler is not None:  # numbered from the noise's next step (a resumed recursion)
-            sampler.continue_at(self._dp_optimizer.next_noise_step)
+        continue_numbering(self)  # banded noise: the draws numbered from the noise's next step
         self._dp_max_steps = self._dp_budget_steps()
         if self._dp_max_steps is not None and self._dp_max_steps <= self.privacy_steps():
             raise ValueError(
@@ -303,11 +296,9 @@ class DPTrainerMixin:
         budget = self.privacy.stop_at_epsilon
         if budget is None:
             return None
-        further = budget_steps(
-            list(self.accountant.history), self._dp_sigma, self._dp_rate,
-            self.privacy.step_record(self.args.per_device_train_batch_size),
-            delta=self.privacy.delta, budget=budget, planned=self.planned_steps(),
-        )
+        record = self.privacy.step_record(self.args.per_device_train_batch_size)
+        further = budget_steps(list(self.accountant.history), self._dp_sigma, self._dp_rate, record,
+                               delta=self.privacy.delta, budget=budget, planned=self.planned_steps())
         return None if further is None else self.privacy_steps() + further
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
