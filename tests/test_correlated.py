@@ -264,11 +264,15 @@ def test_sketched_banded_steps_carry_their_envelope_through_the_same_reduction()
 
 def test_each_run_of_steps_is_charged_its_own_rounds():
     """Two runs of 5 steps at b = 4 (a changed sigma in between) are 2 + 2 rounds, not 3: a part
-    can take part at the first and fifth step of each run."""
+    can take part at the first and fifth step of each run. Consecutive entries of one mechanism
+    are one run: 10 steps, 3 rounds."""
     accountant = RCPRVAccountant()
     accountant.step(noise_multiplier=1.0, sample_rate=0.2, steps=5, bands=4)
     accountant.step(noise_multiplier=2.0, sample_rate=0.2, steps=5, bands=4)
     assert [n for _, _, n, _ in accountant.charged()] == [2, 2]
+    split = RCPRVAccountant()  # one run written as two entries (a budget search's extra steps): 3 rounds
+    split.history = [(1.0, 0.2, 5, StepRecord(bands=4)), (1.0, 0.2, 5, StepRecord(bands=4))]
+    assert [n for _, _, n, _ in split.charged()] == [3]
 
 
 def _banded_engine_call(engine, method, **kwargs):

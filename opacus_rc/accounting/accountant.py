@@ -212,10 +212,15 @@ class RCPRVAccountant(IAccountant):
     def charged(self, default: Optional[StepRecord] = None) -> List[Tuple[float, float, int, StepRecord]]:
         """What :meth:`get_epsilon` composes: each history entry, banded noise's reduced to
         DP-SGD (:meth:`StepRecord.reduced`: ``ceil(steps / b)`` rounds at ``sigma / column_norm``;
-        each entry is a run of consecutive steps)."""
-        charged = []
+        consecutive entries of one mechanism are one run)."""
+        runs: List[Tuple[float, float, int, StepRecord]] = []
         for raw in self.history:
             sigma, q, n, record = self.entry(raw, default)
+            if runs and (runs[-1][0], runs[-1][1], runs[-1][3]) == (sigma, q, record):
+                n += runs.pop()[2]  # one run of consecutive steps written as two entries
+            runs.append((sigma, q, n, record))
+        charged = []
+        for sigma, q, n, record in runs:
             sigma, n, record = record.reduced(sigma, n)
             charged.append((sigma, q, n, record))
         return charged
