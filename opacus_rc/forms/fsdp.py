@@ -33,7 +33,7 @@ from opacus.grad_sample import (
 )
 from opacus.optimizers import FSDPOptimizerFastGradientClipping
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from ..estimators import at_least_float32
 from ..finite import local_shard
@@ -304,8 +304,20 @@ class FSDPRandomizedClippingOptimizer(SketchedClippingMixin, FSDPOptimizerFastGr
                 local = local_shard(summed)
                 local.add_(self.step_noise(slot, std, local))
                 p.grad = summed.view_as(p).to(p.dtype)
-            else:  # full-shape draw sliced to the shard (Opacus's scheme; module docstring)
+            else:  # full-shape draw sliced to the shard (Opacus's scheme; module docstring; _noise)
                 p.grad = (summed + self.step_noise(slot, std, summed)).view_as(p).to(p.dtype)
+
+    def _noise(self, std: float, reference: torch.Tensor) -> torch.Tensor:
+        """N(0, std^2) like ``reference``. For a DTensor outside secure mode: Opacus's full-shape
+        draw, sliced to this rank's shard (a DTensor with the reference's placements; the slice
+        is local, no collective), so that banded noise keeps its buffers sharded like the
+        parameters, not a full copy of each parameter per kept step on every rank."""
+        noise = super()._noise(std, reference)
+        if self.secure_mode or not isinstance(reference, DTensor) or isinstance(noise, DTensor):
+            return noise
+        mesh = reference.device_mesh
+        replicated = DTensor.from_local(noise, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return replicated.redistribute(mesh, reference.placements)
 
 
 # --- FSDP2's hooks around a chunked LM head (opacus_rc.lm_head) ----------------------------
