@@ -488,7 +488,7 @@ class RandomizedClippingMixin:
         """Opacus's Gaussian noise ``N(0, sigma^2 C^2)`` added in place into the clipped
         sum, whose buffer becomes ``p.grad`` (one parameter-sized buffer less than
         ``summed_grad + noise``). Distributed: only rank 0 adds noise, as in Opacus."""
-        if getattr(self, "rank", 0) != 0:
+        if not self.adds_noise:
             for p in self.params:  # Opacus's, with p.grad in the parameter's dtype
                 p.grad = p.summed_grad.view_as(p).to(p.dtype)
             return
@@ -498,6 +498,11 @@ class RandomizedClippingMixin:
             noise = self.step_noise(slot, std, p.summed_grad)
             _mark_as_processed(p.summed_grad)
             p.grad = p.summed_grad.add_(noise).view_as(p).to(p.dtype)  # noised in float32, then rounded once
+
+    @property
+    def adds_noise(self) -> bool:
+        """This process draws noise (and keeps banded noise's vectors): rank 0 under DDP (Opacus's)."""
+        return getattr(self, "rank", 0) == 0
 
     def step_noise(self, slot: int, std: float, reference: torch.Tensor) -> torch.Tensor:
         """The noise of parameter ``slot`` (position in :attr:`params`) at this step, like
@@ -533,7 +538,8 @@ class RandomizedClippingMixin:
         noise vectors, as secret as the training data)."""
         state = super().state_dict()
         if self.banded is not None:
-            state = {**state, BANDED_STATE_KEY: self.banded.state_dict()}
+            holder = self.noise_holder() if self.adds_noise else None
+            state = {**state, BANDED_STATE_KEY: {**self.banded.state_dict(), "holder": holder}}
         return {**state, SEEDED_STATE_KEY: True} if self.seeded else state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -553,12 +559,29 @@ class RandomizedClippingMixin:
                 f"{'independent' if self.banded is None else 'banded'}: resume with the same noise= and bands="
             )
         if banded is not None:
+            self._check_noise_holder(banded.get("holder"))
             self.banded.load_state_dict(banded)
         if self.deferred_seeded_resume is not None:
             self.deferred_seeded_resume = seeded
         else:
             self.check_seeded_resume(seeded)
         super().load_state_dict(state_dict)
+
+    def noise_holder(self) -> Any:
+        """What banded noise's kept vectors are on this process: ``"full"`` (one process, DDP's rank 0)."""
+        return "full"
+
+    def _check_noise_holder(self, holder: Any) -> None:
+        """A process that adds noise resumes banded noise only from vectors of its kind (DDP: rank
+        0's, full; FSDP2: its own shards, same rank and world size), never from none."""
+        holder = tuple(holder) if isinstance(holder, (list, tuple)) else holder
+        if self.adds_noise and holder != self.noise_holder():
+            raise ValueError(
+                f"noise='banded': an optimizer state whose kept noise vectors are {holder or 'absent'} loaded "
+                f"where they must be {self.noise_holder()} (a process that adds noise): the recursion would restart "
+                "or use another rank's shards. Load the state saved where the noise is added (DDP: rank 0's; "
+                "FSDP2: each rank its own, with the same world size)"
+            )
 
     def check_seeded_resume(self, seeded_state: bool) -> None:
         """Refuse resuming a run that used ``seed=`` (``seeded_state``) with ``seed=`` (its

@@ -19,6 +19,7 @@ from opacus_rc import PrivacyEngine
 from opacus_rc.accounting.accountant import RCPRVAccountant, StepRecord
 from opacus_rc.config import SketchConfig
 from opacus_rc.correlated import BandedNoise, banded_matrix, banded_sqrt_coefficients, max_column_norm
+from opacus_rc.optimizer import SEEDED_STATE_KEY
 from opacus_rc.units import CyclicPoissonSampler, UserIndex
 
 DELTA = 1e-5
@@ -376,3 +377,19 @@ def test_a_step_on_data_no_cyclic_draw_delivered_is_refused():
             criterion(module(x), y).backward()
         optimizer.step()
     assert len(engine.accountant.history) == 0
+
+
+def test_a_state_without_the_kept_noise_is_refused_where_noise_is_added():
+    """A DDP rank other than 0 keeps no noise vectors (it adds none): its state, loaded where the
+    noise is added, would restart the recursion silently; refused by name. Rank 0's loads."""
+    _, saved_on_rank_1, _ = _zero_gradient_run(3, 3)
+    saved_on_rank_1.rank = 1  # Opacus's DDP optimizers' attribute: this rank adds no noise
+    state = saved_on_rank_1.state_dict()
+    _, fresh, _ = _zero_gradient_run(1, 3)
+    with pytest.raises(ValueError, match="noise='banded'.*kept noise vectors are absent"):
+        fresh.load_state_dict(state)
+    del saved_on_rank_1.rank
+    state = saved_on_rank_1.state_dict()
+    del state[SEEDED_STATE_KEY]  # (a seeded state loaded into a seeded run is refused for replaying noise)
+    fresh.load_state_dict(state)
+    assert fresh.banded.next_step == 3

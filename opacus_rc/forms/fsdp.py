@@ -274,6 +274,11 @@ class FSDPRandomizedClippingOptimizer(SketchedClippingMixin, FSDPOptimizerFastGr
     hook run on every rank with the same history."""
 
     refusals_across_ranks = True
+    adds_noise = True  # every rank noises the shard it owns
+
+    def noise_holder(self) -> Any:
+        """Banded noise's kept vectors are this rank's shards: ``(rank, world_size)``."""
+        return (self.rank, self.world_size)
 
     def _clipped_sums(self) -> List[Optional[torch.Tensor]]:
         return [self.grad_state[p]["summed_grad"] for p in self.params]
