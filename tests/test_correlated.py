@@ -393,3 +393,15 @@ def test_a_state_without_the_kept_noise_is_refused_where_noise_is_added():
     del state[SEEDED_STATE_KEY]  # (a seeded state loaded into a seeded run is refused for replaying noise)
     fresh.load_state_dict(state)
     assert fresh.banded.next_step == 3
+
+
+def test_the_running_sums_noise_of_the_choosing_b_table():
+    """``benchmarks.banded_error.prefix_sum_rms``: DP-SGD's running sum after t steps has variance
+    t, so the mean over t = 1..n is (n + 1) / 2; for the uncut square root, A C^-1 = C."""
+    from benchmarks.banded_error import banded_errors, prefix_sum_rms
+
+    assert prefix_sum_rms((1.0,), 50) == pytest.approx(math.sqrt(51 / 2), rel=1e-12)
+    raw = [c / banded_sqrt_coefficients(20)[0] for c in banded_sqrt_coefficients(20)]
+    assert prefix_sum_rms(raw, 20) == pytest.approx(banded_matrix(raw, 20).norm().item() / math.sqrt(20), rel=1e-10)
+    rows = banded_errors(8.0, 1, 20, bands=(1, 4))
+    assert rows[0]["relative"] == 1.0 and rows[1]["rounds"] == 5 and rows[1]["sigma"] > rows[0]["sigma"]
