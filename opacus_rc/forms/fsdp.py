@@ -16,6 +16,9 @@
   (Opacus's per-module norms would count ``||a||^2 + ||b||^2``); uses are tracked by parameter
   name under the sharded parameter's identity, since FSDP2 swaps the parameter objects.
 * **Consensus**: a refused step is agreed on by all ranks (one scalar all-reduce).
+* **Empty shares**: a rank whose Poisson share has no rows runs both backward passes (every
+  FSDP2 collective) with empty per-example norms and contributes a zero clipped sum
+  (:class:`_EmptyShareHooks`).
 
 Book-keeping does not fit FSDP2's hooks and is refused (:func:`check_fsdp_mode`).
 """
@@ -32,6 +35,7 @@ from opacus.grad_sample import (
     GradSampleModuleFastGradientClippingFSDP,
 )
 from opacus.optimizers import FSDPOptimizerFastGradientClipping
+from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -253,14 +257,39 @@ class FSDPSketchingMixin(SketchingMixin):
         self._tied_sums.clear()
 
 
+class _EmptyShareHooks:
+    """Opacus's FSDP backward hook for a rank whose share of the draw has no rows (an empty
+    Poisson share, while another rank has rows): the layers without a norm sampler get empty
+    per-example norms (Opacus's FSDP hook reshapes their per-sample gradients to
+    ``(0, -1)``, which fails). The backward pass itself (and so every FSDP2 all-gather and
+    reduce-scatter) runs as on the other ranks: this rank contributes a zero clipped sum."""
+
+    def capture_backprops_hook(
+        self, module: nn.Module, _forward_input: Any, forward_output: Any, loss_reduction: str, batch_first: bool
+    ) -> None:
+        backprops = forward_output[0]
+        batch_dim = 0 if batch_first else 1
+        empty = backprops.dim() > batch_dim and backprops.shape[batch_dim] == 0
+        if not (self.hooks_enabled and empty) or self._get_module_type(module) in self.NORM_SAMPLERS:
+            super().capture_backprops_hook(module, _forward_input, forward_output, loss_reduction, batch_first)
+            return
+        self.rearrange_grad_samples(  # pops this use's activations (as Opacus's hook)
+            module=module, backprops=backprops.detach(), loss_reduction=loss_reduction, batch_first=batch_first
+        )
+        module.norm_sample = [torch.zeros(0, device=p.device, dtype=p.dtype) for _, p in trainable_parameters(module)]
+        module._forward_counter -= 1
+        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
+            del module.max_batch_len
+
+
 class GradSampleModuleRandomizedClippingFSDP(
-    FSDPSketchingMixin, GradSampleModuleFastGradientClippingFSDP
+    FSDPSketchingMixin, _EmptyShareHooks, GradSampleModuleFastGradientClippingFSDP
 ):
     """Wrapping form of randomized clipping under FSDP2 (``grad_sample_mode="ghost_fsdp"``)."""
 
 
 class GradSampleHooksRandomizedClippingFSDP(
-    FSDPSketchingMixin, GradSampleHooksFastGradientClippingFSDP
+    FSDPSketchingMixin, _EmptyShareHooks, GradSampleHooksFastGradientClippingFSDP
 ):
     """Hooks (``wrap_model=False``) form of randomized clipping under FSDP2."""
 
