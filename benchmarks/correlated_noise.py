@@ -84,7 +84,7 @@ SIZES: Dict[str, Dict[str, Any]] = {
         lm=dict(windows=2048, seq_len=64, batch=32, epochs=(3,), lr=0.25, clip=1.0, hidden=64, layers=2,
                 intermediate=172, heads=4),
         cost=dict(hidden=512, layers=4, intermediate=1376, heads=8, vocab=512, seq_len=64, batch=4, rows=64,
-                  bands="2,4,8", reps=10, steps=4),
+                  bands="2,4,8", reps=20, steps=4),
     ),
     "small": dict(
         eps="8", seeds="0", bands="2,4",
@@ -470,7 +470,8 @@ def _metric(mean: float, std: float) -> str:
 def utility_tables(rows: Sequence[Dict[str, Any]], best: Sequence[Dict[str, Any]]) -> str:
     """The headline table (independent vs the selected banded arm) and the per-b table."""
     lines = ["| task (test metric) | epochs | ε | independent (σ; reported ε) "
-             "| banded, b chosen on val (σ; reported ε) | b | Δ, banded better > 0 (± s.e.) |", "|---|---|---|---|---|---|---|"]
+             "| banded, b chosen on val (σ; reported ε) | b | Δ, banded better > 0 (± s.e.) |",
+             "|---|---|---|---|---|---|---|"]
     for c in comparison(rows, best):
         i, b = c["independent"], c["banded"]
         loss = METRIC[c["task"]] == "loss"
@@ -496,9 +497,12 @@ def utility_tables(rows: Sequence[Dict[str, Any]], best: Sequence[Dict[str, Any]
 # ------------------------------------------------------------------------------------------
 # cost
 # ------------------------------------------------------------------------------------------
-def _cost_trainer(cfg: Dict[str, Any], bands: int, seed: int = 0) -> Tuple[Callable[[], Tuple[float, float]], Any, int]:
-    """A step function (returns total and ``optimizer.step()`` seconds) of the cost model under
-    ``bands`` (1: independent), its optimizer and its trainable parameters' bytes."""
+def _cost_trainer(cfg: Dict[str, Any], bands: int, seed: int = 0) -> Tuple[Callable[[], Tuple[float, ...]], Any, int]:
+    """A step function of the cost model under ``bands`` (1: independent), its optimizer and its
+    trainable parameters' bytes. The step returns its seconds: in all (forward, backward,
+    ``optimizer.step()``, ``zero_grad``), in ``optimizer.step()``, in its noise
+    (``optimizer.add_noise``: drawing, and for banded noise the recursion over the kept
+    vectors), and its rows."""
     from opacus import PrivacyEngine
 
     import opacus_rc  # noqa: F401
@@ -518,18 +522,28 @@ def _cost_trainer(cfg: Dict[str, Any], bands: int, seed: int = 0) -> Tuple[Calla
             noise_multiplier=1.0, max_grad_norm=1.0, clipping="randomized", grad_sample_mode="bookkeeping",
             per_example_backward=False, poisson_sampling=True, seed=seed, **band)
     batches = _draws(loader)
+    noise_seconds = [0.0]
+    add_noise = optimizer.add_noise
 
-    def step() -> Tuple[float, float]:
+    def timed_add_noise() -> None:  # Opacus's pre_step calls self.add_noise()
+        t0 = time.perf_counter()
+        add_noise()
+        noise_seconds[0] += time.perf_counter() - t0
+
+    optimizer.add_noise = timed_add_noise
+
+    def step() -> Tuple[float, ...]:
         x, y = next(batches)
         while not len(y):  # the Llama takes no empty batch (takes_empty)
             x, y = next(batches)
+        noise_seconds[0] = 0.0
         t0 = time.perf_counter()
         train_loss("lm", model, x, y).backward()
         t1 = time.perf_counter()
         optimizer.step()
         t2 = time.perf_counter()
         optimizer.zero_grad()
-        return time.perf_counter() - t0, t2 - t1
+        return time.perf_counter() - t0, t2 - t1, noise_seconds[0], float(len(y))
 
     return step, optimizer, params
 
@@ -539,7 +553,7 @@ def cost_times(cfg: Dict[str, Any], bands_list: Sequence[int], progress: bool) -
     the order rotated every round; medians of the step and of ``optimizer.step()``."""
     configs = [1] + list(bands_list)
     trainers = {b: _cost_trainer(cfg, b) for b in configs}
-    times: Dict[int, List[Tuple[float, float]]] = {b: [] for b in configs}
+    times: Dict[int, List[Tuple[float, ...]]] = {b: [] for b in configs}
     bar = _bar(progress, len(configs) * (cfg["reps"] + 1), "cost: step time")
     for b in configs:
         trainers[b][0]()
@@ -561,8 +575,10 @@ def cost_times(cfg: Dict[str, Any], bands_list: Sequence[int], progress: bool) -
         out.append(dict(noise="independent" if b == 1 else "banded", bands=b, param_bytes=params,
                         buffer_bytes=0 if banded is None else int(banded.buffer_bytes),
                         expected_buffer_bytes=(b - 1) * params,
-                        step_s=statistics.median(t for t, _ in times[b]),
-                        optimizer_step_s=statistics.median(o for _, o in times[b]), reps=len(times[b])))
+                        step_s=statistics.median(t[0] for t in times[b]),
+                        optimizer_step_s=statistics.median(t[1] for t in times[b]),
+                        noise_s=statistics.median(t[2] for t in times[b]),
+                        rows_per_step=statistics.fmean(t[3] for t in times[b]), reps=len(times[b])))
     return out
 
 
@@ -605,16 +621,17 @@ def cost_table(cost: Dict[str, Any]) -> str:
     mem = {r["bands"]: r for r in cost.get("memory", [])}
     base_t = [r for r in cost["times"] if r["bands"] == 1][0]
     base_m = mem.get(1)
-    lines = ["| noise | b | step (ms, median) | vs independent | optimizer.step() (ms) | buffers (MiB) | "
-             "(b-1) × params (MiB) | peak-RSS growth (MiB) | growth − independent's (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| noise | b | step (ms, median) | vs independent | optimizer.step() (ms) | its noise (ms) | rows/step "
+             "| buffers (MiB) | (b-1) × params (MiB) | peak-RSS growth (MiB) | growth − independent's (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in cost["times"]:
         m = mem.get(r["bands"])
         growth = "–" if m is None else f"{m['growth'] / MiB:.1f}"
         extra = "–" if m is None or base_m is None else f"{(m['growth'] - base_m['growth']) / MiB:+.1f}"
         lines.append(
             f"| {r['noise']} | {r['bands']} | {1000 * r['step_s']:.1f} | {r['step_s'] / base_t['step_s']:.2f}× | "
-            f"{1000 * r['optimizer_step_s']:.1f} | {r['buffer_bytes'] / MiB:.1f} | "
+            f"{1000 * r['optimizer_step_s']:.1f} | {1000 * r['noise_s']:.1f} | {r['rows_per_step']:.1f} | "
+            f"{r['buffer_bytes'] / MiB:.1f} | "
             f"{r['expected_buffer_bytes'] / MiB:.1f} | "
             f"{growth} | {extra} |")
     return "\n".join(lines)
