@@ -418,6 +418,7 @@ def summarize(runs: Sequence[Run]) -> List[Dict[str, Any]]:
         rows.append(dict(
             task=task, metric=METRIC[task], epochs=epochs, target_epsilon=eps, noise=rs[0].noise, bands=bands,
             seeds=len(rs), val=val, val_std=val_std, test=test, test_std=test_std, tests=[r.test for r in rs],
+            seed_list=[r.seed for r in rs],
             sigma=rs[0].sigma, epsilon=max(r.epsilon for r in rs), steps=rs[0].steps, epoch_draws=rs[0].epoch_draws,
             charged_rate=rs[0].charged_rate, rows_per_step=statistics.fmean(r.rows_per_step for r in rs),
             prefix_noise=rs[0].prefix_noise, seconds_per_step=statistics.median(r.seconds_per_step for r in rs),
@@ -447,7 +448,9 @@ def chosen(best: Sequence[Dict[str, Any]], key: Tuple[str, float, float]) -> Opt
 def comparison(rows: Sequence[Dict[str, Any]], best: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per (task, epochs, epsilon): independent against the selected banded arm on test;
     ``gain`` = banded better by (accuracy points as a fraction, or nats of loss; > 0: banded
-    better), ``gain_std`` its standard error from the two arms' seed spreads."""
+    better), ``gain_se`` its standard error from the two arms' seed spreads (unpaired), and
+    ``seed_gains`` the same per seed (paired: a seed fixes the initialisation and the noise
+    and sampling seeds of both arms)."""
     out = []
     for key in sorted({_key(r) for r in rows}, key=lambda k: (TASKS.index(k[0]),) + k[1:]):
         b = chosen(best, key)
@@ -456,10 +459,12 @@ def comparison(rows: Sequence[Dict[str, Any]], best: Sequence[Dict[str, Any]]) -
         if not ind or not ban:
             continue
         i, j = ind[0], ban[0]
-        gain = j["test"] - i["test"]
+        sign = -1.0 if METRIC[key[0]] == "loss" else 1.0
         se = math.sqrt(i["test_std"] ** 2 / i["seeds"] + j["test_std"] ** 2 / j["seeds"])
+        mine = dict(zip(i.get("seed_list", ()), i["tests"]))
+        seed_gains = [sign * (t - mine[seed]) for seed, t in zip(j.get("seed_list", ()), j["tests"]) if seed in mine]
         out.append(dict(task=key[0], epochs=key[1], target_epsilon=key[2], bands=b, independent=i, banded=j,
-                        gain=-gain if METRIC[key[0]] == "loss" else gain, gain_se=se))
+                        gain=sign * (j["test"] - i["test"]), gain_se=se, seed_gains=seed_gains))
     return out
 
 
@@ -470,8 +475,8 @@ def _metric(mean: float, std: float) -> str:
 def utility_tables(rows: Sequence[Dict[str, Any]], best: Sequence[Dict[str, Any]]) -> str:
     """The headline table (independent vs the selected banded arm) and the per-b table."""
     lines = ["| task (test metric) | epochs | ε | independent (σ; reported ε) "
-             "| banded, b chosen on val (σ; reported ε) | b | Δ, banded better > 0 (± s.e.) |",
-             "|---|---|---|---|---|---|---|"]
+             "| banded, b chosen on val (σ; reported ε) | b | Δ, banded better > 0 (± s.e.) | Δ per seed |",
+             "|---|---|---|---|---|---|---|---|"]
     for c in comparison(rows, best):
         i, b = c["independent"], c["banded"]
         loss = METRIC[c["task"]] == "loss"
@@ -480,7 +485,8 @@ def utility_tables(rows: Sequence[Dict[str, Any]], best: Sequence[Dict[str, Any]
             f"| {c['task']} ({METRIC[c['task']]}) | {c['epochs']:g} | {c['target_epsilon']:g} | "
             f"{_metric(i['test'], i['test_std'])} ({i['sigma']:.3f}; {i['epsilon']:.3f}) | "
             f"{_metric(b['test'], b['test_std'])} ({b['sigma']:.3f}; {b['epsilon']:.3f}) | {c['bands']} | "
-            f"{scale * c['gain']:+.{3 if loss else 2}f} ± {scale * c['gain_se']:.{3 if loss else 2}f} {unit} |")
+            f"{scale * c['gain']:+.{3 if loss else 2}f} ± {scale * c['gain_se']:.{3 if loss else 2}f} {unit} | "
+            f"{', '.join(f'{scale * g:+.{3 if loss else 2}f}' for g in c['seed_gains'])} |")
     lines += ["", "| task | epochs | ε | noise | b | σ | reported ε | steps (draws/epoch) | units/step, charged q "
               "| val (mean ± std) | test (mean ± std) | σ·‖AC⁻¹‖ (sum noise) | ms/step |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -617,6 +623,14 @@ def cost_memory(cfg: Dict[str, Any], bands_list: Sequence[int], progress: bool) 
     return out
 
 
+def _ms(seconds: Optional[float]) -> str:
+    return "–" if seconds is None else f"{1000 * seconds:.1f}"
+
+
+def _num(value: Optional[float]) -> str:
+    return "–" if value is None else f"{value:.1f}"
+
+
 def cost_table(cost: Dict[str, Any]) -> str:
     mem = {r["bands"]: r for r in cost.get("memory", [])}
     base_t = [r for r in cost["times"] if r["bands"] == 1][0]
@@ -630,7 +644,7 @@ def cost_table(cost: Dict[str, Any]) -> str:
         extra = "–" if m is None or base_m is None else f"{(m['growth'] - base_m['growth']) / MiB:+.1f}"
         lines.append(
             f"| {r['noise']} | {r['bands']} | {1000 * r['step_s']:.1f} | {r['step_s'] / base_t['step_s']:.2f}× | "
-            f"{1000 * r['optimizer_step_s']:.1f} | {1000 * r['noise_s']:.1f} | {r['rows_per_step']:.1f} | "
+            f"{1000 * r['optimizer_step_s']:.1f} | {_ms(r.get('noise_s'))} | {_num(r.get('rows_per_step'))} | "
             f"{r['buffer_bytes'] / MiB:.1f} | "
             f"{r['expected_buffer_bytes'] / MiB:.1f} | "
             f"{growth} | {extra} |")
@@ -658,6 +672,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default=None, help="results JSON")
+    p.add_argument("--report", default=None, metavar="JSON", help="only print the tables of a saved results file")
     p.add_argument("--rss-worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.size = "full" if a.full else (a.size or "small")
@@ -684,6 +699,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if args.rss_worker:  # a fresh process measuring one configuration's peak RSS
         cfg = json.loads(args.rss_worker)
         sys.stdout.write(json.dumps(rss_worker(cfg, cfg.pop("bands_"))) + "\n")
+        return {}
+    if args.report:
+        print(report(json.loads(pathlib.Path(args.report).read_text())))
         return {}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
     logging.getLogger("opacus_rc").setLevel(logging.WARNING)
@@ -740,13 +758,17 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         cost["seconds"] = time.perf_counter() - t0
         record["cost"] = cost
     save()
-    rows = record["summary"]
-    text = utility_tables(rows, record["best_bands"])
+    print(report(record))
+    return record
+
+
+def report(record: Dict[str, Any]) -> str:
+    """The tables of a results record (its runs summarised again) and its wall time."""
+    rows = summarize([Run(**r) for r in record["runs"]])
+    text = utility_tables(rows, best_bands(rows))
     if "cost" in record:
         text += "\n\n" + cost_table(record["cost"])
-    print(text)
-    print(f"\nwall time {record['wall_seconds']:.0f} s")
-    return record
+    return text + f"\n\nwall time {record['wall_seconds']:.0f} s"
 
 
 if __name__ == "__main__":
