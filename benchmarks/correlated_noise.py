@@ -29,14 +29,20 @@ engine reports after training, the noise the running sum holds in theory
 ``C = I`` for independent noise), seconds per step, and ``optimizer.banded.buffer_bytes``
 against the trainable parameters' bytes.
 
-**Cost** (``--cost``, on by default): a larger Llama (hidden 512, 4 layers, ~13M parameters)
-built once per configuration (independent, banded ``b`` of ``--cost-bands``): time per step
-and per ``optimizer.step()`` interleaved in this process (median over ``--cost-reps`` rounds,
-the order rotated every round), and peak-RSS growth over ``--cost-steps`` steps, each
-configuration in a fresh subprocess (``benchmarks.rss``'s ``VmHWM`` after ``clear_refs``).
+**Cost** (skipped with ``--no-cost``): a larger Llama (``--full``: hidden 512, 4 layers, 13.2M
+parameters) built once per configuration (independent, banded at each ``b`` of the size's cost
+bands): time per step, per ``optimizer.step()`` and per ``optimizer.add_noise()``, interleaved in
+this process (medians over the size's rounds, the order rotated every round); and peak-RSS growth
+over ``max(steps, b + 1)`` steps, each configuration in a fresh subprocess (``benchmarks.rss``'s
+``VmHWM`` after ``clear_refs``; ``--no-rss`` skips it).
 
-    python -m benchmarks.correlated_noise                    # small: subsets, eps 8, 1 seed (a few min)
-    python -m benchmarks.correlated_noise --full --out docs/results/correlated_noise.json
+The MiniLM features are computed once and cached under ``--cache-dir`` (``out/cache``; about 3
+and 11 minutes for SMS and Rotten Tomatoes on 2 shared cores). Results: docs/correlated_noise.md.
+
+    python -m benchmarks.correlated_noise                    # small: subsets, eps 8, 1 seed (about 2 min)
+    OMP_NUM_THREADS=1 python -m benchmarks.correlated_noise --full --no-progress \
+        --out docs/results/correlated_noise.json             # 17-23 min with the features cached
+    python -m benchmarks.correlated_noise --report docs/results/correlated_noise.json   # the tables again
     python -m benchmarks.correlated_noise --size tiny --out /tmp/c.json        # the test's size
 """
 
