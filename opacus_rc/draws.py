@@ -191,6 +191,13 @@ class Delivered:
         self.bound = True
         self._recent.append(([t for t in tree_leaves(data) if isinstance(t, torch.Tensor)], batch))
 
+    def latest_empty(self) -> Optional[Batch]:
+        """The last delivered batch when it has no rows (an empty Poisson draw, on which a loop
+        may step without a forward): the step's batch all the same."""
+        if self._recent and len(self._recent[-1][1].units) == 0:
+            return self._recent[-1][1]
+        return None
+
     def find(self, inputs: Any, every: bool = False) -> Optional[Batch]:
         """The delivered :class:`Batch` whose tensors ``inputs`` (a forward's arguments) holds
         (None: none of them; ``every``: each tensor of ``inputs`` must be of it, else refused).
@@ -218,7 +225,7 @@ def unannounced_batch_error(tensor: Optional[torch.Tensor] = None) -> ValueError
     which = "tensors" if tensor is None else f"a tensor of shape {tuple(tensor.shape)}"
     return ValueError(
         f"a training forward pass took {which} of a batch the loader make_private returned did not deliver "
-        "(privacy_unit='user', or a loader that splits Poisson draws: the per-example form's, "
+        "(privacy_unit='user', noise='banded', or a loader that splits Poisson draws: the per-example form's, "
         "BatchMemoryManager's): its rows' units and draw are unknown. Give the model the loader's batch "
         "(moved to the device, cast or sliced: any view or copy of it), one forward per batch; transform "
         "the data in the dataset (loader.follow(optimizer) for objects built by hand)"
@@ -457,6 +464,7 @@ class BatchReader:
 
 
 __all__ = [
-    "Batch", "BatchReader", "CyclicPoissonLoader", "Delivered", "Draw", "DrawLoader", "DrawSampler", "NoBatch", "Rows", "UserDataLoader",
+    "Batch", "BatchReader", "CyclicPoissonLoader", "Delivered", "Draw", "DrawLoader", "DrawSampler", "NoBatch", "Rows",
+    "UserDataLoader",
     "accumulation_error", "signalled_batches", "split_draws", "unannounced_batch_error",
 ]

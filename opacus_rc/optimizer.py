@@ -249,6 +249,9 @@ class RandomizedClippingMixin:
         module = self.bound_module()
         batches = [] if module is None else module.take_step_batches()
         self._raise_refusal()  # an earlier refusal ends the run
+        empty = self.delivered.latest_empty()
+        if not batches and empty is not None and empty.draw not in self._closed_draws:
+            batches = [empty]  # a step without a forward on an empty draw: still that draw's release
         if not batches and self.draw_pending and self._claimed is None:
             self.refuse_steps(ValueError(
                 "optimizer.step() refused: no training forward since the last step, inside a Poisson "

@@ -405,3 +405,24 @@ def test_the_running_sums_noise_of_the_choosing_b_table():
     assert prefix_sum_rms(raw, 20) == pytest.approx(banded_matrix(raw, 20).norm().item() / math.sqrt(20), rel=1e-10)
     rows = banded_errors(8.0, 1, 20, bands=(1, 4))
     assert rows[0]["relative"] == 1.0 and rows[1]["rounds"] == 5 and rows[1]["sigma"] > rows[0]["sigma"]
+
+
+def test_a_loop_that_skips_the_forward_on_empty_draws_runs_with_banded_noise():
+    """``if len(y): loss.backward()`` then ``optimizer.step()``: an empty draw's step has no
+    forward, yet it is that draw's release (its number, one mechanism step each), as with
+    independent noise."""
+    engine = PrivacyEngine(accountant="rc_prv")
+    module, optimizer, criterion, loader = _banded_engine_call(
+        engine, "make_private", noise_multiplier=1.0, noise="banded", bands=4, sample_rate=1 / 64, seed=5,
+    )
+    steps = empty = 0
+    for x, y in loader:
+        optimizer.zero_grad()
+        if len(y):
+            criterion(module(x), y).backward()
+        else:
+            empty += 1
+        optimizer.step()
+        steps += 1
+        assert optimizer.banded.next_step == steps
+    assert empty > 0 and engine.accountant.history[0][2] == steps
