@@ -426,3 +426,22 @@ def test_a_loop_that_skips_the_forward_on_empty_draws_runs_with_banded_noise():
         steps += 1
         assert optimizer.banded.next_step == steps
     assert empty > 0 and engine.accountant.history[0][2] == steps
+
+
+def test_optimized_coefficients_lower_the_running_sums_noise_at_column_norm_1():
+    """The O(n b) error equals the dense ||A C^-1||_F^2; optimised coefficients keep column norm 1
+    (the same sigma) and lower it (b = 4, 100 steps: by 4.5 % in std, > 2 % asserted)."""
+    from opacus_rc.correlated import optimized_banded_coefficients, prefix_sum_error
+
+    sqrt4 = banded_sqrt_coefficients(4)
+    dense = torch.linalg.solve_triangular(
+        banded_matrix(sqrt4, 100), torch.tril(torch.ones(100, 100, dtype=torch.float64)), upper=False, left=False
+    )
+    assert prefix_sum_error(torch.tensor(sqrt4, dtype=torch.float64), 100).item() == pytest.approx(
+        dense.pow(2).sum().item(), rel=1e-10)
+    optimized = optimized_banded_coefficients(4, 100)
+    assert max_column_norm(optimized) == pytest.approx(1.0, abs=1e-12)
+    ratio = (prefix_sum_error(torch.tensor(optimized, dtype=torch.float64), 100)
+             / prefix_sum_error(torch.tensor(sqrt4, dtype=torch.float64), 100)).sqrt().item()
+    assert ratio < 0.98
+    assert optimized_banded_coefficients(1, 50) == (1.0,)
