@@ -445,3 +445,27 @@ def test_optimized_coefficients_lower_the_running_sums_noise_at_column_norm_1():
              / prefix_sum_error(torch.tensor(sqrt4, dtype=torch.float64), 100)).sqrt().item()
     assert ratio < 0.98
     assert optimized_banded_coefficients(1, 50) == (1.0,)
+
+
+@pytest.mark.parametrize("per_example", [False, True])
+def test_bf16_parameters_keep_the_banded_noise_in_float32(per_example):
+    """bf16 weights: the clipped sums, the noise and the kept vectors are float32, ``p.grad`` is
+    bf16 (rounded once, as with independent noise)."""
+    torch.manual_seed(0)
+    model = _mlp().to(torch.bfloat16)
+    data = TensorDataset(torch.randn(64, 6, dtype=torch.bfloat16), torch.arange(64) % 3)
+    engine = PrivacyEngine(accountant="rc_prv")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module, optimizer, criterion, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=8),
+            noise_multiplier=1.0, max_grad_norm=1.0, clipping="randomized", grad_sample_mode="ghost",
+            criterion=nn.CrossEntropyLoss(), noise="banded", bands=4, per_example_backward=per_example,
+        )
+    for x, y in loader:
+        optimizer.zero_grad()
+        criterion(module(x).float(), y).backward()
+        optimizer.step()
+    assert optimizer.banded.next_step == 8
+    assert {t.dtype for past in optimizer.banded._past.values() for t in past} == {torch.float32}
+    assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
