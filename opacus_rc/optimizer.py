@@ -78,10 +78,9 @@ class RandomizedClippingMixin:
         super().__init__(optimizer, **kwargs)
         #: the banded noise's recursion (``noise="banded"``, :mod:`opacus_rc.correlated`); None: independent
         self.banded = None if band_coefficients is None else BandedNoise(band_coefficients)
-        #: mechanism steps the last release advanced (the accountant charges them; banded: the
+        #: mechanism steps the current (else last) release advances (the accountant charges them; banded: the
         #: draws since the last release, discarded ones included)
         self.mechanism_steps = 1
-        self._noise_steps = 1  # of the step being noised
         self._signalled_step: Optional[int] = None  # the draw a signalling loop named (signal_draw_step)
         #: ``"example"`` or ``"user"``: what one clip bounds (see :mod:`opacus_rc.units`)
         self.privacy_unit = EXAMPLE_UNIT if isinstance(user_index, (type(None), ExampleUnits)) else USER_UNIT
@@ -466,20 +465,19 @@ class RandomizedClippingMixin:
     def add_noise(self) -> None:
         """The step's noise added into the clipped sums (:meth:`noise_sums`): independent
         Gaussian noise, or the banded recursion at the step's draw (:mod:`opacus_rc.correlated`)."""
-        self._noise_steps = 1
+        self.mechanism_steps = 1
         if self.banded is not None:
             draw, signalled = self._draw, self._signalled_step
             step = signalled if draw is None else draw.step
             if step is None or (draw is not None and signalled is not None) or self.accumulated_iterations > 1:
                 self.refuse_steps(draw_step_error())
             try:
-                self._noise_steps = self.banded.steps_to(step)
+                self.mechanism_steps = self.banded.steps_to(step)
             except ValueError as error:
                 self.refuse_steps(error)
         self.noise_sums()
         if self.banded is not None:
-            self.banded.advance(self._noise_steps)
-        self.mechanism_steps = self._noise_steps
+            self.banded.advance(self.mechanism_steps)
 
     @property
     def next_noise_step(self) -> int:
@@ -513,7 +511,7 @@ class RandomizedClippingMixin:
         the draws never released since the last step, whose noise is discarded)."""
         if self.banded is None:
             return self._noise(std, reference)
-        for _ in range(self._noise_steps):
+        for _ in range(self.mechanism_steps):
             noise = self.banded.correlate(slot, self._noise(std, reference))
         return noise
 

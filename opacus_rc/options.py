@@ -37,7 +37,7 @@ from .units import (
 )
 from .values import (
     ADAPTIVE, BOOKKEEPING_MODE, DENOISERS, EXAMPLE_UNIT, FLAT, FSDP_MODE, GHOST, HOOKS, NONFINITE_MODES, PER_LAYER,
-    BANDED_NOISE, INDEPENDENT_NOISE, NOISES, RAISE, RANDOMIZED, RC_PRV, SKIP, SVD_FULL, USER_UNIT, check_choice,
+    INDEPENDENT_NOISE, NOISES, RAISE, RANDOMIZED, RC_PRV, SKIP, SVD_FULL, USER_UNIT, check_choice,
     did_you_mean, positive_int,
 )
 
@@ -556,23 +556,49 @@ def user_sampling(sampling: PublicSampling, users: UserIndex) -> PublicSampling:
     return PublicSampling(sampling.batch_size, sampling.batch_size / users.num_users)
 
 
-def _band_coefficients(
-    options: Mapping[str, Any], opacus: Mapping[str, Any], denoise: Any, sampling: PublicSampling, draws: int
-) -> Optional[Tuple[float, ...]]:
-    """``noise=`` and ``bands=``: the banded square root's coefficients (``noise="banded"``) or
-    None (independent noise). Refused by name where a unit's draws cannot be kept ``bands``
-    apart or the combination is not computed exactly."""
-    noise = check_choice("noise", options["noise"], NOISES, did_you_mean(str(options["noise"]), NOISES))
-    bands = options["bands"]
+#: why the spectral denoiser is refused with banded noise
+BANDED_DENOISE_REFUSAL = (
+    "noise='banded' is not supported with denoise='spectral': the denoiser shrinks each step's noisy gradient "
+    "as if its noise were fresh, which undoes the cancellation of banded noise in the running sum; accepted: "
+    "denoise=None with noise='banded', or noise='independent' with denoise"
+)
+
+
+def check_noise(noise: Any, bands: Any, denoise: Any, most: str) -> Optional[int]:
+    """``noise=`` and ``bands=`` (``most``: the largest ``bands`` in words): b of banded noise, or
+    None (independent noise); a ValueError naming the parameter and its accepted values."""
+    noise = check_choice("noise", noise, NOISES, did_you_mean(str(noise), NOISES))
     if noise == INDEPENDENT_NOISE:
         if bands is not None:
             raise ValueError(f"bands={bands!r} only applies with noise='banded'; got noise='independent'")
         return None
     if not positive_int(bands):
         raise ValueError(
-            f"bands={bands!r} is invalid with noise='banded'; accepted values: an int from 1 to the draws of an "
-            f"epoch ({draws}): the noise's coefficients and the sampler's parts"
+            f"bands={bands!r} is invalid with noise='banded'; accepted values: an int from 1 to {most}: the "
+            "noise's coefficients and the sampler's parts"
         )
+    if denoise is not None:
+        raise ValueError(BANDED_DENOISE_REFUSAL)
+    return int(bands)
+
+
+def step_record(sketch: Optional[SketchConfig], bands: Optional[int]) -> StepRecord:
+    """The accountant's record of one step: its sketch and, with banded noise (``bands``), the
+    bands and the largest column norm of the banded square root's ``C``."""
+    if bands is None:
+        return StepRecord.from_config(sketch)
+    return StepRecord.from_config(sketch, 1, bands, max_column_norm(banded_sqrt_coefficients(bands)))
+
+
+def _band_coefficients(
+    options: Mapping[str, Any], opacus: Mapping[str, Any], denoise: Any, sampling: PublicSampling, draws: int
+) -> Optional[Tuple[float, ...]]:
+    """``noise=`` and ``bands=``: the banded square root's coefficients (``noise="banded"``) or
+    None (independent noise). Refused by name where a unit's draws cannot be kept ``bands``
+    apart or the combination is not computed exactly."""
+    bands = check_noise(options["noise"], options["bands"], denoise, f"the draws of an epoch ({draws})")
+    if bands is None:
+        return None
     if not opacus["poisson_sampling"]:
         raise ValueError(
             "noise='banded' needs poisson_sampling=True: the loader make_private returns samples cyclic Poisson "
@@ -582,12 +608,6 @@ def _band_coefficients(
         raise ValueError(
             f"bands={bands} is above the {draws} draws of an epoch (sample rate {sampling.sample_rate:.6g}): "
             f"each part would be sampled at a rate above 1; accepted values: 1 <= bands <= {draws}"
-        )
-    if denoise is not None:
-        raise ValueError(
-            "denoise='spectral' with noise='banded' is not supported: the denoiser shrinks each step's noisy "
-            "gradient as if its noise were fresh, which undoes the cancellation of banded noise in the running "
-            "sum; accepted: denoise=None with noise='banded', or noise='independent' with denoise"
         )
     return banded_sqrt_coefficients(bands)
 
@@ -645,9 +665,7 @@ class Options:
 
     def step_record(self) -> StepRecord:
         """The accountant's record of one step of this call (its sketch, its banded noise)."""
-        if self.band_coefficients is None:
-            return StepRecord.from_config(self.sketch)
-        return StepRecord.from_config(self.sketch, 1, self.bands, max_column_norm(self.band_coefficients))
+        return step_record(self.sketch, None if self.band_coefficients is None else self.bands)
 
     @property
     def privacy_unit(self) -> str:

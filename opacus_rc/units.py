@@ -259,9 +259,12 @@ class UserPoissonSampler(Sampler[List[int]]):
     def draw_from(self, users: torch.Tensor) -> List[int]:
         """The rows of one draw: each of ``users`` with probability ``sample_rate``, a sampled
         user's ``min(k, n_u)`` rows uniformly without replacement (contiguous)."""
+        sampled = users[self.uniform(len(users)) < self.sample_rate]
+        if isinstance(self.index, _ExampleRows):  # a unit is its row: no per-unit lookup
+            return sampled.tolist()
         k = self.index.max_examples_per_user
         draw: List[int] = []
-        for user in users[self.uniform(len(users)) < self.sample_rate].tolist():
+        for user in sampled.tolist():
             rows = self.index.rows_of(user)
             if len(rows) > k:  # a uniform k-subset: the k smallest of i.i.d. uniforms
                 rows = rows[torch.argsort(self.uniform(len(rows)))[:k]]
@@ -471,7 +474,8 @@ def unit_sizes(units: RowUnits) -> torch.Tensor:
 
 
 __all__ = [
-    "CyclicPoissonSampler", "DEFAULT_MAX_EXAMPLES_PER_USER", "EXAMPLES", "EXAMPLE_UNIT", "USER_UNIT", "PRIVACY_UNITS", "ExampleUnits",
+    "CyclicPoissonSampler", "DEFAULT_MAX_EXAMPLES_PER_USER", "EXAMPLES", "EXAMPLE_UNIT", "USER_UNIT", "PRIVACY_UNITS",
+    "ExampleUnits",
     "RowUnits", "UserIndex", "UserPoissonSampler", "check_max_examples_per_user", "check_privacy_unit",
     "in_row_slots", "mean_clip_factors", "per_row", "regroup_rows", "regroup_uses", "sum_rows_by_unit",
     "unit_layout", "unit_sizes", "user_key", "user_epoch_draws", "check_same_on_ranks",

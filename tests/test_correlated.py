@@ -339,7 +339,7 @@ def test_a_banded_run_charges_its_draws_at_the_rate_inside_a_part():
     ({"noise": "banded", "bands": 21}, r"bands=21 is above the 20 draws of an epoch"),
     ({"bands": 3}, r"bands=3 only applies with noise='banded'"),
     ({"noise": "banded", "bands": 2, "poisson_sampling": False}, r"noise='banded' needs poisson_sampling=True"),
-    ({"noise": "banded", "bands": 2, "denoise": "spectral"}, r"denoise='spectral' with noise='banded' is not supported"),
+    ({"noise": "banded", "bands": 2, "denoise": "spectral"}, r"noise='banded' is not supported with denoise='spectral'"),
     ({"noise": "banded", "bands": 2, "clipping": "flat"}, r"noise, bands only apply with clipping='randomized'"),
 ])
 def test_bad_banded_input_is_refused_by_name(options, message):

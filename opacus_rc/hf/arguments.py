@@ -7,15 +7,16 @@ import functools
 from dataclasses import field, fields, make_dataclass
 from typing import Any, Dict, Optional, Tuple, Union
 
-from ..accounting.accountant import StepRecord
+from ..accounting.records import StepRecord
 from ..config import SketchConfig
-from ..correlated import banded_sqrt_coefficients, max_column_norm
 from ..forms import per_example_chosen
-from ..options import DEFAULTS, OPTIONS, check_sample_rate, finite_real, parse_denoise, refuse_unknown, sketch_of
+from ..options import (
+    DEFAULTS, OPTIONS, check_noise, check_sample_rate, finite_real, parse_denoise, refuse_unknown, sketch_of,
+    step_record,
+)
 from ..units import DEFAULT_MAX_EXAMPLES_PER_USER, check_max_examples_per_user, check_privacy_unit
 from ..values import (
-    BANDED_NOISE, DENOISERS as ENGINE_DENOISERS, EXAMPLE_UNIT, FLAT, INDEPENDENT_NOISE, NOISES, RANDOMIZED, USER_UNIT,
-    check_choice, did_you_mean, positive_int,
+    BANDED_NOISE, DENOISERS as ENGINE_DENOISERS, EXAMPLE_UNIT, FLAT, RANDOMIZED, USER_UNIT, check_choice,
 )
 
 CLIPPINGS = (RANDOMIZED, FLAT)
@@ -165,22 +166,11 @@ class _PrivacyArgumentsMethods:
     def _check_noise(self) -> None:
         """``noise`` and ``bands`` (what depends on the sample rate, ``bands * q <= 1``, is
         checked at construction of the Trainer)."""
-        check_choice("noise", self.noise, NOISES, did_you_mean(str(self.noise), NOISES))
-        if self.noise == INDEPENDENT_NOISE:
-            if self.bands is not None:
-                raise ValueError(f"bands={self.bands!r} only applies with noise='banded'; got noise='independent'")
-            return
-        if not positive_int(self.bands):
+        check_noise(self.noise, self.bands, self.denoise, "the logical steps of an epoch (int(1 / sample_rate))")
+        if self.banded and self.clipping != RANDOMIZED:
             raise ValueError(
-                f"bands={self.bands!r} is invalid with noise='banded'; accepted values: an int from 1 to the "
-                "logical steps of an epoch (int(1 / sample_rate)): the noise's coefficients and the sampler's parts"
+                f"noise='banded' is not supported with clipping={self.clipping!r}; accepted: clipping='randomized'"
             )
-        refused = [(self.clipping != RANDOMIZED, f"clipping={self.clipping!r}", "clipping='randomized'"),
-                   (self.denoise is not None, f"denoise={self.denoise!r}", "denoise=None (the denoiser would "
-                    "shrink each step's noise as if it were fresh, undoing the banded noise's cancellation)")]
-        for bad, what, accepted in refused:
-            if bad:
-                raise ValueError(f"noise='banded' is not supported with {what}; accepted: {accepted}")
 
     @property
     def banded(self) -> bool:
@@ -200,10 +190,7 @@ class _PrivacyArgumentsMethods:
     def step_record(self, physical_batch_size: int) -> StepRecord:
         """The accountant's record of one logical step (:meth:`sketch_config`; banded noise:
         ``bands`` and the largest column norm of its ``C``), as the optimizer's hook records it."""
-        if not self.banded:
-            return StepRecord.from_config(self.sketch_config(physical_batch_size))
-        norm = max_column_norm(banded_sqrt_coefficients(self.parts))
-        return StepRecord.from_config(self.sketch_config(physical_batch_size), 1, self.parts, norm)
+        return step_record(self.sketch_config(physical_batch_size), self.parts if self.banded else None)
 
     @property
     def user_level(self) -> bool:
