@@ -1,9 +1,10 @@
 """Checkpoints without secrets.
 
-The sketch generators' states and seed, the noise generators' states and seed and the
-Poisson generator's state are secrets: with them, a reader of a checkpoint regenerates the
-noise of every step (no privacy left), the batches and the per-example sketches (the
-hidden-Z analysis is void). By default
+The sketch generators' states and seed, the noise generators' states and seed, the Poisson
+generator's state, and with banded noise the kept noise vectors and the units' secret
+partition are secrets: with them, a reader of a checkpoint regenerates the noise of every
+step (no privacy left), the batches and the per-example sketches (the hidden-Z analysis is
+void), or recovers the last clipped sums from two consecutive models. By default
 ``PrivacyEngine.save_checkpoint`` stores none of them (the wrapped optimizer's state, the
 module and the accountant's history only), and a resumed run draws fresh randomness and
 reports the same epsilon. ``include_rng_state=True`` adds them for a bit-exact resume: such
@@ -28,6 +29,8 @@ RNG_STATE_KEY = "opacus_rc_rng_state"
 
 #: where ``make_private`` leaves the Poisson loader's generator on the engine
 POISSON_GENERATOR_ATTR = "_opacus_rc_poisson_generator"
+#: where ``make_private`` leaves a banded run's cyclic Poisson sampler (its partition) on the engine
+CYCLIC_SAMPLER_ATTR = "_opacus_rc_cyclic_sampler"
 
 #: the Poisson generators a restarted script seeds again (:func:`reproducible`)
 _REPRODUCIBLE: "weakref.WeakSet[torch.Generator]" = weakref.WeakSet()
@@ -53,6 +56,8 @@ def _sources(module: Any, optimizer: Optional[Any], engine: Any) -> Dict[str, An
         "noise_generator": getattr(optimizer, "generator", None),
         "noise_streams": getattr(optimizer, "noise_streams", None),
         "poisson_generator": getattr(engine, POISSON_GENERATOR_ATTR, None),
+        "banded_noise": getattr(getattr(optimizer, "banded", None), "kept", None),
+        "cyclic_partition": getattr(engine, CYCLIC_SAMPLER_ATTR, None),
     }
     return {
         key: source for key, source in sources.items()

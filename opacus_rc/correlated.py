@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import sys
+import weakref
 from typing import Any, Deque, Dict, List, Sequence, Tuple
 
 import torch
@@ -107,8 +109,15 @@ def optimized_banded_coefficients(bands: int, steps: int, iterations: int = 60) 
 
 
 class BandedNoise:
-    """The state of the banded noise recursion: the next mechanism step and, per parameter
-    slot, the last ``b - 1`` released noise vectors (``w_{t-1}, ..., w_{t-b+1}``).
+    """The state of the banded noise recursion: the next mechanism step, the current *run* and,
+    per parameter slot, the last ``b - 1`` released noise vectors (``w_{t-1}, ..., w_{t-b+1}``).
+
+    A run is one recursion over consecutive mechanism steps with one partition of the units
+    (:class:`~opacus_rc.units.CyclicPoissonSampler`); the accountant charges each run apart
+    (``ceil(steps / b)`` rounds each). The kept vectors are as secret as the noise: they leave
+    the process only with the generators' states (``save_checkpoint(..., include_rng_state=True)``,
+    :attr:`kept`). A state loaded without them starts a new run (:meth:`restart`): the released
+    noise before and after are independent, and a unit's draws in either run stay ``b`` apart.
 
     Args:
         coefficients: ``c_0 .. c_{b-1}`` of ``C`` (``c_0 > 0``; :func:`banded_sqrt_coefficients`).
@@ -124,6 +133,9 @@ class BandedNoise:
         #: the noise's next mechanism step: the cyclic sampler's next draw to release
         self.next_step = 0
         self._past: Dict[int, Deque[torch.Tensor]] = {}
+        self.run_id, self.run_start = new_run_id(), 0
+        #: the secret part of the state (kept vectors, run), for ``include_rng_state=True`` checkpoints
+        self.kept = KeptNoise(self)
 
     @property
     def bands(self) -> int:
@@ -132,6 +144,17 @@ class BandedNoise:
     @property
     def column_norm(self) -> float:
         return max_column_norm(self.coefficients)
+
+    @property
+    def started(self) -> bool:
+        """The current run released a step (its partition of the units is in use)."""
+        return self.next_step > self.run_start
+
+    def restart(self) -> None:
+        """A new run from :attr:`next_step`: no kept vectors (its first noise is ``z / c_0``),
+        a new :attr:`run_id` (charged apart, and served by a partition of its own)."""
+        self._past = {}
+        self.run_id, self.run_start = new_run_id(), self.next_step
 
     def steps_to(self, step: int) -> int:
         """Mechanism steps from :attr:`next_step` through ``step`` (a draw's; > 1 when draws
@@ -166,23 +189,64 @@ class BandedNoise:
         return sum(t.numel() * t.element_size() for past in self._past.values() for t in past)
 
     def state_dict(self) -> Dict[str, Any]:
-        """The next step, the coefficients and the kept noise (as secret as the noise itself)."""
-        return {
-            "coefficients": list(self.coefficients),
-            "next_step": self.next_step,
-            "past": {slot: list(past) for slot, past in self._past.items()},
-        }
+        """The public state: the coefficients and the next step (no kept vector, no run)."""
+        return {"coefficients": list(self.coefficients), "next_step": self.next_step}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continue the recursion of a checkpoint (its coefficients must be these)."""
+        """Continue the step numbering of a checkpoint (its coefficients must be these) in a new
+        run (:meth:`restart`); the kept vectors, if the checkpoint has them, follow
+        (:attr:`kept`, restored after this). A legacy state's vectors (versions up to 0.1.0 kept
+        them in the optimizer's state) are not used."""
         if tuple(float(c) for c in state["coefficients"]) != self.coefficients:
             raise ValueError(
                 f"a checkpoint of banded noise with {len(state['coefficients'])} bands (coefficients "
                 f"{state['coefficients']}) loaded into a run with bands={self.bands}: resume with the same bands="
             )
         self.next_step = int(state["next_step"])
-        self._past = {
-            int(slot): collections.deque(past, maxlen=self.bands - 1) for slot, past in state["past"].items()
+        self.restart()
+
+
+def new_run_id() -> int:
+    """A fresh identifier of a run of the recursion (63 bits from ``os.urandom``; public)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+class KeptNoise:
+    """The secret part of a :class:`BandedNoise`: its run and kept noise vectors (saved and
+    restored with the generators' states, :mod:`opacus_rc.checkpoint`)."""
+
+    def __init__(self, noise: BandedNoise) -> None:
+        self._noise = weakref.ref(noise)
+        #: what the kept vectors are on this process (``"full"``, FSDP2 shards ``(rank, world)``,
+        #: None where no noise is added); set by the optimizer
+        self.holder: Any = "full"
+
+    def state_dict(self) -> Dict[str, Any]:
+        noise = self._noise()
+        return {
+            "run_id": noise.run_id, "run_start": noise.run_start, "next_step": noise.next_step, "holder": self.holder,
+            "past": {slot: list(past) for slot, past in noise._past.items()},
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue the saved run: refused when the optimizer state loaded with it is of another
+        step, or the vectors are not of this process's kind (:attr:`holder`)."""
+        noise = self._noise()
+        holder = tuple(state["holder"]) if isinstance(state["holder"], (list, tuple)) else state["holder"]
+        if holder != self.holder:
+            raise ValueError(
+                f"noise='banded': the checkpoint's kept noise vectors are {holder or 'absent'} where they must be "
+                f"{self.holder or 'absent'} on this process (DDP: rank 0 keeps them; FSDP2: each rank its own shards, "
+                "same world size): load each rank's own checkpoint"
+            )
+        if int(state["next_step"]) != noise.next_step:
+            raise ValueError(
+                f"noise='banded': the checkpoint's kept noise vectors are of step {state['next_step']}, its optimizer "
+                f"state of step {noise.next_step}: load the optimizer state saved with them"
+            )
+        noise.run_id, noise.run_start = int(state["run_id"]), int(state["run_start"])
+        noise._past = {
+            int(slot): collections.deque(past, maxlen=noise.bands - 1) for slot, past in state["past"].items()
         }
 
 
@@ -198,6 +262,6 @@ def draw_step_error() -> ValueError:
 
 
 __all__: List[str] = [
-    "BANDED_STATE_KEY", "BandedNoise", "banded_matrix", "banded_sqrt_coefficients", "draw_step_error", "max_column_norm",
-    "optimized_banded_coefficients", "prefix_sum_error",
+    "BANDED_STATE_KEY", "BandedNoise", "KeptNoise", "banded_matrix", "banded_sqrt_coefficients", "draw_step_error", "max_column_norm",
+    "new_run_id", "optimized_banded_coefficients", "prefix_sum_error",
 ]

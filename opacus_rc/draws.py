@@ -17,6 +17,8 @@ dropped, never released (docs/forms.md, "One draw, one release").
 from __future__ import annotations
 
 import collections
+import functools
+import hashlib
 import math
 import weakref
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .csprng import init_poisson_loader, rank_share
+from .row_order import Collated, RowOrderCollate, follows_rows, tensors_in
 from .units import EXAMPLES, CyclicPoissonSampler, RowUnits, UserIndex, UserPoissonSampler
 from .values import EXAMPLE_UNIT
 
@@ -64,11 +67,17 @@ class Batch:
         """Its units, for a layer that saw ``rows`` rows (refused when they differ)."""
         if len(self.units) != rows:
             raise ValueError(
-                f"a layer saw {rows} rows of a batch of {len(self.units)} that the loader make_private returned "
-                "delivered: every trainable layer must see the whole batch along dimension 0 (train on the "
-                "returned loader's batches, one forward each)"
+                f"a layer saw {rows} rows where the forward's batch, the next one the loader make_private returned "
+                f"delivered, has {len(self.units)}: each training forward takes the loader's next batch, in "
+                "delivery order (a batch skipped, or a forward on other data?), and every trainable layer must see "
+                "its whole batch along the batch dimension (one forward per batch)"
             )
         return self.units
+
+    def reordered(self, order: Optional[List[int]]) -> "Batch":
+        """This batch with its rows in ``order`` (``order[i]``: the row that is now row ``i``; a
+        collate that sorts); itself for None."""
+        return self if order is None else Batch(self.draw, self.index, self.units.take(order))
 
 
 def signalled_batches(units: RowUnits, one_row_each: bool) -> List[Batch]:
@@ -165,70 +174,97 @@ class DrawSampler(Sampler[List[int]]):
         return getattr(self.poisson, name)
 
 
-# --- finding a forward's batch by the tensors it takes ------------------------------------
+# --- which delivered batch a training forward takes ---------------------------------------
 
-def _same_memory(t: torch.Tensor, b: torch.Tensor) -> bool:
-    return t.device == b.device and t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+def _holds(refs: List["weakref.ref"], tensors: List[torch.Tensor]) -> bool:
+    """Some of ``tensors`` is a delivered tensor (alive, in ``refs``) or shares its storage (a view)."""
+    for ref in refs:
+        delivered = ref()
+        if delivered is None or delivered.numel() == 0:
+            continue
+        pointer = delivered.untyped_storage().data_ptr()
+        if any(t is delivered or (t.device == delivered.device and t.numel() > 0
+                                  and t.untyped_storage().data_ptr() == pointer) for t in tensors):
+            return True
+    return False
 
 
-def _same_values(t: torch.Tensor, b: torch.Tensor) -> bool:
-    """A copy of ``b`` (moved to a device, cast): the same elements in order."""
-    return t.numel() == b.numel() and t.numel() > 0 and torch.equal(
-        t.detach().reshape(-1), b.detach().reshape(-1).to(device=t.device, dtype=t.dtype)
-    )
+class Ledger:
+    """What the plugin's loaders delivered to one optimizer, in delivery order, and the batch
+    each training forward takes (docs/forms.md, "Which batch a forward takes"). Identity is
+    carried, never re-found by value: a forward takes the oldest delivered batch not yet taken
+    (the head), whatever the loop computed from it (a device copy, a cast, a normalisation, an
+    augmentation, shifted labels, a re-tokenisation); a later forward before the step takes the
+    same batch again (two views, a backbone called alone) unless a batch was delivered after it
+    was taken (then it is that batch's: a second physical batch in one step, refused by the
+    step). A forward on the very tensors (or views) of a later delivered batch takes that batch:
+    the ones before it were skipped by the loop and are never released. The layers check that
+    a forward's rows are the batch's (:meth:`Batch.units_of`)."""
 
-
-class Delivered:
-    """The last ``keep`` batches a plugin loader delivered, found again by the tensors a
-    forward takes (:meth:`find`): the tensor itself, a view of it, or a copy of it."""
-
-    def __init__(self, keep: int = 8) -> None:
-        self._recent: Deque[Tuple[List[torch.Tensor], Batch]] = collections.deque(maxlen=keep)
+    def __init__(self) -> None:
+        self._queue: Deque[Tuple[List["weakref.ref"], Batch]] = collections.deque()
+        self._deliveries = 0
+        self._current: Optional[Tuple[List["weakref.ref"], Batch]] = None
+        self._taken_at = 0  # deliveries when the current batch was taken
         #: a plugin loader delivered to this optimizer: every training forward must take its batches
         self.bound = False
+        #: the batch delivered last
+        self.latest: Optional[Batch] = None
 
-    def add(self, data: Any, batch: Batch) -> None:
-        self.bound = True
-        self._recent.append(([t for t in tree_leaves(data) if isinstance(t, torch.Tensor)], batch))
+    def deliver(self, data: Any, batch: Batch) -> None:
+        """A loader hands ``data`` (what the script gets) with its :class:`Batch`."""
+        self.bound, self.latest = True, batch
+        self._queue.append(([weakref.ref(t) for t in tensors_in(data)], batch))
+        self._deliveries += 1
 
-    def latest_empty(self) -> Optional[Batch]:
-        """The last delivered batch when it has no rows (an empty Poisson draw, on which a loop
-        may step without a forward): the step's batch all the same."""
-        if self._recent and len(self._recent[-1][1].units) == 0:
-            return self._recent[-1][1]
+    def take(self, inputs: Any) -> Optional[Batch]:
+        """The batch of a training forward on ``inputs`` (None: no delivered batch is pending)."""
+        tensors = tensors_in(inputs)
+        later = next((i for i, (refs, _) in enumerate(self._queue) if _holds(refs, tensors)), None)
+        if later is not None:
+            for _ in range(later):  # skipped by the loop: never released
+                self._queue.popleft()
+            return self._take_head()
+        current = self._current
+        if current is not None and (self._deliveries == self._taken_at or _holds(current[0], tensors)):
+            return current[1]
+        if any(t.numel() > 0 for t in tensors):
+            while self._queue and len(self._queue[0][1].units) == 0:  # empty draws the loop did not forward
+                self._queue.popleft()
+        return self._take_head() if self._queue else None
+
+    def _take_head(self) -> Batch:
+        self._current, self._taken_at = self._queue.popleft(), self._deliveries
+        return self._current[1]
+
+    def take_empty(self) -> Optional[Batch]:
+        """At a step without a forward: the head when it is an empty draw (a loop may step on one
+        without a forward), taken; else None."""
+        if self._queue and len(self._queue[0][1].units) == 0:
+            return self._take_head()
         return None
 
-    def find(self, inputs: Any, every: bool = False) -> Optional[Batch]:
-        """The delivered :class:`Batch` whose tensors ``inputs`` (a forward's arguments) holds
-        (None: none of them; ``every``: each tensor of ``inputs`` must be of it, else refused).
-        Raises ValueError when several delivered batches match."""
-        tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
-        for match in (lambda t, b: t is b, _same_memory, _same_values):
-            found = {id(batch): (data, batch) for data, batch in self._recent
-                     if any(match(t, b) for t in tensors for b in data)}
-            if len(found) > 1:
-                raise ValueError(
-                    "a forward pass took tensors of several batches the loader make_private returned "
-                    "delivered (or copies equal to several): each forward must take one batch"
-                )
-            if found:
-                data, batch = found.popitem()[1]
-                foreign = [t for t in tensors if not any(m(t, b) for m in (_same_memory, _same_values) for b in data)]
-                if every and foreign and not batch.draw.signalled:  # (the Trainer adds position ids)
-                    raise unannounced_batch_error(foreign[0])
-                return batch
-        return None
+    def end_step(self) -> None:
+        """A step ended: the next training forward takes the next batch."""
+        self._current = None
 
 
-def unannounced_batch_error(tensor: Optional[torch.Tensor] = None) -> ValueError:
-    """The refusal of a training forward on tensors no batch of the followed loader holds."""
+def unannounced_batch_error(tensor: Optional[torch.Tensor] = None, bound: bool = True) -> ValueError:
+    """The refusal of a training forward that no delivered batch is pending for (``bound``: the
+    followed loader delivered before; else, at user level, the batches must come from it)."""
     which = "tensors" if tensor is None else f"a tensor of shape {tuple(tensor.shape)}"
+    if bound:
+        return ValueError(
+            f"a training forward pass (the model in train mode, gradients on) took {which} while no batch of the "
+            "loader make_private returned was pending: every batch it delivered was already taken by a forward "
+            "(a validation or monitoring forward in train mode? run it under torch.no_grad() or after "
+            "model.eval()); each forward takes the next batch the loader delivered, in delivery order"
+        )
     return ValueError(
-        f"a training forward pass took {which} of a batch the loader make_private returned did not deliver "
-        "(privacy_unit='user', noise='banded', or a loader that splits Poisson draws: the per-example form's, "
-        "BatchMemoryManager's): its rows' units and draw are unknown. Give the model the loader's batch "
-        "(moved to the device, cast or sliced: any view or copy of it), one forward per batch; transform "
-        "the data in the dataset (loader.follow(optimizer) for objects built by hand)"
+        f"privacy_unit='user': a training forward pass took {which}, but the loader make_private returned has "
+        "not delivered a batch: a user's rows are clipped together, so the batches must come from that loader "
+        "(it carries each row's user with it). Train on its batches (moved to the device, cast or transformed as "
+        "you like); loader.follow(optimizer) for objects built by hand"
     )
 
 
@@ -284,13 +320,23 @@ class DrawLoader(DataLoader):
                 "this loader delivers each batch to the optimizer make_private returned with it "
                 "(loader.follow(optimizer) for objects built by hand)"
             )
-        continue_at = getattr(self.batch_sampler, "continue_at", None)
-        if continue_at is not None:  # a cyclic sampler numbers its draws from the noise's next step
-            continue_at(optimizer.next_noise_step)
+        serve = getattr(self.batch_sampler, "serve", None)
+        if serve is not None and optimizer.banded is not None:  # a cyclic sampler: the noise's run and next step
+            serve(optimizer.banded)
         pending = self.batch_sampler.pending
         for data in super().__iter__():
-            optimizer.delivered.add(data, pending.popleft())
+            batch = pending.popleft()
+            if isinstance(data, Collated):  # the rows' order after the collate (privacy_unit="user")
+                data, batch = data.data, batch.reordered(data.order)
+            optimizer.ledger.deliver(data, batch)
             yield data
+
+    def follow_rows(self) -> None:
+        """At ``privacy_unit="user"``: the collate function tells where each row went
+        (:class:`~opacus_rc.row_order.RowOrderCollate`; torch's default collate keeps the order)."""
+        if self.user_index is not EXAMPLES and follows_rows(self.collate_fn) \
+                and not isinstance(self.collate_fn, RowOrderCollate):
+            self.collate_fn = RowOrderCollate(self.collate_fn)
 
 
 class UserDataLoader(DrawLoader):
@@ -314,6 +360,7 @@ class UserDataLoader(DrawLoader):
         self.distributed = distributed
         sampler = UserPoissonSampler(index, sample_rate, generator, **rank_share(distributed))
         init_poisson_loader(self, dataset, DrawSampler(sampler, index), **kwargs)
+        self.follow_rows()
 
 
 class CyclicPoissonLoader(DrawLoader):
@@ -337,7 +384,25 @@ class CyclicPoissonLoader(DrawLoader):
         sampler = CyclicPoissonSampler(
             index, sample_rate, bands, generator, steps, num_units=len(dataset), **rank_share(distributed)
         )
+        if index is None:  # example level: a unit's key is its row
+            sampler.identity = functools.partial(dataset_digest, dataset)
         init_poisson_loader(self, dataset, DrawSampler(sampler, EXAMPLES if index is None else index), **kwargs)
+        self.follow_rows()
+
+
+def dataset_digest(dataset: Dataset) -> bytes:
+    """sha256 of every row of ``dataset`` in order (each leaf: a tensor's dtype, shape and bytes,
+    else its ``repr``): the identity of rows keyed by their position."""
+    digest = hashlib.sha256()
+    for i in range(len(dataset)):
+        for leaf in tree_leaves(dataset[i]):
+            if isinstance(leaf, torch.Tensor):
+                flat = leaf.detach().cpu().contiguous().reshape(-1)
+                digest.update(f"{flat.dtype}{tuple(leaf.shape)}".encode() + flat.view(torch.uint8).numpy().tobytes())
+            else:
+                digest.update(repr(leaf).encode())
+        digest.update(b"\0")
+    return digest.digest()
 
 
 def split_draws(*, data_loader: DataLoader, max_batch_size: int, optimizer: Any) -> DataLoader:
@@ -345,7 +410,7 @@ def split_draws(*, data_loader: DataLoader, max_batch_size: int, optimizer: Any)
     physical batches of at most ``max_batch_size`` rows (a :class:`DrawLoader` following
     ``optimizer``, a plugin optimizer); Opacus's own loader for Opacus's optimizers."""
     sampler = data_loader.batch_sampler
-    if not hasattr(optimizer, "delivered"):  # Opacus's optimizer
+    if not hasattr(optimizer, "ledger"):  # Opacus's optimizer
         sampler = BatchSplittingSampler(sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer)
         return DataLoader(dataset=data_loader.dataset, batch_sampler=sampler, **_options(data_loader))
     if isinstance(sampler, DrawSampler):  # a loader of the plugin's: its draws, split (again)
@@ -360,6 +425,7 @@ def split_draws(*, data_loader: DataLoader, max_batch_size: int, optimizer: Any)
     else:
         sampler = DrawSampler(sampler, EXAMPLES, max_batch_size)
     loader = DrawLoader(dataset=data_loader.dataset, batch_sampler=sampler, **_options(data_loader))
+    loader.follow_rows()
     loader.follow(optimizer)
     return loader
 
@@ -372,15 +438,12 @@ def _options(data_loader: DataLoader) -> dict:
 
 class BatchReader:
     """What every form's module shares (its per-batch entry point, :meth:`take_batch`): the
-    :class:`Batch` of the model's training forward, found by the tensors it takes among those
-    the followed optimizer's loader delivered (:class:`Delivered`), read by the layers' hooks
-    (:attr:`batch`) and by the optimizer's step (:meth:`take_step_batches`)."""
+    :class:`Batch` of the model's training forward, the one the followed optimizer's
+    :class:`Ledger` says it takes, read by the layers' hooks (:attr:`batch`) and by the
+    optimizer's step (:meth:`take_step_batches`)."""
 
     #: what the followed optimizer's steps protect (``"example"``/``"user"``; its ``bind_module`` sets it)
     privacy_unit: str = EXAMPLE_UNIT
-    #: every tensor argument of a forward must come from the delivered batch (the per-example form)
-    one_batch_per_argument = False
-
     def watch_batches(self, root: torch.nn.Module) -> List[Any]:
         """Read the batch of every outermost forward of ``root``'s modules (the root's, or a
         submodule called alone, e.g. a chunked head's backbone); returns the hooks' handles."""
@@ -412,7 +475,7 @@ class BatchReader:
             return
         if not self.in_replay():
             self.take_batch(self.find_batch((args, kwargs)))
-            self._took_rows |= any(t.numel() > 0 for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            self._took_rows |= any(t.numel() > 0 for t in tensors_in((args, kwargs)))
 
     def in_replay(self) -> bool:
         """A checkpointed region's replay (no new batch)."""
@@ -421,19 +484,18 @@ class BatchReader:
         return forward_replay() is not None
 
     def find_batch(self, inputs: Any) -> Batch:
-        """The delivered batch ``inputs`` holds; else, for inputs computed in a graph, the batch a
-        forward took since the last step (a chunked head's hidden states); a batch of rows when no
-        plugin loader delivers to the followed optimizer at example level; else refused (ValueError)."""
+        """The batch a training forward on ``inputs`` takes: the followed optimizer's
+        :class:`Ledger`'s when a plugin loader delivers to it; else, at example level, a batch of
+        rows (each its own unit; Opacus's loaders); else refused (ValueError)."""
         optimizer = None if self._batches_from is None else self._batches_from()
-        delivered = getattr(optimizer, "delivered", None)
-        batch = None if delivered is None else delivered.find(inputs, every=self.one_batch_per_argument)
+        ledger = getattr(optimizer, "ledger", None)
+        bound = ledger is not None and ledger.bound
+        batch = ledger.take(inputs) if bound else None
         if batch is not None:
             return batch
-        tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
-        if not isinstance(self.batch, NoBatch) and any(t.grad_fn is not None for t in tensors):
-            return self.batch  # inputs the pass computed from its batch (a chunked head's hidden states)
-        if self.privacy_unit != EXAMPLE_UNIT or (delivered is not None and delivered.bound):
-            raise unannounced_batch_error(tensors[0] if tensors else None)
+        if bound or self.privacy_unit != EXAMPLE_UNIT:
+            tensors = tensors_in(inputs)
+            raise unannounced_batch_error(tensors[0] if tensors else None, bound=bound)
         return Rows()
 
     def take_batch(self, batch: Batch) -> None:
@@ -448,6 +510,10 @@ class BatchReader:
     def end_step(self) -> None:
         """The followed optimizer's step ended: the next layer needs the next forward's batch."""
         self.batch = NoBatch()
+        optimizer = None if self._batches_from is None else self._batches_from()
+        ledger = getattr(optimizer, "ledger", None)
+        if ledger is not None:
+            ledger.end_step()
 
     def refuse_step(self, error: ValueError) -> None:
         """Raise ``error``; the followed optimizer drops its step and refuses every later one."""
@@ -464,7 +530,7 @@ class BatchReader:
 
 
 __all__ = [
-    "Batch", "BatchReader", "CyclicPoissonLoader", "Delivered", "Draw", "DrawLoader", "DrawSampler", "NoBatch", "Rows",
+    "Batch", "BatchReader", "CyclicPoissonLoader", "Draw", "DrawLoader", "DrawSampler", "Ledger", "NoBatch", "Rows",
     "UserDataLoader",
-    "accumulation_error", "signalled_batches", "split_draws", "unannounced_batch_error",
+    "accumulation_error", "dataset_digest", "signalled_batches", "split_draws", "tensors_in", "unannounced_batch_error",
 ]

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from .clip_guard import ClipGuard
 from .config import SketchConfig
 from .correlated import BANDED_STATE_KEY, BandedNoise, draw_step_error
-from .draws import Batch, Delivered, Draw, accumulation_error
+from .draws import Batch, Draw, Ledger, accumulation_error
 from .estimators import at_least_float32
 from .finite import FORWARD_CHANGE, NonFiniteGuard, failed_kinds
 from .forward_changes import ForwardChanges, watched_model
@@ -78,6 +78,8 @@ class RandomizedClippingMixin:
         super().__init__(optimizer, **kwargs)
         #: the banded noise's recursion (``noise="banded"``, :mod:`opacus_rc.correlated`); None: independent
         self.banded = None if band_coefficients is None else BandedNoise(band_coefficients)
+        if self.banded is not None:
+            self.banded.kept.holder = self.noise_holder()
         #: mechanism steps the current (else last) release advances (the accountant charges them; banded: the
         #: draws since the last release, discarded ones included)
         self.mechanism_steps = 1
@@ -100,8 +102,8 @@ class RandomizedClippingMixin:
         self._nonfinite_guard = NonFiniteGuard()
         self.backward_passes = 0  # backward passes accumulated since the last real step
         self._draw_splits = 0  # of them, continuations of one Poisson draw (BatchMemoryManager)
-        #: the batches the plugin's loaders deliver to this optimizer (:mod:`opacus_rc.draws`)
-        self.delivered = Delivered()
+        #: the batches the plugin's loaders deliver to this optimizer, in order (:mod:`opacus_rc.draws`)
+        self.ledger = Ledger()
         self._draw: Optional[Draw] = None  # the draw whose clipped sums p.summed_grad holds
         self._draw_seen = 0  # of its physical batches
         self._claimed: Optional[Batch] = None  # the last batch claimed in this step
@@ -248,8 +250,8 @@ class RandomizedClippingMixin:
         module = self.bound_module()
         batches = [] if module is None else module.take_step_batches()
         self._raise_refusal()  # an earlier refusal ends the run
-        empty = self.delivered.latest_empty()
-        if not batches and empty is not None and empty.draw not in self._closed_draws:
+        empty = None if batches else self.ledger.take_empty()
+        if empty is not None and empty.draw not in self._closed_draws:
             batches = [empty]  # a step without a forward on an empty draw: still that draw's release
         if not batches and self.draw_pending and self._claimed is None:
             self.refuse_steps(ValueError(
@@ -535,19 +537,20 @@ class RandomizedClippingMixin:
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state; a seeded run's says so (:data:`SEEDED_STATE_KEY`,
-        never the seed itself); banded noise's recursion (:data:`BANDED_STATE_KEY`: the kept
-        noise vectors, as secret as the training data)."""
+        never the seed itself); banded noise's public state (:data:`BANDED_STATE_KEY`: its next
+        step; the kept noise vectors are secrets, saved only with ``include_rng_state=True``)."""
         state = super().state_dict()
         if self.banded is not None:
-            holder = self.noise_holder() if self.adds_noise else None
-            state = {**state, BANDED_STATE_KEY: {**self.banded.state_dict(), "holder": holder}}
+            state = {**state, BANDED_STATE_KEY: self.banded.state_dict()}
         return {**state, SEEDED_STATE_KEY: True} if self.seeded else state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """The wrapped optimizer's state. Generator states are never part of it (see
         ``PrivacyEngine.save_checkpoint(..., include_rng_state=True)``); a legacy entry
         holding them is dropped. The state of a seeded run loaded into a seeded one is
-        refused unless ``accept_replayed_noise=True`` (:meth:`check_seeded_resume`)."""
+        refused unless ``accept_replayed_noise=True`` (:meth:`check_seeded_resume`). Banded
+        noise continues its step numbering in a new run (:meth:`BandedNoise.load_state_dict
+        <opacus_rc.correlated.BandedNoise.load_state_dict>`) unless the kept vectors follow."""
         state_dict = dict(state_dict)
         if state_dict.pop(_LEGACY_STATE_KEY, None) is not None:
             logger.warning("ignored the sketch/noise generator states of a legacy optimizer state_dict")
@@ -559,30 +562,18 @@ class RandomizedClippingMixin:
                 f"{'independent' if banded is None else 'banded'} loaded into a run with noise="
                 f"{'independent' if self.banded is None else 'banded'}: resume with the same noise= and bands="
             )
-        if banded is not None:
-            self._check_noise_holder(banded.get("holder"))
-            self.banded.load_state_dict(banded)
         if self.deferred_seeded_resume is not None:
             self.deferred_seeded_resume = seeded
         else:
             self.check_seeded_resume(seeded)
         super().load_state_dict(state_dict)
+        if banded is not None:
+            self.banded.load_state_dict(banded)
 
     def noise_holder(self) -> Any:
-        """What banded noise's kept vectors are on this process: ``"full"`` (one process, DDP's rank 0)."""
-        return "full"
-
-    def _check_noise_holder(self, holder: Any) -> None:
-        """A process that adds noise resumes banded noise only from vectors of its kind (DDP: rank
-        0's, full; FSDP2: its own shards, same rank and world size), never from none."""
-        holder = tuple(holder) if isinstance(holder, (list, tuple)) else holder
-        if self.adds_noise and holder != self.noise_holder():
-            raise ValueError(
-                f"noise='banded': an optimizer state whose kept noise vectors are {holder or 'absent'} loaded "
-                f"where they must be {self.noise_holder()} (a process that adds noise): the recursion would restart "
-                "or use another rank's shards. Load the state saved where the noise is added (DDP: rank 0's; "
-                "FSDP2: each rank its own, with the same world size)"
-            )
+        """What banded noise's kept vectors are on this process: ``"full"`` where the noise is
+        added (one process, DDP's rank 0), None elsewhere."""
+        return "full" if self.adds_noise else None
 
     def check_seeded_resume(self, seeded_state: bool) -> None:
         """Refuse resuming a run that used ``seed=`` (``seeded_state``) with ``seed=`` (its

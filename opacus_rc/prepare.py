@@ -195,12 +195,14 @@ class MakePrivateCall:
         if self.options.band_coefficients is not None:  # noise="banded": cyclic Poisson over parts of the units
             if distributed and self.options.users is not None:
                 check_same_on_ranks(self.options.users)
-            return CyclicPoissonLoader(
+            loader = CyclicPoissonLoader(
                 data_loader.dataset, index=self.options.users, bands=self.options.bands,
                 sample_rate=self.options.charged_rate, generator=generator, distributed=distributed,
                 steps=self.options.epoch_draws(data_loader, True), batch_first=settings["batch_first"],
                 rand_on_empty=settings["rand_on_empty"], **loader_settings(data_loader),
             )
+            setattr(self, checkpoint.CYCLIC_SAMPLER_ATTR, loader.batch_sampler.poisson)  # include_rng_state
+            return loader
         if self.options.users is not None:  # privacy_unit="user": Poisson over (this rank's share of) users
             if distributed:
                 check_same_on_ranks(self.options.users)  # one user index on every rank, each user on one

@@ -20,10 +20,11 @@ units); the design and its checks: docs/privacy_unit.md.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -34,6 +35,8 @@ from torch.utils.data import Sampler
 from .estimators import as_sequence
 from .sketch import entropy_seed
 from .values import EXAMPLE_UNIT, PRIVACY_UNITS, USER_UNIT, positive_int
+
+logger = logging.getLogger(__name__)
 
 #: default contribution bound k: the rows a sampled user contributes to one step
 DEFAULT_MAX_EXAMPLES_PER_USER = 8
@@ -102,6 +105,8 @@ class UserIndex:
             owner.append(position.setdefault(key, len(position)))
         #: sha256 of the rows' keys in row order (the same on ranks given the same user_ids)
         self.digest = digest.digest()
+        #: each user's canonical key (:func:`user_key`), by user number: the user's stable identity
+        self.keys: List[Any] = list(position)
         self.user_of_row = torch.tensor(owner, dtype=torch.long)
         self.num_users = len(position)
         counts = torch.bincount(self.user_of_row, minlength=self.num_users)
@@ -186,13 +191,8 @@ def check_same_on_ranks(index: UserIndex) -> None:
 
     Raises:
         ValueError: the ranks' dataset lengths or ``user_ids`` differ."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    mine = torch.tensor([len(index.user_of_row), *index.digest], dtype=torch.int64, device=device)
-    both = torch.cat([mine, -mine])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    if not torch.equal(both[: len(mine)], -both[len(mine):]):
+    agreed = agree_across_ranks([len(index.user_of_row), *index.digest])
+    if agreed is not None and agreed[0] != agreed[1]:
         raise ValueError(
             "privacy_unit='user' under torch.distributed: the ranks were given different rows or user_ids (the "
             "dataset's length or its ids differ between ranks); accepted values: every rank passes the whole "
@@ -215,6 +215,13 @@ class _Uniform:
         if isinstance(self.generator, torch.Generator):
             return torch.rand(n, generator=self.generator, dtype=torch.float64)
         return self.generator.uniform(n)
+
+    def secret(self) -> bytes:
+        """32 secret bytes (a key) from the generator."""
+        if isinstance(self.generator, torch.Generator):
+            words = torch.randint(0, 1 << 62, (4,), generator=self.generator, dtype=torch.int64)
+            return b"".join(int(w).to_bytes(8, "little") for w in words.tolist())
+        return self.generator.random_bytes(32)
 
 
 def user_epoch_draws(sample_rate: float) -> int:
@@ -280,34 +287,117 @@ class _ExampleRows:
 
     def __init__(self, n: int) -> None:
         self.num_users = n
+        self.keys = range(n)
 
     def rows_of(self, unit: int) -> torch.Tensor:
         return torch.tensor([unit])
 
 
+def unit_parts(keys: Sequence[Any], bands: int, secret: bytes) -> torch.Tensor:
+    """Each unit's part of the cycle, from its stable key: ``BLAKE2b_secret(repr(key)) mod bands``
+    (64 bits). Under a secret drawn for the run the parts are uniform and independent, and a
+    unit's part depends on its own key only: adding or removing a unit moves no other unit."""
+    digest = hashlib.blake2b
+    return torch.tensor(
+        [int.from_bytes(digest(repr(k).encode(), key=secret, digest_size=8).digest(), "little") % bands for k in keys],
+        dtype=torch.long,
+    )
+
+
+def agree_across_ranks(values: Sequence[int]) -> Optional[Tuple[List[int], List[int]]]:
+    """Under ``torch.distributed`` (else None): one all-reduce (MAX) of ``[v, -v]``; returns the
+    ranks' largest and smallest ``values``, element by element (equal iff every rank agrees)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    both = torch.cat([mine, -mine])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return both[: len(mine)].tolist(), (-both[len(mine):]).tolist()
+
+
+def _from_rank_zero(words: List[int]) -> List[int]:
+    """``words`` (int64s) of rank 0, on every rank (one broadcast)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor(words, dtype=torch.int64, device=device)
+    dist.broadcast(tensor, src=0)
+    return tensor.tolist()
+
+
 class CyclicPoissonSampler(UserPoissonSampler):
     """Cyclic Poisson sampling (amplified banded matrix factorisation, :mod:`opacus_rc.correlated`):
     the units (users, or rows at example level: ``index=None`` and ``num_units``) are split into
-    ``bands`` fixed parts by a public rule, unit ``u`` in part ``u mod bands``; draw ``t`` samples
-    part ``t mod bands`` only, each of its units with probability ``sample_rate`` (the rate
-    inside a part), so a unit's draws are always ``bands`` apart. Draws are numbered across
-    epochs (:meth:`numbered_draws`; :meth:`continue_at` resumes the sequence of a checkpoint).
+    ``bands`` parts, each unit's part drawn uniformly and independently for the run
+    (:func:`unit_parts` of its stable key under a secret from ``generator``: the canonical user
+    key, or the row); draw ``t`` samples part ``t mod bands`` only, each of its units with
+    probability ``sample_rate`` (the rate inside a part), so a unit's draws are always ``bands``
+    apart. Draws are numbered across epochs (:meth:`numbered_draws`).
 
-    Distributed: every rank has the same parts and takes every ``world_size``-th unit of each
-    (the union over ranks is one Poisson draw of the part); every rank yields every draw.
+    The partition serves one run of the noise's recursion (:meth:`serve`, at every iteration of
+    the loader): a run that released steps under another partition (a new loader, a resume
+    without ``include_rng_state=True``) restarts. The secret, the run and the numbering are
+    restored with the generators' states (:meth:`state_dict`); at example level only onto the
+    same rows in the same order (:attr:`identity`).
+
+    Distributed: every rank has the same parts (rank 0's secret, broadcast) and takes every
+    ``world_size``-th unit of each (the union over ranks is one Poisson draw of the part); every
+    rank yields every draw; the ranks' draw numbers are compared at every iteration.
     """
 
     def __init__(self, index: Optional[UserIndex], sample_rate: float, bands: int, generator: Any = None,
                  steps: Optional[int] = None, rank: int = 0, world_size: int = 1, num_units: int = 0) -> None:
         super().__init__(index if index is not None else _ExampleRows(num_units), sample_rate, generator, steps)
-        units = torch.arange(self.index.num_users)
         self.bands = bands
-        self.parts = [units[part::bands][rank::world_size] for part in range(bands)]
+        self.rank, self.world_size = rank, world_size
         #: the number of the next draw (all epochs)
         self.next_draw = 0
+        #: the noise run the partition serves (None: none yet)
+        self.run: Optional[int] = None
+        #: a digest of the data the unit keys stand for, where the keys are positions (example level)
+        self.identity: Optional[Callable[[], bytes]] = None
+        self._partition(self.uniform.secret())
+
+    def _partition(self, secret: bytes) -> None:
+        self._secret = secret
+        parts = unit_parts(self.index.keys, self.bands, secret)
+        units = torch.arange(len(parts))
+        self.parts = [units[parts == part][self.rank::self.world_size] for part in range(self.bands)]
+
+    def serve(self, noise: Any) -> None:
+        """Number the next draw from ``noise``'s next step (at least) and serve its run
+        (``noise``: the optimizer's :class:`~opacus_rc.correlated.BandedNoise`): a run that
+        released steps under another partition restarts (a warning says so), a partition that
+        served another run is drawn anew. Distributed: the ranks' draw numbers must agree
+        (else ValueError on every rank); a new run takes rank 0's secret and run."""
+        self.next_draw = max(self.next_draw, int(noise.next_step))
+        binding = self.run != noise.run_id
+        agreed = agree_across_ranks([noise.next_step, self.next_draw, int(binding)])
+        if agreed is not None and agreed[0][:2] != agreed[1][:2]:
+            raise ValueError(
+                f"noise='banded' under torch.distributed: the ranks' banded noise is at steps {agreed[1][0]} to "
+                f"{agreed[0][0]} and their loaders at draws {agreed[1][1]} to {agreed[0][1]}; every rank must run "
+                "the same steps: load the same checkpoint on every rank (PrivacyEngine.load_checkpoint, each rank "
+                "its own file with include_rng_state=True) and iterate the loader on every rank"
+            )
+        if not (binding or (agreed is not None and agreed[0][2])):
+            return
+        if self.run is not None:
+            self._partition(self.uniform.secret())  # this partition served another run
+        if noise.started:
+            logger.warning(
+                "noise='banded': the loader's partition of the units is not the one the noise's run used (a new "
+                "loader, or a resume without include_rng_state=True): the recursion restarts at step %d (a new run, "
+                "charged on its own)", noise.next_step,
+            )
+            noise.restart()
+        if agreed is not None:
+            words = _from_rank_zero([noise.run_id, *_words(self._secret)])
+            noise.run_id = words[0]
+            self._partition(b"".join(w.to_bytes(8, "little", signed=True) for w in words[1:]))
+        self.run = noise.run_id
 
     def continue_at(self, step: int) -> None:
-        """Number the next draw at least ``step`` (a resumed run's: its noise's next step)."""
+        """Number the next draw at least ``step``."""
         self.next_draw = max(self.next_draw, int(step))
 
     def numbered_draws(self) -> Iterator[Tuple[int, List[int]]]:
@@ -320,13 +410,34 @@ class CyclicPoissonSampler(UserPoissonSampler):
         for _, rows in self.numbered_draws():
             yield rows
 
+    def state_dict(self) -> dict:
+        """The partition's secret, its run and the numbering (secrets: ``include_rng_state=True``)."""
+        return {"secret": self._secret, "run": self.run, "next_draw": self.next_draw,
+                "identity": None if self.identity is None else self.identity()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a saved partition; refused (ValueError) when the data its keys stand for changed."""
+        if self.identity is not None and state["identity"] != self.identity():
+            raise ValueError(
+                "noise='banded': this checkpoint's partition of the units is of other rows (or of these rows in "
+                "another order): at example level a unit's key is its row, so a resumed run must have the same "
+                "dataset rows in the same order to continue the recursion with include_rng_state=True; resume "
+                "from a checkpoint without it (the recursion restarts, charged as a new run) or restore the rows"
+            )
+        self._partition(bytes(state["secret"]))
+        self.run, self.next_draw = state["run"], int(state["next_draw"])
+
+
+def _words(secret: bytes) -> List[int]:
+    return [int.from_bytes(secret[i:i + 8], "little", signed=True) for i in range(0, len(secret), 8)]
+
 
 @dataclass(frozen=True)
 class RowUnits:
     """The units of a delivered batch's rows: ``users`` (B,) the owner of each row (example
     level: the row itself), ``sizes`` (B,) its owner's ``m_u`` (the rows the owner contributes
     to the draw; 1 for an example), and ``last`` (B,) whether the row is its owner's last one in
-    the draw (from a whole draw's rows, where a unit's rows are contiguous; kept by :meth:`rows`)."""
+    the batch (kept by :meth:`rows`: of a whole draw's rows, the owner's last in the draw)."""
 
     users: torch.Tensor
     sizes: torch.Tensor
@@ -337,10 +448,11 @@ class RowUnits:
     _layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.last is None:
-            last = torch.ones(len(self), dtype=torch.bool)
-            last[:-1] = self.users[1:] != self.users[:-1]
-            object.__setattr__(self, "last", last)
+        if self.last is None:  # each row is its owner's last in the batch when no later row is the owner's
+            _, owner = torch.unique(self.users, return_inverse=True)
+            rows = torch.arange(len(self))
+            final = torch.full((int(owner.max()) + 1 if len(self) else 0,), -1).scatter_reduce_(0, owner, rows, "amax")
+            object.__setattr__(self, "last", final[owner] == rows)
 
     @classmethod
     def singletons(cls, rows: int, users: Optional[torch.Tensor] = None) -> "RowUnits":
@@ -362,10 +474,10 @@ class RowUnits:
         """``(slot, position, count)``: the unit slot of each row (users in order of first
         appearance), the row's position among its unit's rows (both on ``device``), and the
         number of units; checked once that every user's rows in the batch are all its rows
-        of the draw, contiguous.
+        of the draw (in any order).
 
         Raises:
-            ValueError: a user split across physical batches, or its rows interleaved.
+            ValueError: a user split across physical batches.
         """
         key = torch.device("cpu") if device is None else torch.device(device)
         if key not in self._layouts:
@@ -375,18 +487,40 @@ class RowUnits:
         return self._layouts[key]
 
     def _cpu_layout(self) -> Tuple[torch.Tensor, torch.Tensor, int]:
-        users, slot = torch.unique_consecutive(self.users, return_inverse=True)
+        """Units in order of first appearance; a unit's rows need not be adjacent (a collate that
+        sorts moves them), but must be all its rows of the draw."""
+        users, owner = torch.unique(self.users, return_inverse=True)
+        rows = torch.arange(len(self))
+        first = torch.full((len(users),), len(self)).scatter_reduce_(0, owner, rows, "amin")
+        rank = torch.empty_like(first)
+        rank[torch.argsort(first)] = torch.arange(len(users))
+        slot = rank[owner]
         counts = torch.bincount(slot, minlength=len(users))
         sizes = torch.zeros_like(counts).scatter_(0, slot, self.sizes)
-        if not torch.equal(counts, sizes) or len(torch.unique(users)) != len(users):
+        if not torch.equal(counts, sizes):
             raise ValueError(
                 "privacy_unit='user' with a physical batch that holds part of a user's rows: book-keeping "
                 "and the two-pass forms clip a user within one physical batch (the returned loader's "
                 "batches, or BatchMemoryManager's, which cut draws between users); per_example_backward=True "
                 "spreads a user's rows over backward passes"
             )
+        by_slot = torch.argsort(slot, stable=True)
         start = torch.cumsum(counts, 0) - counts
-        return slot, torch.arange(len(self)) - start[slot], len(users)
+        position = torch.empty_like(slot)
+        position[by_slot] = rows - start[slot[by_slot]]
+        return slot, position, len(users)
+
+    def grouped(self) -> List[int]:
+        """The rows in an order that puts each unit's rows next to each other (units in order
+        of first appearance): the per-example form passes a unit's rows one after another."""
+        return torch.argsort(self.layout()[0], stable=True).tolist()
+
+    def take(self, order: List[int]) -> "RowUnits":
+        """The units of the batch's rows taken in ``order`` (a collate that sorts its rows)."""
+        index = torch.as_tensor(order, dtype=torch.long)
+        if self.single_rows:
+            return RowUnits.singletons(len(index), self.users[index])
+        return RowUnits(self.users[index], self.sizes[index])
 
     def rows(self, start: int, stop: int) -> "RowUnits":
         """The units of rows ``start:stop`` of the batch (e.g. one row of a per-example pass)."""
@@ -478,5 +612,5 @@ __all__ = [
     "ExampleUnits",
     "RowUnits", "UserIndex", "UserPoissonSampler", "check_max_examples_per_user", "check_privacy_unit",
     "in_row_slots", "mean_clip_factors", "per_row", "regroup_rows", "regroup_uses", "sum_rows_by_unit",
-    "unit_layout", "unit_sizes", "user_key", "user_epoch_draws", "check_same_on_ranks",
+    "unit_layout", "unit_parts", "unit_sizes", "user_key", "user_epoch_draws", "check_same_on_ranks", "agree_across_ranks",
 ]

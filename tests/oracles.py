@@ -151,3 +151,11 @@ def per_user_clipped_mean(model, loss_of, xs, ys, users, max_grad_norm: float, n
         for (n, _), m in zip(params.items(), mean):
             total[n] += (scale * m).to(total[n].dtype)
     return {n: t / normaliser for n, t in total.items()}
+
+
+def cyclic_part(secret: bytes, key, bands: int) -> int:
+    """A unit's part of the cycle (banded noise), computed here with hashlib:
+    ``BLAKE2b_secret(repr(key)) mod bands`` over a 64-bit little-endian digest."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), key=secret, digest_size=8).digest(), "little") % bands

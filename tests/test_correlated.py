@@ -22,6 +22,8 @@ from opacus_rc.correlated import BandedNoise, banded_matrix, banded_sqrt_coeffic
 from opacus_rc.optimizer import SEEDED_STATE_KEY
 from opacus_rc.units import CyclicPoissonSampler, UserIndex
 
+from tests.oracles import cyclic_part
+
 DELTA = 1e-5
 
 
@@ -139,6 +141,7 @@ def _clipped_releases(x: torch.Tensor, y: torch.Tensor, steps: int, bands: int):
             loss_reduction="sum", noise="banded", bands=bands, seed=11, sample_rate=0.9 / bands,
         )
     releases = []
+    secret = loader.batch_sampler.poisson._secret
     while len(releases) < steps:
         for xb, yb in loader:
             optimizer.zero_grad()
@@ -147,7 +150,7 @@ def _clipped_releases(x: torch.Tensor, y: torch.Tensor, steps: int, bands: int):
             releases.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double().clone())
             if len(releases) == steps:
                 break
-    return torch.stack(releases)
+    return torch.stack(releases), secret
 
 
 def test_removing_one_unit_moves_each_round_by_at_most_the_column_norm_times_c():
@@ -160,10 +163,12 @@ def test_removing_one_unit_moves_each_round_by_at_most_the_column_norm_times_c()
     unit = 13
     neighbour = x.clone()
     neighbour[unit] = 0.0
-    diff = _clipped_releases(x, y, steps, bands) - _clipped_releases(neighbour, y, steps, bands)
+    (released, secret), (other, other_secret) = _clipped_releases(x, y, steps, bands), _clipped_releases(neighbour, y, steps, bands)
+    assert secret == other_secret  # seed=: the same partition, the same masks
+    diff = released - other
     norms = diff.norm(dim=1)
     touched = (norms > 1e-9).nonzero().reshape(-1).tolist()
-    assert touched and all(t % bands == unit % bands for t in touched)  # only the unit's part's draws
+    assert touched and all(t % bands == cyclic_part(secret, unit, bands) for t in touched)  # only the unit's part's draws
     assert norms.max().item() <= clip * (1 + 1e-6)
     coefficients = banded_sqrt_coefficients(bands)
     c = banded_matrix(coefficients, steps)
@@ -179,11 +184,12 @@ def test_cyclic_sampler_draws_each_unit_only_from_its_part_at_the_rate_inside_it
     """Draw t holds units of part t mod b only; over 600 draws each part's inclusion frequency
     is q = 0.3 within 4.5 standard errors (sqrt(q(1-q)/trials))."""
     sampler = CyclicPoissonSampler(None, 0.3, 3, torch.Generator().manual_seed(0), steps=600, num_units=90)
+    parts = torch.tensor([cyclic_part(sampler._secret, r, 3) for r in range(90)])
     counts, trials = torch.zeros(90), torch.zeros(90)
     for step, rows in sampler.numbered_draws():
         part = step % 3
-        assert all(r % 3 == part for r in rows)
-        trials[part::3] += 1
+        assert all(cyclic_part(sampler._secret, r, 3) == part for r in rows)
+        trials[parts == part] += 1
         counts[rows] += 1
     rate = counts.sum() / trials.sum()
     assert abs(rate - 0.3) < 4.5 * math.sqrt(0.3 * 0.7 / trials.sum().item())
@@ -196,11 +202,14 @@ def test_cyclic_sampler_numbers_draws_across_epochs_and_ranks_share_the_parts():
     index = UserIndex([i // 2 for i in range(40)], 40, 2)  # 20 users of 2 rows
     sampler = CyclicPoissonSampler(index, 1.0, 4, torch.Generator().manual_seed(0), steps=3)
     assert [s for s, _ in sampler.numbered_draws()] + [s for s, _ in sampler.numbered_draws()] == list(range(6))
-    ranks = [CyclicPoissonSampler(index, 1.0, 4, None, steps=4, rank=r, world_size=2) for r in range(2)]
+    # (under torch.distributed the ranks take rank 0's secret; here: equal generators)
+    ranks = [CyclicPoissonSampler(index, 1.0, 4, torch.Generator().manual_seed(5), steps=4, rank=r, world_size=2)
+             for r in range(2)]
+    secret = ranks[0]._secret
     for (s0, rows0), (s1, rows1) in zip(ranks[0].numbered_draws(), ranks[1].numbered_draws()):
         assert s0 == s1 and not set(rows0) & set(rows1)
         users = {index.user_of_row[r].item() for r in rows0 + rows1}
-        assert users == {u for u in range(20) if u % 4 == s0 % 4}  # rate 1: the whole part, split over ranks
+        assert users == {u for u in range(20) if cyclic_part(secret, u, 4) == s0 % 4}  # rate 1: the part, over ranks
 
 
 # --- accounting -----------------------------------------------------------------------------------
@@ -379,20 +388,31 @@ def test_a_step_on_data_no_cyclic_draw_delivered_is_refused():
     assert len(engine.accountant.history) == 0
 
 
-def test_a_state_without_the_kept_noise_is_refused_where_noise_is_added():
-    """A DDP rank other than 0 keeps no noise vectors (it adds none): its state, loaded where the
-    noise is added, would restart the recursion silently; refused by name. Rank 0's loads."""
+def test_kept_noise_of_a_rank_that_adds_none_is_refused_where_noise_is_added():
+    """A DDP rank other than 0 keeps no noise vectors (it adds none): its kept state (saved with
+    include_rng_state=True), loaded where the noise is added, would restart the recursion
+    silently under the saved run; refused by name. Rank 0's continues the run: the same run, the
+    same vectors. Kept vectors of another step than the optimizer state's are refused."""
     _, saved_on_rank_1, _ = _zero_gradient_run(3, 3)
     saved_on_rank_1.rank = 1  # Opacus's DDP optimizers' attribute: this rank adds no noise
-    state = saved_on_rank_1.state_dict()
+    saved_on_rank_1.banded.kept.holder = saved_on_rank_1.noise_holder()
+    kept_1 = saved_on_rank_1.banded.kept.state_dict()
+    assert kept_1["holder"] is None
     _, fresh, _ = _zero_gradient_run(1, 3)
-    with pytest.raises(ValueError, match="noise='banded'.*kept noise vectors are absent"):
-        fresh.load_state_dict(state)
-    del saved_on_rank_1.rank
     state = saved_on_rank_1.state_dict()
     del state[SEEDED_STATE_KEY]  # (a seeded state loaded into a seeded run is refused for replaying noise)
     fresh.load_state_dict(state)
-    assert fresh.banded.next_step == 3
+    with pytest.raises(ValueError, match="noise='banded'.*kept noise vectors are absent"):
+        fresh.banded.kept.load_state_dict(kept_1)
+    del saved_on_rank_1.rank
+    saved_on_rank_1.banded.kept.holder = saved_on_rank_1.noise_holder()
+    kept_0 = saved_on_rank_1.banded.kept.state_dict()
+    fresh.banded.kept.load_state_dict(kept_0)
+    assert fresh.banded.next_step == 3 and fresh.banded.run_id == saved_on_rank_1.banded.run_id
+    assert all(torch.equal(a, b) for s in kept_0["past"] for a, b in zip(kept_0["past"][s], fresh.banded._past[s]))
+    fresh.banded.next_step = 4
+    with pytest.raises(ValueError, match="kept noise vectors are of step 3, its optimizer state of step 4"):
+        fresh.banded.kept.load_state_dict(kept_0)
 
 
 def test_the_running_sums_noise_of_the_choosing_b_table():

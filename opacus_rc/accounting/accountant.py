@@ -96,11 +96,13 @@ class RCPRVAccountant(IAccountant):
         steps: int = 1,
         bands: int = 1,
         column_norm: float = 1.0,
+        noise_run: Optional[int] = None,
     ) -> None:
         """Record ``steps`` steps (``micro_batches`` independently sampled micro-batches at rate
         ``sample_rate`` each; banded noise: ``bands`` and ``column_norm`` of ``C``, ``steps``
-        the mechanism steps the release advanced); consecutive identical steps are merged."""
-        record = StepRecord.from_config(sketch_config, micro_batches, bands, column_norm)
+        the mechanism steps the release advanced, ``noise_run`` the recursion's run);
+        consecutive identical steps are merged."""
+        record = StepRecord.from_config(sketch_config, micro_batches, bands, column_norm, noise_run)
         steps = check_count(steps, "steps")
         if self.history:
             sigma, q, n, last = self.entry(self.history[-1])
@@ -119,7 +121,8 @@ class RCPRVAccountant(IAccountant):
         def hook_fn(optim: Any) -> None:
             banded = getattr(optim, "banded", None)
             band = {} if banded is None else dict(
-                steps=optim.mechanism_steps, bands=banded.bands, column_norm=banded.column_norm
+                steps=optim.mechanism_steps, bands=banded.bands, column_norm=banded.column_norm,
+                noise_run=banded.run_id,
             )
             self.step(
                 noise_multiplier=optim.noise_multiplier,
@@ -212,7 +215,7 @@ class RCPRVAccountant(IAccountant):
     def charged(self, default: Optional[StepRecord] = None) -> List[Tuple[float, float, int, StepRecord]]:
         """What :meth:`get_epsilon` composes: each history entry, banded noise's reduced to
         DP-SGD (:meth:`StepRecord.reduced`: ``ceil(steps / b)`` rounds at ``sigma / column_norm``;
-        consecutive entries of one mechanism are one run)."""
+        consecutive entries of one mechanism and run of its recursion are one run)."""
         runs: List[Tuple[float, float, int, StepRecord]] = []
         for raw in self.history:
             sigma, q, n, record = self.entry(raw, default)

@@ -35,6 +35,9 @@ class StepRecord:
     #: banded noise (``noise="banded"``): b, and the largest column norm of its ``C``
     bands: int = 1
     column_norm: float = 1.0
+    #: banded noise: the run of the recursion (:attr:`opacus_rc.correlated.BandedNoise.run_id`);
+    #: runs are charged apart (None: one run, as records of versions up to 0.1.0)
+    noise_run: Optional[int] = None
 
     @property
     def randomized(self) -> bool:
@@ -46,19 +49,20 @@ class StepRecord:
 
     def reduced(self, sigma: float, steps: int) -> Tuple[float, int, "StepRecord"]:
         """Amplified banded matrix factorisation as DP-SGD (Choquette-Choo et al., 2023):
-        ``steps`` consecutive steps in which a unit's draws are ``b`` apart are
+        ``steps`` consecutive steps of one run, in which a unit's draws are ``b`` apart, are
         ``ceil(steps / b)`` rounds at ``sigma / max_column_norm(C)``, the same rate and sketch."""
         if not self.banded:
             return sigma, steps, self
-        plain = dataclasses.replace(self, bands=1, column_norm=1.0)
+        plain = dataclasses.replace(self, bands=1, column_norm=1.0, noise_run=None)
         return sigma / self.column_norm, -(-steps // self.bands), plain
 
     @classmethod
     def from_config(
-        cls, config: Optional[SketchConfig], micro_batches: int = 1, bands: int = 1, column_norm: float = 1.0
+        cls, config: Optional[SketchConfig], micro_batches: int = 1, bands: int = 1, column_norm: float = 1.0,
+        noise_run: Optional[int] = None,
     ) -> "StepRecord":
         m = check_count(micro_batches, "micro_batches")
-        band = dict(bands=check_count(bands, "bands"), column_norm=_column_norm(column_norm))
+        band = dict(bands=check_count(bands, "bands"), column_norm=_column_norm(column_norm), noise_run=_run(noise_run))
         if config is None:
             return cls(micro_batches=m, **band)
         if not isinstance(config, SketchConfig):
@@ -76,7 +80,8 @@ class StepRecord:
         if not isinstance(raw, dict):
             raise ValueError(f"sketch={raw!r} must be None, a dict or a SketchConfig")
         m = check_count(raw.get("micro_batches", 1), "micro_batches")
-        band = dict(bands=check_count(raw.get("bands", 1), "bands"), column_norm=_column_norm(raw.get("column_norm", 1.0)))
+        band = dict(bands=check_count(raw.get("bands", 1), "bands"), column_norm=_column_norm(raw.get("column_norm", 1.0)),
+                    noise_run=_run(raw.get("noise_run")))
         count = raw.get("sketch_size", raw.get("accounting_sketch_count"))
         if count is None:
             return cls(micro_batches=m, **band)  # deterministic clipping
@@ -93,13 +98,16 @@ class StepRecord:
     def as_dict(self) -> Optional[Dict[str, Any]]:
         """The stored form: None for a deterministic single-batch step of independent noise."""
         band = {"bands": self.bands, "column_norm": self.column_norm} if self.banded else {}
+        if band and self.noise_run is not None:
+            band["noise_run"] = self.noise_run
         if not self.randomized:
             if self.micro_batches == 1 and not band:
                 return None
             return {**({"micro_batches": self.micro_batches} if self.micro_batches != 1 else {}), **band}
-        stored = dataclasses.asdict(self)
-        if not band:
-            del stored["bands"], stored["column_norm"]
+        stored = {**dataclasses.asdict(self), **band}
+        for key in ("bands", "column_norm", "noise_run"):
+            if key not in band:
+                del stored[key]
         return stored
 
 
@@ -108,6 +116,13 @@ def _column_norm(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"column_norm={value!r}; accepted values: a finite real > 0 (the largest column norm of C)")
     return float(value)
+
+
+def _run(value: Any) -> Optional[int]:
+    """A record's ``noise_run``: None or an int."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"noise_run={value!r}; accepted values: None or an int (a run of the banded recursion)")
+    return value
 
 
 def sketch_record(

@@ -109,13 +109,13 @@ def unchecked_draw_boundary(optimizer: Any) -> None:
     physical batch (``same_draw``) and each ``step()`` pops one, whatever batches it followed; the
     draws no longer decide. A release can then hold the tail of one draw and the head of the next,
     charged as the one draw whose end it holds."""
-    add = optimizer.delivered.add
+    deliver = optimizer.ledger.deliver
 
     def signalled(data: Any, batch: Batch) -> None:
         optimizer.signal_skip_step(do_skip=not batch.last, same_draw=True)
-        add(data, Batch(Draw(1, signalled=True), 0, batch.units))
+        deliver(data, Batch(Draw(1, signalled=True), 0, batch.units))
 
-    optimizer.delivered.add = signalled
+    optimizer.ledger.deliver = signalled
 
 
 def carried_partial_draw(optimizer: Any) -> None:

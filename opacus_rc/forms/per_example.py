@@ -181,8 +181,6 @@ class PerExampleClipping(BatchReader):
             if ran and optimizer is not None:
                 optimizer.count_backward_pass()
 
-    one_batch_per_argument = True
-
     def take_batch(self, batch: Any) -> None:
         """One forward per batch of a plugin loader (a second would clip its example twice)."""
         if not batch.draw.signalled and any(b is batch for b in self._step_batches):

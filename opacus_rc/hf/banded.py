@@ -61,10 +61,11 @@ def signal_draw_step(trainer: Trainer, optimizer: Any, inputs: Any, skipping: bo
 
 
 def continue_numbering(trainer: Trainer) -> None:
-    """A banded run's sampler numbers its draws from the noise's next step (a resumed recursion)."""
+    """A banded run's sampler serves the noise's run from its next step (a resumed recursion
+    without its kept vectors restarts: :meth:`~opacus_rc.units.CyclicPoissonSampler.serve`)."""
     sampler = poisson_sampler_of(trainer._dp_loader)
     if trainer.privacy.banded and sampler is not None:
-        sampler.continue_at(trainer._dp_optimizer.next_noise_step)
+        sampler.serve(trainer._dp_optimizer.banded)
 
 
 __all__ = ["check_banded", "check_draw_step", "continue_numbering", "signal_draw_step"]

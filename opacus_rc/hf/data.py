@@ -2,14 +2,15 @@
 (:class:`PoissonAccumulationSampler`; at ``privacy_unit="user"`` a draw over users,
 :class:`~opacus_rc.units.UserPoissonSampler`), collated by the Trainer's collator, an empty
 draw becoming a marker batch (:func:`is_empty_batch`); at user level each batch carries its
-rows' units (:func:`take_units`). With banded noise (``bands=b``) the draws are cyclic
+rows' units (:func:`take_units`), in the order the collator put the rows in
+(:class:`~opacus_rc.row_order.RowOrderCollate`). With banded noise (``bands=b``) the draws are cyclic
 (:class:`~opacus_rc.units.CyclicPoissonSampler`: draw t from part t mod b of the units) and
 each batch carries its draw's number (:func:`take_draw_step`), the banded noise's time."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -17,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..sketch import entropy_seed
 from ..draws import DrawSampler
+from ..row_order import Collated, RowOrderCollate
 from ..units import EXAMPLES, CyclicPoissonSampler, RowUnits, UserIndex, UserPoissonSampler
 
 _EMPTY = "__opacus_rc_empty_batch__"
@@ -45,7 +47,7 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
     :class:`~opacus_rc.units.CyclicPoissonSampler` over the units (rows, or ``users``): draw
     ``t`` samples part ``t mod bands`` only, at ``sample_rate`` (the rate inside a part, b
     times the overall rate); draws are numbered across epochs (:meth:`numbered_draws`,
-    :meth:`continue_at`).
+    :meth:`serve`).
     """
 
     def __init__(
@@ -110,11 +112,11 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
         per_part = [int(c.sum()) for c in torch.tensor_split(counts, self.micro_batches)]
         return step, list(torch.split(rows, per_part))
 
-    def continue_at(self, step: int) -> None:
-        """Number the next cyclic draw at least ``step`` (the banded noise's next step: a
-        resumed run continues the recursion)."""
+    def serve(self, noise: Any) -> None:
+        """The cyclic draws serve ``noise``'s run from its next step
+        (:meth:`~opacus_rc.units.CyclicPoissonSampler.serve`)."""
         if self.bands is not None:
-            self._user_draws.continue_at(step)
+            self._user_draws.serve(noise)
 
     def numbered_draws(self) -> Iterator[Tuple[Optional[int], List[int]]]:
         """An epoch's physical batches, each with its logical step's draw number (banded
@@ -136,104 +138,6 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
 def _collate_or_mark(collate: Callable, rows: List[Any]) -> Any:
     """The Trainer's collator; an empty Poisson batch becomes a marker (no forward pass)."""
     return {_EMPTY: True} if len(rows) == 0 else collate(rows)
-
-
-#: feature keys a collator passes on under another name (transformers' collators: "labels")
-_RENAMED = {"label": "labels", "label_ids": "labels"}
-
-
-def _frozen(value: Any) -> Any:
-    """``value`` (a feature's field) as a hashable value compared by content."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), tuple(value.reshape(-1).tolist()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
-    if isinstance(value, Mapping):
-        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
-    return value
-
-
-def _content(value: torch.Tensor, mask: Optional[torch.Tensor]) -> tuple:
-    """A row's field without its padding: its values where ``mask`` is nonzero (a mask of
-    its shape), else with ``-100`` (the label padding) trimmed from both ends."""
-    if mask is not None and mask.shape == value.shape:
-        return tuple(value[mask != 0].tolist())
-    flat = value.reshape(-1).tolist()
-    start, stop = 0, len(flat)
-    while start < stop and flat[start] == -100:
-        start += 1
-    while stop > start and flat[stop - 1] == -100:
-        stop -= 1
-    return tuple(flat[start:stop])
-
-
-def in_draw_order(features: List[Any], batch: Any) -> Any:
-    """``batch`` (the collator's output for ``features``, one physical batch of a user-level
-    draw) with its rows in the order of ``features``, which the units follow (issue 46, path
-    7: a collator that sorts its rows put a user's rows in other users' units).
-
-    Each collated row is matched to the feature it came from by the fields the collator
-    passes on (under their own names, or ``label`` as ``labels``): their values without
-    padding (where ``attention_mask`` is 1, else ``-100`` trimmed). Rows whose fields match
-    several features are taken in order only when those features are identical.
-
-    Raises:
-        ValueError: naming ``data_collator``: a collated row matches no feature (the collator
-            changed, dropped or added rows, or passes no field on), or features that differ.
-    """
-    n = len(features)
-    if n < 2 or not isinstance(batch, MutableMapping):
-        return batch  # nothing to reorder (a non-mapping batch is refused by the loader)
-    mask = batch.get("attention_mask")
-    mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == n else None
-    named = [(k, _RENAMED.get(k, k)) for k in (features[0] if isinstance(features[0], Mapping) else ())]
-    fields = [(k, b) for k, b in named
-              if isinstance(batch.get(b), torch.Tensor) and batch[b].dim() > 0 and batch[b].shape[0] == n]
-
-    # a field padded where attention_mask is 0: of the mask's shape, each row as long as its input_ids
-    aligned = [mask is not None and batch[b].shape == mask.shape and all(
-        "input_ids" in f and torch.as_tensor(f[k]).shape == torch.as_tensor(f["input_ids"]).shape for f in features)
-        for k, b in fields]
-
-    def feature_key(f: Mapping) -> tuple:
-        own = f.get("attention_mask")
-        return tuple(_content(torch.as_tensor(f[k], dtype=batch[b].dtype),
-                              (torch.ones(len(f[k])) if own is None else torch.as_tensor(own)) if a else None)
-                     for (k, b), a in zip(fields, aligned))
-
-    groups: Dict[tuple, List[int]] = {}
-    why = "it passes no field of the rows on under their names" if not fields else None
-    for i, f in enumerate(features if why is None else ()):
-        groups.setdefault(feature_key(f), []).append(i)
-    for rows in groups.values():
-        if len({_frozen(features[i]) for i in rows}) > 1:
-            why = f"rows {rows} differ only in fields the collator does not pass on"
-    order: List[int] = []
-    for j in range(n if why is None else 0):
-        rows = groups.get(tuple(_content(batch[b][j], mask[j] if a else None) for (_, b), a in zip(fields, aligned)))
-        if not rows:
-            why = f"its row {j} matches none of the rows it was given (changed, dropped or added)"
-            break
-        order.append(rows.pop(0))
-    if why is not None:
-        raise ValueError(
-            f"privacy_unit='user': the data_collator's batch cannot be matched to the rows it was given ({why}); "
-            "each collated row is matched to its row by the fields it passes on (e.g. input_ids, labels: the "
-            "values where attention_mask is 1) to clip it with its user. Accepted values: a collator that pads "
-            "and stacks the rows' fields, in any order (tokenize in the dataset, e.g. with dataset.map, not "
-            "in the collator; no random masking)"
-        )
-    if order != list(range(n)):
-        back = torch.argsort(torch.tensor(order))  # collated row back[i] came from feature i
-        for key, value in list(batch.items()):
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
-                batch[key] = value[back]
-    return batch
-
-
-def _collate_in_draw_order(collate: Callable, rows: List[Any]) -> Any:
-    """:func:`_collate_or_mark` with the rows put back in the draw's order (:func:`in_draw_order`)."""
-    return in_draw_order(rows, _collate_or_mark(collate, rows))
 
 
 def take_units(inputs: Any) -> Optional[RowUnits]:
@@ -268,12 +172,14 @@ class UserPoissonLoader(DataLoader):
         pending = self.batch_sampler.pending
         users, banded = self.user_index is not None, self.batch_sampler.poisson.bands is not None
         for batch in super().__iter__():
+            delivered = pending.popleft()
+            if isinstance(batch, Collated):  # user level: the rows' order after the collator
+                batch, delivered = batch.data, delivered.reordered(batch.order)
             if not isinstance(batch, MutableMapping):
                 raise ValueError(
                     f"{USER_AT if users else BANDED_AT}: the data_collator returned a "
                     f"{type(batch).__name__}; accepted values: a dict (or BatchEncoding) of the batch's tensors"
                 )
-            delivered = pending.popleft()
             if users:
                 batch[_UNITS] = delivered.units
             if banded:
@@ -293,9 +199,11 @@ def is_empty_batch(inputs: Any) -> bool:
     return isinstance(inputs, dict) and inputs.get(_EMPTY, False) is True
 
 
-def one_row_batches(inputs: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """A collated batch as batches of one row each: every tensor with the batch's rows along
-    dimension 0 sliced, everything else kept (the per-example form's physical batch)."""
+def one_row_batches(inputs: Dict[str, Any], units: Optional[RowUnits] = None
+                    ) -> Tuple[List[Dict[str, Any]], Optional[RowUnits]]:
+    """A collated batch as batches of one row each (the per-example form's physical batch): every
+    tensor with the batch's rows along dimension 0 sliced, everything else kept; with ``units``,
+    a unit's rows one after another (a collator may have sorted them apart) and the units so."""
     rows = next((v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
 
     def row(value: Any, i: int) -> Any:
@@ -303,7 +211,8 @@ def one_row_batches(inputs: Dict[str, Any]) -> List[Dict[str, Any]]:
             return value[i:i + 1]
         return value
 
-    return [{k: row(v, i) for k, v in inputs.items()} for i in range(rows)]
+    order = list(range(rows)) if units is None else units.grouped()
+    return [{k: row(v, i) for k, v in inputs.items()} for i in order], None if units is None else units.take(order)
 
 
 def poisson_loader(
@@ -315,10 +224,11 @@ def poisson_loader(
     ``users=`` or ``bands=`` a :class:`UserPoissonLoader`."""
     batch_sampler = PoissonAccumulationSampler(num_samples=len(dataset), **sampler)
     plain = batch_sampler.users is None and batch_sampler.bands is None
+    collate = functools.partial(_collate_or_mark, collator)
     return (DataLoader if plain else UserPoissonLoader)(
         dataset,
         batch_sampler=batch_sampler,
-        collate_fn=functools.partial(_collate_or_mark if batch_sampler.users is None else _collate_in_draw_order, collator),
+        collate_fn=collate if batch_sampler.users is None else RowOrderCollate(collate),  # users: rows followed
         num_workers=num_workers,
         pin_memory=pin_memory,
     )

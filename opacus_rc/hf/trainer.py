@@ -230,14 +230,14 @@ class DPTrainerMixin:
         if not is_empty_batch(inputs):
             inputs = self._prepare_inputs(inputs)
             per_example = self._dp_form is not None and self._dp_form.one_example_per_backward
-            batches = one_row_batches(inputs) if per_example else [inputs]
+            batches, units = one_row_batches(inputs, units) if per_example else ([inputs], units)
             del inputs
             total = torch.zeros((), device=self.args.device)
             parts = None if units is None else signalled_batches(units, per_example)
             with self._dp_hooks.one_physical_batch() if per_example else contextlib.nullcontext():
                 for i, batch in enumerate(batches):  # the per-example form: one row, one backward pass each
                     if parts is not None:  # the users of the rows this backward pass holds, found by its tensors
-                        optimizer.delivered.add(batch, parts[i])
+                        optimizer.ledger.deliver(batch, parts[i])
                     losses = self._dp_losses(model, batch)
                     rows += int(losses.shape[0])
                     with quiet_hook_notes():

@@ -42,7 +42,7 @@ from opacus_rc.finite import local_shard
 
 from tests.forms.test_user_level import user_data
 from tests.models import CheckpointedSequenceClassifier, SequenceClassifier
-from tests.oracles import per_example_clipped_mean, per_user_clipped_mean
+from tests.oracles import cyclic_part, per_example_clipped_mean, per_user_clipped_mean
 from tests.spawn import spawn
 
 C, SIGMA, BANDS, STEPS = 0.05, 1.0, 3, 5
@@ -94,10 +94,14 @@ def make_model(form: str = "two_pass") -> nn.Module:
 
 def private(form: str, unit: str, *, sigma: float = SIGMA, bands: int = BANDS, model=None, wrap=None, secure=False,
             noise_seed: Optional[int] = NOISE_SEED, loader_seed: Optional[int] = LOADER_SEED,
-            batch_size: Optional[int] = None, **options):
+            batch_size: Optional[int] = None, permutation: Optional[torch.Tensor] = None, **options):
     """A banded run at lr 0 (the model never moves: one brute-force reference for every step);
-    ``wrap``: DPDDP or FSDP2Wrapper, applied after the reference copy is taken."""
+    ``wrap``: DPDDP or FSDP2Wrapper, applied after the reference copy is taken; ``permutation``:
+    the same rows in another order (the third field keeps each row's original index)."""
     dataset, owners = data()
+    if permutation is not None:
+        dataset = torch.utils.data.TensorDataset(*(t[permutation] for t in dataset.tensors))
+        owners = [owners[int(i)] for i in permutation]
     model = model if model is not None else make_model(form)
     reference = copy.deepcopy(model)
     if wrap is not None:
@@ -139,8 +143,8 @@ def train(run, releases: int, loader=None, stop_inside: bool = False) -> List[di
     loader = run.loader if loader is None else loader
     optimizer, out, rows = run.optimizer, [], []
     while len(out) < releases:
-        for x, y, index in loader:
-            batch = optimizer.delivered.find((x, y, index))  # the Batch the loader delivered with them
+        for item in loader:  # (a list of batches: each with the Batch the loader delivered it with)
+            (x, y, index), batch = item if isinstance(loader, list) else (item, optimizer.ledger.latest)
             rows += index.tolist()
             loss(run, x, y).backward()
             optimizer.step()
@@ -217,13 +221,16 @@ def check_releases(run, released: List[dict], z: Optional[List[List[torch.Tensor
 
 
 def units_of(run, rows: List[int]) -> List[int]:
+    """The units' stable keys: the canonical user id, or the row at example level."""
     return [run.owners[r] for r in rows] if run.unit == "user" else list(rows)
 
 
 def check_parts(run, released: List[dict]) -> None:
-    """Draw t holds units of part ``t mod b`` only (unit ``u`` in part ``u mod b``)."""
+    """Draw t holds units of part ``t mod b`` only, each unit's part the keyed hash of its stable
+    key under the run's secret partition (so a unit's draws are b apart)."""
+    secret = run.loader.batch_sampler.poisson._secret
     for release in released:
-        assert all(u % run.bands == release["step"] % run.bands for u in units_of(run, release["rows"]))
+        assert all(cyclic_part(secret, u, run.bands) == release["step"] % run.bands for u in units_of(run, release["rows"]))
     assert any(release["rows"] for release in released), "every draw was empty: pick another seed"
 
 
@@ -311,37 +318,42 @@ def test_a_loop_stopped_inside_a_draw_advances_the_noise_over_it(form):
 # --- 6. checkpoints -----------------------------------------------------------------------------
 
 
-def test_state_dict_holds_the_recursion_and_a_fresh_run_continues_it():
-    """optimizer.state_dict() holds the next step and the last b - 1 noise vectors; a fresh run
-    (another noise generator) that loads it numbers its loader's first draw from that step and
-    continues the recursion: its first noise is ``(z' - c_1 w_{t-1} - c_2 w_{t-2}) / c_0``."""
+def test_state_dict_holds_no_kept_noise_and_a_loaded_run_restarts_the_recursion():
+    """optimizer.state_dict() holds the next step only (the kept vectors are secrets: with them and
+    two consecutive models the last clipped sum is recovered); the kept vectors (``banded.kept``)
+    are the last b - 1 noises. A fresh run (another noise generator) that loads the state numbers
+    its first draw from that step and starts a new run of the recursion: its noises are
+    ``C^{-1} z'`` of a block of its own, and the accountant charges the two runs apart."""
     first = private("bookkeeping", "example")
     train(first, 3)
     state = first.optimizer.state_dict()
     banded = state[BANDED_STATE_KEY]
-    assert banded["next_step"] == 3 and banded["coefficients"] == pytest.approx(band_coefficients(BANDS))
-    assert sorted(banded["past"]) == list(range(len(first.optimizer.params)))
-    assert all(len(past) == BANDS - 1 for past in banded["past"].values())
+    assert banded == {"coefficients": pytest.approx(band_coefficients(BANDS)), "next_step": 3}
+    assert not any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(banded))
+    kept = first.optimizer.banded.kept.state_dict()["past"]
+    assert sorted(kept) == list(range(len(first.optimizer.params)))
     w = solved_noise(replayed_noise([p.shape for p in first.optimizer.params], SIGMA * C, [1, 1, 1]), BANDS)
-    for slot, past in banded["past"].items():  # newest first: w_2, w_1
-        for kept, t in zip(past, (2, 1)):
-            torch.testing.assert_close(kept.double(), w[t][slot], atol=1e-6, rtol=0)
+    for slot, past in kept.items():  # newest first: w_2, w_1
+        for vector, t in zip(past, (2, 1)):
+            torch.testing.assert_close(vector.double(), w[t][slot], atol=1e-6, rtol=0)
 
     resumed = private("bookkeeping", "example", noise_seed=12, loader_seed=4)
     resumed.optimizer.load_state_dict(copy.deepcopy(state))
-    assert resumed.optimizer.banded.next_step == 3
+    assert resumed.optimizer.banded.next_step == 3 and resumed.optimizer.banded.buffer_bytes == 0
     released = train(resumed, 2)
     assert [r["step"] for r in released] == [3, 4]
-    c = band_coefficients(BANDS)
     z = replayed_noise([p.shape for p in resumed.optimizer.params], SIGMA * C, [1, 1], seed=12)
+    w_new = solved_noise(z, BANDS)  # a block of C of its own, from step 3
     normaliser = resumed.optimizer.expected_batch_size
-    want_w3 = [(z[0][s].double() - c[1] * w[2][s] - c[2] * w[1][s]) / c[0] for s in range(len(z[0]))]
-    want = clipped_mean(resumed, released[0]["rows"], normaliser)
     names = [n for n, _ in resumed.reference.named_parameters()]
-    for slot, name in enumerate(names):
-        torch.testing.assert_close(resumed.releases[0][slot].double(), want[name].double() + want_w3[slot] / normaliser,
-                                   atol=ATOL, rtol=0)
+    for release, grads, noise in zip(released, resumed.releases, w_new):
+        want = clipped_mean(resumed, release["rows"], normaliser)
+        for slot, name in enumerate(names):
+            torch.testing.assert_close(grads[slot].double(), want[name].double() + noise[slot] / normaliser,
+                                       atol=ATOL, rtol=0)
     check_parts(resumed, released)
+    runs = {record.noise_run for *_, record in first.engine.accountant.history + resumed.engine.accountant.history}
+    assert len(runs) == 2 and None not in runs
 
 
 def test_loading_another_noises_state_is_refused_by_name():
@@ -366,28 +378,39 @@ def test_loading_another_noises_state_is_refused_by_name():
     assert other.optimizer.banded.next_step == 0
 
 
+def _tensors(obj) -> List[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
 def test_privacy_engine_checkpoint_round_trip():
-    """PrivacyEngine.save_checkpoint / load_checkpoint (no generator state, unseeded runs): the
-    resumed run has the recursion (next step, kept noise), the accountant's history and epsilon;
-    its loader's first draw is numbered from the next step, from that step's part."""
-    first = private("two_pass", "user", noise_seed=None, loader_seed=None)
-    train(first, 3)
-    buffer = io.BytesIO()
-    first.engine.save_checkpoint(path=buffer, module=first.module, optimizer=first.optimizer)
+    """PrivacyEngine.save_checkpoint / load_checkpoint (default: no generator state, unseeded
+    runs): the file holds none of the kept noise vectors (secure mode too, where the generators'
+    states are never saved); the resumed run has the accountant's history and epsilon, numbers
+    its loader's first draw from the next step, restarts the recursion (a new run: a partition of
+    its own, charged apart) and releases brute-force clipping of its draws plus a fresh block's
+    noise."""
+    for secure in (False, True):
+        first = private("two_pass", "user", noise_seed=None, loader_seed=None, secure=secure)
+        train(first, 3)
+        buffer = io.BytesIO()
+        first.engine.save_checkpoint(path=buffer, module=first.module, optimizer=first.optimizer)
+        buffer.seek(0)
+        saved = torch.load(buffer, weights_only=False)
+        kept = [v for past in first.optimizer.banded.kept.state_dict()["past"].values() for v in past]
+        assert len(kept) == (BANDS - 1) * len(first.optimizer.params)
+        assert not any(t.shape == v.shape and torch.equal(t, v) for t in _tensors(saved) for v in kept)
     resumed = private("two_pass", "user", noise_seed=None, loader_seed=None)
     buffer.seek(0)
     resumed.engine.load_checkpoint(path=buffer, module=resumed.module, optimizer=resumed.optimizer)
-    assert resumed.optimizer.banded.next_step == 3
+    assert resumed.optimizer.banded.next_step == 3 and resumed.optimizer.banded.buffer_bytes == 0
     assert resumed.engine.accountant.history == first.engine.accountant.history
     assert resumed.engine.get_epsilon(1e-5) == first.engine.get_epsilon(1e-5)
-    saved, loaded = first.optimizer.banded.state_dict()["past"], resumed.optimizer.banded.state_dict()["past"]
-    assert saved.keys() == loaded.keys()
-    assert all(torch.equal(a, b) for slot in saved for a, b in zip(saved[slot], loaded[slot]))
     released = train(resumed, 2)
     assert [r["step"] for r in released] == [3, 4] and [r["charged"] for r in released] == [1, 1]
     check_parts(resumed, released)
-    ((_, _, steps, _),) = resumed.engine.accountant.history
-    assert steps == 5
+    first_run, second_run = resumed.engine.accountant.history
+    assert first_run[2] == 3 and second_run[2] == 2 and first_run[3].noise_run != second_run[3].noise_run
+    assert [rounds for *_, rounds, _ in resumed.engine.accountant.charged()] == [1, 1]  # ceil(3/3) + ceil(2/3)
 
 
 def test_checkpoint_with_rng_state_resumes_banded_noise_bit_exactly():
@@ -408,6 +431,56 @@ def test_checkpoint_with_rng_state_resumes_banded_noise_bit_exactly():
     assert [r["step"] for r in again] == [2, 3] and [r["rows"] for r in again] == [r["rows"] for r in uninterrupted]
     for a, b in zip(run.releases[2:], resumed.releases):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_resume_onto_reordered_rows_is_refused_or_restarts():
+    """The same rows rebuilt in another order. With include_rng_state=True at example level (a
+    unit's key is its row) continuing the partition is refused by name; from a default checkpoint
+    the recursion restarts in a new run with a partition of its own: within it each example's
+    draws are b apart, and the runs are charged apart. At user level the partition is keyed by
+    the users' ids: the reordered rows continue the run, each user in its part."""
+    def build(unit, permutation=None, seed=5):
+        return private("bookkeeping", unit, noise_seed=None, loader_seed=None, seed=seed, permutation=permutation)
+
+    shuffled = torch.randperm(24, generator=torch.Generator().manual_seed(1))
+    first = build("example")
+    train(first, 2)
+    with_state, without = io.BytesIO(), io.BytesIO()
+    first.engine.save_checkpoint(path=with_state, module=first.module, optimizer=first.optimizer,
+                                 include_rng_state=True)
+    first.engine.save_checkpoint(path=without, module=first.module, optimizer=first.optimizer)
+    resumed = build("example", shuffled)
+    with_state.seek(0)
+    with pytest.raises(ValueError, match="partition of the units is of other rows.*same order"):
+        resumed.engine.load_checkpoint(path=with_state, module=resumed.module, optimizer=resumed.optimizer)
+    restarted = build("example", shuffled, seed=None)  # (a resume without the streams' states: fresh randomness)
+    without.seek(0)
+    restarted.engine.load_checkpoint(path=without, module=restarted.module, optimizer=restarted.optimizer)
+    released = train(restarted, 4)
+    assert [r["step"] for r in released] == [2, 3, 4, 5]
+    drawn: Dict[int, List[int]] = {}
+    for release in released:  # (rows: the examples' original indices)
+        for example in release["rows"]:
+            drawn.setdefault(example, []).append(release["step"])
+    assert all(b - a >= BANDS for steps in drawn.values() for a, b in zip(steps, steps[1:]))
+    runs = [record.noise_run for *_, record in restarted.engine.accountant.history]
+    assert len(runs) == 2 and runs[0] != runs[1]
+
+    users = build("user")
+    train(users, 2)
+    saved = io.BytesIO()
+    users.engine.save_checkpoint(path=saved, module=users.module, optimizer=users.optimizer, include_rng_state=True)
+    continued = build("user", shuffled)
+    saved.seek(0)
+    continued.engine.load_checkpoint(path=saved, module=continued.module, optimizer=continued.optimizer)
+    assert continued.optimizer.banded.run_id == users.optimizer.banded.run_id
+    released = train(continued, 2)
+    secret = continued.loader.batch_sampler.poisson._secret
+    assert secret == users.loader.batch_sampler.poisson._secret
+    # (rows: original indices; their owners as in the unshuffled run)
+    assert all(cyclic_part(secret, u, BANDS) == r["step"] % BANDS for r in released for u in units_of(users, r["rows"]))
+    ((_, _, steps, _),) = continued.engine.accountant.history  # one run
+    assert steps == 4
 
 
 # --- 7. secure mode -----------------------------------------------------------------------------
@@ -438,7 +511,7 @@ def test_secure_mode_draws_masks_and_noise_from_the_csprng(monkeypatch):
     monkeypatch.setattr(csprng, "_default", spy)
     run = private("bookkeeping", "example", secure=True, noise_seed=None, loader_seed=None)
     assert run.optimizer.secure_mode and run.loader.batch_sampler.uniform.generator is spy
-    batches = list(run.loader)  # (the DataLoader draws a worker base seed from torch's generator)
+    batches = [(b, run.optimizer.ledger.latest) for b in run.loader]  # (the DataLoader draws a worker seed from torch's)
     before = torch.random.get_rng_state()
     released = train(run, len(batches), loader=batches)
     assert torch.equal(torch.random.get_rng_state(), before), "torch's generator was drawn from"
@@ -464,7 +537,7 @@ def test_lora_keeps_noise_buffers_for_trainable_parameters_only():
     assert len(trainable) == 4 and sum(p.numel() for p in trainable) < sum(p.numel() for p in model.parameters()) / 4
     run = private("bookkeeping", "example", model=model)
     released = train(run, STEPS)
-    past = run.optimizer.banded.state_dict()["past"]
+    past = run.optimizer.banded.kept.state_dict()["past"]
     assert len(run.optimizer.params) == 4 and all(p is q for p, q in zip(run.optimizer.params, trainable))
     assert sorted(past) == list(range(4))
     assert all([v.shape for v in past[s]] == [trainable[s].shape] * (BANDS - 1) for s in past)
@@ -492,6 +565,7 @@ def ddp_worker(rank, init_file, out_dir):
             "released": released, "releases": run.releases, "optimizer": type(run.optimizer).__name__,
             "history": run.engine.accountant.state_dict()["history"],
             "sampler": type(run.loader.batch_sampler.poisson).__name__,
+            "secret": run.loader.batch_sampler.poisson._secret,
         }
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -509,19 +583,60 @@ def test_ddp_banded_release_is_the_union_of_the_ranks_draws():
         assert ranks[0]["history"] == ranks[1]["history"]
         ((sigma, _, steps, record),) = ranks[0]["history"]
         assert (sigma, steps, record["bands"]) == (SIGMA, STEPS, BANDS)
+        secret = ranks[0]["secret"]
+        assert ranks[1]["secret"] == secret  # one partition: rank 0's, broadcast
         run = private(form, unit)  # one process: the brute force, the parameter shapes, B
         union = []
         for t in range(STEPS):
             assert [r["released"][t]["step"] for r in ranks] == [t, t]
             parts = [set(units_of(run, r["released"][t]["rows"])) for r in ranks]
             assert parts[0].isdisjoint(parts[1])
-            assert all(u % BANDS == t % BANDS for part in parts for u in part)
+            assert all(cyclic_part(secret, u, BANDS) == t % BANDS for part in parts for u in part)
             union.append(dict(ranks[0]["released"][t], rows=ranks[0]["released"][t]["rows"] + ranks[1]["released"][t]["rows"]))
         assert any(a["rows"] and b["rows"] for a, b in zip(*(r["released"] for r in ranks))), \
             f"{form}, {unit}: no step drew on both ranks: pick another seed"
         for r in ranks:
             run.releases = r["releases"]
             check_releases(run, union)
+
+
+def ddp_resume_worker(rank, init_file, out_dir):
+    """A DDP run saved after 2 releases (each rank its own default checkpoint), resumed with only
+    rank 0 loading (refused on both ranks, no hang), then with both loading (trains on, in a new run
+    of the recursion whose partition is rank 0's on both ranks)."""
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    first = private("bookkeeping", "example", wrap=DPDDP)
+    train(first, 2)
+    path = os.path.join(out_dir, f"checkpoint{rank}.pt")
+    first.engine.save_checkpoint(path=path, module=first.module, optimizer=first.optimizer)
+    out = {}
+    for loaders in ((0,), (0, 1)):
+        resumed = private("bookkeeping", "example", wrap=DPDDP, noise_seed=None, loader_seed=None)
+        if rank in loaders:
+            resumed.engine.load_checkpoint(path=path, module=resumed.module, optimizer=resumed.optimizer)
+        try:
+            released = train(resumed, 2)
+            out[loaders] = {"steps": [r["step"] for r in released], "secret": resumed.loader.batch_sampler.poisson._secret,
+                            "run": resumed.optimizer.banded.run_id}
+        except ValueError as error:
+            out[loaders] = {"refused": str(error)}
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ddp_banded_resume_loaded_on_one_rank_is_refused_gloo():
+    """Only rank 0 loads the checkpoint: its noise is at step 2, rank 1's at 0 (its draws would be
+    numbered from 0 while the noise goes on at step 2): both ranks refuse by name before any draw.
+    Both loading: both number their draws from 2, with one partition (rank 0's secret) and run."""
+    spawned = spawn(ddp_resume_worker, WORLD)
+    for r in spawned:
+        assert "refused" in r[(0,)] and "ranks' banded noise is at steps 0 to 2" in r[(0,)]["refused"]
+        assert r[(0, 1)]["steps"] == [2, 3]
+    assert spawned[0][(0, 1)]["secret"] == spawned[1][(0, 1)]["secret"]
+    assert spawned[0][(0, 1)]["run"] == spawned[1][(0, 1)]["run"]
 
 
 # --- 5. FSDP2 (2 gloo processes) ----------------------------------------------------------------
@@ -552,7 +667,8 @@ def fsdp_worker(rank, init_file, out_dir):
             "params": [(type(p).__name__, str(getattr(p, "placements", None)), tuple(local_shard(p).shape))
                        for p in opt.params],
             "buffers": {slot: [(type(t).__name__, str(getattr(t, "placements", None)), tuple(local_shard(t).shape))
-                               for t in past] for slot, past in opt.banded.state_dict()["past"].items()},
+                               for t in past] for slot, past in opt.banded.kept.state_dict()["past"].items()},
+            "secret": run.loader.batch_sampler.poisson._secret,
         }
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -578,12 +694,15 @@ def test_fsdp_banded_noise_is_sharded_like_the_parameters_gloo():
                 assert kind == "DTensor" and "Shard(dim=0)" in placements
                 want = ("Tensor", "None", shape) if secure else ("DTensor", placements, shape)
                 assert r["buffers"][slot] == [want] * (FSDP_BANDS - 1)
+        secret = ranks[0]["secret"]
+        assert ranks[1]["secret"] == secret
         run = private("two_pass", "example", bands=FSDP_BANDS, batch_size=FSDP_BATCH[secure])  # the brute force, B
         union = []
         for t in range(FSDP_STEPS):
             assert [r["released"][t]["step"] for r in ranks] == [t, t]
             rows = [set(r["released"][t]["rows"]) for r in ranks]
-            assert rows[0].isdisjoint(rows[1]) and all(u % FSDP_BANDS == t % FSDP_BANDS for part in rows for u in part)
+            assert rows[0].isdisjoint(rows[1])
+            assert all(cyclic_part(secret, u, FSDP_BANDS) == t % FSDP_BANDS for part in rows for u in part)
             union.append(dict(ranks[0]["released"][t], rows=sorted(rows[0] | rows[1])))
         shapes = [p.shape for p in run.optimizer.params]
         for rank, r in enumerate(ranks):

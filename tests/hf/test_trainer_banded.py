@@ -6,6 +6,7 @@ on resume. Tiny Llama from a config, generated data; nothing downloaded."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -17,10 +18,12 @@ from opacus_rc.accounting.accountant import RCPRVAccountant
 from opacus_rc.correlated import banded_sqrt_coefficients, max_column_norm
 from opacus_rc.hf import DPTrainer, PrivacyArguments, is_empty_batch, private_trainer
 from opacus_rc.hf.banded import check_draw_step
-from opacus_rc.hf.data import PoissonAccumulationSampler
+from opacus_rc.correlated import BandedNoise
+from opacus_rc.hf.data import PoissonAccumulationSampler, poisson_sampler_of
 from opacus_rc.units import UserIndex
 
 from tests.models import RowDataset, tiny_llama
+from tests.oracles import cyclic_part
 
 from .test_trainer import char_tokenizer, sft_dataset, training_args
 from .test_trainer_users import user_dataset
@@ -65,9 +68,15 @@ def logical_draws(trainer, accumulation: int) -> list:
 
 
 def expected_record(trainer, bands: int):
+    """The record of the run's steps: the privacy arguments' step record, in the noise's run."""
     record = trainer.privacy.step_record(trainer.args.per_device_train_batch_size)
     assert record.bands == bands and record.column_norm == max_column_norm(banded_sqrt_coefficients(bands))
-    return record
+    return dataclasses.replace(record, noise_run=trainer._dp_optimizer.banded.run_id)
+
+
+def cyclic_sampler(trainer):
+    """The cyclic Poisson sampler of the Trainer's loader (its secret partition)."""
+    return poisson_sampler_of(trainer._dp_loader)._user_draws
 
 
 def test_example_level_trains_and_charges_the_banded_record(tmp_path):
@@ -132,29 +141,36 @@ def test_user_level_draws_a_part_of_the_users_per_step(tmp_path):
     trainer.train()
     assert logical_draws(trainer, 2) == [0, 1, 2, 3]
     assert trainer._dp_optimizer.banded.released == [(t, t) for t in range(4)]
-    for step, units, empty in trainer.draws:
-        assert empty or all(u % 2 == step % 2 for u in units.users.tolist())
+    sampler = cyclic_sampler(trainer)
+    for step, units, empty in trainer.draws:  # (units.users: the users' numbers; their keys: the author ids)
+        assert empty or all(cyclic_part(sampler._secret, sampler.index.keys[u], 2) == step % 2
+                            for u in units.users.tolist())
     assert trainer.accountant.history == [(SIGMA, 0.5, 4, expected_record(trainer, 2))]
     assert trainer.state.log_history[-1]["privacy_unit"] == "user"
 
 
 def test_the_sampler_draws_part_t_mod_b_numbered_across_epochs():
-    """PoissonAccumulationSampler(bands=b): rows (or users) of draw t all in part t mod b, at the
-    rate inside a part; numbered on across epochs, from continue_at."""
+    """PoissonAccumulationSampler(bands=b): rows (or users) of draw t all in part t mod b (each
+    unit's part the keyed hash of its key), at the rate inside a part; numbered on across epochs,
+    from the noise's next step (serve)."""
     sampler = PoissonAccumulationSampler(num_samples=30, sample_rate=0.6, micro_batches=2, steps=5, bands=3)
-    sampler.continue_at(7)
+    noise = BandedNoise(banded_sqrt_coefficients(3))
+    noise.next_step = noise.run_start = 7
+    sampler.serve(noise)
+    secret = sampler._user_draws._secret
     for _ in range(2):  # two epochs
         batches = list(sampler.numbered_draws())
         assert len(batches) == 10
         for step, rows in batches:
-            assert all(r % 3 == step % 3 for r in rows)
+            assert all(cyclic_part(secret, r, 3) == step % 3 for r in rows)
     assert [s for s, _ in batches][::2] == [12, 13, 14, 15, 16]
     users = UserIndex([i % 6 for i in range(24)], 24, 3)
     sampler = PoissonAccumulationSampler(num_samples=24, sample_rate=1.0, micro_batches=1, steps=4, bands=2,
                                          users=users)
+    secret = sampler._user_draws._secret
     for step, rows in sampler.numbered_draws():
         owners = set(users.user_of_row[rows].tolist())
-        assert owners == {u for u in range(6) if u % 2 == step % 2}  # rate 1: the whole part
+        assert owners == {u for u in range(6) if cyclic_part(secret, users.keys[u], 2) == step % 2}  # rate 1
 
 
 def test_empty_draws_still_advance_the_noise(tmp_path):
@@ -170,10 +186,12 @@ def test_empty_draws_still_advance_the_noise(tmp_path):
     assert trainer.accountant.history == [(SIGMA, 0.08, 6, expected_record(trainer, 4))]
 
 
-def test_resume_continues_the_recursion(tmp_path):
-    """A checkpoint keeps the recursion (the optimizer state): the resumed run numbers its
-    draws from the noise's next step; resuming mid-epoch without ignore_data_skip is refused
-    by name (the Trainer's skipping loader carries no draw numbers)."""
+def test_resume_restarts_the_recursion_in_a_new_run(tmp_path):
+    """A Trainer checkpoint (optimizer.pt) holds the noise's next step, not its kept vectors
+    (secrets): the resumed run numbers its draws from that step and restarts the recursion in a
+    new run (a partition of its own), charged apart: ceil(2/3) + ceil(2/3) rounds. Resuming
+    mid-epoch without ignore_data_skip is refused by name (the Trainer's skipping loader
+    carries no draw numbers)."""
 
     def run(steps, resume=None, **args):
         trainer = recording(DPTrainer)(
@@ -185,19 +203,23 @@ def test_resume_continues_the_recursion(tmp_path):
         return trainer
 
     first = run(2)
-    kept = first._dp_optimizer.state_dict()["opacus_rc_banded_noise"]
-    assert kept["next_step"] == 2 and all(len(past) == 2 for past in kept["past"].values())
-    checkpoint = str(tmp_path / "out" / "checkpoint-2")
-    resumed = run(4, checkpoint, ignore_data_skip=True)
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=False)
+    assert saved["opacus_rc_banded_noise"] == {"coefficients": pytest.approx(banded_sqrt_coefficients(3)), "next_step": 2}
+    first_record = expected_record(first, 3)
+    resumed = run(4, str(checkpoint), ignore_data_skip=True)
     assert logical_draws(resumed, 2) == [2, 3]
     assert resumed._dp_optimizer.banded.released == [(2, 2), (3, 3)]
+    assert resumed._dp_optimizer.banded.run_start == 2
     record = expected_record(resumed, 3)
-    assert resumed.accountant.history == [(SIGMA, 0.5, 4, record)]
+    assert record.noise_run != first_record.noise_run
+    assert resumed.accountant.history == [(SIGMA, 0.5, 2, first_record), (SIGMA, 0.5, 2, record)]
+    plain = resumed.accountant.charged()[0][3]
     probe = RCPRVAccountant()
-    probe.history = [(SIGMA / record.column_norm, 0.5, 2, resumed.accountant.charged()[0][3])]
+    probe.history = [(SIGMA / record.column_norm, 0.5, 2, plain)]  # one round in each run
     assert resumed.get_epsilon() == pytest.approx(probe.get_epsilon(delta=DELTA), rel=1e-9)
     with pytest.raises(ValueError, match="noise='banded'.*ignore_data_skip=True"):
-        run(4, checkpoint)
+        run(4, str(checkpoint))
 
 
 def test_banded_options_are_refused_by_name(tmp_path):

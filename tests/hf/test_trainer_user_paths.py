@@ -146,7 +146,17 @@ def test_a_dataset_replaced_between_two_trains_at_another_rate_is_refused(tmp_pa
     assert trainer.privacy_steps() == 1
 
 
-# --- in_draw_order: each collated row matched to the row it came from ----------------------
+# --- order_by_values: each collated row matched to the row it came from, where a collator
+# carries no row position (TRL's, which drops unknown keys) ----------------------------------
+
+
+def in_draw_order(rows, batch):
+    """``batch`` with its rows put back in the order of ``rows`` (by :func:`order_by_values`)."""
+    from opacus_rc.row_order import order_by_values
+
+    back = torch.argsort(torch.tensor(order_by_values(rows, batch)))  # collated row back[i] came from row i
+    return {k: v[back] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == len(rows) else v
+            for k, v in batch.items()}
 
 
 def features():
@@ -171,8 +181,6 @@ def seq2seq(rows, side: str = "right"):
 
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_in_draw_order_puts_the_collated_rows_back(side):
-    from opacus_rc.hf.data import in_draw_order
-
     rows = features()
     reference = seq2seq(rows, side)
     for order in ([2, 0, 1], [1, 0, 2], [0, 1, 2]):
@@ -184,17 +192,15 @@ def test_in_draw_order_puts_the_collated_rows_back(side):
 
 
 def test_in_draw_order_refuses_what_it_cannot_match():
-    from opacus_rc.hf.data import in_draw_order
-
     rows = features()
     masked = seq2seq(rows)
     masked["input_ids"][1, 0] = 3  # random masking (MLM) changes input_ids
-    with pytest.raises(ValueError, match=r"data_collator's batch cannot be matched.*its row 1 matches none"):
+    with pytest.raises(ValueError, match=r"collate function's batch cannot be matched.*its row 1 matches none"):
         in_draw_order(rows, masked)
     with pytest.raises(ValueError, match=r"passes no field"):
         in_draw_order([{"text": "a b"}, {"text": "c"}], {"input_ids": torch.ones(2, 2)})  # tokenizing collator
     twins = [dict(rows[0], completion_mask=[0, 0, 1, 1]), dict(rows[0], completion_mask=[0, 1, 1, 1])]
-    with pytest.raises(ValueError, match=r"rows \[0, 1\] differ only in fields the collator does not pass on"):
+    with pytest.raises(ValueError, match=r"rows \[0, 1\] differ only in fields the collate does not pass on"):
         in_draw_order(twins, seq2seq(twins))
     same = [rows[0], dict(rows[0])]  # identical rows: either order is the same batch
     assert torch.equal(in_draw_order(same, seq2seq(same))["input_ids"], seq2seq(same)["input_ids"])
@@ -212,7 +218,7 @@ def test_a_collator_that_changes_the_rows_is_refused_by_name(tmp_path):
         batch["input_ids"][:, 0] = 1
         return batch
 
-    with pytest.raises(ValueError, match=r"data_collator's batch cannot be matched"):
+    with pytest.raises(ValueError, match=r"collate function's batch cannot be matched"):
         released_sum(tmp_path, user_rows(), collator=masking)
 
 

@@ -19,6 +19,7 @@ from transformers import default_data_collator
 
 from opacus_rc.forms.per_example import PerExampleOptimizer
 from opacus_rc.hf import DPTrainer, PrivacyArguments, is_empty_batch, per_example_token_loss, private_trainer
+from opacus_rc.row_order import ROW_KEY
 from opacus_rc.hf.data import take_units
 
 from tests.models import rows, tiny_llama
@@ -153,7 +154,7 @@ def test_user_column_never_reaches_the_collator_or_the_model(tmp_path):
 
     _, _, trainer = train(tmp_path, 2, 2, FORMS["bookkeeping"][2], collator=collator, trainer_class=Watching,
                           max_steps=2)
-    assert collator.keys == {"input_ids", "labels"}
+    assert collator.keys == {"input_ids", "labels", ROW_KEY}  # (the plugin's row position: stripped after it)
     assert seen and all(keys == {"input_ids", "labels"} for keys in seen)
     assert "author" in trainer.train_dataset.column_names  # the user's dataset is unchanged
 
