@@ -4,7 +4,9 @@
   computation (Opacus ghost, FGC, Hutchinson, Hutch++) and per-step time and memory of
   a small decoder (non-private, Opacus hooks, Opacus ghost, randomized clipping), see
   :mod:`benchmarks.__main__` and ``docs/benchmarks.md``;
-* ``python -m benchmarks.accounting``: the rc_prv accountant against ``prv``.
+* ``python -m benchmarks.accounting``: the rc_prv accountant against ``prv``;
+* ``python -m benchmarks.revisions --old REV [--new REV]``: the book-keeping step time (as a
+  multiple of non-private training) of two revisions of opacus_rc, side by side in one run.
 
 Nothing here is imported by the library.
 """

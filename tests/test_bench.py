@@ -157,3 +157,21 @@ def test_user_level_split_is_by_movie():
     assert not {movies[r] for r in train} & {movies[r] for r in test}
     assert sorted(train + test) == list(range(57)) and len({movies[r] for r in test}) == 2
     assert len({index[r] for r in train}) == 8
+
+
+def test_revisions_entry_point_runs_two_revisions_side_by_side(tmp_path):
+    """``python -m benchmarks.revisions`` at a tiny size: HEAD against the work tree, each
+    worker under its own copy of opacus_rc."""
+    out = tmp_path / "revisions.json"
+    cmd = [
+        sys.executable, "-m", "benchmarks.revisions", "--old", "HEAD", "--shape", "48:32:2",
+        "--rounds", "2", "--warmup", "0", "--no-progress", "--json", str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert "new / old (cpu)" in proc.stdout
+    for name in ("old", "new"):
+        assert len(record[name]["rounds"]) == 2 and record[name]["cpu"]["ratio"] > 0 and record[name]["wall"]["ratio"] > 0
+        assert f"/{name}/opacus_rc/" in record[name]["opacus_rc"]
+    assert record["new"]["label"].startswith("WORKTREE")
