@@ -175,3 +175,17 @@ def test_revisions_entry_point_runs_two_revisions_side_by_side(tmp_path):
         assert len(record[name]["rounds"]) == 2 and record[name]["cpu"]["ratio"] > 0 and record[name]["wall"]["ratio"] > 0
         assert f"/{name}/opacus_rc/" in record[name]["opacus_rc"]
     assert record["new"]["label"].startswith("WORKTREE")
+
+
+def test_identity_paths_reports_the_fixed_figures(tmp_path):
+    """``benchmarks/identity_paths.py`` on this checkout: no other user moves when one is added in
+    front, the sorting collate equals brute force, no kept vector in a default checkpoint, and
+    the GPU-style loops train (issue 52's figures, docs/results/identity_paths_after.json)."""
+    out = tmp_path / "identity.json"
+    proc = subprocess.run([sys.executable, "benchmarks/identity_paths.py", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["added_user_max_move_in_C"] == 0.0 and figures["added_row"]["mu"] < 0.25
+    assert figures["sorting_collate_max_error_in_C"] < 1e-4 and figures["kept_vectors_in_default_checkpoint"] == 0
+    assert all(figures[k] == "trained" for k in figures if k.startswith(("device_copy", "batch_encoding", "transform")))
