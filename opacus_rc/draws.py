@@ -202,25 +202,30 @@ class Ledger:
     a forward's rows are the batch's (:meth:`Batch.units_of`)."""
 
     def __init__(self) -> None:
-        self._queue: Deque[Tuple[List["weakref.ref"], Batch]] = collections.deque()
+        self._queue: Deque[Tuple[List["weakref.ref"], Batch, int]] = collections.deque()  # (tensors, batch, source)
         self._deliveries = 0
-        self._current: Optional[Tuple[List["weakref.ref"], Batch]] = None
+        self._current: Optional[Tuple[List["weakref.ref"], Batch, int]] = None
         self._taken_at = 0  # deliveries when the current batch was taken
         #: a plugin loader delivered to this optimizer: every training forward must take its batches
         self.bound = False
         #: the batch delivered last
         self.latest: Optional[Batch] = None
 
-    def deliver(self, data: Any, batch: Batch) -> None:
-        """A loader hands ``data`` (what the script gets) with its :class:`Batch`."""
+    def deliver(self, data: Any, batch: Batch, source: Any = None) -> None:
+        """A loader (``source``) hands ``data`` (what the script gets) with its :class:`Batch`."""
         self.bound, self.latest = True, batch
-        self._queue.append(([weakref.ref(t) for t in tensors_in(data)], batch))
+        self._queue.append(([weakref.ref(t) for t in tensors_in(data)], batch, id(source)))
         self._deliveries += 1
+
+    def restart(self, source: Any) -> None:
+        """``source`` starts a new iteration: its batches fetched and never taken by a forward
+        (an abandoned iterator) are not trained, never released."""
+        self._queue = collections.deque(entry for entry in self._queue if entry[2] != id(source))
 
     def take(self, inputs: Any) -> Optional[Batch]:
         """The batch of a training forward on ``inputs`` (None: no delivered batch is pending)."""
         tensors = tensors_in(inputs)
-        later = next((i for i, (refs, _) in enumerate(self._queue) if _holds(refs, tensors)), None)
+        later = next((i for i, (refs, *_) in enumerate(self._queue) if _holds(refs, tensors)), None)
         if later is not None:
             for _ in range(later):  # skipped by the loop: never released
                 self._queue.popleft()
@@ -324,11 +329,12 @@ class DrawLoader(DataLoader):
         if serve is not None and optimizer.banded is not None:  # a cyclic sampler: the noise's run and next step
             serve(optimizer.banded)
         pending = self.batch_sampler.pending
+        optimizer.ledger.restart(self)
         for data in super().__iter__():
             batch = pending.popleft()
             if isinstance(data, Collated):  # the rows' order after the collate (privacy_unit="user")
                 data, batch = data.data, batch.reordered(data.order)
-            optimizer.ledger.deliver(data, batch)
+            optimizer.ledger.deliver(data, batch, self)
             yield data
 
     def follow_rows(self) -> None:

@@ -128,11 +128,74 @@ def check_fast_cases(items) -> None:
         raise pytest.UsageError(f"tests/conftest.py FAST_CASES names cases that were not collected: {missing}")
 
 
+# --- loops as they run on a GPU (issue 52) ----------------------------------------------------
+
+#: how a loop sees the plugin loaders' batches: as delivered, every tensor a new copy (what
+#: ``batch.to("cuda")`` does), or a dict batch as transformers' ``BatchEncoding`` (copied too)
+GPU_LOOP_VARIANTS = ("as_delivered", "device_copy", "batch_encoding")
+
+
+def as_a_gpu_loop_sees_it(batch, variant: str):
+    """``batch`` as the loop of ``variant`` gets it (containers kept; other values as they are)."""
+    from transformers import BatchEncoding
+
+    if variant == "as_delivered":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if isinstance(batch, dict) or isinstance(batch, BatchEncoding):
+        copied = {k: as_a_gpu_loop_sees_it(v, variant) for k, v in batch.items()}
+        return BatchEncoding(copied) if variant == "batch_encoding" or isinstance(batch, BatchEncoding) else copied
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(as_a_gpu_loop_sees_it(v, variant) for v in batch)
+    return batch
+
+
+def _loops_see(request, monkeypatch, variant: str) -> str:
+    """Every plugin loader (``DrawLoader`` and its subclasses, the private Trainer's) yields its
+    batches as ``variant`` (after delivering the originals, as a loop that copies them would).
+    Spawned ranks (tests named gloo or ddp) do not see the patch: their variants are skipped."""
+    name = request.node.name.lower()
+    if variant != "as_delivered" and ("gloo" in name or "ddp" in name):
+        pytest.skip("a spawned rank does not see the variant")
+    from opacus_rc.draws import DrawLoader
+    from opacus_rc.hf.data import UserPoissonLoader
+
+    for cls in (DrawLoader, UserPoissonLoader):
+        original = cls.__iter__
+
+        def __iter__(self, _original=original):
+            for batch in _original(self):
+                yield as_a_gpu_loop_sees_it(batch, variant)
+
+        monkeypatch.setattr(cls, "__iter__", __iter__)
+    return variant
+
+
+@pytest.fixture(params=GPU_LOOP_VARIANTS[:2])
+def batches_as_on_a_device(request, monkeypatch):
+    """The module's loop-path tests as delivered and with every batch copied (both fast)."""
+    return _loops_see(request, monkeypatch, request.param)
+
+
+@pytest.fixture(params=GPU_LOOP_VARIANTS)
+def dict_batches_as_on_a_device(request, monkeypatch):
+    """The module's dict-batch loop tests as delivered, copied, and as BatchEncoding (the latter
+    two in the slow suite)."""
+    return _loops_see(request, monkeypatch, request.param)
+
+
+def gpu_variant_is_slow(item) -> bool:
+    spec = getattr(item, "callspec", None)
+    return spec is not None and spec.params.get("dict_batches_as_on_a_device", "as_delivered") != "as_delivered"
+
+
 def pytest_collection_modifyitems(config, items):
     check_fast_cases(items)
     for item in items:
         name = item.name.lower()
-        if tests_path(item.path) in SLOW_FILES or any(s in name for s in SLOW_TESTS) or slow_case(item):
+        if tests_path(item.path) in SLOW_FILES or any(s in name for s in SLOW_TESTS) or slow_case(item) \
+                or gpu_variant_is_slow(item):
             item.add_marker(pytest.mark.slow)
 
 

@@ -315,3 +315,31 @@ def test_two_batches_before_one_step_are_refused_also_when_listed_first():
     with pytest.raises(ValueError, match="followed 2 physical batches|exactly one optimizer.step"):
         loss_of(run, batches[1]).backward()
         run["optimizer"].step()
+
+
+def test_a_sorting_collate_in_worker_processes_with_pinned_memory():
+    """The collate runs in 2 worker processes (prefetching ahead) with pin_memory: the positions
+    are read and stripped in the workers, the script gets plain tensors, and each release equals
+    brute force per user."""
+    torch.manual_seed(0)
+    model = ByName()
+    reference = copy.deepcopy(model)
+    data = Rows()
+    engine = PrivacyEngine(accountant="rc_prv")
+    module, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=3, collate_fn=longest_first, num_workers=2,
+                                                pin_memory=torch.cuda.is_available()),
+        noise_multiplier=0.0, max_grad_norm=C, clipping="randomized", seed=3, privacy_unit="user",
+        user_ids=data.owners, max_examples_per_user=K, **FORMS["bookkeeping"],
+    )
+    released = []
+    optimizer.original_optimizer.register_step_pre_hook(
+        lambda *_: released.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    )
+    run = dict(module=module, optimizer=optimizer, criterion=None, reference=reference, data=data,
+               released=released, unit="user")
+    seen = []
+    releases = train(run, loader, 3, transform=lambda b: seen.append(type(b["x"])) or b)
+    assert set(seen) == {torch.Tensor}
+    check(run, releases, optimizer.expected_batch_size)

@@ -22,6 +22,9 @@ from tests.forms.test_user_level import private as user_private
 from tests.models import SequenceClassifier
 from tests.oracles import per_example_clipped_mean, per_user_clipped_mean
 
+#: every test also with the batches copied as on a device (tests/conftest.py, issue 52)
+pytestmark = pytest.mark.usefixtures("batches_as_on_a_device")
+
 EXAMPLE_FORMS = {
     "per_example": dict(per_example_backward=True),
     "output_passes": dict(per_example_backward=False, grad_sample_mode="hooks", bookkeeping=False),

@@ -30,6 +30,9 @@ from .forms.test_user_level_paths import drawn_rows
 from .models import SequenceClassifier
 from .test_rng_streams import _build, _loader, _steps
 
+#: every test also with the batches copied as on a device (tests/conftest.py, issue 52)
+pytestmark = pytest.mark.usefixtures("batches_as_on_a_device")
+
 REFUSAL = r"generator=.*replay.*include_rng_state=True.*without generator="
 
 

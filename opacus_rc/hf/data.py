@@ -10,7 +10,7 @@ each batch carries its draw's number (:func:`take_draw_step`), the banded noise'
 from __future__ import annotations
 
 import functools
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -196,7 +196,8 @@ def poisson_sampler_of(loader: Any) -> Optional[PoissonAccumulationSampler]:
 
 
 def is_empty_batch(inputs: Any) -> bool:
-    return isinstance(inputs, dict) and inputs.get(_EMPTY, False) is True
+    """The marker of an empty Poisson draw (a mapping: the script may have turned it into another)."""
+    return isinstance(inputs, Mapping) and inputs.get(_EMPTY, False) is True
 
 
 def one_row_batches(inputs: Dict[str, Any], units: Optional[RowUnits] = None

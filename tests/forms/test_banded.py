@@ -45,6 +45,9 @@ from tests.models import CheckpointedSequenceClassifier, SequenceClassifier
 from tests.oracles import cyclic_part, per_example_clipped_mean, per_user_clipped_mean
 from tests.spawn import spawn
 
+#: every test also with the batches copied as on a device (tests/conftest.py, issue 52)
+pytestmark = pytest.mark.usefixtures("batches_as_on_a_device")
+
 C, SIGMA, BANDS, STEPS = 0.05, 1.0, 3, 5
 NOISE_SEED, LOADER_SEED = 11, 3
 ATOL = 1e-6

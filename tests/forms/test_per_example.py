@@ -29,6 +29,9 @@ from opacus_rc.lm_head import ChunkedLMHeadLoss
 from tests.models import CheckpointedSequenceClassifier, HeadModel, SequenceClassifier, token_task
 from tests.oracles import per_example_clipped_mean
 
+#: every test also with the batches copied as on a device (tests/conftest.py, issue 52)
+pytestmark = pytest.mark.usefixtures("batches_as_on_a_device")
+
 C, B, N = 0.05, 8, 48
 
 

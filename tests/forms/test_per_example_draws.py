@@ -28,6 +28,9 @@ from opacus_rc.forms.per_example import PerExampleOptimizer
 from tests.models import SequenceClassifier, token_task
 from tests.oracles import per_example_clipped_mean
 
+#: every test also with the batches copied as on a device (tests/conftest.py, issue 52)
+pytestmark = pytest.mark.usefixtures("batches_as_on_a_device")
+
 C = 0.05
 
 

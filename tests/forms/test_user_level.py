@@ -26,6 +26,9 @@ import opacus_rc  # noqa: F401
 from tests.models import SequenceClassifier
 from tests.oracles import per_user_clipped_mean
 
+#: every test also with the batches copied as on a device (tests/conftest.py, issue 52)
+pytestmark = pytest.mark.usefixtures("batches_as_on_a_device")
+
 C, USERS_PER_STEP, K = 0.05, 3, 4
 FORMS = {
     "bookkeeping": dict(per_example_backward=False, sketch_size=64),

@@ -29,6 +29,9 @@ from tests.forms.test_user_level import C, FORMS, K, USERS_PER_STEP, _ce, one_lo
 from tests.models import SequenceClassifier
 from tests.oracles import per_user_clipped_mean
 
+#: every test also with the batches copied as on a device (tests/conftest.py, issue 52)
+pytestmark = pytest.mark.usefixtures("batches_as_on_a_device")
+
 # --- sketched book-keeping: one sketch per user --------------------------------------------
 
 T, D, P, SKETCH = 3, 4, 5, 2  # a row has 3 tokens; a user's 2 rows, 6 > SKETCH: sketched

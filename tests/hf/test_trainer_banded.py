@@ -28,6 +28,9 @@ from tests.oracles import cyclic_part
 from .test_trainer import char_tokenizer, sft_dataset, training_args
 from .test_trainer_users import user_dataset
 
+#: every test also with the batches copied as on a device (tests/conftest.py, issue 52)
+pytestmark = pytest.mark.usefixtures("dict_batches_as_on_a_device")
+
 DELTA, SIGMA = 1e-5, 1.0
 _DRAW, _UNITS = "__opacus_rc_draw_step__", "__opacus_rc_row_units__"
 

@@ -18,6 +18,9 @@ from tests.models import tiny_llama
 
 from .test_trainer import training_args
 
+#: every test also with the batches copied as on a device (tests/conftest.py, issue 52)
+pytestmark = pytest.mark.usefixtures("dict_batches_as_on_a_device")
+
 C, PAD = 1e-4, 0
 #: the author of each row (4 users, interleaved) and the rows' lengths (3 to 8 tokens)
 AUTHORS = ["a", "b", "c", "a", "d", "c", "b", "c", "d"]

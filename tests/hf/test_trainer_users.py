@@ -27,6 +27,9 @@ from tests.oracles import per_user_clipped_mean
 
 from .test_trainer import training_args
 
+#: every test also with the batches copied as on a device (tests/conftest.py, issue 52)
+pytestmark = pytest.mark.usefixtures("dict_batches_as_on_a_device")
+
 C, LR, K = 0.05, 0.5, 3
 COUNTS = (1, 2, 3, 4, 6, 8)  # rows of each of the 6 users (24 rows): three above K
 FORMS = {
