@@ -400,6 +400,11 @@ class BatchReader:
     def read_batches_from(self, optimizer: Any) -> None:
         self._batches_from = weakref.ref(optimizer)
 
+    def forward_running(self) -> bool:
+        """A forward pass of one of the model's modules is running (the root's, or a submodule's
+        called alone): :class:`~opacus_rc.forward_changes.ForwardChanges` reads it."""
+        return self._forward_depth > 0
+
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_batches_from": None}  # (a weak reference: saved modules follow none)
 
