@@ -126,18 +126,24 @@ def test_a_validation_forward_in_train_mode_is_refused_naming_it(form, refusal):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
-def test_a_validation_forward_after_the_backward_pass_still_trains():
+@pytest.mark.parametrize("form", ["two_pass", "bookkeeping", "output_passes"])
+def test_a_validation_forward_after_the_backward_pass_still_trains(form):
     """The monitoring forward after ``backward()`` (its output without a backward pass too) is
-    not refused in these forms: the training forward's hooks had paired up."""
-    model, module, optimizer, criterion, loader = _private("bookkeeping")
-    batches = iter(loader)
-    for _ in range(3):
-        x, y = next(batches)
-        criterion(module(x), y).backward()
-        module(torch.randn(3, 4))
-        optimizer.step()
-        optimizer.zero_grad()
-    assert not torch.equal(model.fc1.weight, Net().fc1.weight)
+    not refused in these forms: the training forward's hooks had paired up, and the step
+    forgets what the monitoring forward captured. The releases equal those without it."""
+    runs = []
+    for monitor in (False, True):
+        model, module, optimizer, criterion, loader = _private(form)
+        batches = iter(loader)
+        for _ in range(3):
+            x, y = next(batches)
+            criterion(module(x), y).backward()
+            if monitor:
+                module(torch.randn(3, 4))
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append(_parameters(model))
+    assert all(torch.equal(p, q) for p, q in zip(*runs)) and not torch.equal(runs[0][0], Net().fc1.weight)
 
 
 @pytest.mark.parametrize("validation", ["batch", "row"])
