@@ -254,6 +254,30 @@ class Ledger:
         self._current = None
 
 
+#: a training-mode forward pass that no backward pass follows, and its remedy (:func:`no_backward_cause`)
+_NO_BACKWARD = (
+    "a training-mode forward pass whose output had no backward pass (e.g. a validation or monitoring "
+    "forward with the model in train mode and gradients on)"
+)
+_NO_BACKWARD_FIX = "run such forward passes under torch.no_grad() or after model.eval() (model.train() to train again)"
+
+
+#: what a refusal at a training forward pass adds: it may be a validation forward in train mode
+EVALUATION_HINT = (
+    "If this forward pass is a validation or monitoring one, run it under torch.no_grad() or after "
+    "model.eval(): in train mode with gradients on it is taken as a training forward pass"
+)
+
+
+def no_backward_cause(seen: bool, likely: bool = True) -> str:
+    """The sentence a refusal of forward and backward passes that do not pair up adds: the cause
+    when it was seen (:meth:`BatchReader.no_backward_cause`), else the likely one (``likely``:
+    when it is the likely one; else nothing)."""
+    if seen:
+        return f"Cause: {_NO_BACKWARD} ran before the next forward pass; {_NO_BACKWARD_FIX}"
+    return f"A likely cause: {_NO_BACKWARD}; {_NO_BACKWARD_FIX}" if likely else ""
+
+
 def unannounced_batch_error(tensor: Optional[torch.Tensor] = None, bound: bool = True) -> ValueError:
     """The refusal of a training forward that no delivered batch is pending for (``bound``: the
     followed loader delivered before; else, at user level, the batches must come from it)."""
@@ -271,6 +295,33 @@ def unannounced_batch_error(tensor: Optional[torch.Tensor] = None, bound: bool =
         "(it carries each row's user with it). Train on its batches (moved to the device, cast or transformed as "
         "you like); loader.follow(optimizer) for objects built by hand"
     )
+
+
+def unfrozen_error(names: List[str]) -> ValueError:
+    """The refusal of a training forward pass after parameters frozen at ``make_private`` were
+    unfrozen: no per-example clipping was set up for them."""
+    one = len(names) == 1
+    which = ("parameter " if one else "parameters ") + ", ".join(repr(n) for n in names)
+    was, it, its = ("was", "it", "its gradient") if one else ("were", "them", "their gradients")
+    return ValueError(
+        f"training forward pass refused: {which} {was} frozen (requires_grad=False) when make_private ran and "
+        f"{'is' if one else 'are'} trainable now: make_private set up no per-example clipping for {it}, so {its} "
+        f"would never be clipped. Unfreeze {it} before make_private, or run make_private again after unfreezing "
+        f"{it} (with an optimizer over the parameters to train); or freeze {it} again. Nothing of this step was "
+        "released or charged; a refusal must end the run"
+    )
+
+
+class _OutputReached:
+    """Whether a backward pass reached a training forward pass's output (its gradient hooks)."""
+
+    __slots__ = ("reached",)
+
+    def __init__(self) -> None:
+        self.reached = False
+
+    def __call__(self, _grad: torch.Tensor) -> None:
+        self.reached = True
 
 
 def accumulation_error(batches: int) -> ValueError:
@@ -460,6 +511,12 @@ class BatchReader:
         self._took_rows = False  # a training forward since the last step took a non-empty tensor
         #: the same, for the step being taken (:meth:`take_step_batches`)
         self.step_took_rows = False
+        self._root_id = id(root)  # (not the module itself: on a grad-sample module it would be a submodule)
+        #: the parameters frozen now (make_private): one unfrozen later was never set up to be clipped
+        self._frozen = [(name, p) for name, p in root.named_parameters() if not p.requires_grad]
+        self._open_output = False  # a training forward of the root is running: track its output
+        self._last_output: Optional[_OutputReached] = None  # the latest one's, reached by a backward pass?
+        self._unbackwarded = False  # a training forward's output had no backward pass before the next one
         handles = []
         for module in root.modules():
             handles.append(module.register_forward_pre_hook(self._batch_hook, with_kwargs=True))
@@ -469,19 +526,59 @@ class BatchReader:
     def read_batches_from(self, optimizer: Any) -> None:
         self._batches_from = weakref.ref(optimizer)
 
+    def forward_running(self) -> bool:
+        """A forward pass of one of the model's modules is running (the root's, or a submodule's
+        called alone): :class:`~opacus_rc.forward_changes.ForwardChanges` reads it."""
+        return self._forward_depth > 0
+
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_batches_from": None}  # (a weak reference: saved modules follow none)
 
-    def _left_forward(self, *_: Any) -> None:
+    def _left_forward(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
         self._forward_depth = max(0, self._forward_depth - 1)
+        if self._forward_depth == 0 and self._open_output:
+            self._open_output = False
+            self._track_output(output)
 
     def _batch_hook(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         self._forward_depth += 1
         if self._forward_depth > 1 or not (self.hooks_enabled and module.training and torch.is_grad_enabled()):
             return
         if not self.in_replay():
+            self._check_unfrozen()
+            if id(module) == self._root_id:
+                self._note_previous_output()
             self.take_batch(self.find_batch((args, kwargs)))
             self._took_rows |= any(t.numel() > 0 for t in tensors_in((args, kwargs)))
+
+    def _check_unfrozen(self) -> None:
+        """Refuse a training forward pass once a parameter frozen at ``make_private`` requires a
+        gradient (:func:`unfrozen_error`)."""
+        unfrozen = [name for name, p in self._frozen if p.requires_grad]
+        if unfrozen:
+            self.refuse_step(unfrozen_error(unfrozen))
+
+    def _note_previous_output(self) -> None:
+        """At a training forward of the root: whether the previous one's output had no backward
+        pass (:meth:`no_backward_cause`); this one's output is tracked when it ends."""
+        if self._last_output is not None and not self._last_output.reached:
+            self._unbackwarded = True
+        self._last_output, self._open_output = None, True
+
+    def _track_output(self, output: Any) -> None:
+        """Hook the output tensors of the training forward that just ended (none needs a gradient:
+        not tracked)."""
+        leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if leaves:
+            self._last_output = _OutputReached()
+            for leaf in leaves:
+                leaf.register_hook(self._last_output)
+
+    def no_backward_cause(self, likely: bool = True) -> str:
+        """For a refusal of forward uses and backward hooks that do not pair up: the cause, when a
+        training forward's output had no backward pass before the next training forward since
+        the last step, else the likely one (``likely=False``: nothing; :func:`no_backward_cause`)."""
+        return no_backward_cause(self._unbackwarded, likely)
 
     def in_replay(self) -> bool:
         """A checkpointed region's replay (no new batch)."""
@@ -520,6 +617,7 @@ class BatchReader:
         ledger = getattr(optimizer, "ledger", None)
         if ledger is not None:
             ledger.end_step()
+        self._unbackwarded, self._last_output = False, None
 
     def refuse_step(self, error: ValueError) -> None:
         """Raise ``error``; the followed optimizer drops its step and refuses every later one."""
@@ -536,7 +634,8 @@ class BatchReader:
 
 
 __all__ = [
-    "Batch", "BatchReader", "CyclicPoissonLoader", "Draw", "DrawLoader", "DrawSampler", "Ledger", "NoBatch", "Rows",
-    "UserDataLoader",
-    "accumulation_error", "dataset_digest", "signalled_batches", "split_draws", "tensors_in", "unannounced_batch_error",
+    "EVALUATION_HINT", "Batch", "BatchReader", "CyclicPoissonLoader", "Draw", "DrawLoader", "DrawSampler", "Ledger",
+    "NoBatch", "Rows", "UserDataLoader",
+    "accumulation_error", "dataset_digest", "no_backward_cause", "signalled_batches", "split_draws", "tensors_in",
+    "unannounced_batch_error", "unfrozen_error",
 ]

@@ -8,15 +8,26 @@ parameter, buffer and tensor kept in a module attribute with its value before th
 forward pass, whoever wrote it (in place, through ``.data``, by reassignment, in a hook or a
 backward pass): a bit-exact digest per tensor; the optimizer refuses the step by name. Changes
 between a step and the next forward pass are the loop's own and are not refused.
+
+A plain module attribute that a forward pass *assigns* (``self.last_attn = attn.detach()``) is
+not a change of the model: it is watched from then on (:mod:`opacus_rc.carried_state`), and the
+step is refused only when a later training forward pass reads the value an earlier one wrote.
+An attribute's tensor changed in place (``self.memory.add_(...)``, ``self.memory.append(...)``)
+stays refused: changing a kept value reads it.
 :func:`check_no_max_norm` refuses ``nn.Embedding(max_norm=...)`` at ``make_private``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 from torch import nn
+
+from .carried_state import (
+    CARRIED, AttributeWatch, ForwardClock, Top, attribute_tops, describe, held_tensors, reassigned,
+)
+from .recompute import forward_replay
 
 
 def check_no_max_norm(model: nn.Module) -> None:
@@ -116,9 +127,6 @@ def digests(tensors: List[torch.Tensor]) -> torch.Tensor:
     return torch.cat(out)[order]
 
 
-_HOLDERS = (torch.Tensor, list, tuple, dict)
-
-
 class Changes(NamedTuple):
     """What :meth:`ForwardChanges.take` saw: a tensor added, removed or of another kind (known on
     the host), whether a digest changed (a device bool; None: nothing compared), and the names."""
@@ -128,19 +136,6 @@ class Changes(NamedTuple):
     names: Any  # () -> List[str]
 
 
-def _tensors(value: Any, name: str, out: List[Tuple[str, torch.Tensor]], depth: int = 0) -> None:
-    """Append the tensors a module attribute holds, itself or in lists, tuples and dicts (3
-    levels), to ``out``."""
-    if isinstance(value, torch.Tensor):
-        if not isinstance(value, nn.Parameter):  # those: as parameters
-            out.append((name, value))
-    elif depth < 3:
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            if issubclass(type(item), _HOLDERS):
-                _tensors(item, f"{name}[{key!r}]", out, depth + 1)
-
-
 class _Seen(NamedTuple):
     """A watched tensor as a snapshot saw it (held, so that identity stays meaningful)."""
 
@@ -148,98 +143,140 @@ class _Seen(NamedTuple):
     tensor: torch.Tensor
     kind: Tuple[torch.dtype, Tuple[int, ...], torch.device]
     slot: int  # its digest's index among its device's
+    top: Optional[str]  # an attribute's: the module attribute that holds it ("block.memory")
+
+
+class _Snapshot(NamedTuple):
+    """One walk of the watched tensors: each by name, their digests per device, and the plain
+    attributes that hold them (:func:`~opacus_rc.carried_state.attribute_tops`)."""
+
+    seen: Dict[str, _Seen]
+    digests: Dict[torch.device, torch.Tensor]
+    tops: Dict[str, Top]
 
 
 class ForwardChanges:
     """Watches the values of ``model``'s parameters (``parameters=False``: not them, for
     FSDP2, whose forward swaps the parameters' shards in and out), buffers and tensors kept in
     module attributes, from the first forward pass after each :meth:`take` to the next;
-    :meth:`take` returns what changed.
+    :meth:`take` returns what changed. A plain attribute a forward pass assigned is not a
+    change: it is watched from then on, and :meth:`take` returns a training forward pass's read
+    of a value an earlier forward pass wrote (:mod:`opacus_rc.carried_state`).
 
     Args:
         model: the user's model (see :func:`watched_model`).
         parameters: whether parameters are watched as well as buffers (None: unless
             FSDP2 shards the model).
         outer: the wrapper the loop calls (the grad-sample module; ignored unless a module),
-            whose pre-hooks run before the model's.
+            whose pre-hooks run before the model's; its ``forward_running()`` (when it has
+            one) tells a forward pass of a submodule called alone.
     """
 
     def __init__(self, model: nn.Module, parameters: Optional[bool] = None, outer: Any = None) -> None:
         self._model = model
         self._parameters = not _sharded(model) if parameters is None else parameters
-        self._before: Optional[Tuple[Dict[str, _Seen], Dict[torch.device, torch.Tensor]]] = None
+        self._before: Optional[_Snapshot] = None
+        self._boundary: Dict[str, Top] = {}  # the attributes as the latest forward pass began
+        running = getattr(outer, "forward_running", None)
+        self._clock = ForwardClock(model, running if callable(running) else _never)
+        self._attributes = AttributeWatch(self._clock)
         # first among the pre-hooks of the model and of the wrapper the loop calls (whose run before
         # the model's): a pre-hook registered before or after this one runs after it
         modules = {id(m): m for m in (outer, model) if isinstance(m, nn.Module)}
-        self._handles = [m.register_forward_pre_hook(self._forward_starts, prepend=True) for m in modules.values()]
+        self._handles = []
+        for m in modules.values():
+            self._handles.append(m.register_forward_pre_hook(self._forward_starts, prepend=True))
+            self._handles.append(m.register_forward_hook(self._forward_ends, always_call=True))
         self._snapshot()  # the digests' weights and layouts made now, not inside a step
 
+    def __getstate__(self) -> Dict[str, Any]:
+        """A copy of the model (``copy.deepcopy``, ``torch.save``) copies its hooks, and so this
+        object: the copy watches no attribute (the watch is this model's)."""
+        return {**self.__dict__, "_attributes": None}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._attributes = AttributeWatch(self._clock)
+
     def remove(self) -> None:
-        """Stop watching (removes the hooks)."""
+        """Stop watching (removes the hooks; the watched attributes' classes get their own
+        entries back)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._before = None
+        self._attributes.remove()
 
-    def _entries(self) -> Iterator[Tuple[str, str, torch.Tensor]]:
-        """(what, name, tensor) of each watched tensor."""
+    def _entries(self, tops: Dict[str, Top]) -> Iterator[Tuple[str, str, torch.Tensor, Optional[str]]]:
+        """(what, name, tensor, the attribute holding it) of each watched tensor."""
         for prefix, module in self._model.named_modules(remove_duplicate=False):
             dot = f"{prefix}." if prefix else ""
             kinds = [("buffer", module._buffers)] + ([("parameter", module._parameters)] if self._parameters else [])
             for what, container in kinds:
-                yield from ((what, dot + key, t) for key, t in container.items() if t is not None)
+                yield from ((what, dot + key, t, None) for key, t in container.items() if t is not None)
+        for top_name, top in tops.items():
+            if self._attributes.watching(top.module, top.key):
+                continue  # its reads are watched: a change in place reads it (no digest needed)
             held: List[Tuple[str, torch.Tensor]] = []
-            for key, value in module.__dict__.items():
-                if issubclass(type(value), _HOLDERS) and key not in _NOT_STATE:
-                    _tensors(value, key, held)
-            yield from (("attribute", dot + name, t) for name, t in held)
+            held_tensors(top.value, top_name, held)
+            yield from (("attribute", name, t, top_name) for name, t in held)
 
-    def _snapshot(self) -> Tuple[Dict[str, _Seen], Dict[torch.device, torch.Tensor]]:
-        """Each watched tensor by name, and their digests stacked per device (a tensor under
-        several names is hashed once)."""
+    def _snapshot(self) -> _Snapshot:
+        """Each watched tensor by name, their digests stacked per device (a tensor under
+        several names is hashed once), and the attributes holding tensors."""
+        tops = attribute_tops(self._model, _NOT_STATE)
         seen: Dict[str, _Seen] = {}
         slots: Dict[int, int] = {}
         unique: Dict[torch.device, List[torch.Tensor]] = {}
-        for what, name, t in self._entries():
+        for what, name, t, top in self._entries(tops):
             if t.layout != torch.strided:
                 continue
             if id(t) not in slots:
                 slots[id(t)] = len(unique.setdefault(t.device, []))
                 unique[t.device].append(t)
-            seen[name] = _Seen(what, t, (t.dtype, tuple(t.shape), t.device), slots[id(t)])
-        return seen, {device: digests(ts) for device, ts in unique.items()}
+            seen[name] = _Seen(what, t, (t.dtype, tuple(t.shape), t.device), slots[id(t)], top)
+        return _Snapshot(seen, {device: digests(ts) for device, ts in unique.items()}, tops)
+
+    def _watch_assigned(self, names: List[str], tops: Dict[str, Top]) -> Set[str]:
+        """Watch the attributes assigned since the last walk (``names``; ``tops``: this walk) from
+        now on; returns those no longer compared by value: watched, or gone (nothing to read)."""
+        done = set()
+        for name in names:
+            top = tops.get(name)
+            if top is None or self._attributes.watch(top.module, top.path, top.key):
+                done.add(name)
+        return done
 
     def take(self) -> "Changes":
-        """What changed since the first forward pass after the last call; watching starts again
-        at the next forward pass. No host synchronisation: a change of value is a device flag."""
+        """What changed since the first forward pass after the last call, and the carried reads;
+        watching starts again at the next forward pass. No host synchronisation: a change of
+        value is a device flag."""
+        carried = self._attributes.take_carried()
         if self._before is None:
-            return Changes(False, None, list)
-        (before, digests), (after, now) = self._before, self._snapshot()
+            return Changes(bool(carried), None, lambda: list(carried))
+        (before, old, tops), after = self._before, self._snapshot()
         self._before = None
-        pairs = [(n, b.slot, after[n].slot, b.kind[2]) for n, b in before.items()
-                 if n in after and b.kind == after[n].kind]
+        assigned = self._watch_assigned(reassigned(tops, after.tops), after.tops)
+        was = {n: s for n, s in before.items() if s.top not in assigned}
+        now = {n: s for n, s in after.seen.items() if s.top not in assigned}
+        pairs = [(n, b.slot, now[n].slot, b.kind[2]) for n, b in was.items() if n in now and b.kind == now[n].kind]
         compared = {}  # device -> (names, whether each digest differs)
-        for device, old in digests.items():
+        for device, digest in old.items():
             on = [p for p in pairs if p[3] == device]
             if on:
-                compared[device] = ([p[0] for p in on], old[[p[1] for p in on]] != now[device][[p[2] for p in on]])
-        structural = before.keys() != after.keys() or len(pairs) != len(before)
+                compared[device] = ([p[0] for p in on], digest[[p[1] for p in on]] != after.digests[device][[p[2] for p in on]])
+        structural = bool(carried) or was.keys() != now.keys() or len(pairs) != len(was)
         flags = [ne.any() for _, ne in compared.values()]
         flag = None if not flags else torch.stack([f.to(flags[0].device) for f in flags]).any()
 
         def names() -> List[str]:  # (waits for the device: for the refusal's message only)
             differs = {n for names_on, ne in compared.values() for n, d in zip(names_on, ne.tolist()) if d}
-            changed: List[str] = []
-            for name in {**before, **after}:  # the names before the forward pass first
-                b, a = before.get(name), after.get(name)
-                if b is None or a is None:
-                    how = "added" if b is None else "removed"
-                elif b.kind != a.kind or name in differs:
-                    how = "changed in place" if b.tensor is a.tensor else "replaced"
-                else:
+            changed: List[str] = list(carried)
+            for name in {**was, **now}:  # the names before the forward pass first
+                b, a = was.get(name), now.get(name)
+                if b is not None and a is not None and b.kind == a.kind and name not in differs:
                     continue
-                what = (b or a).what
-                message = f"{what} {name.split('[')[0] if what == 'attribute' else name!r} was {how}"
+                message = _changed(b, a, name, tops, after.tops)
                 if message not in changed:  # a list attribute: named once
                     changed.append(message)
             return changed
@@ -247,22 +284,81 @@ class ForwardChanges:
         return Changes(structural, flag, names)
 
     def _forward_starts(self, _module: nn.Module, _args: Any) -> None:
+        """The first forward pass after a step takes the values compared at the step; each later
+        one first watches the attributes the forward passes before it assigned."""
+        clock = self._clock
+        clock.depth += 1
+        if clock.depth > 1 or forward_replay() is not None:
+            return
         if self._before is None:
             self._before = self._snapshot()
+            self._boundary = self._before.tops
+        else:
+            tops = attribute_tops(self._model, _NOT_STATE)
+            self._watch_assigned(reassigned(self._boundary, tops), tops)
+            self._boundary = tops
+        clock.forwards += 1
+
+    def _forward_ends(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        self._clock.depth = max(0, self._clock.depth - 1)
 
     @staticmethod
     def refusal(changed: List[str]) -> ValueError:
         """The step's refusal for what :meth:`take` returned."""
+        made = [c for c in changed if CARRIED not in c]
+        carried = [c for c in changed if CARRIED in c]
+        parts = []
+        if made:
+            parts.append(
+                "; ".join(made) + " during the forward pass (from the step's first forward pass to step(): in "
+                "place, through .data, by reassignment, in a hook or a backward pass): a change made from the data "
+                "reaches the released model without noise (a running statistic kept in a buffer, "
+                "nn.Embedding(max_norm=...), state kept across forward passes). Compute such values outside the "
+                "model's forward pass, keep them out of the model, or freeze them"
+            )
+        if any(c.startswith("attribute ") for c in made):
+            parts.append(
+                "A tensor kept in a module attribute and changed in place (self.x.add_(...), self.x.append(...)) "
+                "carries what one forward pass wrote into the next ones; to keep a value for inspection, assign a "
+                "new one (self.x = value.detach()): an attribute that a forward pass assigns and no later forward "
+                "pass reads is allowed"
+            )
+        if carried:
+            parts.append(
+                "; ".join(carried) + ": a value written by one forward pass was read by a later one (state "
+                "carried across forward passes, e.g. a recurrent state self.h = f(x, self.h), or an attribute "
+                "cache that feeds the next forward pass), so one batch's examples would reach another batch's "
+                "gradients without being clipped with them. Keep such state out of the model, or clear it between "
+                "steps (del module.h, or module.h = None) when its value is not needed"
+            )
+        held = ", but the model holds the change: do not release it (restore a checkpoint taken before the step)"
         return ValueError(
-            "optimizer.step() refused: " + "; ".join(changed) + " during the forward pass (from the "
-            "step's first forward pass to step(): in place, through .data, by reassignment, in a "
-            "hook or a backward pass): a change made from the data reaches the released model "
-            "without noise (a running statistic kept in a buffer, nn.Embedding(max_norm=...), "
-            "state kept across forward passes). Compute such values outside the model's forward "
-            "pass, keep them out of the model, or freeze them. Nothing was released or charged, but "
-            "the model holds the change: do not release it (restore a checkpoint taken before the "
-            "step); call optimizer.zero_grad() before the next step"
+            "optimizer.step() refused: " + ". ".join(parts) + ". Nothing was released or charged"
+            + (held if made else "") + "; call optimizer.zero_grad() before the next step"
         )
+
+
+def _never() -> bool:
+    return False
+
+
+def _changed(before: Optional[_Seen], after: Optional[_Seen], name: str, then: Dict[str, Top],
+             now: Dict[str, Top]) -> str:
+    """A refusal's item for a watched tensor that changed between two walks (``then``, ``now``:
+    their attributes): a parameter's or buffer's by name, an attribute's by its module and name
+    (one kept across the forward passes was changed in place; one assigned is watched instead,
+    unless its class serves the name with a property)."""
+    seen = before or after
+    if seen.what == "attribute":
+        top = then.get(seen.top) or now[seen.top]
+        kept = seen.top in then and seen.top in now and then[seen.top].value is now[seen.top].value
+        how = "changed in place" if kept else "assigned, and its class serves the name with a descriptor (not watched)"
+        return f"{describe(top.path, top.key, top.module)} was {how}"
+    if before is None or after is None:
+        how = "added" if before is None else "removed"
+    else:
+        how = "changed in place" if before.tensor is after.tensor else "replaced"
+    return f"{seen.what} {name!r} was {how}"
 
 
 __all__ = ["ForwardChanges", "check_no_max_norm", "digests", "watched_model"]

@@ -238,13 +238,14 @@ def _saves_inputs(module: nn.Module) -> bool:
     return requires_grad(module) and module.training and torch.is_grad_enabled()
 
 
-def unmatched_tied_uses_error() -> ValueError:
+def unmatched_tied_uses_error(cause: str) -> ValueError:
     """The refusal of a norm step while a tied parameter's running sum still waits for uses:
-    clipping with part of its per-example gradient would under-estimate the norm."""
+    clipping with part of its per-example gradient would under-estimate the norm. ``cause``:
+    :meth:`~opacus_rc.draws.BatchReader.no_backward_cause`."""
     return ValueError(
         "a tied parameter's forward uses and backward hooks do not match (a forward "
         "pass without its backward pass?): refusing to clip; run forward and backward "
-        "in pairs while the privacy hooks are on"
+        f"in pairs while the privacy hooks are on. {cause}"
     )
 
 
@@ -335,11 +336,11 @@ class SketchingMixin(PerExampleStore):
         The norms are consumed: a later pass never reuses them for other examples."""
         try:
             if self._tied_sums:  # a tied running sum waits for a use: its norm would miss it
-                raise unmatched_tied_uses_error()
+                raise unmatched_tied_uses_error(self.no_backward_cause())
             named = list(trainable_parameters(self._module))
             missing = [name for name, p in named if getattr(p, "_norm_sample", None) is None]
             if missing:
-                raise missing_per_sample_error(", ".join(repr(n) for n in missing))
+                raise missing_per_sample_error(", ".join(repr(n) for n in missing), self.no_backward_cause())
             check_norms_cover_batch([(repr(name), p._norm_sample) for name, p in named])
             return super().get_norm_sample()
         finally:

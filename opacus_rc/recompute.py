@@ -217,12 +217,13 @@ def resolve_last(module) -> None:
         entries[-1] = [saved.get() for saved in entries[-1]]
 
 
-def missing_per_sample_error(what: str) -> ValueError:
+def missing_per_sample_error(what: str, cause: str = "") -> ValueError:
     """The error for trainable parameters that got no per-sample norm or gradient in a
-    backward pass (their layer's backward hook never ran), with its usual cause."""
+    backward pass (their layer's backward hook never ran), with its usual causes; ``cause``: a
+    sentence naming another (:meth:`~opacus_rc.draws.BatchReader.no_backward_cause`)."""
     return ValueError(
         f"no per-sample gradient for {what}: the layer's backward hook did not run in this "
-        "backward pass. Every trainable layer must take part in each forward and backward "
+        f"backward pass. {cause + '. ' if cause else ''}Every trainable layer must take part in each forward and backward "
         "pass with clipping='randomized'. Under checkpoint(..., use_reentrant=True) this "
         "happens when no input of a checkpointed region requires grad (e.g. a frozen base "
         "model under LoRA): the region is then not differentiated at all. Use "

@@ -232,7 +232,8 @@ class Memory(RunningMean):
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("keep", ["list", "tensor"])
 def test_state_kept_in_a_module_attribute_is_refused(form, keep):
-    _refused(Memory(keep), form, "attribute 'memory'")
+    """Changed in place (a list appended to, a tensor added to): refused at the first step."""
+    _refused(Memory(keep), form, r"attribute 'memory' of the model \(Memory\)")
 
 
 @pytest.mark.parametrize("form", ["two_pass", "bookkeeping"])

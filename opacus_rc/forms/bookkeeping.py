@@ -335,7 +335,7 @@ class BookkeepingClippingMixin:
         """Opacus's per-sample gradient of a parameter that is not book-kept (per user at
         user level: the sum of the user's rows')."""
         if getattr(p, "grad_sample", None) is None:
-            raise missing_per_sample_error(self.describe_parameter(p))
+            raise missing_per_sample_error(self.describe_parameter(p), self.bound_module().no_backward_cause())
         gs = self._get_flat_grad_sample(p)
         return sum_rows_by_unit(gs, self._step_units(gs.shape[0]))
 

@@ -232,7 +232,7 @@ class FSDPSketchingMixin(SketchingMixin):
         self._tied_sums.clear()  # (dropped with their slots)
         per_param += [(self._module, s._norm_sample) for s in slots if s._norm_sample is not None]
         if pending:  # never clip with part of a tied parameter's norm
-            raise unmatched_tied_uses_error()
+            raise unmatched_tied_uses_error(self.no_backward_cause())
         check_norms_cover_batch([(f"a {self._get_module_type(m).__name__}", n) for m, n in per_param])
         if per_param:
             device = per_param[0][1].device

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_leaves
 
 from ..clip_guard import PerExampleGuard
-from ..draws import BatchReader
+from ..draws import EVALUATION_HINT, BatchReader
 from ..estimators import at_least_float32
 from ..optimizer import RandomizedClippingMixin
 from ..per_parameter import set_summed
@@ -98,7 +98,7 @@ def batch_error(n: Optional[int]) -> ValueError:
         f"the per-example form clips one example per backward pass; the model's forward got {got}. "
         "Iterate the data loader make_private returned (it yields one example per physical "
         "batch), BatchMemoryManager(max_physical_batch_size=1), or DPTrainer; or choose another "
-        "form: make_private(..., per_example_backward=False)"
+        f"form: make_private(..., per_example_backward=False). {EVALUATION_HINT}"
     )
 
 
@@ -186,7 +186,7 @@ class PerExampleClipping(BatchReader):
         if not batch.draw.signalled and any(b is batch for b in self._step_batches):
             self.refuse_step(ValueError(
                 "the per-example form clips one example per backward pass: a batch of the loader "
-                "make_private returned went through a second forward pass; one forward per batch"
+                f"make_private returned went through a second forward pass; one forward per batch. {EVALUATION_HINT}"
             ))
         super().take_batch(batch)
 
@@ -306,7 +306,7 @@ class PerExampleClipping(BatchReader):
             return self._refuse(
                 f"a backward pass held {examples} examples' forward passes since the last clip"
                 + ("" if reached <= set(ids) else ", and reached the graph of an earlier, clipped one")
-                + ": each backward pass must hold one example"
+                + f": each backward pass must hold one example. {self.no_backward_cause(likely=False)}".rstrip()
             )
         if self._grouped is not None:
             self._grouped = True

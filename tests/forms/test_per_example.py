@@ -428,10 +428,13 @@ class KeepsPrevious(nn.Module):
         return self.fc2(h)
 
 
-def _update_of_one_draw(xs, c=0.1):
-    """The update (times the batch size) of one logical step over ``xs``, one example per
-    backward pass, each ``backward(retain_graph=True)``."""
+def _update_of_one_draw(xs, c=0.1, draws=1, keeps=True):
+    """The update (times the batch size) of one logical step over ``xs`` (``draws`` of them),
+    one example per backward pass, each ``backward(retain_graph=True)``; ``keeps=False``: the
+    model keeps no state."""
     model = KeepsPrevious()
+    if not keeps:
+        model.forward = lambda x: model.fc2(torch.tanh(model.fc1(x)))
     before = [p.detach().clone() for p in model.parameters()]
     data = torch.utils.data.TensorDataset(torch.zeros(4, 4), torch.zeros(4, dtype=torch.long))
     module, optimizer, _ = PrivacyEngine(accountant="rc_prv").make_private(
@@ -439,11 +442,12 @@ def _update_of_one_draw(xs, c=0.1):
         data_loader=torch.utils.data.DataLoader(data, batch_size=4), noise_multiplier=0.0, max_grad_norm=c,
         clipping="randomized", per_example_backward=True, poisson_sampling=False,
     )
-    for i, x in enumerate(xs):
-        module(x[None]).sum().backward(retain_graph=True)
-        optimizer.signal_skip_step(do_skip=i < len(xs) - 1, same_draw=True)
-        optimizer.step()
-        optimizer.zero_grad()
+    for _ in range(draws):
+        for i, x in enumerate(xs):
+            module(x[None]).sum().backward(retain_graph=True)
+            optimizer.signal_skip_step(do_skip=i < len(xs) - 1, same_draw=True)
+            optimizer.step()
+            optimizer.zero_grad()
     return torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())]) * len(data) / c
 
 
@@ -452,11 +456,15 @@ def test_state_kept_across_forwards_is_refused_by_name():
     each later example's backward pass), with nothing refused."""
     xs = torch.zeros(4, 4)
     xs[0] = torch.randn(4, generator=torch.Generator().manual_seed(1))
-    # refused at the step by value first (tests/test_forward_changes.py), before the graph check
-    with pytest.raises(ValueError, match="attribute 'prev' was added during the forward pass"):
+    # refused at the step by the read first (tests/test_forward_changes.py), before the graph check
+    carried = "attribute 'prev' of the model \\(KeepsPrevious\\) was read by a later training forward pass"
+    with pytest.raises(ValueError, match=carried + ".*a value written by one forward pass was read by a later one"):
         _update_of_one_draw(xs)
-    with pytest.raises(ValueError, match="attribute 'prev' was added"):  # one example: it reaches the next step
-        _update_of_one_draw(xs[:1])
+    # one example: its forward pass read no earlier one's value, its step releases it alone (as
+    # without the state); the next draw's forward pass reads it
+    assert torch.equal(_update_of_one_draw(xs[:1]), _update_of_one_draw(xs[:1], keeps=False))
+    with pytest.raises(ValueError, match=carried):
+        _update_of_one_draw(xs[:1], draws=2)
 
 
 def test_state_kept_in_a_closure_is_refused():
