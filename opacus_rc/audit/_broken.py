@@ -111,9 +111,9 @@ def unchecked_draw_boundary(optimizer: Any) -> None:
     charged as the one draw whose end it holds."""
     deliver = optimizer.ledger.deliver
 
-    def signalled(data: Any, batch: Batch) -> None:
+    def signalled(data: Any, batch: Batch, source: Any = None) -> None:
         optimizer.signal_skip_step(do_skip=not batch.last, same_draw=True)
-        deliver(data, Batch(Draw(1, signalled=True), 0, batch.units))
+        deliver(data, Batch(Draw(1, signalled=True), 0, batch.units), source)
 
     optimizer.ledger.deliver = signalled
 
