@@ -14,6 +14,7 @@ sketch per layer and per step, seedable (``sketch_seed``), drawn from ``os.urand
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -292,9 +293,11 @@ class PerExampleStore(BatchReader):
                 continue
             original = m.__dict__.get("forward")
             if is_conv1d(layer):
-                m.forward = functools.partial(conv1d_forward_deferring_in_half, owner, m, original, wanted or _never)
+                patched = functools.partial(conv1d_forward_deferring_in_half, owner, m, original, wanted or _never)
             else:
-                m.forward = functools.partial(forward_without_in_module_grads, owner, m, original)
+                patched = functools.partial(forward_without_in_module_grads, owner, m, original)
+            patched.__signature__ = inspect.signature(m.forward)  # (what inspects it, e.g. the Trainer, sees the layer's)
+            m.forward = patched
             self._half_patched.append((m, original))
 
     def cleanup(self) -> None:

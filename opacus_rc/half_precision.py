@@ -2,9 +2,12 @@
 
 Rounding a batch's clipped sum ``S = sum_i c_i g_i`` to bf16 (8 significant bits) moves it by up
 to ``2^-9 ||S||``: with a thousand aligned examples, far more than the bound C that the noise
-covers (removing one of 1,029 aligned rows moved the sum by 8 C). Per-example values may stay in
+covers (removing one of 1,029 aligned rows moved the sum by 1.2 to 3.1 C on a linear model, 8 C
+in the issue). Per-example values may stay in
 half precision (each clipped one still has norm about C); the sums over examples, micro-batches
-and ranks are float32 or wider (``torch.promote_types(p.dtype, float32)``).
+and ranks are float32 or wider (``torch.promote_types(p.dtype, float32)``). Under DDP the ranks'
+float32 sums are all-reduced before they are rounded, under FSDP2 reduce-scattered in float32
+(:mod:`opacus_rc.optimizer`, :mod:`opacus_rc.forms.fsdp`).
 
 A *half-precision call* of a trainable layer is one that computes in half precision: a trainable
 parameter of it is half precision, autocast runs a half dtype, or a floating input is half.
