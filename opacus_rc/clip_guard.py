@@ -267,8 +267,9 @@ class ClipGuard:
     def check_norm_pass(self, module: Any) -> None:
         """After the criterion's norm pass, refuse a parameter also used outside its modules'
         forward (docs/accounting.md, "Parameters used outside their module"): any gradient of
-        a deferred linear layer (they compute none in it) is refused here; every other noted
-        parameter's ``p.grad`` must equal its in-module batch sum (:meth:`flag_outside_uses`)."""
+        a deferred layer (a linear one, or one called in half precision: they compute none in
+        it) is refused here; every other noted parameter's ``p.grad`` must equal its in-module
+        batch sum (:meth:`flag_outside_uses`)."""
         patched = module.deferred_layers
         elsewhere = self._used_elsewhere(module, patched)
         unclipped = [
@@ -290,15 +291,16 @@ class ClipGuard:
         self.flag_outside_uses(expected)
 
     def _used_elsewhere(self, module: Any, patched: Any) -> set:
-        """Ids of the parameters also owned by a layer that is not a deferred linear one (a weight
-        tied to an embedding gets its gradient there); computed once per grad-sample module."""
+        """Ids of the parameters also owned by a layer that is not a deferred one (a weight tied to
+        an embedding gets its gradient there); computed once per grad-sample module and set of
+        deferred layers (the layers called in half precision join them)."""
+        ids = frozenset(id(m) for m in patched)
         cached = self._elsewhere_cache
-        if cached is None or cached[0] is not module:
-            ids = {id(m) for m in patched}
+        if cached is None or cached[0] is not module or cached[1] != ids:
             inner = getattr(module, "_module", module)
             found = {id(p) for m in inner.modules() if id(m) not in ids for p in m.parameters(recurse=False)}
-            cached = self._elsewhere_cache = (module, found)
-        return cached[1]
+            cached = self._elsewhere_cache = (module, ids, found)
+        return cached[2]
 
     # --- the in-module sum, decided with the step's device flags ----------------------------
 

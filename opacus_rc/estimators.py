@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -102,6 +102,32 @@ def sketched_product(left: torch.Tensor, right: torch.Tensor, sketch: torch.Tens
     (half-precision inputs promoted a chunk of positions at a time)."""
     p = sketch.to(_wide(left, right))
     return _sum_over_positions(left, right, lambda l, r: torch.matmul(l.transpose(1, 2), torch.matmul(r, p)))
+
+
+def summed_product(left: torch.Tensor, right: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``sum_r w_r left[r]^T right[r]`` over the rows of (N, p) and (N, d) inputs (``weights``: w (N,),
+    or 1): a linear layer's (p, d) weight gradient summed over a batch, accumulated in float32 or
+    wider. Half-precision inputs are promoted (and weighted) a chunk of rows at a time
+    (:data:`PROMOTION_CHUNK_ELEMENTS`), never copied whole; the sum is never rounded to half
+    precision (issue 52)."""
+    dtype = _wide(left, right)
+    if left.dtype == dtype and right.dtype == dtype:
+        return (left if weights is None else left * weights.to(dtype)[:, None]).t().mm(right)
+    out = torch.zeros(left.shape[1], right.shape[1], dtype=dtype, device=left.device)
+    step = max(1, PROMOTION_CHUNK_ELEMENTS // max(1, left.shape[1] + right.shape[1]))
+    for start in range(0, left.shape[0], step):
+        rows = slice(start, start + step)
+        part = left[rows].to(dtype)
+        if weights is not None:
+            part = part * weights[rows].to(dtype)[:, None]  # (out of place: left may be float32 already)
+        out.addmm_(part.t(), right[rows].to(dtype))
+    return out
+
+
+def summed_rows(t: torch.Tensor) -> torch.Tensor:
+    """``sum_r t[r]`` over the rows of (N, p): a bias's batch sum, accumulated in float32 or
+    wider (a half-precision input is not copied)."""
+    return t.sum(dim=0, dtype=_wide(t))
 
 
 def at_least_float32(t: torch.Tensor) -> torch.Tensor:

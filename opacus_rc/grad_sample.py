@@ -14,6 +14,7 @@ sketch per layer and per step, seedable (``sketch_seed``), drawn from ``os.urand
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -27,9 +28,19 @@ from opacus.utils.module_utils import requires_grad, trainable_parameters
 from torch import nn
 
 from .clip_guard import InModuleSums
+from .clipped_sums import clipped_embedding, clipped_grad_sample
 from .config import SketchConfig
 from .draws import BatchReader
-from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, third_party_layers
+from .estimators import summed_product, summed_rows
+from .half_precision import (
+    ClippedPassSums,
+    HalfPrecisionCalls,
+    OwnerRef,
+    computes_in_half,
+    forward_without_in_module_grads,
+    in_function_transform,
+)
+from .norm_samplers import RANDOMIZED_NORM_SAMPLERS, TIED_PROJECTIONS, is_conv1d, third_party_layers
 from .per_parameter import count_uses, reset_uses, set_norm_sample
 from .recompute import (
     NON_REENTRANT,
@@ -81,7 +92,12 @@ class PerExampleStore(BatchReader):
         self._sketcher = Sketcher(sketch_config, seed=sketch_seed, secure_mode=secure_mode)
         self._sketcher.bind_step_clock(self._optimizer_steps)
         self._awaiting_forward = True
-        self._patched: List[nn.Module] = []
+        self._patched: List[nn.Module] = []  # the linear layers whose weight gradient is deferred
+        self._half_patched: List[Tuple[nn.Module, Optional[Callable]]] = []  # the other trainable layers, forward before
+        #: the layers called in half precision since the last step (:mod:`opacus_rc.half_precision`)
+        self.half_calls = HalfPrecisionCalls()
+        #: the float32 clipped sums of the clipped pass running (the two-pass forms, half precision)
+        self.clipped_pass_sums = ClippedPassSums(self._shard_clipped_sum if self.sharded else None)
         #: tied parameters' running sums of sketched per-sample gradients in this pass, by slot
         #: (:meth:`_tied_slot`), until their last use
         self._tied_sums: Dict[Any, torch.Tensor] = {}
@@ -113,9 +129,52 @@ class PerExampleStore(BatchReader):
 
     @property
     def deferred_layers(self) -> Tuple[nn.Module, ...]:
-        """The linear layers whose weight gradient this module defers (computed in the
-        clipped pass, or assembled by book-keeping), never by autograd's first pass."""
-        return tuple(self._patched)
+        """The layers whose parameter gradients autograd never computes in the norm pass (nor, in
+        book-keeping, at all): the linear layers, and every layer called in half precision since
+        the last step (:mod:`opacus_rc.half_precision`). Any gradient of theirs after that pass
+        is a use outside them."""
+        linear = {id(m) for m in self._patched}
+        return (*self._patched, *(m for m in self.half_calls.layers.values() if id(m) not in linear))
+
+    def half_precision_call(self, layer: nn.Module, inputs: Any) -> bool:
+        """Whether this call of ``layer`` (on ``inputs``) is a half-precision call of a training pass,
+        whose parameter gradients autograd must not compute (:mod:`opacus_rc.half_precision`); noted
+        until the step (a layer called in both precisions in one step is refused)."""
+        if not (layer.training and torch.is_grad_enabled()):
+            return False
+        params = [p for p in layer.parameters(recurse=False) if p.requires_grad]
+        return self.half_calls.note(layer, computes_in_half(params, inputs))
+
+    def deliver_clipped_sum(self, layer: nn.Module, name: str, total: torch.Tensor) -> None:
+        """The float32 clipped sum ``total`` of ``layer``'s parameter ``name`` over the examples of the
+        clipped pass running (a half-precision call): kept until the pass ends."""
+        self.clipped_pass_sums.deliver(layer, name, total)
+
+    def take_clipped_sums(self) -> List[Tuple[nn.Parameter, torch.Tensor]]:
+        """The clipped pass's float32 sums, ``(parameter, sum)``, once it has ended; a trainable
+        parameter of a layer called in half precision without one is refused (its clipped sum
+        would be missing, not zero)."""
+        sums = {(id(layer), name): (self._parameter_named(layer, name), total) for layer, name, total in self.clipped_pass_sums.take()}
+        missing = [
+            f"{type(layer).__name__}.{name}" for layer in self.half_calls.layers.values()
+            for name, p in layer.named_parameters(recurse=False) if p.requires_grad and (id(layer), name) not in sums
+        ]
+        if missing:
+            raise ValueError(
+                f"no float32 clipped sum for {', '.join(missing)} after a half-precision pass: this layer's "
+                "clipped gradient is computed neither by autograd nor by the privacy engine (a layer the "
+                "two-pass forms do not support in half precision); run it in float32 or use "
+                "per_example_backward=True"
+            )
+        return list(sums.values())
+
+    def _parameter_named(self, layer: nn.Module, name: str) -> nn.Parameter:
+        """The optimizer's parameter ``name`` of ``layer`` (FSDP2: its sharded parameter)."""
+        return layer.get_parameter(name)
+
+    def _shard_clipped_sum(self, layer: nn.Module, name: str, total: torch.Tensor) -> torch.Tensor:
+        """A sharded form's shard of the ranks' clipped sums (see its override)."""
+        raise NotImplementedError
 
     def end_step(self) -> None:
         """As :class:`~opacus_rc.draws.BatchReader`'s; a forward left without its backward pass (an
@@ -128,6 +187,8 @@ class PerExampleStore(BatchReader):
         for p in self._module.parameters():
             reset_uses(p)
         self._awaiting_forward = True
+        self.half_calls.clear()
+        self.clipped_pass_sums.clear()
 
     def _count_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self._steps_taken += 1
@@ -217,11 +278,27 @@ class PerExampleStore(BatchReader):
 
     def _defer_weight_grads(self, wanted: Optional[Callable[[], bool]] = None) -> None:
         """The trainable ``nn.Linear`` layers (by their real class: FSDP2 renames it) compute
-        parameter gradients in their backward only if ``wanted()`` (None: never)."""
+        parameter gradients in their backward only if ``wanted()`` (None: never); in a
+        half-precision call, in float32, handed to :meth:`deliver_clipped_sum`. Hugging Face
+        ``Conv1D`` layers do the same in a half-precision call; every other trainable layer then
+        gives its parameters no gradient (:func:`~opacus_rc.half_precision.forward_without_in_module_grads`)."""
+        owner = OwnerRef(self)
         for m in self._module.modules():
-            if self._get_module_type(m) is nn.Linear and any(p.requires_grad for p in m.parameters(recurse=False)):
-                m.forward = functools.partial(linear_forward_deferring_weight_grad, m, wanted=wanted or _never)
+            if not any(p.requires_grad for p in m.parameters(recurse=False)):
+                continue
+            layer = self._get_module_type(m)
+            if layer is nn.Linear:
+                m.forward = functools.partial(linear_forward_deferring_weight_grad, m, wanted=wanted or _never, owner=owner)
                 self._patched.append(m)
+                continue
+            original = m.__dict__.get("forward")
+            if is_conv1d(layer):
+                patched = functools.partial(conv1d_forward_deferring_in_half, owner, m, original, wanted or _never)
+            else:
+                patched = functools.partial(forward_without_in_module_grads, owner, m, original)
+            patched.__signature__ = inspect.signature(m.forward)  # (what inspects it, e.g. the Trainer, sees the layer's)
+            m.forward = patched
+            self._half_patched.append((m, original))
 
     def cleanup(self) -> None:
         if self._step_hook is not None:  # the step clock of follow_steps()
@@ -229,6 +306,10 @@ class PerExampleStore(BatchReader):
             self._step_hook = None
         for m in self._patched:
             m.__dict__.pop("forward", None)
+        for m, original in self._half_patched:
+            m.__dict__.pop("forward", None)
+            if original is not None:
+                m.forward = original
         super().cleanup()
 
 
@@ -236,6 +317,25 @@ def _saves_inputs(module: nn.Module) -> bool:
     """Whether a call of ``module`` has its inputs captured, or would with the hooks on
     (decided alike in a forward and in its checkpoint replay)."""
     return requires_grad(module) and module.training and torch.is_grad_enabled()
+
+
+def _scaled_factors(clipped: Callable[[torch.Tensor], torch.Tensor], scale: float, factors: torch.Tensor) -> torch.Tensor:
+    """``clipped(scale * c)``: a record whose per-example values are ``1 / scale`` of each row's
+    gradient of its own loss (an embedding's unscaled output gradients under "mean")."""
+    return clipped(factors * scale if scale != 1.0 else factors)
+
+
+def half_precision_layer_error(layer: type) -> ValueError:
+    """The refusal of a layer type whose clipped sum the two-pass forms cannot compute in float32
+    when it is called in half precision (its norm sampler or tied projection gives no per-example
+    gradient, and autograd's batch sum would be a half-precision one)."""
+    return ValueError(
+        f"{layer.__name__} called in half precision (half-precision parameters, inputs or autocast) is "
+        "not supported by the two-pass forms: its per-example norms come from a registered norm sampler "
+        "or tied projection that gives no per-example gradient, so its clipped sum cannot be summed in "
+        "float32 (and autograd's would be a half-precision sum, which one example can move by more than "
+        "the clipping bound). Run it in float32 (e.g. outside autocast), or use per_example_backward=True"
+    )
 
 
 def unmatched_tied_uses_error(cause: str) -> ValueError:
@@ -305,6 +405,9 @@ class SketchingMixin(PerExampleStore):
         self.GRAD_SAMPLERS = _SummingGradSamplers(self, type(self).GRAD_SAMPLERS)
         #: the norm pass's in-module gradient sums, checked by the optimizer's clip guard
         self.in_module_sums = InModuleSums()
+        #: per (layer, parameter name): the norm pass's ``clipped(c)`` of each half-precision use
+        #: of a layer that is not a linear one (:meth:`_record_clipped`)
+        self._clipped_records: Dict[Tuple[int, str], Tuple[nn.Module, str, List[Callable]]] = {}
         self._unscaled_backprops = False
         # The first backward pass only needs output gradients: linear layers compute
         # their weight gradients in the second (clipped) pass only, when hooks are off.
@@ -322,12 +425,47 @@ class SketchingMixin(PerExampleStore):
     def get_clipping_coef(self) -> torch.Tensor:
         """Opacus's per-example clipping factors of the second pass; at user level each
         row's factor is its user's (:func:`~opacus_rc.units.mean_clip_factors`: the mean of
-        the user's rows clipped once)."""
+        the user's rows clipped once). The clipped sums of the layers called in half precision
+        that are not linear ones are computed here, in float32, from the norm pass's records."""
+        records, self._clipped_records = self._clipped_records, {}
         norms = self.get_norm_sample()
         units = self.batch.units_of(norms.shape[0])
         sizes = unit_sizes(units)
         norms = norms[: len(sizes)]  # the units' summed gradients' (in_row_slots)
-        return per_row(mean_clip_factors(norms, sizes.to(norms), self.max_grad_norm), units)
+        factors = per_row(mean_clip_factors(norms, sizes.to(norms), self.max_grad_norm), units)
+        self._deliver_records(list(records.values()), factors)
+        return factors
+
+    def _on_pass_start(self) -> None:
+        """A new forward's records replace any a failed pass left."""
+        self._clipped_records.clear()
+
+    def _record_clipped(self, layer: nn.Module, name: str, clipped: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """A half-precision use of ``layer`` (not a linear one) in the norm pass: ``clipped(c)`` is
+        its parameter ``name``'s clipped sum ``sum_r c_r grad_r`` over the rows, in float32, for the
+        per-row clip factors ``c`` (autograd computes none: :mod:`opacus_rc.half_precision`)."""
+        self._clipped_records.setdefault((id(layer), name), (layer, name, []))[2].append(clipped)
+
+    def _deliver_records(self, records: List[Tuple[nn.Module, str, List[Callable]]], factors: torch.Tensor) -> None:
+        """Each recorded parameter's clipped sum over its uses, ``sum_r c_r grad_r``, to
+        :meth:`deliver_clipped_sum` (a sharded form: every half-precision parameter, in call order)."""
+        for layer, name, uses in records:
+            total = uses[0](factors)
+            for clipped in uses[1:]:
+                total = total.add_(clipped(factors))
+            self.deliver_clipped_sum(layer, name, total)
+
+    def _record_half_use(self, module: nn.Module, ids: torch.Tensor, backprops: torch.Tensor, scale: float) -> None:
+        """A half-precision use of ``module`` seen by a norm sampler or tied projection: an
+        embedding's clipped sum is recorded (its rows' gradients of ``l_i``: ``backprops`` times
+        ``scale``); a linear-type layer's comes from its clipped pass; any other is refused."""
+        layer = self._get_module_type(module)
+        if layer is nn.Embedding:
+            if module.weight.requires_grad:
+                embedding = functools.partial(clipped_embedding, ids, backprops, layer=module)
+                self._record_clipped(module, "weight", functools.partial(_scaled_factors, embedding, scale))
+        elif layer is not nn.Linear and not is_conv1d(layer):
+            raise half_precision_layer_error(layer)
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-example norms over all trainable parameters (L2 of the per-parameter norms),
@@ -355,11 +493,19 @@ class SketchingMixin(PerExampleStore):
 
     def forget_per_example_values(self) -> None:
         """Drop the per-example norms kept on the parameters (they would reach
-        ``torch.save(model)``), and the norm pass's in-module gradient sums."""
+        ``torch.save(model)``), the norm pass's in-module gradient sums and its half-precision
+        records."""
         for p in self.trainable_parameters:
             set_norm_sample(p, None)
         self._tied_sums.clear()
         self.in_module_sums.clear()
+        self.forget_clipped_sums()
+
+    def forget_clipped_sums(self) -> None:
+        """Drop the half-precision records and clipped sums of a pass that did not end (never
+        released: :mod:`opacus_rc.half_precision`)."""
+        self._clipped_records.clear()
+        self.clipped_pass_sums.clear()
 
     # --- the in-module gradient of the norm pass (see opacus_rc.clip_guard.ClipGuard.check_norm_pass)
 
@@ -377,7 +523,12 @@ class SketchingMixin(PerExampleStore):
         return 1.0 / n if self.loss_reduction == "mean" and n > 0 else 1.0  # (an empty batch: zeros)
 
     def _note_embedding_use(self, module: nn.Module, activations, backprops: torch.Tensor, scale: float) -> None:
-        if module.weight.requires_grad:
+        """One use of an embedding in the norm pass: ``backprops`` times ``scale`` sum to its share of
+        ``p.grad`` (noted), or, called in half precision, its clipped sum is recorded (each row's
+        gradient of its own loss: ``p.grad``'s units divided by :meth:`_backprops_scale`)."""
+        if module in self.half_calls:  # autograd computes none of it
+            self._record_half_use(module, activations[0], backprops, scale / self._backprops_scale(module))
+        elif module.weight.requires_grad:
             grad = embedding_grad_sum(activations[0], backprops, module.num_embeddings, module.padding_idx)
             self.note_in_module_grad(module.weight, grad.mul_(scale) if scale != 1.0 else grad, backprops.dtype)
 
@@ -436,6 +587,8 @@ class SketchingMixin(PerExampleStore):
     def _scaled_norms(self, norm_sampler, module, activations, backprops):
         if self._get_module_type(module) is nn.Embedding:  # (backprops unscaled here)
             self._note_embedding_use(module, activations, backprops, 1.0)
+        elif module in self.half_calls:  # a linear one sums in its clipped pass; others refused
+            self._record_half_use(module, activations[0], backprops, 1.0)
         rows = int(backprops.shape[0])  # a unit's rows as one sequence of all its tokens
         a, g = regroup_uses(module, activations[0], backprops, self.batch.units_of(rows))
         norms = norm_sampler(module, [a], g, self.sketcher)
@@ -503,6 +656,8 @@ class SketchingMixin(PerExampleStore):
             self._add_tied_use(module, param, contribution)
         if layer is nn.Embedding:  # (backprops scaled by n under "mean")
             self._note_embedding_use(module, activations, backprops, self._backprops_scale(module))
+        elif module in self.half_calls:
+            self._record_half_use(module, activations[0], backprops, 1.0)
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len
 
@@ -551,10 +706,16 @@ class _SummingGradSamplers(dict):
     def _summed(self, fn: Callable, module: nn.Module, activations: Any, backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
         grad_samples = fn(module, activations, backprops)
         owner = self._owner
+        half = module in owner.half_calls  # autograd computes none of it: the clipped sums are recorded
+        if half:
+            names = {id(p): name for name, p in module.named_parameters()}
+            for param, gs in grad_samples.items():  # each row's gradient of its own loss
+                if param.requires_grad:
+                    owner._record_clipped(module, names[id(param)], functools.partial(clipped_grad_sample, gs))
         units = owner.batch.units_of(int(backprops.shape[0]))  # a unit's rows summed, in the first U slots
         grad_samples = {p: in_row_slots(sum_rows_by_unit(gs, units), len(units)) for p, gs in grad_samples.items()}
         scale = owner._backprops_scale(module)
-        for param, gs in grad_samples.items():
+        for param, gs in ([] if half else grad_samples.items()):
             total = gs.sum(dim=0)
             owner.note_in_module_grad(param, total.mul_(scale) if scale != 1.0 else total, backprops.dtype)
         return grad_samples
@@ -578,14 +739,17 @@ class GradSampleModuleRandomizedClipping(SketchingMixin, GradSampleModuleFastGra
 class _LinearDeferredWeightGrad(torch.autograd.Function):
     """``F.linear`` whose backward computes the parameter gradients only when
     ``wanted()`` says so: book-keeping never needs them from autograd, the two-pass
-    method only in its second (clipped) pass."""
+    method only in its second (clipped) pass. With a ``sink`` (a half-precision call), the
+    gradients are summed over the rows in float32 and handed to ``sink(name, sum)``, not to
+    autograd (which would round them to a half-precision parameter's dtype). ``transposed``:
+    the weight is stored (d x p), Hugging Face ``Conv1D``'s."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, wanted: Callable[[], bool]):
+    def forward(ctx, x, weight, bias, wanted: Callable[[], bool], sink: Optional[Callable] = None, transposed: bool = False):
         ctx.save_for_backward(x, weight)
-        ctx.wanted = wanted
+        ctx.wanted, ctx.sink, ctx.transposed = wanted, sink, transposed
         ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight.t() if transposed else weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -594,24 +758,55 @@ class _LinearDeferredWeightGrad(torch.autograd.Function):
         # products run in the output gradient's dtype (autograd casts each gradient back
         # to its input's dtype).
         dtype = grad_out.dtype
-        grad_x = grad_out.matmul(weight.to(dtype)) if ctx.needs_input_grad[0] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out.matmul(weight.to(dtype).t() if ctx.transposed else weight.to(dtype))
         grad_w = grad_b = None
         if ctx.wanted():
             g = grad_out.reshape(-1, grad_out.shape[-1])
-            if ctx.needs_input_grad[1]:
-                grad_w = g.t().mm(x.reshape(-1, x.shape[-1]).to(dtype))
-            if ctx.has_bias and ctx.needs_input_grad[2]:
+            a = x.reshape(-1, x.shape[-1])
+            wants_w, wants_b = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+            if ctx.sink is not None:  # sum_rows G^T A in float32, to the form (issue 52)
+                if wants_w:
+                    ctx.sink("weight", summed_product(a, g) if ctx.transposed else summed_product(g, a))
+                if wants_b:
+                    ctx.sink("bias", summed_rows(g))
+                return grad_x, None, None, None, None, None
+            if wants_w:
+                grad_w = a.to(dtype).t().mm(g) if ctx.transposed else g.t().mm(a.to(dtype))
+            if wants_b:
                 grad_b = g.sum(dim=0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def _never() -> bool:
     return False
 
 
+def _sink(owner: Optional[OwnerRef], layer: nn.Module, x: torch.Tensor) -> Optional[Callable]:
+    """Where a linear-type layer's float32 clipped sums go in a half-precision call (None: to
+    autograd, as any gradient)."""
+    module = None if owner is None else owner()
+    if module is None or not module.half_precision_call(layer, x):
+        return None
+    return functools.partial(module.deliver_clipped_sum, layer)
+
+
 def linear_forward_deferring_weight_grad(
-    layer: nn.Linear, x: torch.Tensor, wanted: Callable[[], bool] = _never
+    layer: nn.Linear, x: torch.Tensor, wanted: Callable[[], bool] = _never, owner: Optional[OwnerRef] = None
 ) -> torch.Tensor:
     """Forward of ``layer`` whose parameter gradients autograd computes only when
-    ``wanted()`` (default: never; book-keeping assembles them instead)."""
-    return _LinearDeferredWeightGrad.apply(x, layer.weight, layer.bias, wanted)
+    ``wanted()`` (default: never; book-keeping assembles them instead); in a half-precision
+    call of ``owner``'s training pass, as float32 sums handed to it."""
+    return _LinearDeferredWeightGrad.apply(x, layer.weight, layer.bias, wanted, _sink(owner, layer, x))
+
+
+def conv1d_forward_deferring_in_half(
+    owner: OwnerRef, layer: nn.Module, original: Optional[Callable], wanted: Callable[[], bool], x: torch.Tensor
+) -> torch.Tensor:
+    """Forward of Hugging Face ``Conv1D`` (``x W + b``, W (d x p)): in a half-precision call, as
+    :func:`linear_forward_deferring_weight_grad` (weight transposed); otherwise its own."""
+    sink = None if in_function_transform() else _sink(owner, layer, x)
+    if sink is None:
+        return original(x) if original is not None else type(layer).forward(layer, x)
+    return _LinearDeferredWeightGrad.apply(x, layer.weight, layer.bias, wanted, sink, True)

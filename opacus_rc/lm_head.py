@@ -20,7 +20,8 @@ from torch import nn
 
 from .estimators import ghost_sq_norms, sketch_side
 from .forms import form_of
-from .forms.bookkeeping import Record, keep_rows
+from .clipped_sums import keep_rows, wide_dtype
+from .forms.bookkeeping import Record
 from .forms.fsdp import head_unit, is_fsdp_module
 from .recompute import NON_REENTRANT, REENTRANT, forward_replay
 from .values import HUTCHINSON, HUTCHPP
@@ -65,6 +66,7 @@ class _Plan:
     tied: bool = False  # as the owner's begin_head_use said
     kept: Dict[str, Any] = field(default_factory=dict)  # per-example sums for the norms
     delivered: bool = False
+    half: bool = False  # a half-precision call: the clipped pass's sums go to the owner in float32
 
 
 def _logits(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype) -> torch.Tensor:
@@ -119,22 +121,19 @@ class _Blocks(NamedTuple):
             del g  # (callers drop theirs too: one block's logits alive at a time)
 
     def weighted_grads(self, u: torch.Tensor, wants_w: bool = True, wants_b: bool = True):
-        """``sum_i u_i A_i^T G_i`` (V x d) and ``sum_i u_i sum_t G_i[t]`` (V), block by block."""
-        cd, weight, bias = self.dtype, self.weight, self.bias
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_w else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if wants_b else None
+        """``sum_i u_i A_i^T G_i`` (V x d) and ``sum_i u_i sum_t G_i[t]`` (V), block by block, summed
+        in float32 or wider (never rounded to the parameters' half precision: issue 52)."""
+        weight, bias = self.weight, self.bias
+        wide = wide_dtype(self.dtype)
+        grad_w = torch.zeros(weight.shape, dtype=wide, device=weight.device) if wants_w else None
+        grad_b = torch.zeros(bias.shape, dtype=wide, device=bias.device) if wants_b else None
         for _, a, g in self.recomputed(rows=u):
-            if wants_w:
-                flat_g, flat_a = g.reshape(-1, g.shape[-1]).to(cd), a.reshape(-1, a.shape[-1]).to(cd)
-                if cd == torch.float32:  # in place: no (V x d) temporary per block
-                    grad_w.addmm_(flat_g.t(), flat_a)
-                else:
-                    grad_w += flat_g.t().mm(flat_a).float()
-                del flat_g, flat_a
+            if wants_w:  # (G_b is float32, rounded as autograd would round it: a block of A promoted)
+                grad_w.addmm_(g.reshape(-1, g.shape[-1]).t().to(wide), a.reshape(-1, a.shape[-1]).to(wide))
             if wants_b:
                 grad_b += g.sum(dim=(0, 1))
             del g
-        return tuple(None if g is None else g.to(p.dtype) for g, p in ((grad_w, weight), (grad_b, bias)))
+        return grad_w, grad_b
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -194,6 +193,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         wants_w, wants_b = ctx.needs_input_grad[1], blocks.bias is not None and ctx.needs_input_grad[2]
         if wants_w or wants_b:
             grad_w, grad_b = blocks.weighted_grads(u, wants_w, wants_b)
+        if plan.half:  # the float32 clipped sums go to the form, not to autograd (opacus_rc.half_precision)
+            for name, total in (("weight", grad_w), ("bias", grad_b)):
+                if total is not None:
+                    owner.deliver_clipped_sum(plan.layer, name, total)
+            return grad_hidden, None, None, None, None, None
         return grad_hidden, grad_w, grad_b, None, None, None
 
 
@@ -457,6 +461,7 @@ class ChunkedLMHeadLoss(nn.Module):
                 owner.start_pass(layer)
             plan.owner = owner
             plan.tied = owner.begin_head_use(layer, weight, bias)
+            plan.half = owner.half_precision_call(layer, hidden)
         with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
             return _ChunkedHeadLoss.apply(hidden, weight, bias, target, scale, plan)
 

@@ -155,6 +155,11 @@ def embedding_projection(layer, activations, backprops, sketcher):
 conv1d_projection = functools.partial(_weight_projection, transposed=True)
 
 
+def is_conv1d(layer: type) -> bool:
+    """Hugging Face ``transformers``' ``Conv1D`` (recognised without importing the library)."""
+    return layer.__name__ == "Conv1D" and layer.__module__.startswith("transformers")
+
+
 def third_party_layers(model: nn.Module) -> Tuple[Dict[Type[nn.Module], NormSampler], Dict[Type[nn.Module], Projection]]:
     """The norm samplers and tied projections of third-party layer types found in
     ``model`` (without importing their libraries): Hugging Face ``Conv1D``, unless
@@ -164,7 +169,7 @@ def third_party_layers(model: nn.Module) -> Tuple[Dict[Type[nn.Module], NormSamp
     projections: Dict[Type[nn.Module], Projection] = {}
     for module in model.modules():
         cls = type(module)
-        if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers"):
+        if is_conv1d(cls):
             # Same norms as nn.Linear: the (d x p) weight's gradient is A^T G.
             if cls not in RANDOMIZED_NORM_SAMPLERS:
                 samplers[cls] = linear_norm_sample

@@ -27,7 +27,7 @@ from .draws import Batch, Draw, Ledger, accumulation_error
 from .estimators import at_least_float32
 from .finite import FORWARD_CHANGE, NonFiniteGuard, failed_kinds
 from .forward_changes import ForwardChanges, watched_model
-from .per_parameter import drop_sums, set_grad_sample, set_summed
+from .per_parameter import drop_sums, drop_wide_grads, set_grad_sample, set_summed, take_wide_grad
 from .sketch import NOISE_STREAM, DeviceStreams, check_seed
 from .units import ExampleUnits, UserIndex
 from .values import EXAMPLE_UNIT, RAISE, USER_UNIT
@@ -37,6 +37,13 @@ _LEGACY_STATE_KEY = "opacus_rc"  # generator states stored by versions up to 0.1
 #: key of ``optimizer.state_dict()`` saying the run drew its noise from ``seed=``
 SEEDED_STATE_KEY = "opacus_rc_seeded"
 logger = logging.getLogger(__name__)
+
+
+def clipped_grads(p: torch.nn.Parameter) -> List[torch.Tensor]:
+    """What a step accumulates of ``p``: ``p.grad`` and its float32 counterpart ``p.wide_grad``
+    (taken), those present."""
+    grads = [None if p.grad is None else p.grad.detach(), take_wide_grad(p)]
+    return [g for g in grads if g is not None]
 
 
 class RandomizedClippingMixin:
@@ -286,6 +293,7 @@ class RandomizedClippingMixin:
     def zero_grad(self, set_to_none: bool = False) -> None:
         self.clip_guard.end_norm_pass()  # Opacus's zero_grad between the two passes ends one
         super().zero_grad(set_to_none)
+        drop_wide_grads(self.params)  # (p.grad's float32 counterpart: zeroed with it)
         self._awaiting_zero_grad = False
         self.clip_guard.zeroed()  # zeroed in place (or None): a zero contribution
 
@@ -349,7 +357,7 @@ class RandomizedClippingMixin:
         caller refuses them). Two passes: the clipped sum is ``p.grad``, and the step
         refuses a gradient no clipped pass produced (:meth:`ClipGuard.check`)."""
         for p in self.params:
-            if p.grad is None and getattr(p, "summed_grad", None) is None:
+            if p.grad is None and getattr(p, "summed_grad", None) is None and getattr(p, "wide_grad", None) is None:
                 self.clip_guard.zero(p)
         return []
 
@@ -454,14 +462,14 @@ class RandomizedClippingMixin:
 
     def accumulate(self) -> None:
         """Move the clipped gradient into ``p.summed_grad`` without copying it (Opacus
-        deep-copies): ``p.grad`` is released, so a later in-place zeroing cannot touch it."""
+        deep-copies): ``p.grad`` is released, so a later in-place zeroing cannot touch it; so is
+        its float32 counterpart ``p.wide_grad`` (:mod:`opacus_rc.per_parameter`)."""
         for p in self.params:
-            if p.grad is None:
-                continue
-            if p.summed_grad is not None:
-                p.summed_grad.add_(p.grad.detach())
-            else:  # float32 for half-precision parameters (a copy then): the noise is added there
-                set_summed(p, at_least_float32(p.grad.detach()))
+            for grad in clipped_grads(p):
+                if p.summed_grad is not None:
+                    p.summed_grad.add_(grad)
+                else:  # float32 for half-precision parameters (a copy then): the noise is added there
+                    set_summed(p, at_least_float32(grad))
             p.grad = None
 
     def add_noise(self) -> None:
@@ -491,16 +499,29 @@ class RandomizedClippingMixin:
         """Opacus's Gaussian noise ``N(0, sigma^2 C^2)`` added in place into the clipped
         sum, whose buffer becomes ``p.grad`` (one parameter-sized buffer less than
         ``summed_grad + noise``). Distributed: only rank 0 adds noise, as in Opacus."""
-        if not self.adds_noise:
-            for p in self.params:  # Opacus's, with p.grad in the parameter's dtype
-                p.grad = p.summed_grad.view_as(p).to(p.dtype)
-            return
         std = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
         for slot, p in enumerate(self.params):
-            _check_processed_flag(p.summed_grad)
-            noise = self.step_noise(slot, std, p.summed_grad)
-            _mark_as_processed(p.summed_grad)
-            p.grad = p.summed_grad.add_(noise).view_as(p).to(p.dtype)  # noised in float32, then rounded once
+            if self.adds_noise:
+                _check_processed_flag(p.summed_grad)
+                noise = self.step_noise(slot, std, p.summed_grad)
+                _mark_as_processed(p.summed_grad)
+                p.summed_grad.add_(noise)
+            p.grad = self._released(p)  # noised in float32, then rounded once
+
+    #: a DDP optimizer: the ranks' sums are all-reduced after the noise (:class:`SumsAllReducedInFloat32`)
+    all_reduces_sums: bool = False
+
+    def _released(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """``p.summed_grad`` (noised) as ``p.grad``, in the parameter's dtype. Under DDP a
+        half-precision parameter's float32 sums are all-reduced first (and averaged under
+        ``"mean"``, as Opacus's ``reduce_gradients`` does with ``p.grad``): no rank's un-noised
+        clipped sum is rounded to half precision (issue 52; :class:`SumsAllReducedInFloat32`)."""
+        summed = p.summed_grad
+        if self.all_reduces_sums and summed.dtype != p.dtype:
+            torch.distributed.all_reduce(summed, op=torch.distributed.ReduceOp.SUM)
+            if self.loss_reduction == "mean":
+                summed.div_(self.world_size)
+        return summed.view_as(p).to(p.dtype)
 
     @property
     def adds_noise(self) -> bool:
@@ -617,11 +638,32 @@ class SketchedClippingMixin(RandomizedClippingMixin):
         return self.sketch_config.sketching
 
 
+class SumsAllReducedInFloat32:
+    """The DDP optimizers' all-reduce: a half-precision parameter's float32 clipped sums (rank 0's
+    noised) are all-reduced before they are rounded to its dtype
+    (:meth:`RandomizedClippingMixin._released`; Opacus all-reduces ``p.grad``, which would round
+    the other ranks' un-noised sums to bf16); a float32 parameter's ``p.grad`` as Opacus does."""
+
+    all_reduces_sums = True
+
+    def reduce_gradients(self) -> None:
+        """Opacus's all-reduce of ``p.grad`` (after the noise and the normaliser), for the
+        parameters whose sums were not all-reduced in float32 already."""
+        for p in self.params:
+            if not p.requires_grad or p.summed_grad.dtype != p.dtype:
+                continue
+            torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
+            if self.loss_reduction == "mean":
+                p.grad /= self.world_size
+
+
 class RandomizedClippingOptimizer(SketchedClippingMixin, DPOptimizerFastGradientClipping):
     """:class:`~opacus.optimizers.DPOptimizerFastGradientClipping` for randomized clipping."""
 
 
-class DistributedRandomizedClippingOptimizer(SketchedClippingMixin, DistributedDPOptimizerFastGradientClipping):
+class DistributedRandomizedClippingOptimizer(
+    SumsAllReducedInFloat32, SketchedClippingMixin, DistributedDPOptimizerFastGradientClipping
+):
     """Distributed (DDP) form: noise is added on rank 0 only, gradients are all-reduced."""
 
     refusals_across_ranks = True

@@ -16,7 +16,9 @@ is assembled after the one ordinary backward pass from what its hooks kept (Bu e
 
 Per-sample norms come from the same estimators as the two-pass method (sketched weight,
 exact bias/embedding), so the clipped gradient is the same for the same sketches. Other
-trainable layers get Opacus's exact per-sample gradients (``p.grad_sample``).
+trainable layers get Opacus's exact per-sample gradients (``p.grad_sample``). Every sum over
+the examples is accumulated in float32 or wider, whatever the activations' precision
+(:mod:`opacus_rc.clipped_sums`; issue 52).
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 
 from ..clip_guard import BuiltSumsGuard, Expected, coarsest_dtype, complete_unused
+from ..clipped_sums import (
+    clipped_bias, clipped_embedding, clipped_grad_sample, clipped_linear_weight, wide_dtype,
+)
 from ..estimators import as_sequence
 from ..grad_sample import PerExampleStore, head_per_user_error, head_used_twice_error
 from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
-from ..optimizer import SketchedClippingMixin
+from ..optimizer import SketchedClippingMixin, SumsAllReducedInFloat32
 from ..per_parameter import count_uses, set_summed
 from ..recompute import late_use_error, missing_per_sample_error
 from ..units import mean_clip_factors, regroup_uses, sum_rows_by_unit, unit_sizes
@@ -92,48 +97,6 @@ class RecordStore:
     def clear(self) -> None:
         """Drop every record (per-example values: they would reach ``torch.save(model)``)."""
         self._records.clear()
-
-
-def keep_rows(t: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
-    """``t`` with the rows (first dimension) of dropped examples set to 0."""
-    if keep is None:
-        return t
-    return torch.where(keep.reshape(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
-
-
-def clipped_linear_weight(
-    a: torch.Tensor, g: torch.Tensor, c: torch.Tensor, keep: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """``sum_i c_i G_i^T A_i`` for a (p x d) weight: ``(c * G)^T A`` flattened over (B, T)."""
-    a, g = as_sequence(keep_rows(a, keep)), as_sequence(keep_rows(g, keep))
-    cg = g * c.to(g.dtype)[:, None, None]
-    return cg.reshape(-1, cg.shape[-1]).t().mm(a.reshape(-1, a.shape[-1]).to(g.dtype))
-
-
-def clipped_bias(g: torch.Tensor, c: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``sum_i c_i sum_t G_i[t]``."""
-    g = as_sequence(keep_rows(g, keep))
-    return torch.einsum("b,btp->p", c.to(g.dtype), g)
-
-
-def clipped_embedding(
-    ids: torch.Tensor,
-    g: torch.Tensor,
-    c: torch.Tensor,
-    keep: Optional[torch.Tensor] = None,
-    *,
-    layer: nn.Embedding,
-) -> torch.Tensor:
-    """``sum_i c_i onehot(ids_i)^T G_i`` as a dense (V x d) gradient (padding row zero)."""
-    g = keep_rows(g, keep)
-    ids = ids.reshape(ids.shape[0], math.prod(ids.shape[1:]))
-    g = g.reshape(*ids.shape, g.shape[-1])
-    rows = (g * c.to(g.dtype)[:, None, None]).reshape(-1, g.shape[-1])
-    out = torch.zeros(layer.num_embeddings, g.shape[-1], dtype=g.dtype, device=g.device)
-    out.index_add_(0, ids.reshape(-1), rows)
-    if layer.padding_idx is not None:
-        out[layer.padding_idx] = 0
-    return out
 
 
 # --- The grad-sample module ---------------------------------------------------------------
@@ -365,7 +328,8 @@ class BookkeepingClippingMixin:
 
     def _note_outside_uses(self) -> None:
         """Flag a parameter also used outside its modules' forward (dropped from the built sums:
-        refused): autograd's ``p.grad`` must be zero for a deferred linear layer, else the
+        refused): autograd's ``p.grad`` must be zero for a deferred layer (a linear one, or one
+        called in half precision: :mod:`opacus_rc.half_precision`), else the
         in-module batch sum (:meth:`~opacus_rc.clip_guard.ClipGuard.flag_outside_uses`; limits:
         docs/accounting.md, "Parameters used outside their module")."""
         module = self.bound_module()
@@ -375,10 +339,10 @@ class BookkeepingClippingMixin:
         for p in self.params:
             if p.grad is None or p.grad.is_sparse:
                 continue
-            if id(p) in deferred:
-                if self._records(p):  # autograd computes none of it: any entry is an outside use
+            if id(p) in deferred:  # autograd computes none of it: any entry is an outside use
+                if self._records(p) or getattr(p, "grad_sample", None) is not None:
                     expected.append((p, None))
-                continue  # (no record: the step's "no record" refusal applies)
+                continue  # (no per-example values: the step's "no record" refusal applies)
             sums = self._in_module_sum(p) if fresh else None
             if sums is not None:
                 expected.append((p, sums))
@@ -445,12 +409,11 @@ class BookkeepingClippingMixin:
                 for r in records:
                     rows = slice(start, start + r.batch_size)
                     kept = None if keep is None else keep[rows]
-                    part = r.clipped(clip[rows], kept).to(torch.promote_types(p.dtype, torch.float32)).view_as(p)
+                    part = r.clipped(clip[rows], kept).to(wide_dtype(p.dtype)).view_as(p)
                     grad = part if grad is None else grad + part
                     start += r.batch_size
             else:
-                gs = keep_rows(self._exact_grad_sample(p).to(torch.promote_types(p.dtype, torch.float32)), keep)
-                grad = torch.einsum("i,i...", clip.to(gs), gs)
+                grad = clipped_grad_sample(self._exact_grad_sample(p).to(wide_dtype(p.dtype)), clip, keep)
                 _mark_as_processed(p.grad_sample)
             set_summed(p, grad if p.summed_grad is None else p.summed_grad + grad)
 
@@ -480,7 +443,7 @@ class RandomizedClippingBookkeepingOptimizer(
 
 
 class DistributedRandomizedClippingBookkeepingOptimizer(
-    BookkeepingClippingMixin, SketchedClippingMixin, DistributedDPOptimizer
+    SumsAllReducedInFloat32, BookkeepingClippingMixin, SketchedClippingMixin, DistributedDPOptimizer
 ):
     """Distributed (DDP) book-keeping: each rank clips its own examples, rank 0 alone adds
     the noise, and the clipped sums are all-reduced (Opacus's ``DistributedDPOptimizer``)."""

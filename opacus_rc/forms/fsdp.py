@@ -25,6 +25,7 @@ Book-keeping does not fit FSDP2's hooks and is refused (:func:`check_fsdp_mode`)
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -37,15 +38,16 @@ from opacus.grad_sample import (
 from opacus.optimizers import FSDPOptimizerFastGradientClipping
 from opacus.utils.module_utils import trainable_parameters
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from ..clipped_sums import wide_dtype
 from ..estimators import at_least_float32
 from ..finite import local_shard
 from ..grad_sample import (
     SketchingMixin, _saves_inputs, check_norms_cover_batch, head_used_twice_error, unmatched_tied_uses_error,
 )
-from ..norm_samplers import TIED_PROJECTIONS
-from ..optimizer import SketchedClippingMixin
+from ..norm_samplers import TIED_PROJECTIONS, is_conv1d
+from ..optimizer import SketchedClippingMixin, clipped_grads
 from ..per_parameter import set_norm_sample
 from ..recompute import late_use_error
 from ..sketch import entropy_seed
@@ -146,7 +148,45 @@ class FSDPSketchingMixin(SketchingMixin):
             for m in tied
         }
         self._tied_slots: Dict[int, _TiedSlot] = {}  # this pass's, by sharded identity
+        #: each module's own parameters as the optimizer holds them (sharded: FSDP2 swaps the
+        #: module's attributes for unsharded ones around its forward and backward)
+        self._sharded_params: Dict[Tuple[int, str], nn.Parameter] = {
+            (id(m), n): p for m in self._module.modules() for n, p in m.named_parameters(recurse=False)
+        }
         super()._setup()
+
+    # --- half precision: the clipped sums reduced in float32 (opacus_rc.half_precision) -----
+
+    def _parameter_named(self, layer: nn.Module, name: str) -> nn.Parameter:
+        """The sharded parameter ``name`` of ``layer`` (whichever FSDP2 has registered now)."""
+        prefix, _, leaf = name.rpartition(".")
+        return self._sharded_params[(id(layer.get_submodule(prefix) if prefix else layer), leaf)]
+
+    def _shard_clipped_sum(self, layer: nn.Module, name: str, total: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the ranks' float32 clipped sums of ``layer``'s parameter ``name``,
+        averaged as FSDP2 averages gradients (``sum_ranks S_r / world``): one reduce-scatter in
+        float32, never in the parameter's half precision."""
+        param = self._parameter_named(layer, name)
+        if not isinstance(param, DTensor):
+            return total
+        mesh = param.device_mesh
+        reduced = DTensor.from_local(total, mesh, [Partial()] * mesh.ndim, run_check=False)
+        return reduced.redistribute(mesh, param.placements).div_(mesh.size())
+
+    def _deliver_records(self, records, factors: torch.Tensor) -> None:
+        """Every parameter of every non-linear layer called in half precision, in call order (the
+        same on every rank: each delivery is a collective), its recorded sum or zeros (an empty
+        share records none)."""
+        recorded = {(id(layer), name): (layer, name, uses) for layer, name, uses in records}
+        ordered = []
+        for layer in self.half_calls.layers.values():
+            if self._get_module_type(layer) is nn.Linear or is_conv1d(self._get_module_type(layer)):
+                continue  # (summed in the clipped pass)
+            for name, p in layer.named_parameters(recurse=False):
+                if p.requires_grad:
+                    zero = functools.partial(_zeros_like_param, p)
+                    ordered.append(recorded.get((id(layer), name), (layer, name, [zero])))
+        super()._deliver_records(ordered, factors)
 
     def capture_activations_hook(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
@@ -257,6 +297,12 @@ class FSDPSketchingMixin(SketchingMixin):
         self._tied_sums.clear()
 
 
+def _zeros_like_param(param: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """A parameter's clipped sum on a rank without its examples: float32 zeros of its full shape
+    (on the clip factors' device)."""
+    return torch.zeros(param.shape, dtype=wide_dtype(param.dtype), device=factors.device)
+
+
 class _EmptyShareHooks:
     """Opacus's FSDP backward hook for a rank whose share of the draw has no rows (an empty
     Poisson share, while another rank has rows): the layers without a norm sampler get empty
@@ -315,13 +361,12 @@ class FSDPRandomizedClippingOptimizer(SketchedClippingMixin, FSDPOptimizerFastGr
     def accumulate(self) -> None:
         """Move the clipped (sharded) gradient into ``grad_state`` without a copy."""
         for p in self.params:
-            if p.grad is None:
-                continue
             state = self.grad_state[p]
-            if state["summed_grad"] is None:  # float32 for half-precision parameters (a copy then)
-                state["summed_grad"] = at_least_float32(p.grad.detach())
-            else:
-                state["summed_grad"].add_(p.grad.detach())
+            for grad in clipped_grads(p):
+                if state["summed_grad"] is None:  # float32 for half-precision parameters (a copy then)
+                    state["summed_grad"] = at_least_float32(grad)
+                else:
+                    state["summed_grad"].add_(grad)
 
     def noise_sums(self) -> None:
         """Noise ``N(0, (sigma C / world)^2)`` (mean loss) on this rank's shard of every

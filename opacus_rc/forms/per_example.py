@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 from ..clip_guard import PerExampleGuard
 from ..draws import EVALUATION_HINT, BatchReader
 from ..estimators import at_least_float32
-from ..optimizer import RandomizedClippingMixin
+from ..optimizer import RandomizedClippingMixin, SumsAllReducedInFloat32
 from ..per_parameter import set_summed
 from ..recompute import forward_replay
 from ..values import SKIP
@@ -418,7 +418,9 @@ class PerExampleOptimizer(PerExampleOptimizerMixin, DPOptimizerFastGradientClipp
     """The per-example form's DP optimizer (one process)."""
 
 
-class DistributedPerExampleOptimizer(PerExampleOptimizerMixin, DistributedDPOptimizerFastGradientClipping):
+class DistributedPerExampleOptimizer(
+    SumsAllReducedInFloat32, PerExampleOptimizerMixin, DistributedDPOptimizerFastGradientClipping
+):
     """DDP (Opacus's DPDDP): each rank clips its own examples; the clipped sums are
     all-reduced once per logical step, after rank 0 alone added the noise (Opacus)."""
 

@@ -10,11 +10,15 @@ the accountant as the step's micro-batch multiplicity).
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
 from opacus.utils.fast_gradient_clipping_utils import (
     DPLossFastGradientClipping,
     DPTensorFastGradientClipping,
 )
 
+from ..per_parameter import add_wide_grad, take_wide_grad
 from ..recompute import quiet_hook_notes
 
 _ARITHMETIC = ("__truediv__", "__mul__", "__rmul__", "__add__", "__radd__", "__sub__", "__rsub__", "__neg__")
@@ -27,37 +31,52 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
     def backward(self) -> None:
         """Opacus's two passes; the per-sample losses and norms join the step's
         non-finite check, decided in ``optimizer.step()`` without a host
-        synchronisation here (see :mod:`opacus_rc.finite`)."""
+        synchronisation here (see :mod:`opacus_rc.finite`). The float32 clipped sums of the
+        layers called in half precision (``p.wide_grad``, :mod:`opacus_rc.half_precision`) are
+        set aside and kept like ``p.grad``."""
         optimizer = self.optimizer
         optimizer.check_cleared()  # before Opacus's own zero_grad between the passes
         guard = optimizer.clip_guard
         guard.check(before_pass=True)  # the earlier sums kept below must be clipped ones
         # Earlier micro-batches' clipped sums, set aside (none on a step's first pass): the norm
         # pass then leaves only its own gradient in p.grad, checked by ClipGuard.check_norm_pass.
-        earlier = [
-            None if p.grad is None or optimizer.backward_passes == 0 else p.grad.detach()
-            for p in optimizer.params
-        ]
+        carried = optimizer.backward_passes > 0
+        earlier = [None if p.grad is None or not carried else p.grad.detach() for p in optimizer.params]
+        earlier_wide = [take_wide_grad(p) for p in optimizer.params]  # (p.grad's float32 counterpart)
+        if not carried:
+            earlier_wide = [None] * len(earlier_wide)
         for p in optimizer.params:
             if guard.accepts(p):  # (an unclipped one stays: the norm pass refuses it)
                 p.grad = None
         try:
             with guard.norm_pass(self.module), quiet_hook_notes():
                 super().backward()
+            passed = self.module.take_clipped_sums()
         except BaseException:
             # Drop whatever this pass left (possibly unclipped) and keep the earlier sums.
-            for p, e in zip(optimizer.params, earlier):
+            self.module.forget_clipped_sums()
+            for p, e, w in zip(optimizer.params, earlier, earlier_wide):
                 p.grad = e
+                _add_wide(p, w)
             guard.mark()
             raise
-        for p, e in zip(optimizer.params, earlier):
+        for p, e, w in zip(optimizer.params, earlier, earlier_wide):
             if e is not None:
                 p.grad = e if p.grad is None else p.grad.add_(e)
-        guard.mark()  # p.grad is now exactly the step's clipped sum so far
+            _add_wide(p, w)
+        for p, total in passed:
+            add_wide_grad(p, total)
+        guard.mark()  # p.grad (and p.wide_grad) is now exactly the step's clipped sum so far
         optimizer.count_backward_pass()
         optimizer.note_finite("per-sample loss", self.loss_per_sample)
         optimizer.note_finite("per-sample gradient norm", getattr(self.module, "per_sample_gradient_norms", None))
         optimizer.forget_after_step(self.module)
+
+
+def _add_wide(p: torch.nn.Parameter, total: Optional[torch.Tensor]) -> None:
+    """``p.wide_grad += total`` unless ``total`` is None."""
+    if total is not None:
+        add_wide_grad(p, total)
 
 
 def _randomized(loss: DPTensorFastGradientClipping) -> DPTensorRandomizedClipping:
