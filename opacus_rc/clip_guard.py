@@ -280,7 +280,7 @@ class ClipGuard:
             self._refuse_unclipped(unclipped, False, module, outside=True)
         sums = module.in_module_sums
         noted = {} if sums is None else sums.take()
-        mean = getattr(self.optimizer, "loss_reduction", "mean") == "mean"
+        mean = getattr(module, "loss_reduction", "mean") == "mean"  # the backward's reduction: the module's
         expected = []
         for p in self.optimizer.params:
             if id(p) in noted:

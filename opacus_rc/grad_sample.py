@@ -34,6 +34,7 @@ from .draws import BatchReader
 from .estimators import summed_product, summed_rows
 from .half_precision import (
     ClippedPassSums,
+    check_no_mean_in_half,
     HalfPrecisionCalls,
     OwnerRef,
     computes_in_half,
@@ -313,6 +314,12 @@ class PerExampleStore(BatchReader):
         super().cleanup()
 
 
+def _rows(gradient: torch.Tensor, batch_first: bool) -> int:
+    """The examples an output gradient holds (its batch dimension)."""
+    dim = 0 if batch_first else 1
+    return int(gradient.shape[dim]) if gradient.dim() > dim else 1
+
+
 def _saves_inputs(module: nn.Module) -> bool:
     """Whether a call of ``module`` has its inputs captured, or would with the hooks on
     (decided alike in a forward and in its checkpoint replay)."""
@@ -566,6 +573,8 @@ class SketchingMixin(PerExampleStore):
                 )
             self._capture_tied_backprops(module, forward_output, loss_reduction, batch_first)
             return
+        if self.hooks_enabled:
+            check_no_mean_in_half(loss_reduction, forward_output[0], _rows(forward_output[0], batch_first))
         # The randomized norm samplers apply the "mean" factor to the norms (see
         # rearrange_grad_samples), keyed by the layer's real class (FSDP2 renames it).
         self._unscaled_backprops = self._get_module_type(module) in self.NORM_SAMPLERS

@@ -60,6 +60,8 @@ TWO_PASS, BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES, PER_EXAMPLE = 
 PER_EXAMPLE_OPTION = "per_example_backward"
 #: the option that chooses (or refuses) book-keeping
 BOOKKEEPING_OPTION = "bookkeeping"
+#: the loss reduction of a form's module whose criterion sums the losses in its backward passes
+SUM = "sum"
 
 
 def _as_returned(out: Tuple, arguments: Mapping[str, Any]) -> Tuple:
@@ -103,6 +105,10 @@ class Form:
             splits its batches into rows inside the module's ``one_physical_batch()``).
         per_layer: the module computes per-layer per-example values in its layers' hooks.
         honours_users: it clips per user (``privacy_unit="user"``); the others refuse it.
+        sums_losses: the plugin's criterion reduces the per-example losses in every backward pass
+            (a sum, whatever ``loss_reduction``: no ``1/n`` enters a gradient, which half precision
+            would round with the batch's size); its module runs at ``loss_reduction="sum"`` while
+            the optimizer divides by the public batch size under ``"mean"``.
         outputs: Opacus's ``make_private`` outputs -> what the script gets.
     """
 
@@ -115,11 +121,14 @@ class Form:
     one_example_per_backward: bool = False
     per_layer: bool = True
     honours_users: bool = False
+    sums_losses: bool = False
     outputs: Callable[[Tuple, Mapping[str, Any]], Tuple] = _as_returned
 
     def build_module(self, module: nn.Module, wrap_model: bool, max_grad_norm: float, **kwargs: Any) -> Any:
         """The form's grad-sample module on ``module`` (``kwargs``: the engine's module options)."""
         bound = {"max_grad_norm": max_grad_norm} if self.takes_bound else {}
+        if self.sums_losses:
+            kwargs["loss_reduction"] = SUM
         return self.modules[0 if wrap_model else 1](module, **kwargs, **bound)
 
     def optimizer_class(self, distributed: bool) -> type:
@@ -143,14 +152,15 @@ _BOOKKEEPING_CLASSES = dict(
 FORMS: Dict[str, Form] = {
     form.name: form
     for form in (
-        Form(TWO_PASS, **_TWO_PASS_CLASSES),
+        Form(TWO_PASS, **_TWO_PASS_CLASSES, sums_losses=True),
         Form(OUTPUT_PASSES, **_TWO_PASS_CLASSES, outputs=_with_output_passes),
         Form(BOOKKEEPING, **_BOOKKEEPING_CLASSES),
-        Form(BOOKKEEPING_WITH_CRITERION, **_BOOKKEEPING_CLASSES, outputs=_with_bookkeeping_criterion),
+        Form(BOOKKEEPING_WITH_CRITERION, **_BOOKKEEPING_CLASSES, outputs=_with_bookkeeping_criterion, sums_losses=True),
         Form(
             FSDP_MODE,
             modules=(GradSampleModuleRandomizedClippingFSDP, GradSampleHooksRandomizedClippingFSDP),
             optimizers=(FSDPRandomizedClippingOptimizer, FSDPRandomizedClippingOptimizer),
+            sums_losses=True,
         ),
         Form(
             PER_EXAMPLE,

@@ -33,7 +33,6 @@ import torch
 from opacus.grad_sample import GradSampleHooks, GradSampleModule
 from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
 from opacus.optimizers.optimizer import _mark_as_processed
-from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from opacus.utils.module_utils import trainable_parameters
 from torch import nn
 
@@ -43,11 +42,13 @@ from ..clipped_sums import (
 )
 from ..estimators import as_sequence
 from ..grad_sample import PerExampleStore, head_per_user_error, head_used_twice_error
+from ..half_precision import check_no_mean_in_half, reduced_for_backward
 from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from ..optimizer import SketchedClippingMixin, SumsAllReducedInFloat32
 from ..per_parameter import count_uses, set_summed
 from ..recompute import late_use_error, missing_per_sample_error
 from ..units import mean_clip_factors, regroup_uses, sum_rows_by_unit, unit_sizes
+from .two_pass import DPLossRandomizedClipping
 from ..values import SKIP
 
 # --- Records: what one backward pass leaves for a parameter -------------------------------
@@ -194,6 +195,8 @@ class BookkeepingMixin(PerExampleStore):
         uses concatenated along the sequence (:func:`concatenate_uses`): a layer applied L times
         has the per-example norm of its summed gradient and counts as one micro-batch."""
         self._awaiting_forward = True
+        if self.hooks_enabled:
+            check_no_mean_in_half(loss_reduction, forward_output[0], int(forward_output[0].shape[0 if batch_first else 1]))
         if not self.hooks_enabled or not _bookkept(module):
             return super().capture_backprops_hook(
                 module, _forward_input, forward_output, loss_reduction, batch_first
@@ -366,7 +369,7 @@ class BookkeepingClippingMixin:
         else:
             return None
         parts = [x.float().view_as(p) for x in parts]
-        if getattr(self, "loss_reduction", "mean") == "mean":
+        if self.bound_module().loss_reduction == "mean":  # (the backward's reduction: the module's)
             parts = [x / max(1, n) for x, n in zip(parts, sizes)]
             norms = norms / max(1, max(sizes))
         return sum(parts), dtype, norms
@@ -453,16 +456,14 @@ class DistributedRandomizedClippingBookkeepingOptimizer(
 
 # --- The criterion of ghost-clipping scripts ----------------------------------------------
 
-class DPLossBookkeeping(DPLossFastGradientClipping):
+class DPLossBookkeeping(DPLossRandomizedClipping):
     """The criterion of a ghost script under book-keeping or the per-example form: the ghost
     criterion's call (``criterion(logits, targets, shape=...)``) and per-sample losses, reduced
     (``loss_reduction``) to an ordinary tensor whose ``backward()`` is the one pass needed."""
 
     def __call__(self, *args: Any, shape=None, **kwargs: Any) -> torch.Tensor:
         per_sample = super().__call__(*args, shape=shape, **kwargs).loss_per_sample
-        if self.loss_reduction == "mean":
-            return per_sample.mean(dim=0)
-        return per_sample.sum(dim=0)
+        return reduced_for_backward(per_sample, self.loss_reduction, self.module.loss_reduction)
 
 
 def bookkeeping_criterion(module: Any, optimizer: Any, arguments: Mapping[str, Any]) -> DPLossBookkeeping:

@@ -48,9 +48,13 @@ class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
         for p in optimizer.params:
             if guard.accepts(p):  # (an unclipped one stays: the norm pass refuses it)
                 p.grad = None
+        shown, self.loss_reduction = self.loss_reduction, self.module.loss_reduction  # the backward's: the module's
         try:
             with guard.norm_pass(self.module), quiet_hook_notes():
-                super().backward()
+                try:
+                    super().backward()
+                finally:
+                    self.loss_reduction = shown
             passed = self.module.take_clipped_sums()
         except BaseException:
             # Drop whatever this pass left (possibly unclipped) and keep the earlier sums.
@@ -100,7 +104,16 @@ for _name in _ARITHMETIC:
 
 class DPLossRandomizedClipping(DPLossFastGradientClipping):
     """Criterion wrapper returned by ``make_private(..., clipping="randomized")``; same
-    call signature as Opacus's (``criterion(logits, targets, shape=...)``)."""
+    call signature as Opacus's (``criterion(logits, targets, shape=...)``). Its module may run at
+    ``loss_reduction="sum"`` under ``"mean"`` (:attr:`opacus_rc.forms.Form.sums_losses`): the
+    backward passes sum the per-example losses, the optimizer divides by the public batch size."""
+
+    def __init__(self, module, optimizer, criterion, loss_reduction: str = "mean") -> None:
+        backward, module.loss_reduction = module.loss_reduction, loss_reduction  # (Opacus's equality check)
+        try:
+            super().__init__(module, optimizer, criterion, loss_reduction)
+        finally:
+            module.loss_reduction = backward
 
     def __call__(self, *args, shape=None, **kwargs) -> DPTensorRandomizedClipping:
         return _randomized(super().__call__(*args, shape=shape, **kwargs))

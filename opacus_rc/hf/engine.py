@@ -124,7 +124,8 @@ def make_private(
         module=model, optimizer=optimizer, noise_multiplier=sigma,
         data_loader=public_loader(batch_size, len(user_ids) if users else None),
         max_grad_norm=p.max_grad_norm, clipping=p.clipping, grad_sample_mode=HOOKS,
-        wrap_model=False, poisson_sampling=True, loss_reduction="mean", batch_first=True, denoise=p.denoise,
+        wrap_model=False, poisson_sampling=True, loss_reduction="sum", batch_first=True, denoise=p.denoise,
+        criterion=nn.CrossEntropyLoss(reduction="sum"),  # (unused: the Trainer computes its losses; Opacus's check)
     )
     if p.clipping == RANDOMIZED:
         per_example = p.per_example(physical_batch_size)
@@ -148,6 +149,10 @@ def make_private(
         hooks, dp_optimizer, _ = engine.make_private(**kwargs)
     finally:
         model.train(was_training)
+    # The Trainer backwards the summed per-example losses (trainer.py): its hooks run at "sum", so no
+    # 1/n enters an example's gradient (half precision would round it with the batch's size), and the
+    # optimizer divides by the public batch size, as under "mean".
+    dp_optimizer.loss_reduction = "mean"
     if p.clipping != RANDOMIZED:
         # The engine refuses sample_rate= with clipping="flat" (Opacus's route) and Opacus
         # charges 1 / len(its loader), which cannot be every public q: the accountant's hook

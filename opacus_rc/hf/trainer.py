@@ -204,8 +204,8 @@ class DPTrainerMixin:
         return causal_lm(self.model) if shifts is None else bool(shifts)
 
     def training_step(self, model: nn.Module, inputs: Dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
-        """One physical batch: per-example losses averaged over the realised batch (the hooks undo
-        that factor; the update is divided by the public B only), one plain backward (one per row in
+        """One physical batch: per-example losses summed (no 1/n in any example's gradient; the update
+        is divided by the public B only), one plain backward (one per row in
         the per-example form), then, but for the logical step's last physical batch, clipping into
         the step's sum (a same-draw skipped step; torch's notes on Opacus's hooks not shown)."""
         optimizer = self._dp_optimizer
@@ -241,7 +241,7 @@ class DPTrainerMixin:
                     losses = self._dp_losses(model, batch)
                     rows += int(losses.shape[0])
                     with quiet_hook_notes():
-                        losses.mean().backward()
+                        losses.sum().backward()  # (the hooks run at "sum", the optimizer divides by B: engine.py)
                     total = total + losses.detach().sum()
             del batches
             if self.privacy.log_train_loss:

@@ -26,12 +26,14 @@ Checks, with u = 2^-8 (bf16's unit roundoff), tau = 1e-3 and kappa = 16:
    gradient and its clip factor each err by at most kappa u relative; a parameter whose sum is
    missing misses by ``n ||v*_p||``.
 
-Why ``"sum"``: under ``loss_reduction="mean"`` the backward pass of the mean loss multiplies
+Why ``"sum"`` here: under ``loss_reduction="mean"`` the backward pass of a mean loss multiplies
 every example's gradient by 1/n, and in half precision each example's rounding then depends on
-n itself: every contribution changes with the neighbour, by a relative u. That is per-example
-rounding, not the sum's (measured with these float32 sums at n = 1,029: up to 4.4 C under
-"mean", 1.000 C under "sum"; docs/guide.md, "Not covered"); check 3 holds under "mean"
-(:func:`test_mean_loss_sums_are_the_brute_force_clipped_sums`).
+n itself: every contribution changes with the neighbour, by a relative u (measured with these
+float32 sums at n = 1,029: up to 4.4 C). The plugin's own criteria and the private Trainer
+therefore sum the losses in their backward passes whatever ``loss_reduction`` (checks 1-3 hold
+under "mean": :func:`test_under_a_mean_loss_one_row_moves_the_sum_by_one_contribution`), and a
+mean the script computes itself in half precision is refused by name
+(:func:`test_a_mean_of_the_scripts_own_loss_in_half_precision_is_refused`).
 
 Before the fix (e8eb7d9), checks 1-2 failed in the two-pass and book-keeping forms: with an
 embedding or a LayerNorm the step was refused (the norm pass's bf16 embedding and LayerNorm
@@ -181,12 +183,47 @@ def test_removing_one_aligned_row_moves_the_float32_sum_by_one_contribution(form
     assert_brute_force(seen["sums"], brute_force(FORMS[form][1], PRECISIONS[precision][0], n), n)
 
 
-@pytest.mark.parametrize("form", ["two_pass", "bookkeeping", "output_passes"])
-def test_mean_loss_sums_are_the_brute_force_clipped_sums(form):
-    """Check 3 under ``loss_reduction="mean"`` (bf16 parameters)."""
-    seen = released_sums(form, N, "bf16", reduction="mean")
-    assert seen["dtypes"] == {torch.float32}
-    assert_brute_force(seen["sums"], brute_force(FORMS[form][1], torch.bfloat16, N), N)
+@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+@pytest.mark.parametrize("form", ["two_pass", "bookkeeping_with_criterion", "per_example"])
+def test_under_a_mean_loss_one_row_moves_the_sum_by_one_contribution(form, precision):
+    """``loss_reduction="mean"`` where the plugin reduces the losses itself (the ghost criterion,
+    in the two-pass form and behind book-keeping: its backward passes sum the per-example losses,
+    no 1/n enters a gradient) or where a backward pass holds one example: checks 1-3 hold (before,
+    4.4 C under bf16 autocast in the two-pass form at n = 1,029)."""
+    n = N_PER_EXAMPLE if form == "per_example" else N
+    seen, less = released_sums(form, n, precision, "mean"), released_sums(form, n - 1, precision, "mean")
+    assert_one_contribution(flat(seen["sums"]), flat(less["sums"]), n)
+    assert_brute_force(seen["sums"], brute_force(FORMS[form][1], PRECISIONS[precision][0], n), n)
+
+
+@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+@pytest.mark.parametrize("form", ["bookkeeping", "output_passes", "two_pass_physical_batches"])
+def test_a_mean_of_the_scripts_own_loss_in_half_precision_is_refused(form, precision):
+    """A plain loss the script averages itself (book-keeping, output passes) computes in half
+    precision with 1/n of the realised batch in every example's gradient: refused by name at its
+    backward pass, nothing released (the sums are not read). The ghost criterion over
+    BatchMemoryManager's physical batches sums its losses: it runs."""
+    if form == "two_pass_physical_batches":
+        assert "sums" in released_sums(form, 64, precision, "mean")
+        return
+    with pytest.raises(ValueError, match="loss_reduction='mean' with a model that computes in half precision"):
+        released_sums(form, 64, precision, "mean")
+
+
+def test_a_float32_mean_loss_runs_in_every_form():
+    """The refusal is of half precision only: float32 under "mean" releases one contribution per row."""
+    for form in ("bookkeeping", "output_passes"):
+        options, model_class, _ = FORMS[form]
+        sums = []
+        for rows in (65, 64):
+            model = initial(model_class, torch.float32)
+            module, optimizer, *rest = private(model, aligned_rows(rows), rows, "mean", **options)
+            seen = read_sums_at_the_noise(optimizer)
+            x, y = next(iter(rest[-1]))
+            F.cross_entropy(module(x), y).backward()
+            optimizer.step()
+            sums.append(flat(seen["sums"]))
+        assert_one_contribution(sums[0], sums[1], 65)
 
 
 # --- the chunked LM head, and Hugging Face GPT-2 (Conv1D, a head tied to the embedding) ------

@@ -255,8 +255,10 @@ def test_every_form_gives_the_ghost_criterion_value(loss_reduction):
         )
         values[form] = float(_ghost_lm_loss(criterion, module, x, y).item())
         if form == TWO_PASS:  # Opacus's own ghost criterion on the same module
+            backward, module.loss_reduction = module.loss_reduction, loss_reduction  # (the module sums: Form.sums_losses)
             ghost = DPLossFastGradientClipping(module, optimizer, nn.CrossEntropyLoss(reduction=loss_reduction),
                                                loss_reduction)
+            module.loss_reduction = backward
             values["opacus"] = float(_ghost_lm_loss(ghost, module, x, y).item())
             token_loss = nn.functional.cross_entropy(module(x)[0, :-2], y[0, :-2], reduction=loss_reduction)
             values["by hand"] = token_loss.item()

@@ -59,6 +59,8 @@ FORMS: Dict[str, Tuple[dict, int]] = {  # make_private options, the loader's bat
     "per_example": (dict(per_example_backward=True), 4),
     "per_example_automatic": (dict(), 1),  # chosen by batch_size=1: issue 48's crash
 }
+#: the forms whose loss the script computes itself (no criterion returned)
+PLAIN_LOSS = ("bookkeeping", "output_passes")
 #: (parameter dtype, autocast dtype or None)
 PRECISIONS = {
     "bf16": (torch.bfloat16, None),
@@ -86,6 +88,9 @@ def released_step(model: nn.Module, form: str, unit: str, sigma: float, autocast
     the update ``p.grad`` (float64 copies), its dtypes, the dtypes of the clipped sums the noise
     went into, and the normaliser B."""
     options, batch_size = FORMS[form]
+    # a plain loss the script averages is refused in half precision (docs/guide.md, "The mean loss's
+    # rounding"): those forms run a summed loss, whose update is the noisy sum (normaliser 1)
+    reduction = "sum" if form in PLAIN_LOSS else "mean"
     data, owners = _data()
     if unit == "user":
         options = dict(options, privacy_unit="user", user_ids=owners, max_examples_per_user=ROWS)
@@ -93,7 +98,8 @@ def released_step(model: nn.Module, form: str, unit: str, sigma: float, autocast
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         module, optimizer, *rest = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), criterion=nn.CrossEntropyLoss(),
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            criterion=nn.CrossEntropyLoss(reduction=reduction), loss_reduction=reduction,
             data_loader=torch.utils.data.DataLoader(data, batch_size=batch_size), noise_multiplier=sigma,
             max_grad_norm=C, clipping="randomized", sample_rate=1.0, sketch_size=64, seed=5, **options,
         )
@@ -104,14 +110,14 @@ def released_step(model: nn.Module, form: str, unit: str, sigma: float, autocast
         seen["update"] = [p.grad.double().clone() for p in optimizer.params]
         seen["grad_dtypes"] = {p.grad.dtype for p in optimizer.params}
         seen["sum_dtypes"] = {p.summed_grad.dtype for p in optimizer.params}
-        seen["normaliser"] = optimizer.expected_batch_size * optimizer.accumulated_iterations
+        seen["normaliser"] = optimizer.expected_batch_size * optimizer.accumulated_iterations if reduction == "mean" else 1
 
     optimizer.original_optimizer.register_step_pre_hook(keep)
     cast = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
     for x, y in loader:
         with cast:
             out = module(x)
-            loss = criterion[0](out, y) if criterion else nn.functional.cross_entropy(out, y)
+            loss = criterion[0](out, y) if criterion else nn.functional.cross_entropy(out, y, reduction=reduction)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -190,7 +196,7 @@ def released_step_fsdp(model: nn.Module, sigma: float, autocast: Optional[torch.
         seen["update"] = [p.grad.full_tensor().double().clone() for p in optimizer.params]
         seen["grad_dtypes"] = {p.grad.dtype for p in optimizer.params}
         seen["sum_dtypes"] = {optimizer.grad_state[p]["summed_grad"].dtype for p in optimizer.params}
-        seen["normaliser"] = optimizer.expected_batch_size * optimizer.accumulated_iterations
+        seen["normaliser"] = optimizer.expected_batch_size * optimizer.accumulated_iterations if reduction == "mean" else 1
 
     optimizer.original_optimizer.register_step_pre_hook(keep)
     cast = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()

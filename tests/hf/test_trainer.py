@@ -62,14 +62,17 @@ def same_draw(opt):
 
 def plain_loop(model, recorded, *, lr, max_grad_norm, sample_rate, autocast=None, noise=0.0):
     """The reference: make_private (book-keeping, wrap_model=False) and a BatchMemoryManager-
-    like split: every physical batch but the last of a logical step is a skipped step."""
+    like split: every physical batch but the last of a logical step is a skipped step. Under
+    autocast a plain loss must be summed (a mean is refused in half precision: docs/guide.md), so
+    the reference sums and divides the learning rate by B: the same update."""
     engine = PrivacyEngine(accountant="rc_prv")
     params = [p for p in model.parameters() if p.requires_grad]
     loader = torch.utils.data.DataLoader(RowDataset(), batch_size=B)
+    reduction = "sum" if autocast else "mean"
     hooks, opt, _ = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(params, lr=lr), data_loader=loader,
+        module=model, optimizer=torch.optim.SGD(params, lr=lr / B if autocast else lr), data_loader=loader,
         noise_multiplier=noise, max_grad_norm=max_grad_norm, clipping="randomized",
-        grad_sample_mode="hooks", wrap_model=False, poisson_sampling=False,
+        grad_sample_mode="hooks", wrap_model=False, poisson_sampling=False, loss_reduction=reduction,
         expected_batch_size=B, sample_rate=sample_rate, sketch_size=32,
     )
     model.train()
@@ -83,7 +86,8 @@ def plain_loop(model, recorded, *, lr, max_grad_norm, sample_rate, autocast=None
             ctx = torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False)
             with ctx:
                 logits = model(**inputs, use_cache=False).logits
-            per_example_token_loss(logits, batch["labels"], shift=True).mean().backward()
+            losses = per_example_token_loss(logits, batch["labels"], shift=True)
+            (losses.sum() if autocast else losses.mean()).backward()
             if i < len(step) - 1:
                 same_draw(opt)
             opt.step()
