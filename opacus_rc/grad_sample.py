@@ -299,11 +299,27 @@ class PerExampleStore(BatchReader):
         use)."""
 
     def rearrange_grad_samples(self, *, module, backprops, loss_reduction, batch_first):
-        """Opacus's rearrangement, after unpacking inputs saved by :meth:`_capture`."""
+        """Opacus's rearrangement, after unpacking inputs saved by :meth:`_capture`; a batch of
+        packed rows (:attr:`~opacus_rc.draws.Batch.segments`) is first split into one row per
+        segment, the layer's batch being its segments (:mod:`opacus_rc.packing`)."""
         resolve_last(module)
+        segments = self.batch.segments
+        if segments is not None:
+            module.activations[-1] = [self._split(module, segments, t) for t in module.activations[-1]]
+            backprops = self._split(module, segments, backprops)
+            module.max_batch_len = len(segments)
         return super().rearrange_grad_samples(
             module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
         )
+
+    def _split(self, module: nn.Module, segments: Any, t: torch.Tensor) -> torch.Tensor:
+        """A layer's input or output gradient over the packed rows, one row per segment; refused
+        (:data:`~opacus_rc.refusals.REFUSALS`) when it is not one entry per token."""
+        try:
+            return segments.split(t)
+        except ValueError:
+            raise refusal("packed_rows_layer_input", layer=self._get_module_type(module).__name__,
+                          shape=tuple(t.shape), tokens=segments.tokens) from None
 
     def _defer_weight_grads(self, wanted: Optional[Callable[[], bool]] = None) -> None:
         """The trainable ``nn.Linear`` layers (by their real class: FSDP2 renames it) compute

@@ -37,6 +37,30 @@ REFUSALS: Dict[str, Refusal] = {
         ),
         instead="supported layers: {supported}; or per_example_backward=True (autograd sums the uses)",
     ),
+    "packed_rows_attention": Refusal(
+        what="packed rows (TRL's padding_free=True) with {model}'s attention ({implementation})",
+        why=(
+            "a probe of the model found a sequence's outputs in a packed row differing from the same "
+            "sequence alone ({detail}): its tokens attend across the sequence boundary, so each "
+            "example's gradient would depend on its neighbours in the pack, and no clip of the example "
+            "bounds its effect on them"
+        ),
+        instead=(
+            "padding_free=False, or an attention implementation that keeps packed sequences apart "
+            "(attn_implementation='sdpa', 'eager' or a flash-attention one on a model that reads "
+            "position_ids)"
+        ),
+    ),
+    "packed_rows_layer_input": Refusal(
+        what="a packed row (several examples in one row) through {layer}, whose input has shape {shape}",
+        why=(
+            "the examples of a packed row are token ranges of it; a layer's per-example gradient is its "
+            "per-token products summed over one example's tokens, which needs an input of one entry per "
+            "token (the row's {tokens} tokens along dimension 1); this input is not one per token, so it "
+            "cannot be split into the examples"
+        ),
+        instead="padding_free=False (one example per row)",
+    ),
 }
 
 

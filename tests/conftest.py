@@ -49,6 +49,9 @@ SLOW_TESTS = (
 #: value at least once); the other cases of the sweep run in the slow suite. A name here that
 #: matches no collected case is an error (tests/conftest.py checks it at collection).
 FAST_CASES = {
+    "test_padding_free_equals_brute_force_over_the_unpacked_sequences": (
+        "bookkeeping", "output_passes", "per_example", "user_output_passes", "user_chunked_head",
+    ),
     "test_form_equals_the_golden_run": (
         "two_pass_per_example", "output_passes_checkpointed_reentrant", "bookkeeping", "ghost_bookkeeping",
         "chunked_head_two_pass", "flat_opacus", "per_example", "ghost_fsdp",
