@@ -215,3 +215,33 @@ def test_tied_weight_through_a_layer_without_a_projection_is_refused_by_name():
     with pytest.raises(ValueError, match=r"parameter tying through Out .*is not supported: a tied parameter's "
                                          r"per-example gradient is the sum of its uses"):
         released(SubclassTied(), "bookkeeping", x, y)
+
+
+def test_a_packed_row_through_a_layer_whose_input_is_not_per_token_is_refused_by_name():
+    """A batch of packed rows (its examples token ranges of a row, opacus_rc.packing) through a
+    classifier that pools before its last layer: that layer's input is one per row, not per token,
+    so it cannot be split into the examples: refused, naming the layer and the reason."""
+    from opacus_rc.draws import Batch, Draw
+    from opacus_rc.packing import Segments
+    from opacus_rc.units import RowUnits
+
+    class Pooled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.fc = nn.Embedding(32, 24), nn.Linear(24, 2)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.emb(ids).mean(dim=1))
+
+    model = Pooled()
+    x = torch.randint(0, 32, (1, 7))
+    module, optimizer, _ = PrivacyEngine(accountant="rc_prv").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=C,
+        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, 0]), batch_size=1),
+        poisson_sampling=False, clipping="randomized", grad_sample_mode="bookkeeping", per_example_backward=False,
+    )
+    segments = Segments.of_rows(torch.tensor([[0, 1, 2, 0, 1, 2, 3]]), [3, 4])
+    optimizer.ledger.deliver(x, Batch(Draw(1, signalled=True), 0, RowUnits.singletons(2), segments))
+    with pytest.raises(ValueError, match=r"a packed row \(several examples in one row\) through Linear, whose input "
+                                         r"has shape \(1, 24\) is not supported: .*one entry per token"):
+        nn.functional.cross_entropy(module(x), torch.zeros(1, dtype=torch.long)).backward()
