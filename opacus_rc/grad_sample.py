@@ -103,6 +103,9 @@ class PerExampleStore(BatchReader):
         #: (:meth:`_tied_slot`), until their last use
         self._tied_sums: Dict[Any, torch.Tensor] = {}
         self.autograd_grad_sample_hooks.extend(self.watch_batches(self._module))
+        # this model's third-party layer types (HF Conv1D): their norm samplers and tied projections,
+        # for this module only (the registries are not changed)
+        self._third_party_samplers, self._third_party_projections = third_party_layers(self._module)
         self._setup()  # defined by each mixin
 
     @property
@@ -272,9 +275,7 @@ class PerExampleStore(BatchReader):
         Raises:
             ValueError: a layer type without one (:data:`~opacus_rc.refusals.REFUSALS`, ``"tied_layer"``).
         """
-        projections = self.__dict__.get("_tied_projection_table")
-        if projections is None:  # the registry and this model's third-party layers (HF Conv1D)
-            projections = self._tied_projection_table = {**TIED_PROJECTIONS, **third_party_layers(self._module)[1]}
+        projections = {**TIED_PROJECTIONS, **self._third_party_projections}
         layer = self._get_module_type(module)
         if layer not in projections:
             raise refusal("tied_layer", layer=layer.__name__, form=type(self).__name__,
@@ -431,10 +432,9 @@ class SketchingMixin(PerExampleStore):
     _notes_in_module_grads = True
 
     def _setup(self) -> None:
-        samplers, _ = third_party_layers(self._module)  # this module's only
         self.NORM_SAMPLERS = {
             cls: functools.partial(self._scaled_norms, fn)
-            for cls, fn in {**RANDOMIZED_NORM_SAMPLERS, **samplers}.items()
+            for cls, fn in {**RANDOMIZED_NORM_SAMPLERS, **self._third_party_samplers}.items()
         }
         # Opacus's per-sample gradients of the other layers (hooks or functorch): their batch
         # sum is noted too (:meth:`note_in_module_grad`)

@@ -163,8 +163,11 @@ class BookkeepingMixin(PerExampleStore):
         return half or (training and id(layer) in self._tied_layers)
 
     def _on_pass_start(self) -> None:
+        """A new forward pass: no layer is recorded in it yet, and a tied parameter's sum that an
+        earlier pass left incomplete (a forward without its backward) is not continued."""
         self._recorded_in_pass.clear()
         self._clear_queued = False
+        self._tied_uses.clear()
 
     def begin_head_use(self, layer: nn.Module, weight: nn.Parameter, bias: Optional[nn.Parameter]) -> bool:
         """As the base, refusing an earlier use in the pass of a head parameter that is not tied
