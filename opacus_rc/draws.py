@@ -52,11 +52,14 @@ class Draw:
 
 @dataclass(frozen=True, eq=False)
 class Batch:
-    """A physical batch: physical batch ``index`` of ``draw`` and its rows' ``units``."""
+    """A physical batch: physical batch ``index`` of ``draw`` and its rows' ``units``; ``segments``:
+    the examples packed in its rows (:mod:`opacus_rc.packing`), then the units are the segments'
+    and every layer splits its rows into them (None: each row an example)."""
 
     draw: Draw
     index: int
     units: RowUnits
+    segments: Optional[Any] = None
 
     @property
     def last(self) -> bool:
@@ -77,16 +80,17 @@ class Batch:
     def reordered(self, order: Optional[List[int]]) -> "Batch":
         """This batch with its rows in ``order`` (``order[i]``: the row that is now row ``i``; a
         collate that sorts); itself for None."""
-        return self if order is None else Batch(self.draw, self.index, self.units.take(order))
+        return self if order is None else Batch(self.draw, self.index, self.units.take(order), self.segments)
 
 
-def signalled_batches(units: RowUnits, one_row_each: bool) -> List[Batch]:
+def signalled_batches(units: RowUnits, one_row_each: bool, segments: Any = None) -> List[Batch]:
     """The private Trainer's physical batch of ``units`` (its draw's end told by Opacus's skip
-    signals) as the batches its forwards take: the whole batch, or one row each (the per-example
-    form: a unit's running sum spans them)."""
+    signals) as the batches its forwards take: the whole batch (its rows' packed ``segments``, if
+    any, the units'), or one row each (the per-example form: a unit's running sum spans them; a
+    packed batch is unpacked first, a segment a row)."""
     parts = [units.rows(i, i + 1) for i in range(len(units))] if one_row_each else [units]
     draw = Draw(len(parts), signalled=True)
-    return [Batch(draw, i, part) for i, part in enumerate(parts)]
+    return [Batch(draw, i, part, None if one_row_each else segments) for i, part in enumerate(parts)]
 
 
 class Rows(Batch):

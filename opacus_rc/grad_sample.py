@@ -53,6 +53,7 @@ from .recompute import (
     resolve_last,
     save_inputs,
 )
+from .refusals import refusal
 from .sketch import Sketcher
 from .units import in_row_slots, mean_clip_factors, per_row, regroup_uses, sum_rows_by_unit, unit_sizes
 
@@ -103,6 +104,9 @@ class PerExampleStore(BatchReader):
         #: (:meth:`_tied_slot`), until their last use
         self._tied_sums: Dict[Any, torch.Tensor] = {}
         self.autograd_grad_sample_hooks.extend(self.watch_batches(self._module))
+        # this model's third-party layer types (HF Conv1D): their norm samplers and tied projections,
+        # for this module only (the registries are not changed)
+        self._third_party_samplers, self._third_party_projections = third_party_layers(self._module)
         self._setup()  # defined by each mixin
 
     @property
@@ -264,6 +268,32 @@ class PerExampleStore(BatchReader):
             if len(getattr(module, "activations", ())) > entries:
                 module.activations[-1] = saved
 
+    def tied_projection(self, module: nn.Module) -> Callable[..., Dict[nn.Parameter, torch.Tensor]]:
+        """The projection of a use of ``module``'s tied parameters (:data:`~opacus_rc.norm_samplers.
+        TIED_PROJECTIONS`, or this model's third-party layers): ``(module, [A], G, sketcher)`` to
+        each trainable parameter's per-example ``P^T grad`` (``P`` its row sketch, shared by its uses).
+
+        Raises:
+            ValueError: a layer type without one (:data:`~opacus_rc.refusals.REFUSALS`, ``"tied_layer"``).
+        """
+        projections = {**TIED_PROJECTIONS, **self._third_party_projections}
+        layer = self._get_module_type(module)
+        if layer not in projections:
+            raise refusal("tied_layer", layer=layer.__name__, form=type(self).__name__,
+                          supported=", ".join(c.__name__ for c in projections))
+        return projections[layer]
+
+    def regrouped(self, module: nn.Module, a: torch.Tensor, g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A layer's rearranged ``(A, G)`` with the batch's rows regrouped into its units
+        (:func:`~opacus_rc.units.regroup_uses`: one sequence of a unit's tokens)."""
+        return regroup_uses(module, a, g, self.batch.units_of(int(g.shape[0])))
+
+    def strips_in_module_grads(self, layer: nn.Module, inputs: Any) -> bool:
+        """Whether autograd computes no parameter gradient inside ``layer`` (not a linear one) in this
+        call (:func:`~opacus_rc.half_precision.forward_without_in_module_grads`): a half-precision call
+        (:meth:`half_precision_call`); a form may add its own."""
+        return self.half_precision_call(layer, inputs)
+
     def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
         """Called for a use of ``module`` captured during the backward pass (a reentrant
         checkpoint's replay): raise if a parameter of it already got its per-sample norm
@@ -271,11 +301,27 @@ class PerExampleStore(BatchReader):
         use)."""
 
     def rearrange_grad_samples(self, *, module, backprops, loss_reduction, batch_first):
-        """Opacus's rearrangement, after unpacking inputs saved by :meth:`_capture`."""
+        """Opacus's rearrangement, after unpacking inputs saved by :meth:`_capture`; a batch of
+        packed rows (:attr:`~opacus_rc.draws.Batch.segments`) is first split into one row per
+        segment, the layer's batch being its segments (:mod:`opacus_rc.packing`)."""
         resolve_last(module)
+        segments = self.batch.segments
+        if segments is not None:
+            module.activations[-1] = [self._split(module, segments, t) for t in module.activations[-1]]
+            backprops = self._split(module, segments, backprops)
+            module.max_batch_len = len(segments)
         return super().rearrange_grad_samples(
             module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
         )
+
+    def _split(self, module: nn.Module, segments: Any, t: torch.Tensor) -> torch.Tensor:
+        """A layer's input or output gradient over the packed rows, one row per segment; refused
+        (:data:`~opacus_rc.refusals.REFUSALS`) when it is not one entry per token."""
+        try:
+            return segments.split(t)
+        except ValueError:
+            raise refusal("packed_rows_layer_input", layer=self._get_module_type(module).__name__,
+                          shape=tuple(t.shape), tokens=segments.tokens) from None
 
     def _defer_weight_grads(self, wanted: Optional[Callable[[], bool]] = None) -> None:
         """The trainable ``nn.Linear`` layers (by their real class: FSDP2 renames it) compute
@@ -370,15 +416,6 @@ def head_used_twice_error(bookkeeping: bool = False) -> ValueError:
     )
 
 
-def head_per_user_error() -> ValueError:
-    """The refusal of the chunked LM head at ``privacy_unit="user"`` in a form that clips in
-    its layers' hooks (its values are per row, not per user)."""
-    return ValueError(
-        "privacy_unit='user' with the chunked LM head is not supported in this form: its per-example "
-        "values are per row; use per_example_backward=True (the head then runs in each row's backward pass)"
-    )
-
-
 def check_norms_cover_batch(norms: Sequence[Tuple[str, torch.Tensor]]) -> None:
     """Every per-sample norm covers the batch (the most examples any of them covers);
     ``norms`` pairs each with what the error calls the layer or parameter it is of."""
@@ -402,10 +439,9 @@ class SketchingMixin(PerExampleStore):
     _notes_in_module_grads = True
 
     def _setup(self) -> None:
-        samplers, self._third_party_projections = third_party_layers(self._module)  # this module's only
         self.NORM_SAMPLERS = {
             cls: functools.partial(self._scaled_norms, fn)
-            for cls, fn in {**RANDOMIZED_NORM_SAMPLERS, **samplers}.items()
+            for cls, fn in {**RANDOMIZED_NORM_SAMPLERS, **self._third_party_samplers}.items()
         }
         # Opacus's per-sample gradients of the other layers (hooks or functorch): their batch
         # sum is noted too (:meth:`note_in_module_grad`)
@@ -566,11 +602,6 @@ class SketchingMixin(PerExampleStore):
         if passes is not None and self.hooks_enabled:
             passes.check_inside(module)
         if self.hooks_enabled and self._is_tied_use(module):
-            if not self.batch.units.one_row_each:
-                raise ValueError(
-                    "privacy_unit='user' with tied parameters in the two-pass form is not supported: use "
-                    "per_example_backward=True"
-                )
             self._capture_tied_backprops(module, forward_output, loss_reduction, batch_first)
             return
         if self.hooks_enabled:
@@ -607,14 +638,12 @@ class SketchingMixin(PerExampleStore):
         return norms
 
     def deliver_head(self, layer: nn.Module, values: Any) -> None:
-        """The chunked head's per-example values of this pass (``values``:
-        :class:`opacus_rc.lm_head.HeadValues`): a tied use joins its parameters' running
-        sums (:meth:`_add_tied_use`), an untied one's norms are the parameters' own. At
-        ``privacy_unit="user"`` refused: the head's values are per row."""
+        """The chunked head's per-unit values of this pass (``values``:
+        :class:`opacus_rc.lm_head.HeadValues`), in the first of the batch's row slots as every
+        layer's (:func:`~opacus_rc.units.in_row_slots`): a tied use joins its parameters' running
+        sums (:meth:`_add_tied_use`), an untied one's norms are the parameters' own."""
         self.expect_forward()
-        if not self.batch.units.one_row_each:
-            raise head_per_user_error()
-        contributions = values.contributions()
+        contributions = {name: in_row_slots(c, values.rows) for name, c in values.contributions.items()}
         if values.tied:
             for name, contribution in contributions.items():
                 self._add_tied_use(layer, getattr(layer, name), contribution)
@@ -646,24 +675,18 @@ class SketchingMixin(PerExampleStore):
     def _capture_tied_backprops(
         self, module: nn.Module, forward_output: Any, loss_reduction: str, batch_first: bool
     ) -> None:
-        """A use of tied parameters: their sketched per-sample gradients (one sketch for
-        all uses of a parameter) join their running sums (:meth:`_add_tied_use`)."""
-        layer = self._get_module_type(module)
-        projections = {**TIED_PROJECTIONS, **self._third_party_projections}
-        projection = projections.get(layer)
-        if projection is None:
-            raise ValueError(
-                f"parameter tying through {layer.__name__} is not supported with "
-                f"clipping='randomized'; supported layers: "
-                f"{', '.join(c.__name__ for c in projections)}"
-            )
+        """A use of tied parameters: their sketched per-unit gradients (one sketch for all uses of
+        a parameter; a unit's rows regrouped into one sequence) join their running sums
+        (:meth:`_add_tied_use`)."""
         activations, backprops = self.rearrange_grad_samples(
             module=module, backprops=forward_output[0].detach(),
             loss_reduction=loss_reduction, batch_first=batch_first,
         )
-        for param, contribution in projection(module, activations, backprops, self.sketcher).items():
-            self._add_tied_use(module, param, contribution)
-        if layer is nn.Embedding:  # (backprops scaled by n under "mean")
+        rows = int(backprops.shape[0])
+        a, g = self.regrouped(module, activations[0], backprops)
+        for param, contribution in self.tied_projection(module)(module, [a], g, self.sketcher).items():
+            self._add_tied_use(module, param, in_row_slots(contribution, rows))
+        if self._get_module_type(module) is nn.Embedding:  # (backprops scaled by n under "mean")
             self._note_embedding_use(module, activations, backprops, self._backprops_scale(module))
         elif module in self.half_calls:
             self._record_half_use(module, activations[0], backprops, 1.0)

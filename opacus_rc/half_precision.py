@@ -97,13 +97,14 @@ class _WithoutInModuleGrad(torch.autograd.Function):
 def forward_without_in_module_grads(
     owner: OwnerRef, layer: nn.Module, original: Optional[Callable], *args: Any, **kwargs: Any
 ) -> Any:
-    """The forward of a trainable layer (not a linear one): in a half-precision call of a training
-    pass (``owner().half_precision_call``), its trainable parameters are behind
-    :class:`_WithoutInModuleGrad` for the call; otherwise the layer's own forward, unchanged.
-    ``original``: an instance-level forward the layer had, if any."""
+    """The forward of a trainable layer (not a linear one): in a call whose in-module gradients the
+    form computes itself (``owner().strips_in_module_grads``: a half-precision call of a training pass;
+    book-keeping's tied parameters), its trainable parameters are behind :class:`_WithoutInModuleGrad`
+    for the call; otherwise the layer's own forward, unchanged. ``original``: an instance-level
+    forward the layer had, if any."""
     forward = original if original is not None else type(layer).forward.__get__(layer)
     module = owner()
-    if module is None or in_function_transform() or not module.half_precision_call(layer, (args, kwargs)):
+    if module is None or in_function_transform() or not module.strips_in_module_grads(layer, (args, kwargs)):
         return forward(*args, **kwargs)
     params = layer._parameters
     own = {name: p for name, p in params.items() if p is not None and p.requires_grad}

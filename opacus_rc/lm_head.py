@@ -11,19 +11,21 @@ from recomputed blocks. Forms, tied heads, FSDP2, checkpointing: docs/lm_head.md
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .clipped_sums import keep_rows, wide_dtype
 from .estimators import ghost_sq_norms, sketch_side
 from .forms import form_of
-from .clipped_sums import keep_rows, wide_dtype
 from .forms.bookkeeping import Record
 from .forms.fsdp import head_unit, is_fsdp_module
+from .norm_samplers import tied_row_sketch
 from .recompute import NON_REENTRANT, REENTRANT, forward_replay
+from .units import RowUnits, per_row, regroup_rows, sum_rows_by_unit, unit_layout
 from .values import HUTCHINSON, HUTCHPP
 
 REDUCTIONS = ("mean", "sum")
@@ -64,7 +66,7 @@ class _Plan:
     bias: Optional[nn.Parameter]
     owner: Any = None  # the grad-sample module whose hooks are on (None: no norms)
     tied: bool = False  # as the owner's begin_head_use said
-    kept: Dict[str, Any] = field(default_factory=dict)  # per-example sums for the norms
+    kept: Optional["_HeadNorms"] = None  # the rows' sums for the norms, until the norm pass
     delivered: bool = False
     half: bool = False  # a half-precision call: the clipped pass's sums go to the owner in float32
 
@@ -147,7 +149,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         losses = torch.zeros(batch, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(batch, t, dtype=torch.float32, device=hidden.device)
         h1 = torch.empty(batch, t, d, dtype=cd, device=hidden.device) if need_hidden else None
-        acc = None if plan.owner is None else _HeadNorms(plan.owner.sketcher, hidden, weight, bias, plan.tied)
+        acc = None if plan.owner is None else _HeadNorms(
+            plan.owner.sketcher, hidden, weight, bias, plan.tied, plan.owner.batch.units_of(batch))
         for s in range(0, t, c):
             a = hidden[:, s : s + c]
             z = _logits(a, weight, bias, cd)
@@ -166,8 +169,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 if acc is not None:
                     acc.add(s, a, _as_dtype(g, cd))
             z = e = g = None  # one block's logits alive at a time (g, e and z share them)
-        if acc is not None:
-            plan.kept = acc.finish(_Blocks(hidden, weight, bias, target, scale, lse, c, cd).recomputed)
+        plan.kept = acc
         ctx.plan, ctx.h1 = plan, h1
         ctx.save_for_backward(hidden, weight, bias, target, scale, lse)
         return losses
@@ -202,34 +204,45 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
 
 class _HeadNorms:
-    """How this pass computes the head's per-example norm, mirroring the unchunked path
+    """How this pass computes the head's per-unit norms, mirroring the unchunked path
     (:func:`opacus_rc.norm_samplers.weight_sq_norms`, ``Sketcher.estimate``, the tied
-    :func:`opacus_rc.norm_samplers.linear_projection`: the same sketches give the same
-    norms), and its per-example sums over blocks: sketched products (B, rows_left, k), the
-    exact output gradient (T <= k only), the exact bias gradient (B, V)."""
+    :func:`opacus_rc.norm_samplers.linear_projection`, on the rows regrouped into their units,
+    :func:`opacus_rc.units.regroup_uses`: the same sketches give the same norms). The forward sums
+    each row's values over the blocks (sketched products (B, rows_left, k) with its unit's sketch,
+    the exact output gradient when the unit's sequence is no longer than k, the bias gradient
+    (B, V)); :meth:`finish` reduces them to the units once the rows' loss factors are known."""
 
-    def __init__(self, sketcher, hidden: torch.Tensor, weight, bias, tied: bool) -> None:
+    def __init__(self, sketcher, hidden: torch.Tensor, weight, bias, tied: bool, units: RowUnits) -> None:
         (batch, t, d), vocab, device = hidden.shape, weight.shape[0], hidden.device
         config, k = sketcher.config, sketcher.config.sketch_size
+        slot, _, count = unit_layout(units, batch, device)
+        self.units, self.slot = units, None if count == batch else slot  # (None: each row its own unit)
+        longest = 1 if self.slot is None else int(units.sizes.max())  # a unit's sequence: its rows' tokens
         self.hidden, self.weight, self.bias = hidden, weight.requires_grad, bias is not None and bias.requires_grad
         self.side, self.sketches = "output", {}
         self.out: Dict[str, torch.Tensor] = {}
         self.products: Dict[str, torch.Tensor] = {}
         if not self.weight:
             self.how = "none"
-        elif tied:  # the weight's row sketch (V x k), shared with the embedding's use
+        elif tied:  # the weight's row sketch, shared with the embedding's use
             self.how = "tied"
-            self.sketches["tail"] = sketcher.gaussian(batch, vocab, k, device, key=weight)
-        elif config.exact_when_cheaper and t <= k:
+            self.sketches["tail"] = tied_row_sketch(weight, count, sketcher, device)
+        elif config.exact_when_cheaper and t * longest <= k:
             self.how = "exact"
             self.g_all = torch.empty(batch, t, vocab, dtype=torch.float32, device=device)
         else:  # "hutchinson" | "hutchpp", the same keys and order as Sketcher.estimate's
             self.how, self.side = config.estimator, sketch_side(d, vocab, "auto")
             rows = vocab if self.side == "output" else d
             for name in ("tail", "head") if self.how == HUTCHPP else ("tail",):
-                self.sketches[name] = sketcher.gaussian(batch, rows, k, device, key=(weight, name))
+                self.sketches[name] = sketcher.gaussian(count, rows, k, device, key=(weight, name))
+        self.row_sketches = {name: self._per_row(sketch) for name, sketch in self.sketches.items()}
+        self.rows_left = vocab if self.side == "input" else d
         if self.bias:
             self.out["bias"] = torch.zeros(batch, vocab, dtype=torch.float32, device=device)
+
+    def _per_row(self, per_unit: torch.Tensor) -> torch.Tensor:
+        """Each row's share of a per-unit tensor (U, ...) -> (B, ...); a 2-D sketch, shared, as it is."""
+        return per_unit if per_unit.dim() == 2 or self.slot is None else per_unit[self.slot]
 
     def _oriented(self, a: torch.Tensor, g: torch.Tensor):
         return (a.float(), g) if self.side == "output" else (g, a.float())
@@ -241,35 +254,51 @@ class _HeadNorms:
             self.g_all[:, start : start + g.shape[1]] = g
         elif self.weight:
             left, right = self._oriented(a, g)
-            for name, sketch in self.sketches.items():
+            for name, sketch in self.row_sketches.items():
                 part = torch.matmul(left.transpose(1, 2), torch.matmul(right, sketch))
                 self.products[name] = _added(self.products.get(name), part)
 
-    def finish(self, recompute) -> Dict[str, torch.Tensor]:
-        """The per-example quantities the backward needs (the rest is dropped):
-        ``"sq"`` (B,) the squared weight norm of d loss_i / d W (exact or estimated) or
-        ``"proj"`` (B, d, k) the tied projection; ``"bias"`` (B, V)."""
-        out, batch = self.out, self.hidden.shape[0]
+    def _product(self, name: str) -> torch.Tensor:
+        """A summed sketched product (zeros for a sequence of no position)."""
+        if name not in self.products:
+            k = self.sketches[name].shape[-1]
+            return torch.zeros(self.hidden.shape[0], self.rows_left, k, device=self.hidden.device)
+        return self.products[name]
+
+    def finish(self, recompute, s: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The per-unit quantities the backward needs, ``s`` (B,) each row's factor on its loss's
+        gradient: ``"sq"`` (U,) the squared norm of ``sum_{r in u} s_r d loss_r / d W`` (exact or
+        estimated) or ``"proj"`` (U, d, k) its tied projection; ``"bias"`` (U, V)."""
+        units, out = self.units, {}
+
+        def summed(t: torch.Tensor) -> torch.Tensor:  # sum_{r in u} s_r t_r, per unit
+            return sum_rows_by_unit(t * s.reshape(-1, *([1] * (t.dim() - 1))).to(t.dtype), units)
+
+        if self.bias:
+            out["bias"] = summed(self.out["bias"])
         if self.how == "exact":
-            out["sq"] = ghost_sq_norms(self.hidden, self.g_all)
+            g = self.g_all * s[:, None, None]
+            out["sq"] = ghost_sq_norms(regroup_rows(self.hidden, units), regroup_rows(g, units))
             del self.g_all
         elif self.how == "tied":
-            out["proj"] = self.products.get(
-                "tail", torch.zeros(batch, self.hidden.shape[-1], self.sketches["tail"].shape[-1], device=self.hidden.device)
-            )
+            out["proj"] = summed(self._product("tail"))
         elif self.how == HUTCHINSON:
-            out["sq"] = self.products["tail"].pow(2).sum(dim=(1, 2))
+            out["sq"] = summed(self._product("tail")).pow(2).sum(dim=(1, 2))
         elif self.how == HUTCHPP:  # exact head on the range of M S, Hutchinson on the residual
-            q, _ = torch.linalg.qr(self.products["head"])  # (B, rows_left, r)
-            head = None
-            for _, a, g in recompute():
+            q, _ = torch.linalg.qr(summed(self._product("head")))  # (U, rows_left, r)
+            q_rows, head = self._per_row(q), None
+            for _, a, g in recompute(rows=s):
                 left, right = self._oriented(a, g)
-                head = _added(head, torch.matmul(torch.matmul(left, q).transpose(1, 2), right))
+                head = _added(head, torch.matmul(torch.matmul(left, q_rows).transpose(1, 2), right))
                 del g, left, right
-            head_sq = head.pow(2).sum(dim=(1, 2)) if head is not None else torch.zeros(batch, device=q.device)
-            mp = self.products["tail"]
+            head_sq = (
+                sum_rows_by_unit(head, units).pow(2).sum(dim=(1, 2)) if head is not None
+                else torch.zeros(q.shape[0], device=q.device)
+            )
+            mp = summed(self._product("tail"))
             residual = mp - torch.matmul(q, torch.matmul(q.transpose(1, 2), mp))
             out["sq"] = head_sq + residual.pow(2).sum(dim=(1, 2))
+        self.products.clear()
         return out
 
 
@@ -279,61 +308,68 @@ def _trainable(layer_params):
 
 @dataclass
 class HeadValues:
-    """The chunked head's per-example values of one pass, handed to its grad-sample module
-    (``deliver_head``), which decides where they go; computed only when asked for.
+    """The chunked head's per-unit values of one pass (the units of the batch: its rows, or their
+    users at ``privacy_unit="user"``), handed to its grad-sample module (``deliver_head``), which
+    decides where they go.
 
     Attributes:
         tied: the use is tied (``begin_head_use`` said so at the forward).
         params: the head's trainable parameters (the objects the forward used).
-        contributions: ``{name: per-example contribution}``: ``||grad_i W|| = sqrt(sq_i)
-            |s_i|`` (B,), or ``s_i P^T grad_i W`` for a tied weight; ``s_i sum_t G_i[t]`` for the bias.
-        records: ``{parameter: Record}`` for book-keeping.
+        rows: the rows of the batch.
+        contributions: ``{name: per-unit contribution}``: ``||sum_{r in u} s_r grad_r W||`` (U,),
+            or ``sum_{r in u} s_r P^T grad_r W`` (U, d, k) for a tied weight; ``sum_{r in u} s_r
+            sum_t G_r[t]`` (U, V) for the bias.
+        clipped: ``{parameter: clipped(c, keep=None)}``, ``sum_u c_u sum_{r in u} s_r grad_r``
+            (book-keeping's clipped sums, recomputed block by block).
+        sq_norms: ``{parameter: (U,)}`` the squared norms of an untied use (book-keeping's records).
     """
 
     tied: bool
     params: List[nn.Parameter]
-    contributions: Callable[[], Dict[str, torch.Tensor]]
-    records: Callable[[], Dict[nn.Parameter, Record]]
+    rows: int
+    contributions: Dict[str, torch.Tensor]
+    clipped: Dict[nn.Parameter, Callable[..., torch.Tensor]]
+    sq_norms: Dict[nn.Parameter, torch.Tensor]
+
+    def records(self) -> Dict[nn.Parameter, Record]:
+        """Book-keeping's :class:`~opacus_rc.forms.bookkeeping.Record` of each untied parameter."""
+        return {p: Record(sq, self.clipped[p], self.rows) for p, sq in self.sq_norms.items()}
 
 
 def _deliver(plan: _Plan, blocks: _Blocks, u: torch.Tensor) -> None:
-    """First backward with the hooks on: hand the head's per-example values to the
-    grad-sample module (:class:`HeadValues`)."""
-    owner, kept, weight, bias = plan.owner, plan.kept, plan.weight, plan.bias
-    plan.kept = {}
+    """First backward with the hooks on: hand the head's per-unit values to the grad-sample
+    module (:class:`HeadValues`)."""
+    owner, acc, weight, bias = plan.owner, plan.kept, plan.weight, plan.bias
+    plan.kept = None
     # The factor of example i's gradient of the loss the values are taken of: Opacus's hooks multiply
     # the output gradient by n under loss_reduction="mean" (that of n * mean_i l_i: per example, of l_i).
     s = u * u.shape[0] if owner.loss_reduction == "mean" else u
-
-    def contributions() -> Dict[str, torch.Tensor]:
-        out: Dict[str, torch.Tensor] = {}
-        if "proj" in kept:  # (kept for a trainable tied weight only)
-            out["weight"] = kept["proj"] * s[:, None, None]
-        elif weight.requires_grad:
-            out["weight"] = kept["sq"].clamp(min=0).sqrt() * s.abs()
-        if bias is not None and bias.requires_grad:
-            out["bias"] = kept["bias"] * s[:, None]
-        return out
-
-    def records() -> Dict[nn.Parameter, Record]:
-        out = {}
-        if weight.requires_grad:
-            out[weight] = Record(kept["sq"] * s.pow(2), _bookkept_clip(blocks, s, which=0))
-        if bias is not None and bias.requires_grad:
-            out[bias] = Record((kept["bias"] * s[:, None]).pow(2).sum(dim=1), _bookkept_clip(blocks, s, which=1))
-        return out
-
-    owner.deliver_head(plan.layer, HeadValues(plan.tied, _trainable([weight, bias]), contributions, records))
+    kept = acc.finish(blocks.recomputed, s)
+    contributions: Dict[str, torch.Tensor] = {}
+    clipped: Dict[nn.Parameter, Callable[..., torch.Tensor]] = {}
+    sq_norms: Dict[nn.Parameter, torch.Tensor] = {}
+    if weight.requires_grad:
+        contributions["weight"] = kept["proj"] if "proj" in kept else kept["sq"].clamp(min=0).sqrt()
+        clipped[weight] = _bookkept_clip(blocks, s, acc.units, which=0)
+        if "sq" in kept:
+            sq_norms[weight] = kept["sq"]
+    if bias is not None and bias.requires_grad:
+        contributions["bias"] = kept["bias"]
+        clipped[bias] = _bookkept_clip(blocks, s, acc.units, which=1)
+        sq_norms[bias] = kept["bias"].pow(2).sum(dim=1)
+    values = HeadValues(plan.tied, _trainable([weight, bias]), int(u.shape[0]), contributions, clipped, sq_norms)
+    owner.deliver_head(plan.layer, values)
 
 
-def _bookkept_clip(blocks: _Blocks, s: torch.Tensor, which: int):
-    """Book-keeping's clipped sum of the head's weight (``which`` 0), ``sum_i c_i s_i A_i^T G_i``,
-    or bias (1), ``sum_i c_i s_i sum_t G_i[t]``: ``clipped(c, keep=None)`` of a :class:`Record`,
-    recomputed block by block at ``optimizer.step()`` from what the forward kept (A, labels,
-    log-sum-exp), never from a stored (T x V)."""
+def _bookkept_clip(blocks: _Blocks, s: torch.Tensor, units: RowUnits, which: int):
+    """Book-keeping's clipped sum of the head's weight (``which`` 0), ``sum_r c_{u(r)} s_r A_r^T G_r``,
+    or bias (1), ``sum_r c_{u(r)} s_r sum_t G_r[t]`` (``c``, ``keep``: per unit): ``clipped(c,
+    keep=None)`` of a :class:`Record`, recomputed block by block at ``optimizer.step()`` from what
+    the forward kept (A, labels, log-sum-exp), never from a stored (T x V)."""
 
     def clipped(c: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-        # dropped examples: zero rows, so nothing non-finite reaches the sum
+        c, keep = per_row(c, units), None if keep is None else per_row(keep, units)
+        # dropped units: zero rows, so nothing non-finite reaches the sum
         a, kept_lse, rows = (keep_rows(x, keep) for x in (blocks.hidden, blocks.lse, c.float() * s))
         with torch.no_grad():
             return blocks._replace(hidden=a, lse=kept_lse).weighted_grads(rows, which == 0, which == 1)[which]

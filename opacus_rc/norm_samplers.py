@@ -103,6 +103,9 @@ def embedding_norm_sample(
 # Every use contributes ``P^T grad_use`` with the SAME row sketch P, and the norm is taken
 # of the sum. A projection returns, per trainable parameter of the layer, the per-sample
 # (B, columns, k) sketched gradient (a 1-D bias: its exact (B, p) per-sample gradient).
+# With ``exact_when_cheaper`` and a parameter of at most k rows, P is the identity: the
+# projection is the per-sample gradient itself (B, columns, rows), no larger than a sketch,
+# and the norm of the summed uses is exact.
 
 Projection = Callable[[nn.Module, List[torch.Tensor], torch.Tensor, Sketcher], Dict[nn.Parameter, torch.Tensor]]
 TIED_PROJECTIONS: Dict[Type[nn.Module], Projection] = {}
@@ -111,9 +114,14 @@ TIED_PROJECTIONS: Dict[Type[nn.Module], Projection] = {}
 register_tied_projection = _registering(TIED_PROJECTIONS, "the sketched-gradient projection of tied uses")
 
 
-def _row_sketch(param: nn.Parameter, batch: int, sketcher: Sketcher, device) -> torch.Tensor:
-    """The step's sketch of ``param``'s rows, shared by all its uses."""
-    return sketcher.gaussian(batch, param.shape[0], sketcher.config.sketch_size, device, key=param)
+def tied_row_sketch(param: nn.Parameter, batch: int, sketcher: Sketcher, device) -> torch.Tensor:
+    """The step's sketch ``P`` of ``param``'s rows, shared by all its uses (``key=param``): Gaussian
+    (rows x k, or (batch, rows, k) per example), or the identity (rows x rows, ``P P^T = I``: the
+    summed uses' norm exact) when ``exact_when_cheaper`` and ``rows <= k``."""
+    config, rows = sketcher.config, int(param.shape[0])
+    if config.exact_when_cheaper and rows <= config.sketch_size:
+        return torch.eye(rows, device=device)
+    return sketcher.gaussian(batch, rows, config.sketch_size, device, key=param)
 
 
 def _weight_projection(layer, activations, backprops, sketcher, transposed: bool):
@@ -125,7 +133,7 @@ def _weight_projection(layer, activations, backprops, sketcher, transposed: bool
     left, right = (g, a) if transposed else (a, g)
     out = {}
     if layer.weight.requires_grad:
-        sketch = _row_sketch(layer.weight, a.shape[0], sketcher, a.device)
+        sketch = tied_row_sketch(layer.weight, a.shape[0], sketcher, a.device)
         out[layer.weight] = sketched_product(left, right, sketch)
     if layer.bias is not None and layer.bias.requires_grad:
         out[layer.bias] = bias_grads(backprops)
@@ -140,7 +148,7 @@ def embedding_projection(layer, activations, backprops, sketcher):
     """Weight (V x d), grad ``onehot(ids)^T G``: ``P^T`` of it as (B, d, k) = ``G^T P[ids]``."""
     ids = activations[0].reshape(activations[0].shape[0], math.prod(activations[0].shape[1:]))
     g = at_least_float32(backprops.reshape(*ids.shape, backprops.shape[-1]))
-    sketch = _row_sketch(layer.weight, ids.shape[0], sketcher, g.device).to(g.dtype)
+    sketch = tied_row_sketch(layer.weight, ids.shape[0], sketcher, g.device).to(g.dtype)
     rows = sketch[ids] if sketch.dim() == 2 else torch.gather(
         sketch, 1, ids[..., None].expand(-1, -1, sketch.shape[-1])
     )

@@ -26,6 +26,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.data import default_collate
 
+from .packing import SEGMENTS_KEY
+
 #: the key a mapping row carries its position under, through the collate
 ROW_KEY = "opacus_rc_row"
 
@@ -296,6 +298,8 @@ class RowOrderCollate:
             return Collated(self.collate(rows), None)
         tagged = [tag_row(row, i) for i, row in enumerate(rows)]
         batch, order = carried_order(self.collate(tagged), len(rows))
+        if order is None and isinstance(batch, Mapping) and SEGMENTS_KEY in batch:
+            order = list(range(len(rows)))  # packed rows: each given row found in its place (opacus_rc.hf.packing)
         if order is None:
             order = order_by_values(rows, batch)
         if order is None:

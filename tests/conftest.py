@@ -51,6 +51,9 @@ SLOW_TESTS = (
 FAST_CASES = {
     # 1,029 aligned rows twice per case: the 4.4 C case before the fix stays fast (issue 52)
     "test_under_a_mean_loss_one_row_moves_the_sum_by_one_contribution": ("two_pass-autocast_bf16",),
+    "test_padding_free_equals_brute_force_over_the_unpacked_sequences": (
+        "bookkeeping", "output_passes", "per_example", "user_output_passes", "user_chunked_head",
+    ),
     "test_form_equals_the_golden_run": (
         "two_pass_per_example", "output_passes_checkpointed_reentrant", "bookkeeping", "ghost_bookkeeping",
         "chunked_head_two_pass", "flat_opacus", "per_example", "ghost_fsdp",

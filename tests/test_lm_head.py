@@ -216,23 +216,28 @@ def test_sketched_update_equals_unchunked(setup, vocab):
     assert not torch.allclose(ours["head.weight"], exact["head.weight"], atol=1e-6, rtol=1e-3)
 
 
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
 @pytest.mark.parametrize("sketching", ["per_example", "shared"])
-def test_tied_embedding_and_head_sum_their_sketched_uses(sketching):
-    """Tied weights (two-pass): the head's projection with the weight's row sketch is summed
-    with the embedding's before the norm, exactly as the unchunked path does."""
+def test_tied_embedding_and_head_sum_their_sketched_uses(sketching, mode):
+    """Tied weights (two-pass and book-keeping): the head's projection with the weight's row
+    sketch is summed with the embedding's before the norm, exactly as the unchunked path does."""
     model = TinyLM(vocab=40, tied=True)
     x, y = batch(3, 20, 40)
-    opts = dict(sketch_size=4, sketching=sketching)
+    opts = dict(sketch_size=4, sketching=sketching, mode=mode)
     ours, _ = step(model, x, y, chunked=True, **opts)
     ref, _ = step(model, x, y, chunked=False, **opts)
     assert_close(ours, ref)
 
 
-def test_tied_weights_under_book_keeping_raise():
-    model = TinyLM(vocab=40, tied=True)
-    x, y = batch(2, 20, 40)
-    with pytest.raises(ValueError, match="tied weights"):
-        step(model, x, y, chunked=True, mode="hooks")
+@pytest.mark.parametrize("setup", MODES)
+def test_tied_embedding_and_head_exact_update_equals_brute_force(setup):
+    """A tied weight of V = 24 rows <= k = 32: its row sketch is the identity, so the norm of the
+    summed uses is exact, in every form (book-keeping: one record of the embedding's and the
+    chunked head's uses); the update is plain per-sequence clipping."""
+    model = TinyLM(tied=True, bias=True)
+    x, y = batch(4, 8, 24, all_ignored=(2,))
+    ours, _ = step(model, x, y, chunked=True, sketch_size=32, **setup)
+    assert_close(ours, brute_force(model, x, y))
 
 
 # --- activation checkpointing, bf16 autocast, empty batches, micro-batches ----------------
@@ -412,10 +417,8 @@ def hf_step(model, causal_lm, x, labels, positions, chunked: bool, mode: str):
 def test_hugging_face_causal_lm_equals_unchunked(name, mode):
     """``from_causal_lm`` + ``hidden_states`` on a Hugging Face model (labels as the model
     takes them, shifted inside): the update equals the model's own head and the ghost
-    criterion's ``shape=`` path for the same sketches."""
-
-    if name in ("llama_tied", "gpt2") and mode == "hooks":  # GPT-2 ties its head too
-        pytest.skip("tied weights: book-keeping refuses them (tested above)")
+    criterion's ``shape=`` path for the same sketches (GPT-2 ties its head too: book-keeping
+    sums the tied uses as the two passes do)."""
     x, labels = lm_batch(4)
     positions = torch.arange(x.shape[1]).repeat(x.shape[0], 1)
 

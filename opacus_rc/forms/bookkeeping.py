@@ -23,7 +23,6 @@ the examples is accumulated in float32 or wider, whatever the activations' preci
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
 from dataclasses import dataclass
@@ -41,13 +40,14 @@ from ..clipped_sums import (
     clipped_bias, clipped_embedding, clipped_grad_sample, clipped_linear_weight, wide_dtype,
 )
 from ..estimators import as_sequence
-from ..grad_sample import PerExampleStore, head_per_user_error, head_used_twice_error
+from ..grad_sample import PerExampleStore, head_used_twice_error
 from ..half_precision import check_no_mean_in_half, reduced_for_backward
 from ..norm_samplers import RANDOMIZED_NORM_SAMPLERS
 from ..optimizer import SketchedClippingMixin, SumsAllReducedInFloat32
 from ..per_parameter import count_uses, set_summed
 from ..recompute import late_use_error, missing_per_sample_error
-from ..units import mean_clip_factors, regroup_uses, sum_rows_by_unit, unit_sizes
+from ..refusals import refusal
+from ..units import mean_clip_factors, sum_rows_by_unit, unit_sizes
 from .two_pass import DPLossRandomizedClipping
 from ..values import SKIP
 
@@ -105,14 +105,6 @@ class RecordStore:
 BOOKKEPT_LAYERS = (nn.Linear, nn.Embedding)
 
 
-def tied_weights_error() -> ValueError:
-    """A parameter shared by two book-kept layers (its records would clip each use alone)."""
-    return ValueError(
-        "tied weights are not supported by book-keeping (grad_sample_mode='bookkeeping', or "
-        "its alias 'hooks') with clipping='randomized'; use grad_sample_mode='ghost'"
-    )
-
-
 def _bookkept(module: nn.Module) -> bool:
     """Layers book-kept exactly by type (subclasses, e.g. MultiheadAttention's output
     projection, go through Opacus's per-sample gradients)."""
@@ -123,16 +115,32 @@ class BookkeepingMixin(PerExampleStore):
     """Records, for linear and embedding layers, the per-sample squared norms and a closure
     ``c -> sum_i c_i grad_i`` (:class:`Record`); every other trainable layer gets Opacus's
     per-sample gradients. Linear layers skip their weight-gradient matmul in the backward pass.
+
+    A tied parameter (owned by several layers, e.g. an embedding and the LM head) has one record
+    per pass, of its summed uses: the norm of ``sum_l P^T grad_l`` (each use's projection on the
+    parameter's row sketch P: :meth:`~opacus_rc.grad_sample.PerExampleStore.tied_projection`; exact
+    when it has at most k rows) and the clipped sum ``sum_l sum_i c_i grad_{l,i}``; autograd
+    computes none of it (its embedding's in-module gradient is stripped as a linear layer's is
+    deferred), so any gradient it has after the pass is a use outside its layers.
     """
 
     def _setup(self) -> None:
-        layers = [
-            m for m in self._module.modules()
-            if _bookkept(m) and any(p.requires_grad for p in m.parameters(recurse=False))
-        ]
-        owners = collections.Counter(id(p) for m in layers for p in m.parameters(recurse=False))
-        if any(count > 1 for count in owners.values()):
-            raise tied_weights_error()
+        layers = [m for m in self._module.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+        owners: Dict[int, List[nn.Module]] = {}
+        for m in layers:
+            for p in m.parameters(recurse=False):
+                if p.requires_grad:
+                    owners.setdefault(id(p), []).append(m)
+        #: the layers owning a tied parameter (every parameter of theirs goes through its projection)
+        self._tied_layers = {id(m): m for ms in owners.values() if len(ms) > 1 for m in ms}
+        for m in self._tied_layers.values():
+            if not _bookkept(m):  # per-sample gradients of Opacus's layers give no projection
+                raise refusal("tied_layer", layer=type(m).__name__, form="book-keeping",
+                              supported=", ".join(c.__name__ for c in BOOKKEPT_LAYERS))
+        #: the ids of the tied parameters, and the layers owning each
+        self._tied = {pid: ms for pid, ms in owners.items() if len(ms) > 1}
+        #: per tied parameter, this pass's running sum of its uses' projections and their clipped sums
+        self._tied_uses: Dict[int, Tuple[torch.Tensor, List[Callable]]] = {}
         #: the step's records, read by the optimizer that follows this module
         self.records = RecordStore()
         self._pending_uses: Dict[nn.Module, List[Any]] = {}  # this pass's uses, per layer
@@ -140,34 +148,52 @@ class BookkeepingMixin(PerExampleStore):
         self._clear_queued = False  # end-of-backward reset of _recorded_in_pass queued
         self._defer_weight_grads()
 
+    @property
+    def deferred_layers(self) -> Tuple[nn.Module, ...]:
+        """As the base's, and the layers owning a tied parameter: autograd computes none of their
+        gradients (:meth:`strips_in_module_grads`)."""
+        deferred = super().deferred_layers
+        seen = {id(m) for m in deferred}
+        return (*deferred, *(m for key, m in self._tied_layers.items() if key not in seen))
+
+    def strips_in_module_grads(self, layer: nn.Module, inputs: Any) -> bool:
+        """As the base's; also a training call (hooks on) of a layer owning a tied parameter, whose
+        clipped sum is built from its records."""
+        half = super().strips_in_module_grads(layer, inputs)
+        training = self.hooks_enabled and layer.training and torch.is_grad_enabled()
+        return half or (training and id(layer) in self._tied_layers)
+
     def _on_pass_start(self) -> None:
+        """A new forward pass: no layer is recorded in it yet, and a tied parameter's sum that an
+        earlier pass left incomplete (a forward without its backward) is not continued."""
         self._recorded_in_pass.clear()
         self._clear_queued = False
+        self._tied_uses.clear()
 
     def begin_head_use(self, layer: nn.Module, weight: nn.Parameter, bias: Optional[nn.Parameter]) -> bool:
-        """As the base, refusing an earlier use of the head in the pass (its record would
-        miss it) and a tied head (book-keeping does not support tied weights)."""
-        tied = super().begin_head_use(layer, weight, bias)
-        if any(p is not None and p.requires_grad and p._forward_counter > 1 for p in (weight, bias)):
+        """As the base, refusing an earlier use in the pass of a head parameter that is not tied
+        (its record would miss it); a tied weight's uses are summed (:meth:`_add_tied_use`)."""
+        super().begin_head_use(layer, weight, bias)
+        own = [p for p in (weight, bias) if p is not None and p.requires_grad and id(p) not in self._tied]
+        if any(p._forward_counter > 1 for p in own):
             raise head_used_twice_error(bookkeeping=True)
-        if tied:
-            raise tied_weights_error()
-        return False
+        return weight.requires_grad and id(weight) in self._tied
 
     def deliver_head(self, layer: nn.Module, values: Any) -> None:
-        """The chunked head's records of this pass (``values.records()``); a later use of the
-        head in the pass is refused (its record would miss it), and so is ``privacy_unit="user"``
-        (its records are per row)."""
+        """The chunked head's records of this pass (``values.records()``, per unit of the batch), a
+        tied weight's use joining its running sum; a later use of an untied head parameter in the
+        pass is refused (its record would miss it)."""
         self.expect_forward()
-        if not self.batch.units.one_row_each:
-            raise head_per_user_error()
-        params = values.params
-        if any(p._forward_counter != 1 for p in params) or layer in self._pending_uses:
+        own = [p for p in values.params if id(p) not in self._tied]
+        if any(p._forward_counter != 1 for p in own) or layer in self._pending_uses:
             raise head_used_twice_error(bookkeeping=True)
-        for p in params:
+        for p in values.params:
             count_uses(p, -1)
         for p, record in values.records().items():
             self.records.add(p, record)
+        if values.tied:
+            weight = layer.weight
+            self._add_tied_use(layer, weight, values.contributions["weight"], values.clipped[weight], values.rows)
 
     def _refuse_use_after_its_norm(self, module: nn.Module) -> None:
         """Refuse a replayed use of a layer whose record of this backward pass is complete (a
@@ -208,26 +234,48 @@ class BookkeepingMixin(PerExampleStore):
             batch_first=batch_first,
         )
         params = [p for _, p in trainable_parameters(module)]
-        uses = self._pending_uses.setdefault(module, [])
-        uses.append((activations[0], backprops))
         for param in params:
             count_uses(param, -1)
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
             del module.max_batch_len
+        if id(module) in self._tied_layers:  # each use projected, summed per parameter
+            rows = int(backprops.shape[0])
+            a, g = self.regrouped(module, activations[0], backprops)
+            for param, contribution in self.tied_projection(module)(module, [a], g, self.sketcher).items():
+                self._add_tied_use(module, param, contribution, _clipped_sum(module, param, a, g), rows)
+            return
+        uses = self._pending_uses.setdefault(module, [])
+        uses.append((activations[0], backprops))
         if any(param._forward_counter > 0 for param in params):
             return  # more uses of this layer in this pass are still to come
         a, g = concatenate_uses(module, self._pending_uses.pop(module))
         self._recorded_in_pass.add(module)
         rows = int(g.shape[0])  # a unit's rows as one sequence of all its tokens
-        a, g = regroup_uses(module, a, g, self.batch.units_of(rows))
+        a, g = self.regrouped(module, a, g)
         norms = RANDOMIZED_NORM_SAMPLERS[type(module)](module, [a], g, self.sketcher)
         for param, norm in norms.items():
             self.records.add(param, Record(norm.pow(2), _clipped_sum(module, param, a, g), rows))
+
+    def _add_tied_use(self, layer: nn.Module, param: nn.Parameter, contribution: torch.Tensor, clipped: Callable,
+                      rows: int) -> None:
+        """One use through ``layer`` of ``param`` (tied, or another parameter of a layer owning a tied
+        one): its per-unit projection ``contribution`` and clipped sum ``clipped(c, keep)``; at its
+        last use in the pass (its use count at 0), one record: the squared norm of the summed
+        projections and the sum of the uses' clipped sums."""
+        total, uses = self._tied_uses.pop(id(param), (None, []))
+        total = contribution if total is None else total + contribution
+        uses.append(clipped)
+        if param._forward_counter > 0:
+            self._tied_uses[id(param)] = (total, uses)
+            return
+        self._recorded_in_pass.update(self._tied.get(id(param), [layer]))
+        self.records.add(param, Record(total.flatten(start_dim=1).pow(2).sum(dim=1), functools.partial(_summed, uses), rows))
 
     def forget_per_example_values(self) -> None:
         """Drop what a refused step left: the layers' pending uses and the parameters'
         records (per-example values; they would reach ``torch.save(model)``)."""
         self._pending_uses.clear()
+        self._tied_uses.clear()
         self.records.clear()
 
 
@@ -248,6 +296,14 @@ def concatenate_uses(module: nn.Module, uses: List[Any]) -> Any:
     a = torch.cat([x.reshape(x.shape[0], math.prod(x.shape[1:])) if ids else as_sequence(x) for x, _ in uses], dim=1)
     g = torch.cat([as_sequence(y) for _, y in uses], dim=1)
     return a, g
+
+
+def _summed(uses: List[Callable], c: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The clipped sums of a tied parameter's uses, added: ``sum_l sum_i c_i grad_{l,i}``."""
+    total = uses[0](c, keep)
+    for clipped in uses[1:]:
+        total = total + clipped(c, keep)
+    return total
 
 
 def _clipped_sum(module: nn.Module, param: nn.Parameter, a: torch.Tensor, g: torch.Tensor):

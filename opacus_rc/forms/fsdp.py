@@ -50,6 +50,7 @@ from ..norm_samplers import TIED_PROJECTIONS, is_conv1d
 from ..optimizer import SketchedClippingMixin, clipped_grads
 from ..per_parameter import set_norm_sample
 from ..recompute import late_use_error
+from ..refusals import refusal
 from ..sketch import entropy_seed
 from ..values import FSDP_MODE
 
@@ -135,11 +136,8 @@ class FSDPSketchingMixin(SketchingMixin):
         layers = {self._get_module_type(m) for m in tied}
         unsupported = sorted(layer.__name__ for layer in layers if layer not in TIED_PROJECTIONS)
         if unsupported:
-            raise ValueError(
-                f"parameter tying through {', '.join(unsupported)} is not supported with "
-                f"grad_sample_mode='ghost_fsdp'; supported layers: "
-                f"{', '.join(c.__name__ for c in TIED_PROJECTIONS)}"
-            )
+            raise refusal("tied_layer", layer=", ".join(unsupported), form="grad_sample_mode='ghost_fsdp'",
+                          supported=", ".join(c.__name__ for c in TIED_PROJECTIONS))
         self._tied_modules = {id(m) for m in tied}
         # FSDP2 swaps parameter objects (a grouped module's forward hook may already see the
         # sharded one): tracked by name in each module, under the stable sharded identity

@@ -8,7 +8,9 @@ hands the loss a *boundary* tensor. When the user's backward reaches it with the
 gradient ``g``, the boundary runs the two passes of
 :class:`~opacus_rc.forms.two_pass.DPTensorRandomizedClipping` on the inner graph with the
 pseudo per-sample loss ``l_i = n <y_i, g_i>`` (``y`` the output, ``g`` detached, ``n`` the
-batch size): its mean has gradient ``g`` at ``y``, and ``sum_i c_i l_i`` has ``n c_i g_i``.
+batch size): its mean has gradient ``g`` at ``y``, and ``sum_i c_i l_i`` has ``n c_i g_i``. In a
+batch of packed rows the examples are its segments (:mod:`opacus_rc.packing`): ``l_s = S sum_{t in
+s} <y_t, g_t>`` over segment ``s``'s tokens, ``S`` the number of segments.
 A loss computed from anything but the boundary reaches the hooks outside the two passes:
 refused (:meth:`OutputPasses.check_inside`).
 """
@@ -21,7 +23,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..packing import segment_sums
 from ..recompute import forward_replay
+from ..refusals import refusal
 from .two_pass import DPTensorRandomizedClipping
 
 logger = logging.getLogger(__name__)
@@ -110,10 +114,17 @@ class OutputPasses:
         self._inside += 1
         try:
             with torch.enable_grad():  # autograd runs a Function's backward without grad mode
-                # <value_i, grad_i> per example, without a (B, T, V) product
-                pseudo = torch.einsum("bn,bn->b", value.flatten(1), grad.detach().flatten(1))
+                segments = self.module.batch.segments
+                if segments is None:  # <value_i, grad_i> per example, without a (B, T, V) product
+                    pseudo = torch.einsum("bn,bn->b", value.flatten(1), grad.detach().flatten(1))
+                else:  # per packed segment: its tokens' <value_t, grad_t>
+                    if value.dim() < 3 or value.shape[1] != segments.tokens:
+                        raise refusal("packed_rows_layer_input", layer=f"the output of {type(self.target).__name__}",
+                                      shape=tuple(value.shape), tokens=segments.tokens)
+                    tokens = torch.einsum("btv,btv->bt", value.flatten(2), grad.detach().flatten(2))
+                    pseudo = segment_sums(tokens, segments)
                 if self.loss_reduction == "mean":
-                    pseudo = pseudo * value.shape[0]
+                    pseudo = pseudo * pseudo.shape[0]
                 DPTensorRandomizedClipping(self.module, self.optimizer, pseudo, self.loss_reduction).backward()
         finally:
             self._inside -= 1

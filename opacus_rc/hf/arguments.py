@@ -156,12 +156,9 @@ class _PrivacyArgumentsMethods:
                 f"user_column={self.user_column!r} is invalid; privacy_unit='user' needs the name of the "
                 "train_dataset column holding each row's user (e.g. user_column='author')"
             )
-        refused = [(self.clipping != RANDOMIZED, f"clipping={self.clipping!r}", "clipping='randomized'"),
-                   (self.lm_head_block_size is not None, f"lm_head_block_size={self.lm_head_block_size!r}",
-                    "lm_head_block_size=None (the model's own logits)")]
-        for bad, what, accepted in refused:
-            if bad:
-                raise ValueError(f"privacy_unit='user' is not supported with {what}; accepted: {accepted}")
+        if self.clipping != RANDOMIZED:
+            raise ValueError(f"privacy_unit='user' is not supported with clipping={self.clipping!r}; accepted: "
+                             "clipping='randomized'")
 
     def _check_noise(self) -> None:
         """``noise`` and ``bands`` (what depends on the sample rate, ``bands * q <= 1``, is

@@ -28,6 +28,7 @@ from .arguments import PrivacyArguments
 from .banded import check_banded
 from .data import poisson_sampler_of
 from .losses import _base_model
+from .packing import check_packed_attention
 
 
 #: file of the privacy state in every checkpoint and saved model folder
@@ -159,11 +160,8 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
             "into one row (no per-row gradient). Accepted value: packing=False (one dataset row "
             "per example)"
         )
-    if getattr(trainer, "padding_free", False):
-        raise ValueError(
-            "padding_free=True is not supported: it flattens the batch into one row, so no "
-            "per-row gradient exists; accepted value: padding_free=False"
-        )
+    if getattr(trainer, "padding_free", False):  # TRL's: each packed sequence its own example
+        check_packed_attention(trainer.model)
     check_choice("loss_type", getattr(args, "loss_type", "nll"), ("nll",))
     if getattr(args, "activation_offloading", False):
         raise ValueError("activation_offloading=True is not supported; accepted values: False")

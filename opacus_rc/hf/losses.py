@@ -36,19 +36,22 @@ def per_example_sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> tor
     return F.cross_entropy(logits.float(), labels.reshape(-1), reduction="none")
 
 
-def model_inputs(model: nn.Module, inputs: Dict[str, Any]) -> Tuple[Dict[str, Any], torch.Tensor]:
+def model_inputs(model: nn.Module, inputs: Dict[str, Any], packed: bool = False) -> Tuple[Dict[str, Any], torch.Tensor]:
     """The forward arguments of a batch and its labels: per-row ``position_ids`` (when the
-    model takes them), ``use_cache=False``; padding-free batches and left padding without
-    position ids are refused (rows would interact)."""
+    model takes them), ``use_cache=False``; left padding without position ids is refused (rows
+    would interact), and so are padding-free fields (``cu_seq_lens_*``) in a batch whose examples
+    were not found in its rows (``packed``: :mod:`opacus_rc.hf.packing`)."""
     inputs = dict(inputs)
     labels = inputs.pop("labels", None)
     inputs.pop("num_items_in_batch", None)
     if labels is None:
         raise ValueError("the batch has no 'labels': override per_example_loss(model, inputs)")
-    if any(k.startswith("cu_seq_lens") for k in inputs):
+    if not packed and (any(k.startswith("cu_seq_lens") for k in inputs) or _restarts(inputs)):
         raise ValueError(
-            "padding-free batches (cu_seq_lens_*) merge rows: no per-row gradient; accepted values: "
-            "padding_free=False and packing=False"
+            "padding-free batches (cu_seq_lens_*, or position_ids restarting inside a row without an attention_mask: "
+            "several examples packed in one row) whose examples were not found in their rows (not from the private "
+            "Trainer's padding-free loader) would be clipped as one example; accepted values: TRL's "
+            "padding_free=True with private_trainer(SFTTrainer), or a collator of one example per row"
         )
     input_ids = inputs.get("input_ids")
     inner = _unwrap(model)
@@ -69,9 +72,13 @@ def model_inputs(model: nn.Module, inputs: Dict[str, Any]) -> Tuple[Dict[str, An
     return inputs, labels
 
 
-def row_losses(logits: torch.Tensor, labels: torch.Tensor, shift: Callable[[], bool]) -> torch.Tensor:
+def row_losses(logits: torch.Tensor, labels: torch.Tensor, shift: Callable[[], bool], segments: Any = None) -> torch.Tensor:
     """Per-row losses from the model's logits: token-level (``shift()``: causal language
-    modelling) or sequence-level."""
+    modelling) or sequence-level; per packed segment with ``segments`` (:mod:`opacus_rc.hf.packing`)."""
+    if segments is not None:
+        from .packing import packed_token_losses
+
+        return packed_token_losses(logits, labels, segments, shift=shift())
     if logits.dim() == 3 and labels.dim() == 2:
         return per_example_token_loss(logits, labels, shift=shift())
     if logits.dim() == 2:
@@ -83,10 +90,12 @@ def row_losses(logits: torch.Tensor, labels: torch.Tensor, shift: Callable[[], b
 
 
 def chunked_head_losses(model: nn.Module, inputs: Dict[str, Any], labels: torch.Tensor, *,
-                        block_size: int, shift: bool) -> torch.Tensor:
+                        block_size: int, shift: bool, segments: Any = None) -> torch.Tensor:
     """Per-row losses of a causal LM through :class:`~opacus_rc.lm_head.ChunkedLMHeadLoss`:
     the decoder's hidden states (``get_decoder()``; PEFT adapters included) and the LM head
-    ``block_size`` positions at a time, so the (T x V) logits are never materialised."""
+    ``block_size`` positions at a time, so the (T x V) logits are never materialised. With packed
+    ``segments``, per segment: the hidden states and labels split into one row each (a label
+    shifted within its segment only)."""
     from ..lm_head import ChunkedLMHeadLoss
 
     inner = _unwrap(model)
@@ -98,8 +107,23 @@ def chunked_head_losses(model: nn.Module, inputs: Dict[str, Any], labels: torch.
             f"embedding; {type(_base_model(inner)).__name__} has not; accepted values: None"
         )
     hidden = get_decoder()(**inputs).last_hidden_state
+    if segments is not None:
+        hidden, labels = segments.split(hidden), segments.split(labels, fill=-100)
     loss = ChunkedLMHeadLoss(head, block_size, shift_labels=shift, reduction="none")
     return loss(hidden, labels)
+
+
+def example_losses(model: nn.Module, inputs: Dict[str, Any], block_size: Optional[int], shift: Callable[[], bool],
+                   segments: Any = None) -> torch.Tensor:
+    """One loss per example of ``inputs`` (the private Trainer's ``per_example_loss``): per row, or
+    per sequence packed in a padding-free batch (``segments``); through the chunked LM head with a
+    ``block_size`` (:func:`chunked_head_losses`), else the model's logits (:func:`row_losses`)."""
+    inputs, labels = model_inputs(model, inputs, packed=segments is not None)
+    if block_size is not None:
+        return chunked_head_losses(model, inputs, labels, block_size=block_size, shift=shift(), segments=segments)
+    outputs = model(**inputs)
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+    return row_losses(logits, labels, shift, segments)
 
 
 def causal_lm(model: nn.Module) -> bool:
@@ -126,6 +150,15 @@ def _row_positions(input_ids: torch.Tensor, mask: Optional[torch.Tensor]) -> tor
     return (mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
+def _restarts(inputs: Dict[str, Any]) -> bool:
+    """Position ids that restart inside a row, with no attention mask: sequences packed in one row,
+    which the model keeps apart (transformers' packed-sequence detection)."""
+    pos, mask = inputs.get("position_ids"), inputs.get("attention_mask")
+    if mask is not None or not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[1] < 2:
+        return False
+    return bool((pos[:, 1:] != pos[:, :-1] + 1).any())
+
+
 def _left_padded(mask: torch.Tensor) -> bool:
     """Some row has a padded (0) position before a token (1)."""
     return bool(((mask[:, :-1] == 0) & (mask[:, 1:] != 0)).any())
@@ -144,5 +177,5 @@ def _base_model(model: nn.Module) -> nn.Module:
 
 __all__ = [
     "per_example_token_loss", "per_example_sequence_loss", "model_inputs", "row_losses", "causal_lm",
-    "chunked_head_losses",
+    "chunked_head_losses", "example_losses",
 ]

@@ -32,9 +32,10 @@ from .checks import (
     DP_STATE_NAME, check_arguments, check_checkpoint_functions, check_loader, check_records, check_setup,
     refuse_non_finite, replaceable_compute_loss, resumed_history, check_units, user_index_of,
 )
-from .data import is_empty_batch, one_row_batches, poisson_loader, poisson_sampler_of, take_units
+from .data import is_empty_batch, poisson_loader, poisson_sampler_of, take_units
 from .engine import budget_steps, epsilon, make_private, signal_same_draw
-from .losses import causal_lm, chunked_head_losses, model_inputs, row_losses
+from .losses import causal_lm, example_losses
+from .packing import PackedCollate, check_example_losses, physical_batches, take_segments
 
 
 class DPTrainerMixin:
@@ -61,6 +62,7 @@ class DPTrainerMixin:
         self._dp_resumed_history: Optional[list] = None
         self._dp_users: Optional[Tuple[Any, UserIndex]] = None  # (the dataset read, its users)
         self._dp_rate: Optional[float] = None  # the rate the accountant charges (set with the optimizer)
+        self._dp_segments = None  # the examples packed in the physical batch (padding_free), while it trains
         super().__init__(*args, **kwargs)
         check_setup(self, DPTrainerMixin)
         self.add_callback(DPCallback(self))
@@ -126,6 +128,7 @@ class DPTrainerMixin:
             dataset = self._remove_unused_columns(dataset, description="Training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="Training")
+        collator = PackedCollate(collator) if getattr(self, "padding_free", False) else collator  # TRL's
         self._dp_loader = poisson_loader(
             dataset, collator, sample_rate=self.privacy.charged_rate(self.sample_rate), bands=self.privacy.bands,
             micro_batches=self.args.gradient_accumulation_steps, steps=self.steps_per_epoch,
@@ -189,15 +192,10 @@ class DPTrainerMixin:
 
     # ---- training --------------------------------------------------------------------
     def per_example_loss(self, model: nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
-        """One loss per row of ``inputs`` (shape (B,)). Override for other tasks; every
-        trainable weight must be used through its module's forward (the hooks see it)."""
-        inputs, labels = model_inputs(model, inputs)
-        block = self.privacy.lm_head_block_size
-        if block is not None:
-            return chunked_head_losses(model, inputs, labels, block_size=block, shift=self._dp_shifts_labels())
-        outputs = model(**inputs)
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-        return row_losses(logits, labels, self._dp_shifts_labels)
+        """One loss per example of ``inputs`` (shape (B,)): per row, or per sequence packed in a
+        padding-free batch (``self._dp_segments``). Override for other tasks; every trainable weight
+        must be used through its module's forward (the hooks see it)."""
+        return example_losses(model, inputs, self.privacy.lm_head_block_size, self._dp_shifts_labels, self._dp_segments)
 
     def _dp_shifts_labels(self) -> bool:
         shifts = getattr(self, "_loss_shifts_labels", None)
@@ -226,14 +224,15 @@ class DPTrainerMixin:
         rows = 0
         skipping = self._dp_resumed_history is not None and not self.args.ignore_data_skip
         units = check_units(self.privacy, take_units(inputs), skipping)  # removed: they never reach the model
+        segments = take_segments(inputs)  # padding_free: the examples are the sequences packed in a row
         signal_draw_step(self, optimizer, inputs, skipping)  # banded noise: its step is the draw's number
         if not is_empty_batch(inputs):
             inputs = self._prepare_inputs(inputs)
             per_example = self._dp_form is not None and self._dp_form.one_example_per_backward
-            batches, units = one_row_batches(inputs, units) if per_example else ([inputs], units)
+            batches, units, self._dp_segments = physical_batches(inputs, units, segments, per_example)
             del inputs
             total = torch.zeros((), device=self.args.device)
-            parts = None if units is None else signalled_batches(units, per_example)
+            parts = None if units is None else signalled_batches(units, per_example, self._dp_segments)
             with self._dp_hooks.one_physical_batch() if per_example else contextlib.nullcontext():
                 for i, batch in enumerate(batches):  # the per-example form: one row, one backward pass each
                     if parts is not None:  # the users of the rows this backward pass holds, found by its tensors
@@ -244,6 +243,7 @@ class DPTrainerMixin:
                         losses.sum().backward()  # (the hooks run at "sum", the optimizer divides by B: engine.py)
                     total = total + losses.detach().sum()
             del batches
+            self._dp_segments = None  # (per_example_loss outside a step: the rows' own)
             if self.privacy.log_train_loss:
                 # the Trainer sums what the accumulation steps return and averages the ranks'
                 # sums: each returns its rows' share of the public batch size
@@ -265,8 +265,7 @@ class DPTrainerMixin:
         offload = getattr(self, "maybe_activation_offload_context", None) or contextlib.nullcontext()
         with self.compute_loss_context_manager(), offload:
             losses = self.per_example_loss(model, inputs)
-        if losses.dim() != 1:
-            raise ValueError(f"per_example_loss must return shape (B,); got {tuple(losses.shape)}")
+        check_example_losses(losses, self._dp_segments)
         return losses
 
     def _dp_check_refused_steps(self) -> None:

@@ -163,15 +163,19 @@ class _TiedLM(nn.Module):
         return self.head(self.emb(x)).mean(dim=1)
 
 
+@pytest.mark.parametrize("sketching", ["shared", "per_example"])
 @pytest.mark.parametrize("mode", ["bookkeeping", "hooks"])
-def test_tied_weights_are_refused_by_bookkeeping(mode):
-    """Book-keeping keeps one record per layer: a weight shared by two layers would be clipped
-    per use, not as one per-example gradient, so it is refused at make_private."""
+def test_tied_weights_equal_two_pass(mode, sketching):
+    """A weight shared by two layers has one record of its summed uses (each use's projection on
+    the weight's row sketch, as the two-pass form sums them; before: refused): the same sketches
+    (V = 11 rows > k = 4) give the two-pass update, 2 steps. Exact norms against brute force:
+    tests/forms/test_cells.py."""
+    torch.manual_seed(0)
     model = _TiedLM()
     x = torch.randint(0, 11, (8, 5))
-    with pytest.raises(ValueError, match="tied weights are not supported by book-keeping"):
-        PrivacyEngine(accountant="rc_prv").make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, 0]), batch_size=4),
-            noise_multiplier=1.0, max_grad_norm=1.0, clipping="randomized", grad_sample_mode=mode,
-        )
+    y = x[:, 0]
+    two_pass, _ = run(copy.deepcopy(model), "ghost", x, y, steps=2, sketching=sketching)
+    bookkept, _ = run(copy.deepcopy(model), mode, x, y, steps=2, sketching=sketching)
+    for k in two_pass:
+        torch.testing.assert_close(bookkept[k], two_pass[k], rtol=1e-4, atol=1e-6)
+    assert not torch.equal(two_pass["emb.weight"], model.emb.weight.detach())

@@ -177,11 +177,10 @@ def test_bad_input_names_the_parameter(options, message):
         )
 
 
-def test_chunked_head_per_user_in_the_per_example_form_refused_in_the_others():
+def test_chunked_head_per_user_in_the_per_example_form():
     """The per-example form runs the chunked head inside each row's backward pass: a user's
-    rows still sum into one gradient, clipped once (brute force over the plain loss); the head's
-    values in book-keeping and two passes are per row, so a user-level pass with it is refused
-    by name."""
+    rows still sum into one gradient, clipped once (brute force over the plain loss). Book-keeping
+    and the two-pass form: tests/forms/test_cells.py."""
     from opacus_rc.lm_head import ChunkedLMHeadLoss
 
     from tests.models import HeadModel
@@ -202,13 +201,6 @@ def test_chunked_head_per_user_in_the_per_example_form_refused_in_the_others():
                                      C, USERS_PER_STEP)
     for name, p in model.named_parameters():
         torch.testing.assert_close(before[name] - p.detach(), expected[name], atol=1e-6, rtol=0)
-
-    for form in ("bookkeeping", "two_pass"):
-        _, (module, optimizer, *_, loader) = private(HeadModel(), data, owners, **FORMS[form])
-        with pytest.raises(ValueError, match="chunked LM head is not supported in this form"):
-            for x, _, _ in loader:
-                if len(x):
-                    head_loss(module, x).backward()
 
 
 @pytest.mark.parametrize("form", ["bookkeeping", "two_pass"])

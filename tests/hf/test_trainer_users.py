@@ -257,7 +257,6 @@ def arguments(**kw):
     (dict(user_column="author"), r"user_column only apply with privacy_unit='user'"),
     (dict(max_examples_per_user=3), r"max_examples_per_user only apply with privacy_unit='user'"),
     (dict(privacy_unit="user", user_column="author", clipping="flat"), r"clipping='flat'"),
-    (dict(privacy_unit="user", user_column="author", lm_head_block_size=4), r"lm_head_block_size=4"),
 ])
 def test_bad_privacy_arguments_are_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
