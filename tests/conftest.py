@@ -44,6 +44,8 @@ SLOW_TESTS = (
     # the README's other blocks as pasted (docs); fast: the quickstart block runs and learns
     "test_every_other_block_runs_as_pasted_or_is_a_labelled_excerpt",
     "test_user_level_example_reports_epsilon_per_movie_and_both_accuracies",  # an example end to end
+    # fast: test_calibration_hits_the_target_total[flat] and the per-example search epsilon
+    "test_calibration_hits_the_target_total[per_example]",
 )
 #: parametrised sweeps: the cases that stay in the fast suite (each form, path and option
 #: value at least once); the other cases of the sweep run in the slow suite. A name here that
