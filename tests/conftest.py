@@ -49,6 +49,7 @@ SLOW_TESTS = (
     # fast: test_trainer_search_releases_the_best_trial_only (the Trainer's search); the plain
     # loop's test_release_trials_returns_every_trial_and_charges_their_composition
     "test_trainer_search_with_every_trial_released", "test_private_sft_trainer_search_with_a_model_init",
+    "test_private_search_example_quick_writes_its_json",  # an example end to end
 )
 #: parametrised sweeps: the cases that stay in the fast suite (each form, path and option
 #: value at least once); the other cases of the sweep run in the slow suite. A name here that

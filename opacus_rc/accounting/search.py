@@ -270,13 +270,15 @@ def _search_epsilon(mechanisms: Tuple[TrialMechanism, ...], count: TrialCount, d
     guess = 10.0
     for _ in range(20):
         tail_mass = min(0.5, paid * math.exp(-guess) / exposure)
+        if tail_mass < 1e-300:  # epsilon in the hundreds: no cap is small enough; report inf
+            break
         curve = trial_curve(mechanisms, orders, tail_mass)
         eps, order = rdp_epsilon(orders, repeat_and_select_rdp(orders, curve, count), delta - paid)
         trial = rdp_epsilon(orders, curve, delta - paid)[0]
         if eps <= guess:  # e^eps * tau <= paid: the cap's mass fits in its share of delta
             return SearchEpsilon(float(eps), delta, order, float(trial), math.exp(eps) * tail_mass * exposure)
         guess = eps + 1.0
-    return SearchEpsilon(math.inf, delta, order, math.inf, paid)  # pragma: no cover - eps grows without bound
+    return SearchEpsilon(math.inf, delta, math.inf, math.inf, paid)
 
 
 def search_noise_multiplier(

@@ -257,3 +257,10 @@ def test_refusals_name_the_parameter():
         TrialMechanism(1.0, 0.01, 10, StepRecord(bands=4))
     with pytest.raises(ValueError, match="target_epsilon=-1"):
         search_noise_multiplier(-1, 1e-5, TrialCount("poisson", 5), [TrialMechanism(1.0, 0.01, 10)])
+
+
+def test_an_epsilon_beyond_any_cap_is_infinite_not_an_error():
+    """At sigma 0.05 and q 0.5 no cap on Z leaves room in delta: epsilon is inf (calibration
+    then moves sigma up), not a failure."""
+    found = search_epsilon([TrialMechanism(0.05, 0.5, 1000, SHARED)], TrialCount("poisson", 5), 1e-5)
+    assert found.epsilon == math.inf
