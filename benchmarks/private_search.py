@@ -9,12 +9,20 @@ reported). Arms, each at target epsilon ``eps`` (delta 1e-5):
 * ``search``: ``opacus_rc.tuning.private_search``, Poisson number of trials of mean 5, learning
   rate log-uniform in [0.3, 100]; sigma calibrated so that the whole search spends ``eps``.
 * ``default``: one run at the range's geometric middle (5.5), sigma for one run at ``eps``.
+* ``blind``: one run at a learning rate chosen without the data, averaged over the grid's five
+  values (the grid's runs, each scored on the test split).
 * ``grid``: five runs (0.3, 1.3, 5.5, 23, 100), each at the one-run sigma, the best by validation
   accuracy; reported with one run's ``eps``, while the five runs compose to the ``true_epsilon``
   shown (``rc_prv`` over their histories).
 
     python -m benchmarks.private_search            # epsilon 8, seed 0 (a few minutes on 2 loaded cores)
     python -m benchmarks.private_search --full     # epsilon 3 and 8, seeds 0, 1, 2: docs/results/private_search.json
+    python -m benchmarks.private_search --accounting   # the accounting figures only (seconds)
+
+``--accounting`` prints, for sigma 1, q 0.01, 1,000 steps, delta 1e-5: one run's epsilon and a
+search's (each distribution, mean 5) next to dp_accounting's ``RepeatAndSelectDpEvent``, the
+largest relative gap over the test grid (shapes 0, 0.5, 1, Poisson; means 1 to 20; four base
+runs), and randomized clipping's search epsilon (RDP bound) next to one run's rc_prv epsilon.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ sys.path.insert(0, str(ROOT))  # the examples package
 from examples import one_thread_unless_set  # noqa: E402
 from examples.private_search import DELTA, LR_DEFAULT, LR_GRID, accuracy, search, sms_task, train  # noqa: E402
 
-ARMS = ("search", "default", "grid")
+ARMS = ("search", "default", "blind", "grid")
 MEAN_TRIALS = 5.0
 
 
@@ -78,13 +86,18 @@ def run_arms(task: Any, eps: float, seed: int, epochs: int, clipping: str, tick:
         learning_rate=LR_DEFAULT, trials_run=1, noise_multiplier=sigma, seconds=round(time.time() - start, 1)))
     tick()
     start = time.time()
-    best = None
+    best, tests = None, []
     for i, lr in enumerate(LR_GRID):
         model = train(task, PrivacyEngine(accountant="rc_prv"), lr=lr, noise_multiplier=sigma, epochs=epochs,
                       clipping=clipping, seed=1000 * seed + 600_000 + i)
         score = accuracy(model, task.x_val, task.y_val)
+        tests.append(accuracy(model, task.x_test, task.y_test))
         if best is None or score > best[0]:
             best = (score, lr, model)
+    rows.append(dict(arm="blind", epsilon=eps, seed=seed, reported_epsilon=eps, true_epsilon=rows[-1]["true_epsilon"],
+                     test_accuracy=statistics.mean(tests), grid_test_accuracies=tests, learning_rate=None,
+                     trials_run=1, noise_multiplier=sigma, seconds=0.0))
+    tick()
     rows.append(dict(arm="grid", epsilon=eps, seed=seed, reported_epsilon=eps,
                      true_epsilon=runs_epsilon(task, sigma, len(LR_GRID), epochs, clipping),
                      test_accuracy=accuracy(best[2], task.x_test, task.y_test), learning_rate=best[1],
@@ -115,7 +128,7 @@ def summarize(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 def markdown(summary: List[Dict[str, Any]], majority: float) -> str:
     names = {"search": "private search (Poisson, mean 5)", "default": "one run, default lr 5.5",
-             "grid": "best of a 5-value grid, unaccounted"}
+             "blind": "one run, lr chosen blind (mean over the grid)", "grid": "best of a 5-value grid, unaccounted"}
     lines = ["| target ε | arm | test accuracy (mean ± std) | ε reported | true ε | runs (mean) |",
              "|---|---|---|---|---|---|"]
     for r in summary:
@@ -123,6 +136,53 @@ def markdown(summary: List[Dict[str, Any]], majority: float) -> str:
                      f"{r['reported_epsilon']:.2f} | {r['true_epsilon']:.2f} | {r['trials']:.1f} |")
     lines.append(f"\nMajority class: {majority:.4f}.")
     return "\n".join(lines)
+
+
+def accounting_figures() -> Dict[str, Any]:
+    """The figures of ``--accounting`` (module docstring)."""
+    import itertools
+    import math
+
+    import dp_accounting
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+    from opacus_rc.accounting import RCPRVAccountant
+    from opacus_rc.accounting.records import StepRecord
+    from opacus_rc.accounting.search import TrialCount, TrialMechanism, search_epsilon
+
+    def reference(sigma: float, q: float, steps: int, mean: float, shape: float) -> float:
+        event = dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+        acc = rdp.RdpAccountant()
+        acc.compose(dp_accounting.dp_event.RepeatAndSelectDpEvent(event, mean, shape))
+        return acc.get_epsilon(DELTA)
+
+    names = {0.0: "logarithmic", 1.0: "geometric", math.inf: "poisson"}
+
+    def count(shape: float, mean: float) -> TrialCount:
+        return TrialCount(names[shape], mean) if shape in names else TrialCount("negative_binomial", mean, shape)
+
+    rows, gap = [], 0.0
+    for shape in (0.0, 0.5, 1.0, math.inf):
+        c = count(shape, 5)
+        ours = search_epsilon([TrialMechanism(1.0, 0.01, 1000)], c, DELTA).epsilon
+        rows.append(dict(distribution=c.distribution, shape=shape, ours=ours, dp_accounting=reference(1.0, 0.01, 1000, 5, shape)))
+    for (sigma, q, steps), shape, mean in itertools.product(
+            [(1.0, 0.01, 1000), (0.8, 0.005, 3000), (2.0, 0.1, 100), (1.2, 0.02, 250)], (0.0, 0.5, 1.0, math.inf),
+            (1, 2, 5, 10, 20)):
+        c = count(shape, mean)
+        ref = reference(sigma, q, steps, mean, shape)
+        gap = max(gap, abs(search_epsilon([TrialMechanism(sigma, q, steps)], c, DELTA).epsilon - ref) / ref)
+    one = search_epsilon([TrialMechanism(1.0, 0.01, 1000)], TrialCount("poisson", 5), DELTA)
+    randomized = []
+    for sketching in ("per_example", "shared"):
+        record = StepRecord("hutchinson", 32, sketching)
+        found = search_epsilon([TrialMechanism(1.0, 0.01, 1000, record)], TrialCount("poisson", 5), DELTA)
+        acc = RCPRVAccountant()
+        acc.history = [(1.0, 0.01, 1000, record)]
+        randomized.append(dict(sketching=sketching, search=found.epsilon, trial_rdp=found.trial_epsilon,
+                               trial_prv=float(acc.get_epsilon(DELTA))))
+    return dict(one_run=one.trial_epsilon, searches=rows, largest_relative_gap=gap, randomized=randomized)
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
@@ -134,7 +194,19 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--clipping", default="randomized", choices=("randomized", "flat"))
     p.add_argument("--json", default=None, help="write the rows and the table (--full: docs/results/private_search.json)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--accounting", action="store_true", help="print the accounting figures only")
     args = p.parse_args(argv)
+    if args.accounting:
+        figures = accounting_figures()
+        print(f"sigma 1, q 0.01, 1,000 steps, delta {DELTA:g}: one run {figures['one_run']:.4f} (RDP)")
+        for r in figures["searches"]:
+            print(f"  search, {r['distribution']} (shape {r['shape']:g}), mean 5: {r['ours']:.6f} "
+                  f"(dp_accounting {r['dp_accounting']:.6f})")
+        print(f"largest relative gap to dp_accounting over the grid: {figures['largest_relative_gap']:.1e}")
+        for r in figures["randomized"]:
+            print(f"  randomized clipping, k 32, {r['sketching']} sketch: search {r['search']:.4f}; one trial "
+                  f"{r['trial_rdp']:.4f} (RDP) / {r['trial_prv']:.4f} (rc_prv)")
+        return figures
     eps_list = [float(e) for e in (args.epsilons or ("3,8" if args.full else "8")).split(",")]
     seeds = range(args.seeds or (3 if args.full else 1))
     json_path = args.json or (str(ROOT / "docs" / "results" / "private_search.json") if args.full else None)

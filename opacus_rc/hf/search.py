@@ -258,6 +258,10 @@ def trainer_search(trainer: Any, hp_space: Any, compute_objective: Any, n_trials
         mechanism_of=mechanism_of, run_trial=run_trial, release_trials=release,
         draws=SecretDraws(privacy.secure_mode, kwargs.get("seed")),
     )
+    if result.result is not None:  # the released Trainer's logs said its trial's epsilon: the total replaces it
+        for entry in result.result.state.log_history:
+            if "epsilon" in entry:
+                entry["epsilon"] = result.epsilon
     return BestRun(run_id="best", objective=result.score, hyperparameters=result.params or {}, run_summary=result)
 
 

@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..accounting.accountant import RCPRVAccountant
@@ -234,6 +235,10 @@ def run_search(
     histories: List[Any] = []
     k = 0
     finished = False
+    # what the trials warned and raised, each kind once and without counts (a line per trial
+    # would tell the number of trials)
+    notes: Dict[Tuple[type, str], None] = {}
+    failures: Dict[str, None] = {}
     if state is not None:
         k, finished = state.started, state.finished
         if state.best is not None:
@@ -262,16 +267,21 @@ def run_search(
             state.started = k
             state.write(draws)
         accountant = TrialAccountant(mechanism)
+        caught: List[Any] = []
         try:
-            outcome = run_trial(params, config, accountant, k)
+            with warnings.catch_warnings(record=True) as caught:  # shown once each after the search
+                warnings.simplefilter("always")
+                outcome = run_trial(params, config, accountant, k)
         except TrialRefused:
             raise
         except Exception as e:  # a trial that raises counts as run; nothing of it is released
-            logger.warning("a trial raised %s: it counts as run, nothing of it is released", type(e).__name__)
+            failures.setdefault(type(e).__name__, None)
             outcome = None
         finally:
             accountant.close()
             histories.extend(accountant.history)
+            for w in caught:
+                notes.setdefault((w.category, str(w.message)), None)
         if outcome is None:
             continue
         outcome.accountant = accountant
@@ -288,6 +298,10 @@ def run_search(
                 state.best = {"score": score, "params": params, "config": config,
                               "history": [list(RCPRVAccountant.stored(e)) for e in accountant.history]}
                 state.write(draws)
+    for category, message in notes:
+        warnings.warn(message, category)
+    if failures:
+        logger.warning("trials raised %s: each counts as run, nothing of it is released", ", ".join(failures))
     accounted = search_epsilon(mechanisms, count, delta)
     if release_trials:
         composed = RCPRVAccountant()

@@ -68,6 +68,8 @@ def test_trainer_search_releases_the_best_trial_only(tmp_path):
     assert result.epsilon == search_epsilon([TrialMechanism(sigma, q, 2, StepRecord("hutchinson", 32, "per_example"))],
                                             TrialCount("geometric", 2), 1e-5).epsilon
     assert events.seen == [] and os.listdir(tmp_path / "out") == []
+    logged = [e["epsilon"] for e in result.result.state.log_history if "epsilon" in e]
+    assert logged and set(logged) == {result.epsilon}  # the released Trainer's logs say the total
     assert trainer.privacy_engine is None  # the caller's Trainer is untouched
 
 

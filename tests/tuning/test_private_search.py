@@ -82,6 +82,25 @@ def test_a_trial_that_raises_counts_as_run_and_is_never_released():
     assert result.score == max(c["lr"] for c in calls if c["lr"] != 1.0)
 
 
+def test_what_trials_warn_or_raise_is_told_once_without_a_count(caplog):
+    """A line per trial would tell K: each warning is shown once after the search, and the
+    kinds of exceptions trials raised are logged once, without a number."""
+    calls = []
+
+    def trial(config, engine):
+        warnings.warn("a note from every trial")
+        return charging_trial(calls, fail=lambda c: c["lr"] == 1.0)(config, engine)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        result = private_search(trial, SPACE, seed=5, **{**BASE, "n_trials": 10})
+    assert result.trials_run >= 2 and any(c["lr"] == 1.0 for c in calls)
+    assert [str(w.message) for w in seen].count("a note from every trial") == 1
+    raised = [r for r in caplog.records if "trials raised" in r.getMessage()]
+    assert len(raised) == 1 and "RuntimeError" in raised[0].getMessage()
+    assert not any(ch.isdigit() for ch in raised[0].getMessage())
+
+
 def test_a_poisson_search_may_run_no_trial():
     """P(K = 0) = e^-1 at mean 1: the first seed that draws no trial releases nothing and still
     reports the search's epsilon."""
