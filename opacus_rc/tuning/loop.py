@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..accounting.accountant import RCPRVAccountant
 from ..accounting.search import TrialCount, TrialMechanism, search_epsilon

@@ -274,3 +274,20 @@ def test_refusals_name_the_parameter(tmp_path):
     with pytest.raises(TrialRefused, match="trial_fn returned float"):
         private_search(lambda c, e: 1.0, SPACE, seed=0, **BASE)
     assert math.isfinite(private_search(trial, SPACE, backend="random", seed=0, **BASE).epsilon)
+
+
+def test_a_secure_search_draws_from_the_csprng(tmp_path):
+    """secure_mode=True: the draws come from the CSPRNG (no seed accepted), the trials' engines are
+    secure, and a saved state keeps no generator."""
+    import json
+
+    engines = []
+
+    def trial(config, engine):
+        engines.append(engine.secure_mode)
+        return charging_trial([])(config, engine)
+
+    path = tmp_path / "secure.json"
+    result = private_search(trial, SPACE, secure_mode=True, state_path=str(path), **BASE)
+    assert result.trials_run == len(engines) >= 1 and all(engines)
+    assert json.loads(path.read_text())["generator"] is None
