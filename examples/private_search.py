@@ -14,7 +14,8 @@ validation accuracy; sigma is calibrated so that the **whole search** spends ``-
 delta 1e-5 (docs/tuning.md).
 
     python examples/private_search.py                  # epsilon 3, mean 5 trials, 4 epochs a trial
-    python examples/private_search.py --quick          # mean 3 trials, 1 epoch a trial (under a minute)
+    python examples/private_search.py --quick          # mean 3 trials, 1 epoch a trial (under a minute;
+                                                       # a smoke run: its model may stay at the majority class)
     python examples/private_search.py --quick --json out/private_search.json --seed 1
 
 ``--json`` writes ``epsilon``, ``delta``, ``noise_multiplier``, ``sample_rate``, ``steps``,
