@@ -44,6 +44,12 @@ SLOW_TESTS = (
     # the README's other blocks as pasted (docs); fast: the quickstart block runs and learns
     "test_every_other_block_runs_as_pasted_or_is_a_labelled_excerpt",
     "test_user_level_example_reports_epsilon_per_movie_and_both_accuracies",  # an example end to end
+    # fast: test_calibration_hits_the_target_total[flat] and the per-example search epsilon
+    "test_calibration_hits_the_target_total[per_example]",
+    # fast: test_trainer_search_releases_the_best_trial_only (the Trainer's search); the plain
+    # loop's test_release_trials_returns_every_trial_and_charges_their_composition
+    "test_trainer_search_with_every_trial_released", "test_private_sft_trainer_search_with_a_model_init",
+    "test_private_search_example_quick_writes_its_json",  # an example end to end
 )
 #: parametrised sweeps: the cases that stay in the fast suite (each form, path and option
 #: value at least once); the other cases of the sweep run in the slow suite. A name here that

@@ -76,3 +76,23 @@ def test_user_level_example_reports_epsilon_per_movie_and_both_accuracies():
     for accuracy, epsilon in reports:
         assert 0.0 < float(accuracy) <= 1.0 and 3.9 <= float(epsilon) <= 4.0, out.stdout
     assert re.search(r"non-private reference +accuracy \d\.\d+", out.stdout), out.stdout
+
+
+def test_private_search_example_quick_writes_its_json(tmp_path):
+    """examples/private_search.py --quick --json: the whole search's epsilon meets the target
+    (3 at delta 1e-5, within rc_prv's calibration tolerance 0.01), every field the issue names
+    is written, and the released model is above the majority class or nothing ran (K = 0)."""
+    import json
+
+    path = tmp_path / "search.json"
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "private_search.py"), "--quick", "--json", str(path),
+                          "--seed", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(path.read_text())
+    for key in ("epsilon", "delta", "noise_multiplier", "sample_rate", "steps", "distribution", "mean_trials",
+                "trials_run", "clipping", "seed"):
+        assert key in report, key
+    assert 2.99 <= report["epsilon"] <= 3.0 and report["delta"] == 1e-5 and report["distribution"] == "poisson"
+    assert report["mean_trials"] == 3 and report["clipping"] == "randomized" and report["seed"] == 1
+    assert report["trials_run"] == 0 or report["test_accuracy"] >= report["majority_accuracy"]
+    assert "epsilon 2.99" in out.stdout or "epsilon 3.00" in out.stdout

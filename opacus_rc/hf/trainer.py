@@ -36,11 +36,12 @@ from .data import is_empty_batch, poisson_loader, poisson_sampler_of, take_units
 from .engine import budget_steps, epsilon, make_private, signal_same_draw
 from .losses import causal_lm, example_losses
 from .packing import PackedCollate, check_example_losses, physical_batches, take_segments
+from .search import SearchMixin
 
 
-class DPTrainerMixin:
-    """The private part of :class:`DPTrainer`; put it first in the bases of a Trainer
-    subclass (:func:`private_trainer` does)."""
+class DPTrainerMixin(SearchMixin):
+    """The private part of :class:`DPTrainer` (``hyperparameter_search``: :mod:`.search`); put it
+    first in the bases of a Trainer subclass (:func:`private_trainer` does)."""
 
     #: compute_loss implementations the mixin knows to replace in training (they reduce the
     #: batch with num_items_in_batch; per-example losses replace them)
@@ -176,8 +177,7 @@ class DPTrainerMixin:
         return None if self._dp_engine is None else self._dp_engine.accountant
 
     def _dp_history(self) -> list:
-        acc = self.accountant
-        return acc.history if acc is not None else (self._dp_resumed_history or [])
+        return self.accountant.history if self.accountant is not None else (self._dp_resumed_history or [])
 
     def privacy_steps(self) -> int:
         """Logical steps charged so far (resumed history included)."""
