@@ -55,6 +55,12 @@ SLOW_TESTS = (
 #: value at least once); the other cases of the sweep run in the slow suite. A name here that
 #: matches no collected case is an error (tests/conftest.py checks it at collection).
 FAST_CASES = {
+    # the compatibility matrix's one-process cells: each form, unit, noise and entry once (issue 53)
+    "test_one_process_cell_equals_brute_force": (
+        "plain-two_pass-user-banded", "plain-bookkeeping-example-independent", "plain-output_passes-user-independent",
+        "plain-per_example-example-banded", "bmm-bookkeeping_with_criterion-user-banded", "bmm-per_example-user-independent",
+        "bmm-two_pass-example-independent", "bmm-output_passes-example-banded",
+    ),
     # 1,029 aligned rows twice per case: the 4.4 C case before the fix stays fast (issue 52)
     "test_under_a_mean_loss_one_row_moves_the_sum_by_one_contribution": ("two_pass-autocast_bf16",),
     "test_padding_free_equals_brute_force_over_the_unpacked_sequences": (

@@ -96,3 +96,9 @@ def test_private_search_example_quick_writes_its_json(tmp_path):
     assert report["mean_trials"] == 3 and report["clipping"] == "randomized" and report["seed"] == 1
     assert report["trials_run"] == 0 or report["test_accuracy"] >= report["majority_accuracy"]
     assert "epsilon 2.99" in out.stdout or "epsilon 3.00" in out.stdout
+
+
+def test_readme_stays_short():
+    """The README is an entry point (two commands, a complete script, one paragraph a feature);
+    detail lives in docs/: at most 300 lines (issue 53)."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
