@@ -17,8 +17,8 @@ from transformers import default_data_collator
 from opacus_rc.accounting.accountant import RCPRVAccountant
 from opacus_rc.correlated import banded_sqrt_coefficients, max_column_norm
 from opacus_rc.hf import DPTrainer, PrivacyArguments, is_empty_batch, private_trainer
-from opacus_rc.hf.banded import check_draw_step
-from opacus_rc.correlated import BandedNoise
+from opacus_rc.hf.noise import check_draw_step
+from opacus_rc.noises.banded import BandedNoise
 from opacus_rc.hf.data import PoissonAccumulationSampler, poisson_sampler_of
 from opacus_rc.units import UserIndex
 
