@@ -276,3 +276,197 @@ def test_private_sft_trainer_with_banded_noise(tmp_path):
     assert trainer._dp_optimizer.banded.released == [(t, t) for t in range(3)]
     assert trainer.accountant.history == [(SIGMA, 0.5, 3, expected_record(trainer, 3))]
     assert trainer.state.log_history[-1]["epsilon"] == pytest.approx(trainer.get_epsilon())
+
+
+# ------------------------------------------------------------------- two processes (gloo)
+
+#: the two-process runs: C (the clip; exact norms at T <= 16 <= k = 32), the per-device batch and
+#: accumulation (B = 2 x 2 x 2 ranks = 8), q = 1/6 and b = 3 (charged at 3 q = 1/2 inside a part)
+DDP_C, DDP_BANDS, DDP_Q = 0.05, 3, 1 / 6
+
+
+def ddp_recording(trainer_class):
+    """The trainer class recording, on its rank: each physical batch (its tensors and its draw's
+    number, before the Trainer takes the number off), each logical draw the sampler makes (its
+    number and dataset rows), each release (``p.grad`` when the wrapped optimizer updates, after
+    the ranks' all-reduce) and each ``z`` the optimizer draws (rank 0 only: the others add none)."""
+
+    class DDPRecording(trainer_class):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.batches = getattr(self, "batches", [])
+            tensors = None if is_empty_batch(inputs) else {k: v.clone() for k, v in inputs.items()
+                                                           if isinstance(v, torch.Tensor)}
+            self.batches.append((inputs.get(_DRAW), tensors))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+        def get_train_dataloader(self):
+            loader = super().get_train_dataloader()
+            sampler, self.drawn = poisson_sampler_of(loader), []
+            draws = sampler.numbered_draws
+            sampler.numbered_draws = lambda: (self.drawn.append(d) or d for d in draws())
+            return loader
+
+        def create_optimizer(self, model=None):
+            optimizer = super().create_optimizer(model)
+            if not hasattr(self, "releases"):
+                self.releases, self.z = [], []
+                names = {id(p): n for n, p in self.model.named_parameters()}
+                self.slot_names = [names[id(p)] for p in optimizer.params]
+                optimizer.original_optimizer.register_step_pre_hook(
+                    lambda *_: self.releases.append([p.grad.detach().clone() for p in optimizer.params]))
+                draw = optimizer._noise
+                optimizer._noise = lambda std, reference: (lambda z: self.z.append(z.clone()) or z)(draw(std, reference))
+            return optimizer
+
+    return DDPRecording
+
+
+def ddp_banded_run(out, kind: str, max_steps: int, resume=None) -> dict:
+    """One rank's banded run (``kind``: ``"trainer"``, DPTrainer on RowDataset; ``"sft"``, TRL's
+    SFTTrainer made private, float32 without checkpointing) at learning rate 0, sigma = 1, a
+    checkpoint every 2 steps; ``resume``: a checkpoint every rank resumes from. What it recorded."""
+    import os
+
+    model = tiny_llama(seed=int(os.environ["RANK"]))  # different on purpose: DPDDP broadcasts rank 0's
+    privacy = banded(DDP_BANDS, sample_rate=DDP_Q, max_grad_norm=DDP_C, sketch_size=32)
+    common = dict(model=model, optimizers=(torch.optim.SGD(model.parameters(), lr=0.0), None), privacy=privacy)
+    schedule = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=max_steps,
+                    save_strategy="steps", save_steps=2, logging_steps=1, ignore_data_skip=True)
+    if kind == "trainer":
+        trainer = ddp_recording(DPTrainer)(args=training_args(out, **schedule), train_dataset=RowDataset(), **common)
+    else:
+        import trl
+
+        config = trl.SFTConfig(output_dir=str(out / "out"), report_to=[], use_cpu=True, disable_tqdm=True, bf16=False,
+                               gradient_checkpointing=False, lr_scheduler_type="constant", **schedule)
+        trainer = ddp_recording(private_trainer(trl.SFTTrainer))(
+            args=config, train_dataset=sft_dataset(), processing_class=char_tokenizer(), **common)
+    trainer.train(resume_from_checkpoint=resume)
+    optimizer, sampler = trainer._dp_optimizer, cyclic_sampler(trainer)
+    return {
+        "batches": trainer.batches, "drawn": trainer.drawn[:len(trainer.batches)], "releases": trainer.releases, "z": trainer.z,
+        "slot_names": trainer.slot_names, "history": trainer.accountant.history, "epsilon": trainer.get_epsilon(),
+        "secret": sampler._secret, "run_id": optimizer.banded.run_id, "run_start": optimizer.banded.run_start,
+        "holder": optimizer.banded.holder, "optimizer": type(optimizer).__name__, "sigma": trainer._dp_sigma,
+        "share": (sampler.rank, sampler.world_size), "expected_batch_size": trainer.expected_batch_size,
+        "record": trainer.privacy.step_record(2),
+    }
+
+
+def ddp_shifted_draws(out) -> dict:
+    """One rank's DPTrainer whose sampler, on rank 1, numbers its draws one ahead (as if its loader
+    had been iterated once more): the first release is refused on both ranks (no rank waits in a
+    collective), nothing charged."""
+    import os
+
+    rank = int(os.environ["RANK"])
+
+    class Shifted(DPTrainer):
+        def _dp_on_train_begin(self):
+            super()._dp_on_train_begin()
+            if rank == 1:
+                cyclic_sampler(self).next_draw += 1
+
+    model = tiny_llama(seed=0)
+    trainer = Shifted(model=model, args=training_args(out, per_device_train_batch_size=2, max_steps=2),
+                      train_dataset=RowDataset(), privacy=banded(DDP_BANDS, sample_rate=DDP_Q))
+    try:
+        trainer.train()
+        raised = ""
+    except ValueError as error:
+        raised = str(error)
+    return {"raised": raised, "history": trainer.accountant.history}
+
+
+def ddp_row_loss(model, row):
+    """A collated row's per-row loss computed alone: its tokens up to its padding (right padding),
+    positions from 0, the mean over its supervised tokens."""
+    from opacus_rc.hf import per_example_token_loss
+
+    n = int(row["attention_mask"].sum()) if "attention_mask" in row else row["input_ids"].shape[0]
+    ids, labels = row["input_ids"][None, :n], row["labels"][None, :n]
+    logits = model(input_ids=ids, position_ids=torch.arange(n)[None], use_cache=False).logits
+    return per_example_token_loss(logits, labels, shift=True).mean()
+
+
+def check_ddp_banded(ranks, start: int, steps: int, kind: str) -> None:
+    """Both ranks number the draws ``start .. start + steps - 1`` alike and draw them from part
+    ``t mod b`` of one partition (rank 0's secret), their rows disjoint; rank 0 alone adds noise;
+    every release, on both ranks, is brute-force clipping of the union of the ranks' rows of the
+    draw over B plus ``(C^-1 z)_t / B`` of rank 0's ``z`` from the run's first step (a resumed run
+    restarts the recursion: ``C`` from its start), ``C`` built here; the histories agree."""
+    from tests.forms.test_banded import band_matrix
+    from tests.oracles import per_example_clipped_mean
+
+    first, second = ranks
+    assert first["history"] == second["history"] and first["epsilon"] == second["epsilon"]
+    assert first["secret"] == second["secret"] and first["run_id"] == second["run_id"]
+    assert (first["run_start"], first["share"], second["share"]) == (start, (0, 2), (1, 2))
+    assert first["optimizer"].startswith("Distributed") and (first["holder"], second["holder"]) == ("full", None)
+    assert second["z"] == [] and len(first["z"]) == steps * len(first["slot_names"])
+    for r in ranks:
+        assert [d for d, _ in r["batches"]] == [t for t in range(start, start + steps) for _ in range(2)]
+        assert [d for d, _ in r["drawn"]] == [d for d, _ in r["batches"]]
+        assert all(cyclic_part(first["secret"], row, DDP_BANDS) == t % DDP_BANDS for t, rows in r["drawn"] for row in rows)
+    assert not {row for _, rows in first["drawn"] for row in rows} & {row for _, rows in second["drawn"] for row in rows}
+    both = [t for t in range(steps) if all(any(rows for _, rows in r["drawn"][2 * t:2 * t + 2]) for r in ranks)]
+    assert both, "no draw with rows on both ranks: pick another schedule"
+    if kind == "trainer":  # the rows trained on are the rows drawn
+        data = RowDataset()
+        for r in ranks:
+            for (_, rows), (_, batch) in zip(r["drawn"], r["batches"]):
+                assert rows == [] if batch is None else torch.equal(batch["input_ids"], data.ids[rows])
+    reference = tiny_llama(seed=0)  # rank 0's weights: DPDDP broadcast them, learning rate 0 kept them
+    names, slots = first["slot_names"], len(first["slot_names"])
+    z = [[first["z"][t * slots + s] for s in range(slots)] for t in range(steps)]
+    w = [torch.linalg.solve_triangular(band_matrix(DDP_BANDS, steps), torch.stack([zt[s].double().flatten() for zt in z]),
+                                       upper=False) for s in range(slots)]
+    normaliser = first["expected_batch_size"]
+    assert normaliser == 8
+    for t in range(steps):
+        rows = [{k: v[i] for k, v in batch.items()} for r in ranks for _, batch in r["batches"][2 * t:2 * t + 2]
+                if batch is not None for i in range(batch["input_ids"].shape[0])]
+        index = torch.arange(len(rows))  # the oracle takes tensors: row i is index i
+        want = per_example_clipped_mean(reference, lambda m, i, _: ddp_row_loss(m, rows[int(i)]), index, index,
+                                        DDP_C, normaliser)
+        for r in ranks:
+            for s, name in enumerate(names):
+                torch.testing.assert_close(
+                    r["releases"][t][s].double().flatten(), want[name].double().flatten() + w[s][t] / normaliser,
+                    atol=1e-6, rtol=0, msg=lambda m: f"draw {start + t}, {name}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["trainer", "sft"])
+def test_two_gloo_ranks_banded_release_is_the_union_of_the_ranks_draws_and_resumes(tmp_path, kind):
+    """torchrun --nproc_per_node 2 (DPTrainer, and TRL's SFTTrainer made private), b = 3,
+    sigma = 1, two steps, then a resume from the checkpoint on every rank to four: every rank uses
+    rank 0's partition and run and the same draw numbers; rank 0 alone adds the noise; each release
+    is brute force on the union of the ranks' draws plus the banded noise replayed from rank 0's
+    ``z`` (:func:`check_ddp_banded`); the resumed run continues the numbering (draws 2 and 3) in a
+    new run, charged apart: the history and epsilon are those of one process,
+    ``[(sigma, 3 q, 2, run 1), (sigma, 3 q, 2, run 2)]``, ceil(2/3) + ceil(2/3) rounds."""
+    from .test_trainer import run_two_ranks
+
+    ranks = run_two_ranks(tmp_path, SIGMA, f"banded_{kind}")
+    check_ddp_banded([r["first"] for r in ranks], 0, 2, kind)
+    check_ddp_banded([r["resumed"] for r in ranks], 2, 2, kind)
+    first, resumed = ranks[0]["first"], ranks[0]["resumed"]
+    assert resumed["run_id"] != first["run_id"]
+    records = [dataclasses.replace(first["record"], noise_run=run) for run in (first["run_id"], resumed["run_id"])]
+    assert first["history"] == [(SIGMA, DDP_BANDS * DDP_Q, 2, records[0])]
+    assert resumed["history"] == [(SIGMA, DDP_BANDS * DDP_Q, 2, records[0]), (SIGMA, DDP_BANDS * DDP_Q, 2, records[1])]
+    probe = RCPRVAccountant()  # one process's charge: one round in each run
+    probe.history = [(SIGMA / records[0].column_norm, DDP_BANDS * DDP_Q, 2, resumed["history"][0][3].reduced(1, 1)[2])]
+    assert resumed["epsilon"] == pytest.approx(probe.get_epsilon(delta=DELTA), rel=1e-9)
+
+
+def test_two_gloo_ranks_releasing_different_draws_are_refused_on_both(tmp_path):
+    """Rank 1's sampler one draw ahead of rank 0's (:func:`ddp_shifted_draws`): the release would
+    add rank 0's noise of draw 0 to a union of draws 0 and 1 (a unit's draws would no longer be b
+    apart): refused by name on both ranks at the first release, nothing charged."""
+    from .test_trainer import run_two_ranks
+
+    ranks = run_two_ranks(tmp_path, SIGMA, "banded_shifted")
+    for r in ranks:
+        assert "noise='banded' under torch.distributed: the ranks release draws 0 to 1" in r["raised"], r["raised"]
+        assert r["history"] == []
