@@ -281,8 +281,10 @@ def test_private_sft_trainer_with_banded_noise(tmp_path):
 # ------------------------------------------------------------------- two processes (gloo)
 
 #: the two-process runs: C (the clip; exact norms at T <= 16 <= k = 32), the per-device batch and
-#: accumulation (B = 2 x 2 x 2 ranks = 8), q = 1/6 and b = 3 (charged at 3 q = 1/2 inside a part)
-DDP_C, DDP_BANDS, DDP_Q = 0.05, 3, 1 / 6
+#: accumulation (B = 2 x 2 x 2 ranks = 8 = q N), q = 1/3 and b = 3: the rate inside a part is 1, every
+#: unit of the part is drawn (each rank's share of a draw is then empty only for a part of <= 1 unit,
+#: whatever the secret partition; the test needs a draw with rows on both ranks)
+DDP_C, DDP_BANDS, DDP_Q = 0.05, 3, 1 / 3
 
 
 def ddp_recording(trainer_class):
@@ -444,7 +446,8 @@ def test_two_gloo_ranks_banded_release_is_the_union_of_the_ranks_draws_and_resum
     is brute force on the union of the ranks' draws plus the banded noise replayed from rank 0's
     ``z`` (:func:`check_ddp_banded`); the resumed run continues the numbering (draws 2 and 3) in a
     new run, charged apart: the history and epsilon are those of one process,
-    ``[(sigma, 3 q, 2, run 1), (sigma, 3 q, 2, run 2)]``, ceil(2/3) + ceil(2/3) rounds."""
+    ``[(sigma, 3 q, 2, run 1), (sigma, 3 q, 2, run 2)]``, ceil(2/3) + ceil(2/3) rounds.
+    (A draw at the rate 3 q = 1 inside a part: the brute force needs rows on both ranks.)"""
     from .test_trainer import run_two_ranks
 
     ranks = run_two_ranks(tmp_path, SIGMA, f"banded_{kind}")
