@@ -1,10 +1,11 @@
 """Checkpoints without secrets.
 
 The sketch generators' states and seed, the noise generators' states and seed, the Poisson
-generator's state, and a noise mechanism's secret state (banded noise: the kept noise vectors)
-and the cyclic sampler's secret partition of the units are secrets: with them, a reader of a checkpoint regenerates the noise of every
-step (no privacy left), the batches and the per-example sketches (the hidden-Z analysis is
-void), or recovers the last clipped sums from two consecutive models. By default
+generator's state, a noise mechanism's secret state (banded noise: the kept noise vectors) and
+the cyclic sampler's secret partition of the units are secrets: with them, a reader of a
+checkpoint regenerates the noise of every step (no privacy left), the batches and the
+per-example sketches (the hidden-Z analysis is void), or recovers the last clipped sums from
+two consecutive models. By default
 ``PrivacyEngine.save_checkpoint`` stores none of them (the wrapped optimizer's state, the
 module and the accountant's history only), and a resumed run draws fresh randomness and
 reports the same epsilon. ``include_rng_state=True`` adds them for a bit-exact resume: such
@@ -29,7 +30,7 @@ RNG_STATE_KEY = "opacus_rc_rng_state"
 
 #: where ``make_private`` leaves the Poisson loader's generator on the engine
 POISSON_GENERATOR_ATTR = "_opacus_rc_poisson_generator"
-#: where ``make_private`` leaves the cyclic Poisson sampler (its partition) of a numbered noise mechanism on the engine
+#: where ``make_private`` leaves the cyclic Poisson sampler (its partition) of a numbered noise on the engine
 CYCLIC_SAMPLER_ATTR = "_opacus_rc_cyclic_sampler"
 
 #: the Poisson generators a restarted script seeds again (:func:`reproducible`)

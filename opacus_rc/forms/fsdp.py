@@ -371,7 +371,8 @@ class FSDPRandomizedClippingOptimizer(SketchedClippingMixin, FSDPOptimizerFastGr
     def noise_sums(self) -> None:
         """Noise ``N(0, (sigma C / world)^2)`` (mean loss) on this rank's shard of every
         parameter (a mechanism with state, e.g. banded noise: each rank steps it on its shard,
-        its buffers sharded like the parameters); Opacus's FSDP optimizer calls this under ``implicit_replication``."""
+        its buffers sharded like the parameters); Opacus's FSDP optimizer calls this under
+        ``implicit_replication``."""
         std = self.noise_multiplier * self.max_grad_norm
         if self.loss_reduction == "mean":
             std /= self.world_size
@@ -389,8 +390,8 @@ class FSDPRandomizedClippingOptimizer(SketchedClippingMixin, FSDPOptimizerFastGr
     def _noise(self, std: float, reference: torch.Tensor) -> torch.Tensor:
         """N(0, std^2) like ``reference``. For a DTensor outside secure mode: Opacus's full-shape
         draw, sliced to this rank's shard (a DTensor with the reference's placements; the slice
-        is local, no collective), so that a mechanism's state (banded noise's kept vectors) is sharded like the
-        parameters, not a full copy of each parameter per kept step on every rank."""
+        is local, no collective), so that a mechanism's state (banded noise's kept vectors) is
+        sharded like the parameters, not a full copy of each parameter per kept step on every rank."""
         noise = super()._noise(std, reference)
         if self.secure_mode or not isinstance(reference, DTensor) or isinstance(noise, DTensor):
             return noise

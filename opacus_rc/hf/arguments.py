@@ -175,7 +175,8 @@ class _PrivacyArgumentsMethods:
             )
 
     def noise_spec(self) -> NoiseSpec:
-        """The noise mechanism's spec (``noise`` and its keywords, parsed: :func:`~opacus_rc.options.noise_of`)."""
+        """The noise mechanism's spec (``noise`` and its keywords, parsed:
+        :func:`~opacus_rc.options.noise_of`)."""
         return noise_of(self.options(), "the logical steps of an epoch (int(1 / sample_rate))")
 
     def noise_options(self) -> Dict[str, Any]:
@@ -184,12 +185,14 @@ class _PrivacyArgumentsMethods:
 
     def charged_rate(self, sample_rate: float) -> float:
         """The rate the accountant charges a logical step sampled at ``sample_rate``: inside a
-        part of a cyclic sampler (:meth:`~opacus_rc.noises.NoiseSpec.charged_rate`; as ``Options.charged_rate``)."""
+        part of a cyclic sampler (:meth:`~opacus_rc.noises.NoiseSpec.charged_rate`; as
+        ``Options.charged_rate``)."""
         return self.noise_spec().charged_rate(sample_rate)
 
     def step_record(self, physical_batch_size: int) -> StepRecord:
         """The accountant's record of one logical step (:meth:`sketch_config`; the noise
-        mechanism's record, e.g. banded noise's ``bands`` and column norm), as the optimizer's hook records it."""
+        mechanism's record, e.g. banded noise's ``bands`` and column norm), as the optimizer's
+        hook records it."""
         return step_record(self.sketch_config(physical_batch_size), self.noise_spec())
 
     @property
