@@ -61,10 +61,10 @@ class RandomizedClippingMixin:
         noise_seed: root of the plugin's noise stream (``None``: 128 bits from
             ``os.urandom``); used when no ``generator`` is given. Never torch's global
             generator: a script that re-seeds torch and resumes draws fresh noise.
-        **kwargs: Opacus's optimizer arguments (noise_multiplier, max_grad_norm,
-            expected_batch_size, loss_reduction, generator, secure_mode).
         noise_mechanism: the run's noise mechanism (:mod:`opacus_rc.noises`; default
             independent noise); the optimizer keeps its state.
+        **kwargs: Opacus's optimizer arguments (noise_multiplier, max_grad_norm,
+            expected_batch_size, loss_reduction, generator, secure_mode).
     """
 
     #: how the step's per-example norms were estimated: None for exact norms (the ``rc_prv``
