@@ -152,7 +152,7 @@ def take_draw_step(inputs: Any) -> Optional[int]:
     return inputs.pop(_DRAW, None) if isinstance(inputs, MutableMapping) else None
 
 
-USER_AT, CYCLIC_AT = "privacy_unit='user'", "cyclic Poisson draws (the noise=)"
+USER_AT, CYCLIC_AT = "privacy_unit='user'", "a noise= over cyclic Poisson draws (e.g. noise='banded')"
 
 
 class UserPoissonLoader(DataLoader):
