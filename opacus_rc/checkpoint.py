@@ -1,10 +1,11 @@
 """Checkpoints without secrets.
 
 The sketch generators' states and seed, the noise generators' states and seed, the Poisson
-generator's state, and with banded noise the kept noise vectors and the units' secret
-partition are secrets: with them, a reader of a checkpoint regenerates the noise of every
-step (no privacy left), the batches and the per-example sketches (the hidden-Z analysis is
-void), or recovers the last clipped sums from two consecutive models. By default
+generator's state, a noise mechanism's secret state (banded noise: the kept noise vectors) and
+the cyclic sampler's secret partition of the units are secrets: with them, a reader of a
+checkpoint regenerates the noise of every step (no privacy left), the batches and the
+per-example sketches (the hidden-Z analysis is void), or recovers the last clipped sums from
+two consecutive models. By default
 ``PrivacyEngine.save_checkpoint`` stores none of them (the wrapped optimizer's state, the
 module and the accountant's history only), and a resumed run draws fresh randomness and
 reports the same epsilon. ``include_rng_state=True`` adds them for a bit-exact resume: such
@@ -29,7 +30,7 @@ RNG_STATE_KEY = "opacus_rc_rng_state"
 
 #: where ``make_private`` leaves the Poisson loader's generator on the engine
 POISSON_GENERATOR_ATTR = "_opacus_rc_poisson_generator"
-#: where ``make_private`` leaves a banded run's cyclic Poisson sampler (its partition) on the engine
+#: where ``make_private`` leaves the cyclic Poisson sampler (its partition) of a numbered noise on the engine
 CYCLIC_SAMPLER_ATTR = "_opacus_rc_cyclic_sampler"
 
 #: the Poisson generators a restarted script seeds again (:func:`reproducible`)
@@ -50,13 +51,17 @@ def replays(generator: Any) -> bool:
 
 def _sources(module: Any, optimizer: Optional[Any], engine: Any) -> Dict[str, Any]:
     """The random sources present, by their key in the saved state (in save and load order):
-    torch generators (keys ``*_generator``) and objects with ``state_dict``/``load_state_dict``."""
+    torch generators (keys ``*_generator``) and objects with ``state_dict``/``load_state_dict``
+    (the noise mechanism's secret state after the optimizer's, the partition of the cyclic sampler
+    that serves its run after it)."""
+    mechanism = getattr(optimizer, "noise_mechanism", None)
+    secret = {} if mechanism is None else {f"{mechanism.name}_noise": mechanism.secret}  # e.g. "banded_noise"
     sources = {
         "sketcher": getattr(module, "sketcher", None),
         "noise_generator": getattr(optimizer, "generator", None),
         "noise_streams": getattr(optimizer, "noise_streams", None),
         "poisson_generator": getattr(engine, POISSON_GENERATOR_ATTR, None),
-        "banded_noise": getattr(getattr(optimizer, "banded", None), "kept", None),
+        **secret,
         "cyclic_partition": getattr(engine, CYCLIC_SAMPLER_ATTR, None),
     }
     return {

@@ -41,7 +41,7 @@ class Draw:
     """One Poisson draw, cut into ``batches`` physical batches (compared by identity).
     ``signalled``: its end is told by Opacus's skip signals (``signal_skip_step``: the private
     Trainer, a script that accumulates by hand), not by its batches. ``step``: its number in a
-    cyclic Poisson sampler's sequence (the banded noise's time, :mod:`opacus_rc.correlated`;
+    cyclic Poisson sampler's sequence (a numbered noise mechanism's time, :mod:`opacus_rc.noises`;
     None for other samplers)."""
 
     __slots__ = ("batches", "signalled", "step", "__weakref__")
@@ -381,8 +381,8 @@ class DrawLoader(DataLoader):
                 "(loader.follow(optimizer) for objects built by hand)"
             )
         serve = getattr(self.batch_sampler, "serve", None)
-        if serve is not None and optimizer.banded is not None:  # a cyclic sampler: the noise's run and next step
-            serve(optimizer.banded)
+        if serve is not None:  # a cyclic sampler: the noise mechanism's run and next step
+            serve(optimizer.noise_mechanism)
         pending = self.batch_sampler.pending
         optimizer.ledger.restart(self)
         for data in super().__iter__():
@@ -425,9 +425,10 @@ class UserDataLoader(DrawLoader):
 
 
 class CyclicPoissonLoader(DrawLoader):
-    """The loader ``make_private(..., noise="banded", bands=b)`` returns: one batch per draw of
+    """The loader ``make_private`` returns for a noise mechanism served by cyclic draws (its
+    spec's ``parts``; e.g. ``noise="banded", bands=b``): one batch per draw of
     :class:`~opacus_rc.units.CyclicPoissonSampler` (draw ``t`` from part ``t mod b`` of the
-    units), numbered for the banded noise; Opacus's ``DPDataLoader`` conventions otherwise.
+    units), numbered (the mechanism's time); Opacus's ``DPDataLoader`` conventions otherwise.
 
     Args:
         dataset: the dataset.

@@ -175,7 +175,7 @@ class PrivacyEngine(OpacusPrivacyEngine):
         # the steps the returned loader runs in `epochs` epochs (not epochs / q: int(1 / q) or
         # round(1 / q_u) draws per epoch, len(loader) without Poisson sampling)
         steps = math.ceil(epochs * options.epoch_draws(arguments["data_loader"], arguments["poisson_sampling"]))
-        record = options.step_record()
+        record = options.step_record()  # its sketch and noise mechanism's record
         noise_multiplier = get_noise_multiplier_rc(
             target_epsilon=target_epsilon,
             target_delta=target_delta,
@@ -186,7 +186,7 @@ class PrivacyEngine(OpacusPrivacyEngine):
             column_norm=record.column_norm,
             **calibration,
         )
-        logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps, %s", noise_multiplier, steps, options.step_record())
+        logger.info("rc_prv calibrated noise_multiplier=%.4f for %d steps, %s", noise_multiplier, steps, record)
         kwargs = {**kwargs, "noise_multiplier": noise_multiplier}
         return self._make_private(options, {**arguments, **kwargs}, kwargs)
 

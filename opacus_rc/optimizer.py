@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Type
+from typing import Any, Callable, Dict, List, Optional, Type
 
 import numpy as np
 import torch
@@ -22,14 +22,14 @@ from torch.optim import Optimizer
 
 from .clip_guard import ClipGuard
 from .config import SketchConfig
-from .correlated import BANDED_STATE_KEY, BandedNoise, draw_step_error
 from .draws import Batch, Draw, Ledger, accumulation_error
 from .estimators import at_least_float32
 from .finite import FORWARD_CHANGE, NonFiniteGuard, failed_kinds
 from .forward_changes import ForwardChanges, watched_model
+from .noises import INDEPENDENT, NOISES, NoiseSpec, draw_step_error, take_noise_state
 from .per_parameter import drop_sums, drop_wide_grads, set_grad_sample, set_summed, take_wide_grad
 from .sketch import NOISE_STREAM, DeviceStreams, check_seed
-from .units import ExampleUnits, UserIndex
+from .units import ExampleUnits, UserIndex, agree_across_ranks
 from .values import EXAMPLE_UNIT, RAISE, USER_UNIT
 
 
@@ -61,6 +61,8 @@ class RandomizedClippingMixin:
         noise_seed: root of the plugin's noise stream (``None``: 128 bits from
             ``os.urandom``); used when no ``generator`` is given. Never torch's global
             generator: a script that re-seeds torch and resumes draws fresh noise.
+        noise_mechanism: the run's noise mechanism (:mod:`opacus_rc.noises`; default
+            independent noise); the optimizer keeps its state.
         **kwargs: Opacus's optimizer arguments (noise_multiplier, max_grad_norm,
             expected_batch_size, loss_reduction, generator, secure_mode).
     """
@@ -79,16 +81,15 @@ class RandomizedClippingMixin:
         nonfinite: str = RAISE,
         accept_replayed_noise: bool = False,
         user_index: Optional[UserIndex] = None,
-        band_coefficients: Optional[Sequence[float]] = None,
+        noise_mechanism: NoiseSpec = INDEPENDENT,
         **kwargs,
     ) -> None:
         super().__init__(optimizer, **kwargs)
-        #: the banded noise's recursion (``noise="banded"``, :mod:`opacus_rc.correlated`); None: independent
-        self.banded = None if band_coefficients is None else BandedNoise(band_coefficients)
-        if self.banded is not None:
-            self.banded.kept.holder = self.noise_holder()
-        #: mechanism steps the current (else last) release advances (the accountant charges them; banded: the
-        #: draws since the last release, discarded ones included)
+        #: the noise mechanism's state (``noise=``, :mod:`opacus_rc.noises`), where this process keeps it
+        self.noise_mechanism = noise_mechanism.build()
+        self.noise_mechanism.bind(self.noise_holder())
+        #: mechanism steps the current (else last) release advances (the accountant charges them; a numbered
+        #: mechanism: the draws since the last release, discarded ones included)
         self.mechanism_steps = 1
         self._signalled_step: Optional[int] = None  # the draw a signalling loop named (signal_draw_step)
         #: ``"example"`` or ``"user"``: what one clip bounds (see :mod:`opacus_rc.units`)
@@ -155,10 +156,10 @@ class RandomizedClippingMixin:
     def signal_draw_step(self, step: int) -> None:
         """A loop that tells its draws' ends by Opacus's skip signals (the private Trainer, whose
         draws are :attr:`~opacus_rc.draws.Draw.signalled`) names the number of the cyclic Poisson
-        draw the clipped sums being accumulated belong to: the next release's banded noise step.
-        Another draw named before that release is refused (one release, one draw)."""
+        draw the clipped sums being accumulated belong to: the next release's step of a numbered
+        noise mechanism. Another draw named before that release is refused (one release, one draw)."""
         if self._signalled_step is not None and self._signalled_step != step:
-            self.refuse_steps(draw_step_error())
+            self.refuse_steps(draw_step_error(self.noise_mechanism.name))
         self._signalled_step = int(step)
 
     # --- one draw, one release (opacus_rc.draws) --------------------------------------------
@@ -473,27 +474,50 @@ class RandomizedClippingMixin:
             p.grad = None
 
     def add_noise(self) -> None:
-        """The step's noise added into the clipped sums (:meth:`noise_sums`): independent
-        Gaussian noise, or the banded recursion at the step's draw (:mod:`opacus_rc.correlated`)."""
-        self.mechanism_steps = 1
-        if self.banded is not None:
-            draw, signalled = self._draw, self._signalled_step
-            step = signalled if draw is None else draw.step
-            if step is None or (draw is not None and signalled is not None) or self.accumulated_iterations > 1:
-                self.refuse_steps(draw_step_error())
-            try:
-                self.mechanism_steps = self.banded.steps_to(step)
-            except ValueError as error:
-                self.refuse_steps(error)
+        """The step's noise added into the clipped sums (:meth:`noise_sums`), by the noise
+        mechanism (:mod:`opacus_rc.noises`); a numbered one at the step's draw
+        (:meth:`_release_steps`), which it advances to."""
+        self.mechanism_steps = self._release_steps() if self.noise_mechanism.numbered else 1
         self.noise_sums()
-        if self.banded is not None:
-            self.banded.advance(self.mechanism_steps)
+        self.noise_mechanism.advance(self.mechanism_steps)
+
+    def _release_steps(self) -> int:
+        """The mechanism steps this release advances: through the number of the one draw its
+        clipped sums come from (delivered by the plugin's loader, or signalled:
+        :meth:`signal_draw_step`). Refused: a release of no single numbered draw, or of a draw
+        already released; under several processes, ranks releasing different draws (one
+        all-reduce: the union of the ranks' draws must be one draw of one part)."""
+        draw, signalled = self._draw, self._signalled_step
+        step = signalled if draw is None else draw.step
+        name = self.noise_mechanism.name
+        unnumbered = step is None or (draw is not None and signalled is not None) or self.accumulated_iterations > 1
+        agreed = agree_across_ranks([-1 if unnumbered else step]) if self.refusals_across_ranks else None
+        if unnumbered:  # (after the agreement: every rank refuses, none waits in a collective)
+            self.refuse_steps(draw_step_error(name))
+        if agreed is not None and agreed[0] != agreed[1]:
+            self.refuse_steps(ValueError(
+                f"noise={name!r} under torch.distributed: the ranks release draws {agreed[1][0]} to {agreed[0][0]} at "
+                "this step; every rank must release the same draw (iterate the loader alike on every rank, and load "
+                "the same checkpoint on every rank). Nothing was released"
+            ))
+        try:
+            return self.noise_mechanism.steps_to(step)
+        except ValueError as error:
+            self.refuse_steps(error)
 
     @property
     def next_noise_step(self) -> int:
-        """The banded noise's next mechanism step (the cyclic loader numbers its draws from it); 0
+        """A numbered noise mechanism's next step (the cyclic loader numbers its draws from it); 0
         for independent noise."""
-        return 0 if self.banded is None else self.banded.next_step
+        return self.noise_mechanism.next_step
+
+    def __getattr__(self, name: str) -> Any:
+        """``optimizer.<noise>`` (e.g. ``optimizer.banded``): the noise mechanism when ``noise=<noise>``
+        runs, None for another row of :data:`~opacus_rc.noises.NOISES`."""
+        if name in NOISES and "noise_mechanism" in self.__dict__:
+            mechanism = self.__dict__["noise_mechanism"]
+            return mechanism if mechanism.name == name else None
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def noise_sums(self) -> None:
         """Opacus's Gaussian noise ``N(0, sigma^2 C^2)`` added in place into the clipped
@@ -525,18 +549,15 @@ class RandomizedClippingMixin:
 
     @property
     def adds_noise(self) -> bool:
-        """This process draws noise (and keeps banded noise's vectors): rank 0 under DDP (Opacus's)."""
+        """This process draws noise (and keeps the mechanism's state): rank 0 under DDP (Opacus's)."""
         return getattr(self, "rank", 0) == 0
 
     def step_noise(self, slot: int, std: float, reference: torch.Tensor) -> torch.Tensor:
         """The noise of parameter ``slot`` (position in :attr:`params`) at this step, like
-        ``reference``: fresh ``N(0, std^2)``, or the banded recursion's ``w_t`` (advanced over
-        the draws never released since the last step, whose noise is discarded)."""
-        if self.banded is None:
-            return self._noise(std, reference)
-        for _ in range(self.mechanism_steps):
-            noise = self.banded.correlate(slot, self._noise(std, reference))
-        return noise
+        ``reference``: the mechanism's step from fresh ``N(0, std^2)`` draws (independent noise:
+        one; a numbered mechanism: one per mechanism step, those of draws never released
+        discarded)."""
+        return self.noise_mechanism.step(slot, lambda: self._noise(std, reference), self.mechanism_steps)
 
     def noise_generator(self, device: Any) -> torch.Generator:
         """The noise source on ``device``: the user's ``noise_generator`` (Opacus's
@@ -558,41 +579,39 @@ class RandomizedClippingMixin:
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state; a seeded run's says so (:data:`SEEDED_STATE_KEY`,
-        never the seed itself); banded noise's public state (:data:`BANDED_STATE_KEY`: its next
-        step; the kept noise vectors are secrets, saved only with ``include_rng_state=True``)."""
+        never the seed itself); the noise mechanism's public state (under its ``state_key``,
+        e.g. banded noise's next step; its secrets, such as the kept noise vectors, are saved
+        only with ``include_rng_state=True``)."""
         state = super().state_dict()
-        if self.banded is not None:
-            state = {**state, BANDED_STATE_KEY: self.banded.state_dict()}
+        public = self.noise_mechanism.state_dict()
+        if public is not None:
+            state = {**state, self.noise_mechanism.state_key: public}
         return {**state, SEEDED_STATE_KEY: True} if self.seeded else state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """The wrapped optimizer's state. Generator states are never part of it (see
         ``PrivacyEngine.save_checkpoint(..., include_rng_state=True)``); a legacy entry
         holding them is dropped. The state of a seeded run loaded into a seeded one is
-        refused unless ``accept_replayed_noise=True`` (:meth:`check_seeded_resume`). Banded
-        noise continues its step numbering in a new run (:meth:`BandedNoise.load_state_dict
-        <opacus_rc.correlated.BandedNoise.load_state_dict>`) unless the kept vectors follow."""
+        refused unless ``accept_replayed_noise=True`` (:meth:`check_seeded_resume`). The noise
+        mechanism's public state is checked to be of this run's mechanism
+        (:func:`~opacus_rc.noises.take_noise_state`); a numbered one continues its step numbering
+        in a new run (:meth:`~opacus_rc.noises.base.NoiseMechanism.load_state_dict`) unless its
+        secret state follows."""
         state_dict = dict(state_dict)
         if state_dict.pop(_LEGACY_STATE_KEY, None) is not None:
             logger.warning("ignored the sketch/noise generator states of a legacy optimizer state_dict")
         seeded = bool(state_dict.pop(SEEDED_STATE_KEY, False))
-        banded = state_dict.pop(BANDED_STATE_KEY, None)
-        if (banded is None) != (self.banded is None):
-            raise ValueError(
-                "an optimizer state of a run with noise="
-                f"{'independent' if banded is None else 'banded'} loaded into a run with noise="
-                f"{'independent' if self.banded is None else 'banded'}: resume with the same noise= and bands="
-            )
+        noise_state = take_noise_state(self.noise_mechanism, state_dict)
         if self.deferred_seeded_resume is not None:
             self.deferred_seeded_resume = seeded
         else:
             self.check_seeded_resume(seeded)
         super().load_state_dict(state_dict)
-        if banded is not None:
-            self.banded.load_state_dict(banded)
+        if noise_state is not None:
+            self.noise_mechanism.load_state_dict(noise_state)
 
     def noise_holder(self) -> Any:
-        """What banded noise's kept vectors are on this process: ``"full"`` where the noise is
+        """What the noise mechanism's state is on this process: ``"full"`` where the noise is
         added (one process, DDP's rank 0), None elsewhere."""
         return "full" if self.adds_noise else None
 

@@ -27,17 +27,17 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .accounting.accountant import StepRecord, get_noise_multiplier_rc
 from .config import SketchConfig
-from .correlated import banded_sqrt_coefficients, max_column_norm
 from .denoise import DEFAULT_KAPPA
 from .forms import FORMS, resolve_form
 from .forms import BOOKKEEPING, BOOKKEEPING_WITH_CRITERION, OUTPUT_PASSES, TWO_PASS
+from .noises import INDEPENDENT, NoiseSpec, noise_keywords, parse_noise
 from .sketch import check_seed
 from .units import (
     DEFAULT_MAX_EXAMPLES_PER_USER, UserIndex, check_max_examples_per_user, check_privacy_unit, user_epoch_draws,
 )
 from .values import (
     ADAPTIVE, BOOKKEEPING_MODE, DENOISERS, EXAMPLE_UNIT, FLAT, FSDP_MODE, GHOST, HOOKS, NONFINITE_MODES, PER_LAYER,
-    INDEPENDENT_NOISE, NOISES, RAISE, RANDOMIZED, RC_PRV, SKIP, SVD_FULL, USER_UNIT, check_choice,
+    INDEPENDENT_NOISE, RAISE, RANDOMIZED, RC_PRV, SKIP, SVD_FULL, USER_UNIT, check_choice,
     did_you_mean, positive_int,
 )
 
@@ -148,16 +148,13 @@ OPTIONS: Tuple[Option, ...] = (
         "It bounds compute, not privacy (a user's clipped mean has norm <= C for any k)."
     )),
     Option("noise", INDEPENDENT_NOISE, "str", (
-        "*randomized*. ``\"independent\"`` (DP-SGD: fresh noise at every step) or\n"
-        "``\"banded\"`` (banded matrix factorisation: noise correlated over ``bands``\n"
-        "steps, much of it cancelling in the model; cyclic Poisson sampling over\n"
-        "``bands`` parts of the units; :mod:`opacus_rc.correlated`)."
+        "*randomized*. The noise mechanism, a row of :data:`opacus_rc.noises.NOISES`:\n"
+        "``\"independent\"`` (DP-SGD: fresh noise at every step) or ``\"banded\"`` (banded\n"
+        "matrix factorisation: noise correlated over ``bands`` steps, much of it\n"
+        "cancelling in the model; cyclic Poisson sampling over ``bands`` parts of the\n"
+        "units; :mod:`opacus_rc.noises.banded`)."
     )),
-    Option("bands", None, "Optional[int]", (
-        "*randomized*, with ``noise=\"banded\"``. b, the number of noise coefficients\n"
-        "and of the sampler's parts (1 <= b <= the draws of an epoch); it costs b - 1\n"
-        "noise buffers of the trainable parameters' size."
-    )),
+    *(Option(*keyword) for keyword in noise_keywords()),  # each mechanism's own keywords
     Option("denoise", None, "Optional[str]", (
         "None or ``\"spectral\"`` (any clipping mode): SVD shrinkage of the\n"
         "noisy gradient of the linear weights (:mod:`opacus_rc.denoise`)."
@@ -272,7 +269,7 @@ SKETCH_OPTIONS = tuple(f.name for f in fields(SketchConfig))
 #: keywords that only apply with clipping="randomized" (bookkeeping has its own message)
 RANDOMIZED_ONLY = (
     *SKETCH_OPTIONS, "sketch_seed", "seed", "accept_replayed_noise", "nonfinite", "expected_batch_size", "sample_rate",
-    "privacy_unit", "user_ids", "max_examples_per_user", "noise", "bands",
+    "privacy_unit", "user_ids", "max_examples_per_user", "noise", *(k[0] for k in noise_keywords()),
 )
 #: keywords that only apply with privacy_unit="user"
 USER_ONLY = ("user_ids", "max_examples_per_user")
@@ -556,60 +553,18 @@ def user_sampling(sampling: PublicSampling, users: UserIndex) -> PublicSampling:
     return PublicSampling(sampling.batch_size, sampling.batch_size / users.num_users)
 
 
-#: why the spectral denoiser is refused with banded noise
-BANDED_DENOISE_REFUSAL = (
-    "noise='banded' is not supported with denoise='spectral': the denoiser shrinks each step's noisy gradient "
-    "as if its noise were fresh, which undoes the cancellation of banded noise in the running sum; accepted: "
-    "denoise=None with noise='banded', or noise='independent' with denoise"
-)
+def noise_of(options: Mapping[str, Any], most: str) -> NoiseSpec:
+    """``noise=`` and its mechanism's keywords in ``options`` (every row's, by name), with
+    ``denoise=``: the run's :class:`~opacus_rc.noises.NoiseSpec` (``most``: the largest number of
+    the sampler's parts, in words); a ValueError names an invalid parameter (:func:`~opacus_rc.noises.parse_noise`)."""
+    given = {name: options[name] for name, *_ in noise_keywords()}
+    return parse_noise(options["noise"], given, options["denoise"], most)
 
 
-def check_noise(noise: Any, bands: Any, denoise: Any, most: str) -> Optional[int]:
-    """``noise=`` and ``bands=`` (``most``: the largest ``bands`` in words): b of banded noise, or
-    None (independent noise); a ValueError naming the parameter and its accepted values."""
-    noise = check_choice("noise", noise, NOISES, did_you_mean(str(noise), NOISES))
-    if noise == INDEPENDENT_NOISE:
-        if bands is not None:
-            raise ValueError(f"bands={bands!r} only applies with noise='banded'; got noise='independent'")
-        return None
-    if not positive_int(bands):
-        raise ValueError(
-            f"bands={bands!r} is invalid with noise='banded'; accepted values: an int from 1 to {most}: the "
-            "noise's coefficients and the sampler's parts"
-        )
-    if denoise is not None:
-        raise ValueError(BANDED_DENOISE_REFUSAL)
-    return int(bands)
-
-
-def step_record(sketch: Optional[SketchConfig], bands: Optional[int]) -> StepRecord:
-    """The accountant's record of one step: its sketch and, with banded noise (``bands``), the
-    bands and the largest column norm of the banded square root's ``C``."""
-    if bands is None:
-        return StepRecord.from_config(sketch)
-    return StepRecord.from_config(sketch, 1, bands, max_column_norm(banded_sqrt_coefficients(bands)))
-
-
-def _band_coefficients(
-    options: Mapping[str, Any], opacus: Mapping[str, Any], denoise: Any, sampling: PublicSampling, draws: int
-) -> Optional[Tuple[float, ...]]:
-    """``noise=`` and ``bands=``: the banded square root's coefficients (``noise="banded"``) or
-    None (independent noise). Refused by name where a unit's draws cannot be kept ``bands``
-    apart or the combination is not computed exactly."""
-    bands = check_noise(options["noise"], options["bands"], denoise, f"the draws of an epoch ({draws})")
-    if bands is None:
-        return None
-    if not opacus["poisson_sampling"]:
-        raise ValueError(
-            "noise='banded' needs poisson_sampling=True: the loader make_private returns samples cyclic Poisson "
-            "draws (draw t from part t mod bands), which keeps a unit's draws bands= steps apart"
-        )
-    if bands > draws or bands * sampling.sample_rate > 1.0:
-        raise ValueError(
-            f"bands={bands} is above the {draws} draws of an epoch (sample rate {sampling.sample_rate:.6g}): "
-            f"each part would be sampled at a rate above 1; accepted values: 1 <= bands <= {draws}"
-        )
-    return banded_sqrt_coefficients(bands)
+def step_record(sketch: Optional[SketchConfig], noise: NoiseSpec = INDEPENDENT) -> StepRecord:
+    """The accountant's record of one step: its sketch and its noise mechanism's record
+    (:meth:`~opacus_rc.noises.NoiseSpec.record_fields`)."""
+    return StepRecord.from_config(sketch, 1, **noise.record_fields())
 
 
 @dataclass(frozen=True)
@@ -632,7 +587,7 @@ class Options:
             at user level, of users.
         users: the :class:`~opacus_rc.units.UserIndex` of a ``privacy_unit="user"`` call
             (None: example level).
-        band_coefficients: ``c_0 .. c_{b-1}`` of banded noise (``noise="banded"``), else None.
+        noise: the noise mechanism's spec (``noise=`` and its keywords; :mod:`opacus_rc.noises`).
     """
 
     clipping: str = FLAT
@@ -646,26 +601,21 @@ class Options:
     accept_replayed_noise: bool = False
     sampling: Optional[PublicSampling] = None
     users: Optional[UserIndex] = None
-    band_coefficients: Optional[Tuple[float, ...]] = None
+    noise: NoiseSpec = INDEPENDENT
 
     @property
     def randomized(self) -> bool:
         return self.clipping == RANDOMIZED
 
     @property
-    def bands(self) -> int:
-        """b of banded noise (1: independent noise)."""
-        return 1 if self.band_coefficients is None else len(self.band_coefficients)
-
-    @property
     def charged_rate(self) -> float:
-        """The rate the accountant charges: the sample rate, inside a part with banded noise
-        (``bands`` times it: each part holds 1 / bands of the units)."""
-        return self.sampling.sample_rate * self.bands
+        """The rate the accountant charges: the sample rate, inside a part of a cyclic sampler
+        (:meth:`~opacus_rc.noises.NoiseSpec.charged_rate`)."""
+        return self.noise.charged_rate(self.sampling.sample_rate)
 
     def step_record(self) -> StepRecord:
-        """The accountant's record of one step of this call (its sketch, its banded noise)."""
-        return step_record(self.sketch, None if self.band_coefficients is None else self.bands)
+        """The accountant's record of one step of this call (its sketch, its noise mechanism)."""
+        return step_record(self.sketch, self.noise)
 
     @property
     def privacy_unit(self) -> str:
@@ -689,7 +639,7 @@ class Options:
         return {
             "sketch_config": self.sketch, "nonfinite": self.nonfinite, "noise_seed": self.seed,
             "accept_replayed_noise": self.accept_replayed_noise, "user_index": self.users,
-            "band_coefficients": self.band_coefficients,
+            "noise_mechanism": self.noise,
         }
 
     @classmethod
@@ -734,8 +684,10 @@ class Options:
             nonfinite=nonfinite, accept_replayed_noise=accept_replayed_noise, sampling=sampling, users=users,
         )
         draws = parsed.epoch_draws(opacus.get("data_loader"), opacus["poisson_sampling"])
-        bands = _band_coefficients(options, opacus, denoise, sampling, draws)
-        return parsed if bands is None else dataclasses.replace(parsed, band_coefficients=bands)
+        noise = noise_of(options, f"the draws of an epoch ({draws})")
+        noise.check_sampling(poisson_sampling=opacus["poisson_sampling"], draws=draws,
+                             sample_rate=sampling.sample_rate, draws_are="draws")
+        return dataclasses.replace(parsed, noise=noise)
 
 
 def check_randomized_setup(engine: Any, grad_sample_mode: str) -> None:

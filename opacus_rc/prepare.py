@@ -184,7 +184,8 @@ class MakePrivateCall:
             sample_rate=self.options.sampling.sample_rate, distributed=distributed,
             batch_first=kwargs.get("batch_first", True), rand_on_empty=kwargs.get("rand_on_empty", False),
         )
-        if self.secure_mode and self.options.users is None and self.options.band_coefficients is None:
+        parts = self.options.noise.parts  # the noise mechanism's sampler: cyclic Poisson over this many parts
+        if self.secure_mode and self.options.users is None and parts is None:
             # CSPRNG Poisson sampler, no torchcsprng
             return SecureDPDataLoader.from_data_loader(data_loader, **settings)
         if self.secure_mode:  # the user-level or cyclic loader's masks from the CSPRNG
@@ -192,11 +193,11 @@ class MakePrivateCall:
         else:
             generator = poisson_generator(data_loader, self.options.seed, distributed)
             setattr(self, checkpoint.POISSON_GENERATOR_ATTR, generator)  # include_rng_state
-        if self.options.band_coefficients is not None:  # noise="banded": cyclic Poisson over parts of the units
+        if parts is not None:  # cyclic Poisson over parts of the units (e.g. noise="banded")
             if distributed and self.options.users is not None:
                 check_same_on_ranks(self.options.users)
             loader = CyclicPoissonLoader(
-                data_loader.dataset, index=self.options.users, bands=self.options.bands,
+                data_loader.dataset, index=self.options.users, bands=parts,
                 sample_rate=self.options.charged_rate, generator=generator, distributed=distributed,
                 steps=self.options.epoch_draws(data_loader, True), batch_first=settings["batch_first"],
                 rand_on_empty=settings["rand_on_empty"], **loader_settings(data_loader),

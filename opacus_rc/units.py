@@ -325,7 +325,8 @@ def _from_rank_zero(words: List[int]) -> List[int]:
 
 
 class CyclicPoissonSampler(UserPoissonSampler):
-    """Cyclic Poisson sampling (amplified banded matrix factorisation, :mod:`opacus_rc.correlated`):
+    """Cyclic Poisson sampling (the sampler of a numbered noise mechanism, e.g. amplified banded
+    matrix factorisation, :mod:`opacus_rc.noises`):
     the units (users, or rows at example level: ``index=None`` and ``num_units``) are split into
     ``bands`` parts, each unit's part drawn uniformly and independently for the run
     (:func:`unit_parts` of its stable key under a secret from ``generator``: the canonical user
@@ -333,7 +334,7 @@ class CyclicPoissonSampler(UserPoissonSampler):
     probability ``sample_rate`` (the rate inside a part), so a unit's draws are always ``bands``
     apart. Draws are numbered across epochs (:meth:`numbered_draws`).
 
-    The partition serves one run of the noise's recursion (:meth:`serve`, at every iteration of
+    The partition serves one run of the noise mechanism (:meth:`serve`, at every iteration of
     the loader): a run that released steps under another partition (a new loader, a resume
     without ``include_rng_state=True``) restarts. The secret, the run and the numbering are
     restored with the generators' states (:meth:`state_dict`); at example level only onto the
@@ -365,7 +366,7 @@ class CyclicPoissonSampler(UserPoissonSampler):
 
     def serve(self, noise: Any) -> None:
         """Number the next draw from ``noise``'s next step (at least) and serve its run
-        (``noise``: the optimizer's :class:`~opacus_rc.correlated.BandedNoise`): a run that
+        (``noise``: the optimizer's :class:`~opacus_rc.noises.NoiseMechanism`): a run that
         released steps under another partition restarts (a warning says so), a partition that
         served another run is drawn anew. Distributed: the ranks' draw numbers must agree
         (else ValueError on every rank); a new run takes rank 0's secret and run."""
@@ -374,7 +375,7 @@ class CyclicPoissonSampler(UserPoissonSampler):
         agreed = agree_across_ranks([noise.next_step, self.next_draw, int(binding)])
         if agreed is not None and agreed[0][:2] != agreed[1][:2]:
             raise ValueError(
-                f"noise='banded' under torch.distributed: the ranks' banded noise is at steps {agreed[1][0]} to "
+                f"noise={noise.name!r} under torch.distributed: the ranks' {noise.name} noise is at steps {agreed[1][0]} to "
                 f"{agreed[0][0]} and their loaders at draws {agreed[1][1]} to {agreed[0][1]}; every rank must run "
                 "the same steps: load the same checkpoint on every rank (PrivacyEngine.load_checkpoint, each rank "
                 "its own file with include_rng_state=True) and iterate the loader on every rank"
@@ -385,9 +386,9 @@ class CyclicPoissonSampler(UserPoissonSampler):
             self._partition(self.uniform.secret())  # this partition served another run
         if noise.started:
             logger.warning(
-                "noise='banded': the loader's partition of the units is not the one the noise's run used (a new "
-                "loader, or a resume without include_rng_state=True): the recursion restarts at step %d (a new run, "
-                "charged on its own)", noise.next_step,
+                "noise=%r: the loader's partition of the units is not the one the noise's run used (a new loader, "
+                "or a resume without include_rng_state=True): the mechanism restarts at step %d (a new run, charged "
+                "on its own)", noise.name, noise.next_step,
             )
             noise.restart()
         if agreed is not None:
@@ -419,10 +420,10 @@ class CyclicPoissonSampler(UserPoissonSampler):
         """Restore a saved partition; refused (ValueError) when the data its keys stand for changed."""
         if self.identity is not None and state["identity"] != self.identity():
             raise ValueError(
-                "noise='banded': this checkpoint's partition of the units is of other rows (or of these rows in "
-                "another order): at example level a unit's key is its row, so a resumed run must have the same "
-                "dataset rows in the same order to continue the recursion with include_rng_state=True; resume "
-                "from a checkpoint without it (the recursion restarts, charged as a new run) or restore the rows"
+                "the cyclic Poisson sampler: this checkpoint's partition of the units is of other rows (or of these "
+                "rows in another order): at example level a unit's key is its row, so a resumed run must have the "
+                "same dataset rows in the same order to continue the noise's run with include_rng_state=True; resume "
+                "from a checkpoint without it (the noise restarts, charged as a new run) or restore the rows"
             )
         self._partition(bytes(state["secret"]))
         self.run, self.next_draw = state["run"], int(state["next_draw"])

@@ -43,9 +43,8 @@ RC_PRV = "rc_prv"
 EXAMPLE_UNIT, USER_UNIT = "example", "user"
 PRIVACY_UNITS = (EXAMPLE_UNIT, USER_UNIT)
 
-# noise=: independent Gaussian noise at every step (DP-SGD) or banded matrix factorisation
-INDEPENDENT_NOISE, BANDED_NOISE = "independent", "banded"
-NOISES = (INDEPENDENT_NOISE, BANDED_NOISE)
+# noise=: its default, independent Gaussian noise at every step (DP-SGD); every value: opacus_rc.noises.NOISES
+INDEPENDENT_NOISE = "independent"
 
 
 def positive_int(x: Any) -> bool:

@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from opacus_rc import PrivacyEngine
 from opacus_rc.accounting.accountant import RCPRVAccountant, StepRecord
 from opacus_rc.config import SketchConfig
-from opacus_rc.correlated import BandedNoise, banded_matrix, banded_sqrt_coefficients, max_column_norm
+from opacus_rc.correlated import banded_matrix, banded_sqrt_coefficients, max_column_norm
+from opacus_rc.noises.banded import BandedNoise
 from opacus_rc.optimizer import SEEDED_STATE_KEY
 from opacus_rc.units import CyclicPoissonSampler, UserIndex
 

@@ -99,9 +99,9 @@ class RCPRVAccountant(IAccountant):
         noise_run: Optional[int] = None,
     ) -> None:
         """Record ``steps`` steps (``micro_batches`` independently sampled micro-batches at rate
-        ``sample_rate`` each; banded noise: ``bands`` and ``column_norm`` of ``C``, ``steps``
-        the mechanism steps the release advanced, ``noise_run`` the recursion's run);
-        consecutive identical steps are merged."""
+        ``sample_rate`` each; the noise mechanism's record: a unit in at most one of every
+        ``bands`` steps, sensitivity ``column_norm`` C, ``steps`` the mechanism steps the release
+        advanced, ``noise_run`` the mechanism's run); consecutive identical steps are merged."""
         record = StepRecord.from_config(sketch_config, micro_batches, bands, column_norm, noise_run)
         steps = check_count(steps, "steps")
         if self.history:
@@ -115,21 +115,19 @@ class RCPRVAccountant(IAccountant):
         """Hook for the DP optimizer: like Opacus's, plus ``optim.sketch_config``, the
         micro-batches accumulated into the step as a multiplicity (Opacus charges
         ``sample_rate * accumulated_iterations``, which under-charges independently
-        sampled micro-batches), and banded noise's bands and mechanism steps
-        (``optim.banded``, ``optim.mechanism_steps``: ``sample_rate`` is then the rate inside a part)."""
+        sampled micro-batches), and the noise mechanism's record of the release
+        (``optim.noise_mechanism.record_fields(optim.mechanism_steps)``: its mechanism steps,
+        ``bands``, ``column_norm`` and run; :mod:`opacus_rc.noises`). The optimizers of Opacus
+        have none: independent noise, one step."""
 
         def hook_fn(optim: Any) -> None:
-            banded = getattr(optim, "banded", None)
-            band = {} if banded is None else dict(
-                steps=optim.mechanism_steps, bands=banded.bands, column_norm=banded.column_norm,
-                noise_run=banded.run_id,
-            )
+            mechanism = getattr(optim, "noise_mechanism", None)
             self.step(
                 noise_multiplier=optim.noise_multiplier,
                 sample_rate=sample_rate,
                 sketch_config=getattr(optim, "sketch_config", None),
                 micro_batches=optim.accumulated_iterations,
-                **band,
+                **({} if mechanism is None else mechanism.record_fields(optim.mechanism_steps)),
             )
 
         return hook_fn
@@ -213,9 +211,9 @@ class RCPRVAccountant(IAccountant):
         return (sigma, q, n, record.as_dict())
 
     def charged(self, default: Optional[StepRecord] = None) -> List[Tuple[float, float, int, StepRecord]]:
-        """What :meth:`get_epsilon` composes: each history entry, banded noise's reduced to
-        DP-SGD (:meth:`StepRecord.reduced`: ``ceil(steps / b)`` rounds at ``sigma / column_norm``;
-        consecutive entries of one mechanism and run of its recursion are one run)."""
+        """What :meth:`get_epsilon` composes: each history entry reduced to DP-SGD by its record
+        (:meth:`StepRecord.reduced`: ``ceil(steps / bands)`` rounds at ``sigma / column_norm``;
+        consecutive entries of one record, run included, are one run)."""
         runs: List[Tuple[float, float, int, StepRecord]] = []
         for raw in self.history:
             sigma, q, n, record = self.entry(raw, default)
@@ -259,8 +257,8 @@ def get_noise_multiplier_rc(
     several times cheaper) to locate the root, then with ``eps_error`` starting there (two
     or three evaluations). ``sigma_lower`` (e.g. the deterministic sigma, which never
     exceeds the randomized one) is only a starting point. ``sketch_config=None``
-    calibrates deterministic clipping; ``bands``/``column_norm``: banded noise
-    (``sample_rate`` then the rate inside a part, :meth:`StepRecord.reduced`).
+    calibrates deterministic clipping; ``bands``/``column_norm``: a noise mechanism's record
+    (e.g. banded noise's; ``sample_rate`` then the rate inside a part, :meth:`StepRecord.reduced`).
     """
     return noise_multiplier_for_record(
         target_epsilon,

@@ -52,11 +52,12 @@ def group_record(record: StepRecord, group_size: int) -> StepRecord:
     """The record of a step seen by a person with ``group_size`` rows: ``micro_batches``
     multiplied by ``group_size`` (the sketch, if any, unchanged)."""
     k = check_group_size(group_size)
-    if record.banded and k > 1:
+    if not record.dp_sgd and k > 1:
         raise ValueError(
-            "group epsilon (max_examples_per_user > 1) of a run with noise='banded' is not computed: a person's "
-            "rows may lie in different parts of the cyclic sampler, so their draws are not bands= steps apart; "
-            "train with privacy_unit='user' (the parts are parts of the users) for a per-person guarantee"
+            "group epsilon (max_examples_per_user > 1) of a run whose steps are charged as rounds of a cyclic "
+            f"sampler's parts (bands={record.bands}: a noise= other than 'independent', e.g. noise='banded') is not "
+            "computed: a person's rows may lie in different parts, so their draws are not bands= steps apart; train "
+            "with privacy_unit='user' (the parts are parts of the users) for a per-person guarantee"
         )
     return dataclasses.replace(record, micro_batches=record.micro_batches * k)
 

@@ -1,5 +1,5 @@
 """The step records of the ``rc_prv`` accountant's history (:class:`StepRecord`): what one
-recorded step ran (its sketch, its accumulated micro-batches, its banded noise), in the form
+recorded step ran (its sketch, its accumulated micro-batches, its noise mechanism), in the form
 checkpoints store (:meth:`StepRecord.as_dict`)."""
 
 from __future__ import annotations
@@ -32,11 +32,14 @@ class StepRecord:
     sketch_size: Optional[int] = None
     sketching: str = UNNAMED_SKETCHING
     micro_batches: int = 1
-    #: banded noise (``noise="banded"``): b, and the largest column norm of its ``C``
+    #: the noise mechanism's record (:meth:`opacus_rc.noises.NoiseSpec.record_fields`): a unit
+    #: takes part in at most one of every ``bands`` consecutive steps of a run, and one
+    #: participation moves the released sequence by at most ``column_norm`` C (banded noise: b
+    #: and the largest column norm of its ``C``; independent noise: 1 and 1)
     bands: int = 1
     column_norm: float = 1.0
-    #: banded noise: the run of the recursion (:attr:`opacus_rc.correlated.BandedNoise.run_id`);
-    #: runs are charged apart (None: one run, as records of versions up to 0.1.0)
+    #: the mechanism's run (:attr:`opacus_rc.noises.NoiseMechanism.run_id`); runs are charged
+    #: apart (None: one run, as records of versions up to 0.1.0)
     noise_run: Optional[int] = None
 
     @property
@@ -44,14 +47,16 @@ class StepRecord:
         return self.sketch_size is not None
 
     @property
-    def banded(self) -> bool:
-        return self.bands > 1 or self.column_norm != 1.0
+    def dp_sgd(self) -> bool:
+        """Each step is one DP-SGD step (``bands = 1``, ``column_norm = 1``: independent noise)."""
+        return self.bands == 1 and self.column_norm == 1.0
 
     def reduced(self, sigma: float, steps: int) -> Tuple[float, int, "StepRecord"]:
-        """Amplified banded matrix factorisation as DP-SGD (Choquette-Choo et al., 2023):
-        ``steps`` consecutive steps of one run, in which a unit's draws are ``b`` apart, are
-        ``ceil(steps / b)`` rounds at ``sigma / max_column_norm(C)``, the same rate and sketch."""
-        if not self.banded:
+        """The record's steps as DP-SGD (amplified banded matrix factorisation, Choquette-Choo
+        et al., 2023): ``steps`` consecutive steps of one run, in which a unit's draws are
+        ``bands`` apart, are ``ceil(steps / bands)`` rounds at ``sigma / column_norm``, the same
+        rate and sketch."""
+        if self.dp_sgd:
             return sigma, steps, self
         plain = dataclasses.replace(self, bands=1, column_norm=1.0, noise_run=None)
         return sigma / self.column_norm, -(-steps // self.bands), plain
@@ -97,7 +102,7 @@ class StepRecord:
 
     def as_dict(self) -> Optional[Dict[str, Any]]:
         """The stored form: None for a deterministic single-batch step of independent noise."""
-        band = {"bands": self.bands, "column_norm": self.column_norm} if self.banded else {}
+        band = {} if self.dp_sgd else {"bands": self.bands, "column_norm": self.column_norm}
         if band and self.noise_run is not None:
             band["noise_run"] = self.noise_run
         if not self.randomized:
@@ -121,7 +126,7 @@ def _column_norm(value: Any) -> float:
 def _run(value: Any) -> Optional[int]:
     """A record's ``noise_run``: None or an int."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ValueError(f"noise_run={value!r}; accepted values: None or an int (a run of the banded recursion)")
+        raise ValueError(f"noise_run={value!r}; accepted values: None or an int (a run of the noise mechanism)")
     return value
 
 

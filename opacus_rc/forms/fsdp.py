@@ -350,7 +350,7 @@ class FSDPRandomizedClippingOptimizer(SketchedClippingMixin, FSDPOptimizerFastGr
     adds_noise = True  # every rank noises the shard it owns
 
     def noise_holder(self) -> Any:
-        """Banded noise's kept vectors are this rank's shards: ``(rank, world_size)``."""
+        """The noise mechanism's state is this rank's shards: ``(rank, world_size)``."""
         return (self.rank, self.world_size)
 
     def _clipped_sums(self) -> List[Optional[torch.Tensor]]:
@@ -368,8 +368,9 @@ class FSDPRandomizedClippingOptimizer(SketchedClippingMixin, FSDPOptimizerFastGr
 
     def noise_sums(self) -> None:
         """Noise ``N(0, (sigma C / world)^2)`` (mean loss) on this rank's shard of every
-        parameter (banded: each rank's recursion on its shard, its buffers sharded like the
-        parameters); Opacus's FSDP optimizer calls this under ``implicit_replication``."""
+        parameter (a mechanism with state, e.g. banded noise: each rank steps it on its shard,
+        its buffers sharded like the parameters); Opacus's FSDP optimizer calls this under
+        ``implicit_replication``."""
         std = self.noise_multiplier * self.max_grad_norm
         if self.loss_reduction == "mean":
             std /= self.world_size
@@ -387,8 +388,8 @@ class FSDPRandomizedClippingOptimizer(SketchedClippingMixin, FSDPOptimizerFastGr
     def _noise(self, std: float, reference: torch.Tensor) -> torch.Tensor:
         """N(0, std^2) like ``reference``. For a DTensor outside secure mode: Opacus's full-shape
         draw, sliced to this rank's shard (a DTensor with the reference's placements; the slice
-        is local, no collective), so that banded noise keeps its buffers sharded like the
-        parameters, not a full copy of each parameter per kept step on every rank."""
+        is local, no collective), so that a mechanism's state (banded noise's kept vectors) is
+        sharded like the parameters, not a full copy of each parameter per kept step on every rank."""
         noise = super()._noise(std, reference)
         if self.secure_mode or not isinstance(reference, DTensor) or isinstance(noise, DTensor):
             return noise

@@ -10,13 +10,13 @@ from typing import Any, Dict, Optional, Tuple, Union
 from ..accounting.records import StepRecord
 from ..config import SketchConfig
 from ..forms import per_example_chosen
+from ..noises import NoiseSpec, noise_keywords
 from ..options import (
-    DEFAULTS, OPTIONS, check_noise, check_sample_rate, finite_real, parse_denoise, refuse_unknown, sketch_of,
-    step_record,
+    DEFAULTS, OPTIONS, check_sample_rate, finite_real, noise_of, parse_denoise, refuse_unknown, sketch_of, step_record,
 )
 from ..units import DEFAULT_MAX_EXAMPLES_PER_USER, check_max_examples_per_user, check_privacy_unit
 from ..values import (
-    BANDED_NOISE, DENOISERS as ENGINE_DENOISERS, EXAMPLE_UNIT, FLAT, RANDOMIZED, USER_UNIT, check_choice,
+    DENOISERS as ENGINE_DENOISERS, EXAMPLE_UNIT, FLAT, INDEPENDENT_NOISE, RANDOMIZED, USER_UNIT, check_choice,
 )
 
 CLIPPINGS = (RANDOMIZED, FLAT)
@@ -43,7 +43,7 @@ _FIELDS: Tuple[Union[str, Tuple[str, str, Any]], ...] = (
     "estimator", "sketch_size", "sketching", "per_example_backward",
     ("lm_head_block_size", "Optional[int]", None),
     "denoise",
-    "noise", "bands",
+    "noise", *(k[0] for k in noise_keywords()),
     ("secure_mode", "bool", False),
     "sample_rate",
     "privacy_unit",
@@ -79,9 +79,10 @@ class _PrivacyArgumentsMethods:
         lm_head_block_size: positions per block of the chunked LM head
             (:class:`~opacus_rc.lm_head.ChunkedLMHeadLoss`; ``None``: the model's own logits).
         denoise: ``None`` or ``"spectral"`` (post-processing of the noisy gradient).
-        noise, bands: ``"independent"`` (DP-SGD, default) or ``"banded"`` with ``bands=b``
-            (banded matrix factorisation: the Trainer's sampler draws cyclic Poisson draws,
-            draw t from part t mod b of the units at rate b q; :mod:`opacus_rc.correlated`).
+        noise, bands: the noise mechanism (:mod:`opacus_rc.noises`) and its keywords:
+            ``"independent"`` (DP-SGD, default) or ``"banded"`` with ``bands=b`` (banded matrix
+            factorisation: the Trainer's sampler draws cyclic Poisson draws, draw t from part
+            t mod b of the units at rate b q; :mod:`opacus_rc.noises.banded`).
         secure_mode: noise, sketches and Poisson masks from :mod:`opacus_rc.csprng`.
         sample_rate: the public Poisson rate; ``None``: ``1 / ceil(len(train_dataset) / B)``
             (at ``privacy_unit="user"``: ``B / number of users``, B counting users: at most
@@ -161,33 +162,35 @@ class _PrivacyArgumentsMethods:
                              "clipping='randomized'")
 
     def _check_noise(self) -> None:
-        """``noise`` and ``bands`` (what depends on the sample rate, ``bands * q <= 1``, is
-        checked at construction of the Trainer)."""
-        check_noise(self.noise, self.bands, self.denoise, "the logical steps of an epoch (int(1 / sample_rate))")
-        if self.banded and self.clipping != RANDOMIZED:
+        """``noise`` and its keywords (what depends on the sample rate, e.g. ``bands * q <= 1``,
+        is checked at construction of the Trainer); a noise other than the default needs the
+        plugin's optimizer (``clipping="randomized"``)."""
+        self.noise_spec()
+        if self.noise != INDEPENDENT_NOISE and self.clipping != RANDOMIZED:
             raise ValueError(
-                f"noise='banded' is not supported with clipping={self.clipping!r}; accepted: clipping='randomized'"
+                f"noise={self.noise!r} is not supported with clipping={self.clipping!r}; accepted: clipping='randomized'"
             )
 
-    @property
-    def banded(self) -> bool:
-        """Whether the noise is banded (``noise="banded"``)."""
-        return self.noise == BANDED_NOISE
+    def noise_spec(self) -> NoiseSpec:
+        """The noise mechanism's spec (``noise`` and its keywords, parsed:
+        :func:`~opacus_rc.options.noise_of`)."""
+        return noise_of(self.options(), "the logical steps of an epoch (int(1 / sample_rate))")
 
-    @property
-    def parts(self) -> int:
-        """b: the sampler's parts and the noise's coefficients (1: independent noise)."""
-        return int(self.bands) if self.banded else 1
+    def noise_options(self) -> Dict[str, Any]:
+        """``noise`` and every mechanism's keywords, as ``make_private`` takes them."""
+        return {name: getattr(self, name) for name in ("noise", *(k[0] for k in noise_keywords()))}
 
     def charged_rate(self, sample_rate: float) -> float:
         """The rate the accountant charges a logical step sampled at ``sample_rate``: inside a
-        part with banded noise (``bands`` times it; as ``Options.charged_rate``)."""
-        return sample_rate * self.parts
+        part of a cyclic sampler (:meth:`~opacus_rc.noises.NoiseSpec.charged_rate`; as
+        ``Options.charged_rate``)."""
+        return self.noise_spec().charged_rate(sample_rate)
 
     def step_record(self, physical_batch_size: int) -> StepRecord:
-        """The accountant's record of one logical step (:meth:`sketch_config`; banded noise:
-        ``bands`` and the largest column norm of its ``C``), as the optimizer's hook records it."""
-        return step_record(self.sketch_config(physical_batch_size), self.parts if self.banded else None)
+        """The accountant's record of one logical step (:meth:`sketch_config`; the noise
+        mechanism's record, e.g. banded noise's ``bands`` and column norm), as the optimizer's
+        hook records it."""
+        return step_record(self.sketch_config(physical_batch_size), self.noise_spec())
 
     @property
     def user_level(self) -> bool:

@@ -25,7 +25,7 @@ from ..per_parameter import set_grad_sample
 from ..units import RowUnits, UserIndex, check_same_on_ranks
 from ..values import RANDOMIZED, check_choice
 from .arguments import PrivacyArguments
-from .banded import check_banded
+from .noise import check_noise_sampling
 from .data import poisson_sampler_of
 from .losses import _base_model
 from .packing import check_packed_attention
@@ -188,8 +188,7 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
         # step above the users and (several processes) ranks given different rows or ids
         check_same_on_ranks(trainer.user_index())
         trainer.sample_rate  # noqa: B018
-    if trainer.privacy.banded:
-        check_banded(trainer)
+    check_noise_sampling(trainer)  # the noise mechanism's sampler (e.g. banded noise's cyclic parts) at q
 
 
 def user_index_of(dataset: Any, privacy: PrivacyArguments) -> UserIndex:
@@ -276,10 +275,10 @@ def check_loader(trainer: Trainer, made: Optional[DataLoader]) -> None:
         else f"its sampler draws at rate {sampler.sample_rate}, not the charged {trainer._dp_rate} (train_dataset "
         "replaced between two train() calls? Construct a new private Trainer for a new dataset)"
         if sampler.sample_rate != trainer._dp_rate
-        else "its sampler's split, rank, world size, dataset size or bands differ from the Trainer's"
+        else "its sampler's split, rank, world size, dataset size or cyclic parts differ from the Trainer's"
         if (sampler.micro_batches, sampler.rank, sampler.world_size, sampler.num_samples, sampler.bands)
         != (trainer.args.gradient_accumulation_steps, trainer.args.process_index, trainer.args.world_size,
-            len(trainer.train_dataset), trainer.privacy.bands if trainer.privacy.banded else None)
+            len(trainer.train_dataset), trainer.privacy.noise_spec().parts)
         else None
     )
     if why is not None:

@@ -3,9 +3,10 @@
 :class:`~opacus_rc.units.UserPoissonSampler`), collated by the Trainer's collator, an empty
 draw becoming a marker batch (:func:`is_empty_batch`); at user level each batch carries its
 rows' units (:func:`take_units`), in the order the collator put the rows in
-(:class:`~opacus_rc.row_order.RowOrderCollate`). With banded noise (``bands=b``) the draws are cyclic
+(:class:`~opacus_rc.row_order.RowOrderCollate`). For a noise mechanism served by cyclic draws
+(its spec's ``parts``, e.g. banded noise's ``bands=b``) the draws are cyclic
 (:class:`~opacus_rc.units.CyclicPoissonSampler`: draw t from part t mod b of the units) and
-each batch carries its draw's number (:func:`take_draw_step`), the banded noise's time."""
+each batch carries its draw's number (:func:`take_draw_step`), the mechanism's time."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
     draws its share of the USERS, ``r, r + world_size, ...`` (a user's rows stay on one
     rank), with its own generator; the union over ranks is one Poisson draw of users.
 
-    ``bands`` (banded noise): cyclic Poisson draws of
+    ``bands`` (the parts of a numbered noise mechanism's sampler, e.g. banded noise's): cyclic Poisson draws of
     :class:`~opacus_rc.units.CyclicPoissonSampler` over the units (rows, or ``users``): draw
     ``t`` samples part ``t mod bands`` only, at ``sample_rate`` (the rate inside a part, b
     times the overall rate); draws are numbered across epochs (:meth:`numbered_draws`,
@@ -94,7 +95,7 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
         return torch.rand(self.share, generator=self._generator) < self.sample_rate
 
     def _draw(self) -> Tuple[Optional[int], List[torch.Tensor]]:
-        """One logical step's number (banded noise; else None) and rows, split into
+        """One logical step's number (cyclic draws; else None) and rows, split into
         ``micro_batches`` physical batches."""
         step = None
         if self._user_draws is None:
@@ -119,8 +120,8 @@ class PoissonAccumulationSampler(Sampler[List[int]]):
             self._user_draws.serve(noise)
 
     def numbered_draws(self) -> Iterator[Tuple[Optional[int], List[int]]]:
-        """An epoch's physical batches, each with its logical step's draw number (banded
-        noise; None otherwise): what :class:`~opacus_rc.draws.DrawSampler` reads."""
+        """An epoch's physical batches, each with its logical step's draw number (cyclic draws;
+        None otherwise): what :class:`~opacus_rc.draws.DrawSampler` reads."""
         for _ in range(self.steps):
             step, parts = self._draw()
             self.draws += 1
@@ -146,18 +147,18 @@ def take_units(inputs: Any) -> Optional[RowUnits]:
 
 
 def take_draw_step(inputs: Any) -> Optional[int]:
-    """Remove and return the number of the cyclic draw a batch of a banded run belongs to
-    (None: independent noise, or a batch from another loader)."""
+    """Remove and return the number of the cyclic draw a batch belongs to (None: a noise
+    mechanism without numbered draws, or a batch from another loader)."""
     return inputs.pop(_DRAW, None) if isinstance(inputs, MutableMapping) else None
 
 
-USER_AT, BANDED_AT = "privacy_unit='user'", "noise='banded'"
+USER_AT, CYCLIC_AT = "privacy_unit='user'", "a noise= over cyclic Poisson draws (e.g. noise='banded')"
 
 
 class UserPoissonLoader(DataLoader):
-    """The private Trainer's loader at ``privacy_unit="user"`` or with banded noise: each
+    """The private Trainer's loader at ``privacy_unit="user"`` or over cyclic draws: each
     delivered batch (a mapping, or the empty marker) carries its rows'
-    :class:`~opacus_rc.units.RowUnits` (user level) and its draw's number (banded noise)
+    :class:`~opacus_rc.units.RowUnits` (user level) and its draw's number (cyclic draws)
     under private keys, set in the main process (:class:`~opacus_rc.draws.DrawSampler`) and
     removed by :func:`take_units` and :func:`take_draw_step` before the model: the Trainer
     fetches a step's batches before training on them, so they travel with the batch, not
@@ -170,19 +171,19 @@ class UserPoissonLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         pending = self.batch_sampler.pending
-        users, banded = self.user_index is not None, self.batch_sampler.poisson.bands is not None
+        users, cyclic = self.user_index is not None, self.batch_sampler.poisson.bands is not None
         for batch in super().__iter__():
             delivered = pending.popleft()
             if isinstance(batch, Collated):  # user level: the rows' order after the collator
                 batch, delivered = batch.data, delivered.reordered(batch.order)
             if not isinstance(batch, MutableMapping):
                 raise ValueError(
-                    f"{USER_AT if users else BANDED_AT}: the data_collator returned a "
+                    f"{USER_AT if users else CYCLIC_AT}: the data_collator returned a "
                     f"{type(batch).__name__}; accepted values: a dict (or BatchEncoding) of the batch's tensors"
                 )
             if users:
                 batch[_UNITS] = delivered.units
-            if banded:
+            if cyclic:
                 batch[_DRAW] = delivered.draw.step
             yield batch
 

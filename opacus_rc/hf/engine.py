@@ -27,9 +27,9 @@ logger = logging.getLogger(__package__)
 def noise_multiplier(privacy: PrivacyArguments, sample_rate: float, steps: int, physical_batch_size: int) -> float:
     """``privacy.noise_multiplier``, else sigma calibrated with ``rc_prv`` so that ``steps``
     logical steps sampled at ``sample_rate`` (charged at :meth:`PrivacyArguments.charged_rate`:
-    with banded noise the rate inside a part, ``bands`` times it) spend ``privacy.target_epsilon``
-    at ``privacy.delta``, each step of :meth:`PrivacyArguments.step_record` (the form's sketch: none for the per-example
-    form; banded noise's bands and column norm), as ``make_private_with_epsilon`` does."""
+    inside a part of a cyclic sampler) spend ``privacy.target_epsilon`` at ``privacy.delta``, each step
+    of :meth:`PrivacyArguments.step_record` (the form's sketch: none for the per-example form; the
+    noise mechanism's record), as ``make_private_with_epsilon`` does."""
     if privacy.noise_multiplier is not None:
         return float(privacy.noise_multiplier)
     record = privacy.step_record(physical_batch_size)
@@ -103,8 +103,8 @@ def make_private(
     per-example form's when ``privacy.per_example(physical_batch_size)``) and a DP
     optimizer averaging by the public ``batch_size`` (summed over ranks), charging
     ``sample_rate``, with the noise multiplier of ``privacy`` (calibrated for ``steps``);
-    ``history``: a resumed accountant history. With banded noise the accountant charges
-    ``bands * sample_rate``, the rate inside a part. At ``privacy.privacy_unit="user"``,
+    ``history``: a resumed accountant history. A noise mechanism served by cyclic draws is
+    charged ``parts * sample_rate``, the rate inside a part. At ``privacy.privacy_unit="user"``,
     ``user_ids`` (one per train_dataset row): ``batch_size`` counts expected users and
     ``sample_rate`` is the users' rate q_u (make_private clips per user)."""
     p = privacy
@@ -133,8 +133,7 @@ def make_private(
             estimator=p.estimator, sketch_size=p.sketch_size, sketching=p.sketching,
             expected_batch_size=batch_size, sample_rate=sample_rate, per_example_backward=per_example,
         )
-        if p.banded:  # the optimizer's banded recursion; its loader (cyclic draws) is the Trainer's own
-            kwargs.update(noise=p.noise, bands=p.bands)
+        kwargs.update(p.noise_options())  # the optimizer's noise mechanism; its loader (cyclic draws) is the Trainer's
         if p.lm_head_block_size is not None and not per_example:
             kwargs["bookkeeping"] = True  # the chunked head's norms: one pass, checkpointed or not
         if users:

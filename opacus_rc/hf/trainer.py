@@ -26,7 +26,7 @@ from ..recompute import quiet_hook_notes
 from ..units import UserIndex
 from ..values import RC_PRV
 from .arguments import LOSS_LOG_KEYS, PRIVATE_LOG_KEYS, PrivacyArguments
-from .banded import continue_numbering, signal_draw_step
+from .noise import continue_numbering, signal_draw_step
 from .callback import DPCallback
 from .checks import (
     DP_STATE_NAME, check_arguments, check_checkpoint_functions, check_loader, check_records, check_setup,
@@ -78,7 +78,7 @@ class DPTrainerMixin(SearchMixin):
     @property
     def sample_rate(self) -> float:
         """The public Poisson rate of every logical step (of users at ``privacy_unit="user"``: ``B / users``
-        by default, B at most their number); banded noise charges ``bands`` times it inside a part."""
+        by default, B at most their number); a cyclic sampler (banded noise) charges ``parts`` times it inside a part."""
         if self.privacy.sample_rate is not None:
             return float(self.privacy.sample_rate)
         if self.train_dataset is None:
@@ -131,7 +131,7 @@ class DPTrainerMixin(SearchMixin):
             collator = self._get_collator_with_removed_columns(collator, description="Training")
         collator = PackedCollate(collator) if getattr(self, "padding_free", False) else collator  # TRL's
         self._dp_loader = poisson_loader(
-            dataset, collator, sample_rate=self.privacy.charged_rate(self.sample_rate), bands=self.privacy.bands,
+            dataset, collator, sample_rate=self.privacy.charged_rate(self.sample_rate), bands=self.privacy.noise_spec().parts,
             micro_batches=self.args.gradient_accumulation_steps, steps=self.steps_per_epoch,
             rank=self.args.process_index, world_size=self.args.world_size, secure_mode=self.privacy.secure_mode,
             num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory, users=users,
@@ -225,7 +225,7 @@ class DPTrainerMixin(SearchMixin):
         skipping = self._dp_resumed_history is not None and not self.args.ignore_data_skip
         units = check_units(self.privacy, take_units(inputs), skipping)  # removed: they never reach the model
         segments = take_segments(inputs)  # padding_free: the examples are the sequences packed in a row
-        signal_draw_step(self, optimizer, inputs, skipping)  # banded noise: its step is the draw's number
+        signal_draw_step(self, optimizer, inputs, skipping)  # a numbered noise: its step is the draw's number
         if not is_empty_batch(inputs):
             inputs = self._prepare_inputs(inputs)
             per_example = self._dp_form is not None and self._dp_form.one_example_per_backward
@@ -281,7 +281,7 @@ class DPTrainerMixin(SearchMixin):
     def _dp_on_train_begin(self) -> None:
         self._dp_micro, self._dp_loader_checked = 0, False
         self._dp_after_step()
-        continue_numbering(self)  # banded noise: the draws numbered from the noise's next step
+        continue_numbering(self)  # a numbered noise: the draws numbered from its next step, on every rank
         self._dp_max_steps = self._dp_budget_steps()
         if self._dp_max_steps is not None and self._dp_max_steps <= self.privacy_steps():
             raise ValueError(

@@ -36,7 +36,7 @@ from torch import nn
 
 import opacus_rc  # noqa: F401  (registers the plugin: a spawned rank loads no conftest)
 from opacus_rc import csprng
-from opacus_rc.correlated import BANDED_STATE_KEY
+from opacus_rc.noises.banded import BANDED_STATE_KEY
 from opacus_rc.draws import CyclicPoissonLoader
 from opacus_rc.finite import local_shard
 

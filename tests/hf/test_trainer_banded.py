@@ -17,8 +17,8 @@ from transformers import default_data_collator
 from opacus_rc.accounting.accountant import RCPRVAccountant
 from opacus_rc.correlated import banded_sqrt_coefficients, max_column_norm
 from opacus_rc.hf import DPTrainer, PrivacyArguments, is_empty_batch, private_trainer
-from opacus_rc.hf.banded import check_draw_step
-from opacus_rc.correlated import BandedNoise
+from opacus_rc.hf.noise import check_draw_step
+from opacus_rc.noises.banded import BandedNoise
 from opacus_rc.hf.data import PoissonAccumulationSampler, poisson_sampler_of
 from opacus_rc.units import UserIndex
 
@@ -276,3 +276,223 @@ def test_private_sft_trainer_with_banded_noise(tmp_path):
     assert trainer._dp_optimizer.banded.released == [(t, t) for t in range(3)]
     assert trainer.accountant.history == [(SIGMA, 0.5, 3, expected_record(trainer, 3))]
     assert trainer.state.log_history[-1]["epsilon"] == pytest.approx(trainer.get_epsilon())
+
+
+# ------------------------------------------------------------------- two processes (gloo)
+
+#: the clip of the two-process runs (exact norms at T <= 16 <= k = 32)
+DDP_C = 0.05
+#: kind -> (b, q, per-device batch), 2 accumulation steps, 2 ranks. Rows: B = 2 x 2 x 2 = 8 = q N
+#: at q = 1/3 of 24 rows; users (privacy_unit="user", 6 users): B = 1 x 2 x 2 = 4 expected users at
+#: q = 1/2. The rate inside a part, b q, is 1: every unit of the part is drawn, so a rank's share
+#: of a draw is empty only for a part of at most one unit, whatever the secret partition (the test
+#: needs a draw with rows on both ranks)
+DDP_RUNS = {"trainer": (3, 1 / 3, 2), "sft": (3, 1 / 3, 2), "users": (2, 1 / 2, 1)}
+
+
+def ddp_recording(trainer_class):
+    """The trainer class recording, on its rank: each physical batch (its tensors, units and draw
+    number, before the Trainer takes them off), each logical draw the sampler makes (its number and
+    the stable keys of its units: the rows, or the users' ids), each release (``p.grad`` when the
+    wrapped optimizer updates, after the ranks' all-reduce) and each ``z`` the optimizer draws
+    (rank 0 only: the others add none)."""
+
+    class DDPRecording(trainer_class):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.batches = getattr(self, "batches", [])
+            tensors = None if is_empty_batch(inputs) else {k: v.clone() for k, v in inputs.items()
+                                                           if isinstance(v, torch.Tensor)}
+            self.batches.append((inputs.get(_DRAW), tensors, inputs.get(_UNITS)))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+        def get_train_dataloader(self):
+            loader = super().get_train_dataloader()
+            sampler, self.drawn = poisson_sampler_of(loader), []
+            index = self.user_index()
+            key = (lambda row: row) if index is None else (lambda row: index.keys[int(index.user_of_row[row])])
+            draws = sampler.numbered_draws
+            sampler.numbered_draws = lambda: (self.drawn.append((d[0], d[1], [key(r) for r in d[1]])) or d
+                                              for d in draws())
+            return loader
+
+        def create_optimizer(self, model=None):
+            optimizer = super().create_optimizer(model)
+            if not hasattr(self, "releases"):
+                self.releases, self.z = [], []
+                names = {id(p): n for n, p in self.model.named_parameters()}
+                self.slot_names = [names[id(p)] for p in optimizer.params]
+                optimizer.original_optimizer.register_step_pre_hook(
+                    lambda *_: self.releases.append([p.grad.detach().clone() for p in optimizer.params]))
+                draw = optimizer._noise
+                optimizer._noise = lambda std, reference: (lambda z: self.z.append(z.clone()) or z)(draw(std, reference))
+            return optimizer
+
+    return DDPRecording
+
+
+def ddp_banded_run(out, kind: str, max_steps: int, resume=None) -> dict:
+    """One rank's banded run (``kind``: ``"trainer"``, DPTrainer on RowDataset; ``"sft"``, TRL's
+    SFTTrainer made private, float32 without checkpointing; ``"users"``, DPTrainer at
+    ``privacy_unit="user"``) at learning rate 0, sigma = 1, a checkpoint every 2 steps;
+    ``resume``: a checkpoint every rank resumes from. What it recorded."""
+    import os
+
+    bands, q, per_device = DDP_RUNS[kind]
+    model = tiny_llama(seed=int(os.environ["RANK"]))  # different on purpose: DPDDP broadcasts rank 0's
+    units = dict(privacy_unit="user", user_column="author", max_examples_per_user=3) if kind == "users" else {}
+    privacy = banded(bands, sample_rate=q, max_grad_norm=DDP_C, sketch_size=32, **units)
+    common = dict(model=model, optimizers=(torch.optim.SGD(model.parameters(), lr=0.0), None), privacy=privacy)
+    schedule = dict(per_device_train_batch_size=per_device, gradient_accumulation_steps=2, max_steps=max_steps,
+                    save_strategy="steps", save_steps=2, logging_steps=1, ignore_data_skip=True)
+    if kind == "trainer":
+        trainer = ddp_recording(DPTrainer)(args=training_args(out, **schedule), train_dataset=RowDataset(), **common)
+    elif kind == "users":
+        trainer = ddp_recording(DPTrainer)(args=training_args(out, remove_unused_columns=False, **schedule),
+                                           train_dataset=user_dataset(), data_collator=default_data_collator, **common)
+    else:
+        import trl
+
+        config = trl.SFTConfig(output_dir=str(out / "out"), report_to=[], use_cpu=True, disable_tqdm=True, bf16=False,
+                               gradient_checkpointing=False, lr_scheduler_type="constant", **schedule)
+        trainer = ddp_recording(private_trainer(trl.SFTTrainer))(
+            args=config, train_dataset=sft_dataset(), processing_class=char_tokenizer(), **common)
+    trainer.train(resume_from_checkpoint=resume)
+    optimizer, sampler = trainer._dp_optimizer, cyclic_sampler(trainer)
+    return {
+        "batches": trainer.batches, "drawn": trainer.drawn[:len(trainer.batches)], "releases": trainer.releases,
+        "z": trainer.z, "slot_names": trainer.slot_names, "history": trainer.accountant.history,
+        "epsilon": trainer.get_epsilon(), "secret": sampler._secret, "run_id": optimizer.banded.run_id,
+        "run_start": optimizer.banded.run_start, "holder": optimizer.banded.holder,
+        "optimizer": type(optimizer).__name__, "share": (sampler.rank, sampler.world_size),
+        "expected_batch_size": trainer.expected_batch_size, "record": trainer.privacy.step_record(per_device),
+    }
+
+
+def ddp_shifted_draws(out) -> dict:
+    """One rank's DPTrainer whose sampler, on rank 1, numbers its draws one ahead (as if its loader
+    had been iterated once more): the first release is refused on both ranks (no rank waits in a
+    collective), nothing charged."""
+    import os
+
+    rank = int(os.environ["RANK"])
+    bands, q, per_device = DDP_RUNS["trainer"]
+
+    class Shifted(DPTrainer):
+        def _dp_on_train_begin(self):
+            super()._dp_on_train_begin()
+            if rank == 1:
+                cyclic_sampler(self).next_draw += 1
+
+    trainer = Shifted(model=tiny_llama(seed=0), args=training_args(out, per_device_train_batch_size=per_device),
+                      train_dataset=RowDataset(), privacy=banded(bands, sample_rate=q))
+    try:
+        trainer.train()
+        raised = ""
+    except ValueError as error:
+        raised = str(error)
+    return {"raised": raised, "history": trainer.accountant.history}
+
+
+def ddp_row_loss(model, row):
+    """A collated row's per-row loss computed alone: its tokens up to its padding (right padding),
+    positions from 0, the mean over its supervised tokens."""
+    from opacus_rc.hf import per_example_token_loss
+
+    n = int(row["attention_mask"].sum()) if "attention_mask" in row else row["input_ids"].shape[0]
+    ids, labels = row["input_ids"][None, :n], row["labels"][None, :n]
+    logits = model(input_ids=ids, position_ids=torch.arange(n)[None], use_cache=False).logits
+    return per_example_token_loss(logits, labels, shift=True).mean()
+
+
+def check_ddp_banded(ranks, start: int, steps: int, kind: str) -> None:
+    """Both ranks number the draws ``start .. start + steps - 1`` alike and draw them from part
+    ``t mod b`` of one partition (rank 0's secret), their rows (users) disjoint; rank 0 alone adds
+    noise; every release, on both ranks, is brute-force clipping (per row, or per user) of the
+    union of the ranks' rows of the draw over B plus ``(C^-1 z)_t / B`` of rank 0's ``z`` from the
+    run's first step (a resumed run restarts the recursion: ``C`` from its start), ``C`` built
+    here; the histories agree."""
+    from tests.forms.test_banded import band_matrix
+    from tests.oracles import per_example_clipped_mean, per_user_clipped_mean
+
+    bands, _, per_device = DDP_RUNS[kind]
+    first, second = ranks
+    assert first["history"] == second["history"] and first["epsilon"] == second["epsilon"]
+    assert first["secret"] == second["secret"] and first["run_id"] == second["run_id"]
+    assert (first["run_start"], first["share"], second["share"]) == (start, (0, 2), (1, 2))
+    assert first["optimizer"].startswith("Distributed") and (first["holder"], second["holder"]) == ("full", None)
+    assert second["z"] == [] and len(first["z"]) == steps * len(first["slot_names"])
+    for r in ranks:
+        assert [d for d, *_ in r["batches"]] == [t for t in range(start, start + steps) for _ in range(2)]
+        assert [d for d, *_ in r["drawn"]] == [d for d, *_ in r["batches"]]
+        assert all(cyclic_part(first["secret"], key, bands) == t % bands for t, _, keys in r["drawn"] for key in keys)
+    assert not {k for _, _, keys in first["drawn"] for k in keys} & {k for _, _, keys in second["drawn"] for k in keys}
+    both = [t for t in range(steps) if all(any(rows for _, rows, _ in r["drawn"][2 * t:2 * t + 2]) for r in ranks)]
+    assert both, "no draw with rows on both ranks: pick another schedule"
+    if kind == "trainer":  # the rows trained on are the rows drawn
+        data = RowDataset()
+        for r in ranks:
+            for (_, rows, _), (_, batch, _) in zip(r["drawn"], r["batches"]):
+                assert rows == [] if batch is None else torch.equal(batch["input_ids"], data.ids[rows])
+    reference = tiny_llama(seed=0)  # rank 0's weights: DPDDP broadcast them, learning rate 0 kept them
+    names, slots = first["slot_names"], len(first["slot_names"])
+    z = [[first["z"][t * slots + s] for s in range(slots)] for t in range(steps)]
+    w = [torch.linalg.solve_triangular(band_matrix(bands, steps), torch.stack([zt[s].double().flatten() for zt in z]),
+                                       upper=False) for s in range(slots)]
+    normaliser = first["expected_batch_size"]
+    assert normaliser == per_device * 2 * 2
+    for t in range(steps):
+        batches = [(batch, units) for r in ranks for _, batch, units in r["batches"][2 * t:2 * t + 2] if batch is not None]
+        rows = [{k: v[i] for k, v in batch.items()} for batch, _ in batches for i in range(batch["input_ids"].shape[0])]
+        index = torch.arange(len(rows))  # the oracles take tensors: row i is index i
+
+        def loss_of(m, i, _):
+            return ddp_row_loss(m, rows[int(i)])
+
+        if kind == "users":  # each rank holds whole users: a user's rows are on one rank
+            users = [u for _, units in batches for u in units.users.tolist()]
+            want = per_user_clipped_mean(reference, loss_of, index, index, users, DDP_C, normaliser)
+        else:
+            want = per_example_clipped_mean(reference, loss_of, index, index, DDP_C, normaliser)
+        for r in ranks:
+            for s, name in enumerate(names):
+                torch.testing.assert_close(
+                    r["releases"][t][s].double().flatten(), want[name].double().flatten() + w[s][t] / normaliser,
+                    atol=1e-6, rtol=0, msg=lambda m: f"draw {start + t}, {name}: {m}")
+
+
+@pytest.mark.parametrize("kind", sorted(DDP_RUNS))
+def test_two_gloo_ranks_banded_release_is_the_union_of_the_ranks_draws_and_resumes(tmp_path, kind):
+    """torchrun --nproc_per_node 2 (DPTrainer, TRL's SFTTrainer made private, and DPTrainer at
+    privacy_unit="user"), sigma = 1, two steps, then a resume from the checkpoint on every rank to
+    four: every rank uses rank 0's partition and run and the same draw numbers; rank 0 alone adds
+    the noise; each release is brute force on the union of the ranks' draws plus the banded noise
+    replayed from rank 0's ``z`` (:func:`check_ddp_banded`); the resumed run continues the
+    numbering (draws 2 and 3) in a new run, charged apart: the history and epsilon are those of one
+    process, ``[(sigma, b q, 2, run 1), (sigma, b q, 2, run 2)]``, ceil(2/b) + ceil(2/b) rounds."""
+    from .test_trainer import run_two_ranks
+
+    bands, q, _ = DDP_RUNS[kind]
+    ranks = run_two_ranks(tmp_path, SIGMA, f"banded_{kind}")
+    check_ddp_banded([r["first"] for r in ranks], 0, 2, kind)
+    check_ddp_banded([r["resumed"] for r in ranks], 2, 2, kind)
+    first, resumed = ranks[0]["first"], ranks[0]["resumed"]
+    assert resumed["run_id"] != first["run_id"]
+    records = [dataclasses.replace(first["record"], noise_run=run) for run in (first["run_id"], resumed["run_id"])]
+    assert first["history"] == [(SIGMA, bands * q, 2, records[0])]
+    assert resumed["history"] == [(SIGMA, bands * q, 2, records[0]), (SIGMA, bands * q, 2, records[1])]
+    probe = RCPRVAccountant()  # one process's charge: ceil(2 / b) rounds in each run
+    plain = records[0].reduced(1.0, 1)[2]
+    probe.history = [(SIGMA / records[0].column_norm, bands * q, 2 * math.ceil(2 / bands), plain)]
+    assert resumed["epsilon"] == pytest.approx(probe.get_epsilon(delta=DELTA), rel=1e-9)
+
+
+def test_two_gloo_ranks_releasing_different_draws_are_refused_on_both(tmp_path):
+    """Rank 1's sampler one draw ahead of rank 0's (:func:`ddp_shifted_draws`): the release would
+    add rank 0's noise of draw 0 to a union of draws 0 and 1 (a unit's draws would no longer be b
+    apart): refused by name on both ranks at the first release, nothing charged."""
+    from .test_trainer import run_two_ranks
+
+    ranks = run_two_ranks(tmp_path, SIGMA, "banded_shifted")
+    for r in ranks:
+        assert "noise='banded' under torch.distributed: the ranks release draws 0 to 1" in r["raised"], r["raised"]
+        assert r["history"] == []

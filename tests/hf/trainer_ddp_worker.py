@@ -1,7 +1,8 @@
 """One rank of the two-process DPTrainer test (tests/hf/test_trainer.py), launched with
 ``python -m torch.distributed.run --nproc_per_node 2 tests/hf/trainer_ddp_worker.py OUT SIGMA CLIPPING``
 (CLIPPING: "randomized", "flat", "per_example" (randomized, one row per backward pass), "users"
-(privacy_unit="user", tests/hf/test_trainer_users.py), or a refusal scenario)
+(privacy_unit="user", tests/hf/test_trainer_users.py), "banded_trainer" or "banded_sft" (noise="banded",
+tests/hf/test_trainer_banded.py), or a refusal scenario)
 (gloo on CPU). Each rank saves what it trained on and where it ended."""
 
 import os
@@ -97,6 +98,20 @@ def users_sharded(out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def banded(out: str, kind: str) -> None:
+    """Both ranks, noise="banded" (tests/hf/test_trainer_banded.py): 2 steps with a checkpoint,
+    then every rank resumes from it to 4 steps; each rank saves what each run recorded."""
+    import pathlib
+
+    import tests.hf.test_trainer_banded as b
+
+    first = b.ddp_banded_run(pathlib.Path(out), kind, max_steps=2)
+    torch.distributed.barrier()  # rank 0 has written the checkpoint
+    resumed = b.ddp_banded_run(pathlib.Path(out), kind, max_steps=4, resume=os.path.join(out, "out", "checkpoint-2"))
+    torch.save({"first": first, "resumed": resumed}, os.path.join(out, f"rank{os.environ['RANK']}.pt"))
+    torch.distributed.destroy_process_group()
+
+
 def main(out: str, sigma: float, clipping: str) -> None:
     import pathlib
 
@@ -109,6 +124,15 @@ def main(out: str, sigma: float, clipping: str) -> None:
         return users(out)
     if clipping == "users_sharded":
         return users_sharded(out)
+    if clipping == "banded_shifted":
+        import pathlib
+
+        import tests.hf.test_trainer_banded as b
+
+        torch.save(b.ddp_shifted_draws(pathlib.Path(out)), os.path.join(out, f"rank{os.environ['RANK']}.pt"))
+        return torch.distributed.destroy_process_group()
+    if clipping.startswith("banded_"):
+        return banded(out, clipping[len("banded_"):])
     model = t.tiny_llama(seed=int(os.environ["RANK"]))  # different on purpose: rank 0's is broadcast
     trainer = t.recording(t.DPTrainer)(
         model=model,
