@@ -39,6 +39,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCUMENT = ROOT / "docs" / "compatibility.md"
 
 PLAIN, BMM, TRAINER, TRL = "plain loop", "BatchMemoryManager", "DPTrainer", "TRL SFTTrainer"
+PACKED = "TRL SFTTrainer, padding_free=True"
 ONE, DDP, FSDP2 = "one process", "DDP (2 gloo ranks)", "FSDP2 (2 gloo ranks)"
 #: the forms a make_private loop can get (docs/forms.md) and the options that choose each
 FORMS = {
@@ -93,6 +94,17 @@ MATRIX: Dict[Cell, str] = {
         "tests/hf/test_trainer_users.py::test_two_gloo_ranks_at_user_level_equal_brute_force_on_the_union",
     (TRAINER, DDP, "per_example", "user", "independent"):
         "tests/hf/test_trainer_users.py::test_two_gloo_ranks_at_user_level_equal_brute_force_on_the_union",
+    (TRAINER, DDP, "bookkeeping", "example", "banded"):
+        "tests/hf/test_trainer_banded.py::test_two_gloo_ranks_banded_release_is_the_union_of_the_ranks_draws_and_resumes",
+    (TRAINER, DDP, "bookkeeping", "user", "banded"):
+        "tests/hf/test_trainer_banded.py::test_two_gloo_ranks_banded_release_is_the_union_of_the_ranks_draws_and_resumes",
+    (TRL, DDP, "bookkeeping", "example", "banded"):
+        "tests/hf/test_trainer_banded.py::test_two_gloo_ranks_banded_release_is_the_union_of_the_ranks_draws_and_resumes",
+    # TRL's packed rows: each sequence its own example (or its user's)
+    **{(PACKED, ONE, form, unit, "independent"):
+       "tests/hf/test_trainer_padding_free.py::test_padding_free_equals_brute_force_over_the_unpacked_sequences"
+       for form, unit in (("bookkeeping", "example"), ("output_passes", "example"), ("per_example", "example"),
+                          ("bookkeeping", "user"), ("output_passes", "user"))},
 }
 
 

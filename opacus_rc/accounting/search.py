@@ -198,7 +198,7 @@ class TrialMechanism:
     record: StepRecord = StepRecord()
 
     def __post_init__(self) -> None:
-        if self.record.micro_batches != 1 or self.record.banded:
+        if self.record.micro_batches != 1 or not self.record.dp_sgd:
             raise ValueError(
                 f"record={self.record!r}: a search accounts trials of single-draw steps with independent noise "
                 "(micro_batches=1, noise='independent'); accepted values: a record without accumulation or bands"

@@ -39,7 +39,7 @@ class TrialAccountant(RCPRVAccountant):
         self._total: Optional[Callable[[float], float]] = None
 
     def _covered(self, record: StepRecord) -> bool:
-        if record.micro_batches != 1 or record.banded:
+        if record.micro_batches != 1 or not record.dp_sgd:
             return False
         if not record.randomized:
             return True  # exact clipping: Z = 1, below any envelope
