@@ -18,7 +18,13 @@
 * **Consensus**: a refused step is agreed on by all ranks (one scalar all-reduce).
 * **Empty shares**: a rank whose Poisson share has no rows runs both backward passes (every
   FSDP2 collective) with empty per-example norms and contributes a zero clipped sum
-  (:class:`_EmptyShareHooks`).
+  (:class:`_EmptyShareHooks`); its criterion reports a mean loss of 0.
+* **User level** (``privacy_unit="user"``): the loader shards users, not rows (rank r draws users
+  r, r + W, ... at ``q_u``; :class:`~opacus_rc.units.UserPoissonSampler`), so a drawn user's rows
+  are all on one rank. That rank forms the user's sums in the norm pass (the two-pass form's
+  regrouped sequences, :func:`~opacus_rc.units.regroup_uses`) and weights each of its rows by
+  ``c_u / m_u`` in the clipped pass; FSDP2 reduce-scatters the clipped sums
+  ``sum_u c_u mean_{r in u} g_r`` as at example level. No per-user value crosses ranks.
 
 Book-keeping does not fit FSDP2's hooks and is refused (:func:`check_fsdp_mode`).
 """

@@ -1,0 +1,215 @@
+"""User-level privacy under FSDP2 (``privacy_unit="user"`` with ``grad_sample_mode="ghost_fsdp"``,
+2 gloo processes).
+
+The design: the user-level loader shards *users*, not rows: rank r draws users r, r + 2, ... at
+``q_u`` with its own generator, and a drawn user brings all of its ``m_u`` rows to that rank. So
+the rows of one user in a draw are on one rank, whatever their positions in the dataset, and each
+rank forms its users' sums (the two-pass form's regrouped sequences) and clip factors ``c_u / m_u``
+locally; FSDP2 reduce-scatters the clipped pass's sums as at example level. The data here is the
+case a row-wise shard would split: user ``r % 7`` owns row ``r``, so every user has even and odd
+rows (a ``DistributedSampler`` would put each user on both ranks, and clip it twice).
+
+At sigma = 0 and lr = 0 each rank's release (``p.grad`` when the wrapped optimizer steps, its
+dim-0 shard) equals its shard of brute-force per-user clipping
+(:func:`tests.oracles.per_user_clipped_mean`) of the union of both ranks' rows over the public
+normaliser (expected users per step), at every step: both shares non-empty, one empty (either
+rank), both empty. The runs: the wrapping form, the hooks form (``wrap_model=False``), activation
+checkpointing, banded noise (cyclic Poisson over users), and a run saved after 2 steps
+(``include_rng_state=True``, one file per rank) and resumed in a new engine, model and loader:
+its 4 steps equal the uninterrupted run's. The accountant charges ``q_u`` (the same history on
+both ranks); the mean loss of an empty share is 0 (finite). Ranks given their own shard of the
+rows and ids are refused on both.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from opacus import PrivacyEngine
+from torch import nn
+
+import opacus_rc  # noqa: F401  (registers the plugin: a spawned rank loads no conftest)
+from opacus_rc.finite import local_shard
+
+from tests.forms.test_user_level import _ce, user_data
+from tests.models import CheckpointedSequenceClassifier, SequenceClassifier
+from tests.oracles import per_user_clipped_mean
+from tests.spawn import spawn
+
+WORLD, STEPS, USERS = 2, 6, 7
+#: expected users per step (q_u = 2 / 7), clip bound, rows per user and draw (users have 5 or 6)
+BATCH, C, K = 2, 0.05, 4
+ATOL = 1e-6
+#: name: (make_private options, model class, seed); each run's STEPS draws hold a step with both
+#: shares non-empty, one with one share empty and one with both empty (asserted)
+RUNS = {
+    "wrapping": ({}, SequenceClassifier, 16),
+    "hooks_form": ({"wrap_model": False}, SequenceClassifier, 16),
+    "checkpointed": ({}, CheckpointedSequenceClassifier, 16),
+    "banded": ({"noise": "banded", "bands": 2}, SequenceClassifier, 4),
+}
+
+
+def make_model(cls=SequenceClassifier) -> nn.Module:
+    torch.manual_seed(0)
+    return cls()
+
+
+def private(options: dict, cls, seed: int, data=None, owners=None):
+    """An FSDP2 model made private at user level (lr 0, noise 0, exact norms: sketch_size above
+    every regrouped sequence); returns (engine, module called, optimizer, criterion, loader)."""
+    from opacus.utils.fsdp_utils import FSDP2Wrapper
+
+    if data is None:
+        data, owners = user_data(users=USERS)
+    model = FSDP2Wrapper(make_model(cls))
+    engine = PrivacyEngine(accountant="rc_prv")
+    module, opt, crit, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), criterion=nn.CrossEntropyLoss(),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=BATCH), noise_multiplier=0.0, max_grad_norm=C,
+        grad_sample_mode="ghost_fsdp", clipping="randomized", sketch_size=64, privacy_unit="user", user_ids=owners,
+        max_examples_per_user=K, seed=seed, **options,
+    )
+    return engine, (model if options.get("wrap_model", True) is False else module), opt, crit, loader
+
+
+def train(run, steps: int, record: dict) -> dict:
+    """``steps`` draws (as many epochs as needed): each step's rows on this rank, its release
+    (this rank's shards) and the mean loss the criterion reports."""
+    engine, module, opt, crit, loader = run
+    releases = record.setdefault("releases", [])
+    hook = opt.original_optimizer.register_step_pre_hook(
+        lambda *_: releases.append([local_shard(p.grad.detach()).clone() for p in opt.params])
+    )
+    rows, losses = record.setdefault("rows", []), record.setdefault("losses", [])
+    done = 0
+    while done < steps:
+        for x, y, index in loader:
+            loss = crit(module(x), y)
+            losses.append(loss.item())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rows.append(index.tolist())
+            done += 1
+            if done == steps:
+                break
+    hook.remove()
+    record["history"] = engine.accountant.state_dict()["history"]
+    return record
+
+
+def resumed(rank: int, out_dir: str) -> dict:
+    """2 steps, a checkpoint of this rank (its generators' states too), then a new engine, model
+    and loader that load it and take 2 more steps."""
+    path = os.path.join(out_dir, f"checkpoint{rank}.pt")
+    first = private({}, SequenceClassifier, 16)
+    record = train(first, 2, {})
+    first[0].save_checkpoint(path=path, module=first[1], optimizer=first[2], include_rng_state=True)
+    second = private({}, SequenceClassifier, 16)
+    second[0].load_checkpoint(path=path, module=second[1], optimizer=second[2])
+    return train(second, 2, record)
+
+
+def own_shard(rank: int) -> dict:
+    """Each rank given its own rows (rank, rank + 2, ...) and their ids: every user has rows in
+    both shards; refused on both ranks, by name."""
+    data, owners = user_data(users=USERS)
+    rows = list(range(rank, len(data), WORLD))
+    shard = torch.utils.data.TensorDataset(*(t[rows] for t in data.tensors))
+    try:
+        private({}, SequenceClassifier, 16, shard, [owners[r] for r in rows])
+    except ValueError as error:
+        return {"refused": str(error)}
+    return {"refused": None}
+
+
+def worker(rank, init_file, out_dir):
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    out = {name: train(private(options, cls, seed), STEPS, {}) for name, (options, cls, seed) in RUNS.items()}
+    out["resumed"] = resumed(rank, out_dir)
+    out["own_shard"] = own_shard(rank)
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def check_releases(name: str, ranks: list, steps: int) -> None:
+    """Every step's release on each rank is its shard of brute-force per-user clipping of the
+    union of the ranks' rows over the public normaliser BATCH."""
+    data, owners = user_data(users=USERS)
+    x_all, y_all, _ = data.tensors
+    reference = make_model()
+    names = [n for n, p in reference.named_parameters() if p.requires_grad]
+    for rank, r in enumerate(ranks):
+        assert len(r["rows"]) == len(r["releases"]) == steps, name
+        for step, release in enumerate(r["releases"]):
+            rows = ranks[0]["rows"][step] + ranks[1]["rows"][step]
+            users = [owners[i] for i in rows]
+            want = per_user_clipped_mean(reference, _ce, x_all[rows], y_all[rows], users, C, BATCH)
+            for slot, param in enumerate(names):
+                torch.testing.assert_close(
+                    release[slot].double(), torch.chunk(want[param], WORLD, dim=0)[rank].double(), atol=ATOL, rtol=0,
+                    msg=lambda m: f"{name}, rank {rank}, step {step} {rows}, {param}: {m}",
+                )
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    return spawn(worker, WORLD)
+
+
+def test_fsdp_user_level_equals_brute_force_per_user_clipping_gloo(spawned):
+    """Each form FSDP2 runs, at user level: every step's release is its shard of brute-force
+    per-user clipping of the ranks' union (an empty share contributes nothing, both empty release
+    zeros); each user is drawn, with all its m_u rows, by one rank only (rank r: users r, r + 2,
+    ...), though every user has rows at even and odd positions; epsilon is charged at q_u on both ranks; the mean
+    loss of an empty share is 0."""
+    _, owners = user_data(users=USERS)
+    assert all({r % 2 for r in range(len(owners)) if owners[r] == u} == {0, 1} for u in range(USERS))
+    for name, (options, _, _) in RUNS.items():
+        ranks = [r[name] for r in spawned]
+        check_releases(name, ranks, STEPS)
+        shares = list(zip(ranks[0]["rows"], ranks[1]["rows"]))
+        kinds = {(bool(a), bool(b)) for a, b in shares}
+        assert {(True, True), (False, False)} <= kinds and kinds & {(True, False), (False, True)}, \
+            f"{name}: the draws miss a case ({shares}): pick another seed"
+        drawn = [{owners[i] for step in r["rows"] for i in step} for r in ranks]
+        assert drawn[0].isdisjoint(drawn[1]), name  # each user drawn by one rank only, over the whole run
+        if "noise" not in options:  # rank r owns users r, r + 2, ... (banded: every 2nd user of each part)
+            assert all(u % WORLD == rank for rank, users in enumerate(drawn) for u in users)
+        for rank, r in enumerate(ranks):
+            for step in r["rows"]:
+                users = [owners[i] for i in step]
+                assert all(users.count(u) == min(K, owners.count(u)) for u in users)  # all m_u rows of a drawn user
+            assert all(loss == 0.0 for step, loss in zip(r["rows"], r["losses"]) if not step), name
+            assert all(torch.isfinite(torch.tensor(r["losses"]))), name
+        assert ranks[0]["history"] == ranks[1]["history"], name
+        if "noise" not in options:
+            (sigma, rate, steps, *_), = ranks[0]["history"]
+            assert (sigma, steps) == (0.0, STEPS) and abs(rate - BATCH / USERS) < 1e-12  # q_u = E[U] / users
+
+
+def test_fsdp_user_level_resume_continues_the_run_gloo(spawned):
+    """Saved after 2 steps and loaded by a new engine, model and loader on each rank: the 4 steps
+    are the uninterrupted run's (draws and releases) and are brute-force per-user clipping; the
+    accountant holds the 4 steps at q_u."""
+    ranks = [r["resumed"] for r in spawned]
+    check_releases("resumed", ranks, 4)
+    for rank, r in enumerate(ranks):
+        whole = spawned[rank]["wrapping"]
+        assert r["rows"] == whole["rows"][:4]
+        for got, want in zip(r["releases"], whole["releases"][:4]):
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert sum(entry[2] for entry in r["history"]) == 4
+        assert all(abs(entry[1] - BATCH / USERS) < 1e-12 for entry in r["history"])
+
+
+def test_fsdp_user_level_ranks_given_their_own_shards_are_refused_gloo(spawned):
+    """A rank-local shard of rows and ids (each user with rows in both): refused on both ranks."""
+    for r in spawned:
+        assert "the ranks were given different rows or user_ids" in r["own_shard"]["refused"]
