@@ -227,12 +227,28 @@ class PrivacyEngine(OpacusPrivacyEngine):
         such a file is as secret as the training data; :mod:`opacus_rc.checkpoint`)."""
         return super().save_checkpoint(**checkpoint.with_rng_state(self, include_rng_state, kwargs))
 
-    def load_checkpoint(self, **kwargs: Any) -> Dict[str, Any]:
-        """Opacus's ``load_checkpoint``; restores the generators' states if the file has
-        them (saved with ``include_rng_state=True``). A checkpoint of a run that used
-        ``seed=``, without them, loaded into a run with ``seed=`` is refused (it would
-        replay the noise) unless ``make_private(..., accept_replayed_noise=True)``."""
-        return checkpoint.load_checked(self, super().load_checkpoint, kwargs)
+    def load_checkpoint(
+        self,
+        *,
+        path: Any,
+        module: nn.Module,
+        optimizer: Optional[Any] = None,
+        noise_scheduler: Optional[Any] = None,
+        grad_clip_scheduler: Optional[Any] = None,
+        module_load_dict_kwargs: Optional[Dict[str, Any]] = None,
+        torch_load_kwargs: Optional[Dict[str, Any]] = None,
+    ) -> Dict[str, Any]:
+        """Opacus's ``load_checkpoint`` (same arguments); restores the generators' states if the
+        file has them (saved with ``include_rng_state=True``). Every refusal is decided before
+        anything is loaded: a refused load leaves the module, optimizer, accountant and generators
+        as they were (:func:`opacus_rc.checkpoint.load_checked`). A checkpoint of a run that used
+        ``seed=``, without the generators' states, loaded into a run with ``seed=`` is refused (it
+        would replay the noise) unless ``make_private(..., accept_replayed_noise=True)``."""
+        return checkpoint.load_checked(
+            self, path=path, module=module, optimizer=optimizer, noise_scheduler=noise_scheduler,
+            grad_clip_scheduler=grad_clip_scheduler, module_load_dict_kwargs=module_load_dict_kwargs,
+            torch_load_kwargs=torch_load_kwargs,
+        )
 
     # --- one make_private call ----------------------------------------------------------
 

@@ -96,9 +96,6 @@ class RandomizedClippingMixin:
         self.privacy_unit = EXAMPLE_UNIT if isinstance(user_index, (type(None), ExampleUnits)) else USER_UNIT
         self.seeded = noise_seed is not None  # the noise stream replays from its seed
         self.accept_replayed_noise = accept_replayed_noise
-        #: set while PrivacyEngine.load_checkpoint runs: a seeded state is checked after it
-        #: (a checkpoint with the generators' states continues the streams: no replay)
-        self.deferred_seeded_resume: Optional[bool] = None
         check_seed("noise_seed", noise_seed, self.secure_mode)
         #: the plugin's own noise stream (per device, rank folded in): see noise_generator()
         self.noise_streams = DeviceStreams(
@@ -589,23 +586,37 @@ class RandomizedClippingMixin:
         return {**state, SEEDED_STATE_KEY: True} if self.seeded else state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """The wrapped optimizer's state. Generator states are never part of it (see
-        ``PrivacyEngine.save_checkpoint(..., include_rng_state=True)``); a legacy entry
-        holding them is dropped. The state of a seeded run loaded into a seeded one is
-        refused unless ``accept_replayed_noise=True`` (:meth:`check_seeded_resume`). The noise
-        mechanism's public state is checked to be of this run's mechanism
-        (:func:`~opacus_rc.noises.take_noise_state`); a numbered one continues its step numbering
-        in a new run (:meth:`~opacus_rc.noises.base.NoiseMechanism.load_state_dict`) unless its
-        secret state follows."""
+        """The wrapped optimizer's state: :meth:`check_state_dict`, then :meth:`apply_state_dict`
+        (a refused state changes nothing). Generator states are never part of it (see
+        ``PrivacyEngine.save_checkpoint(..., include_rng_state=True)``)."""
+        self.check_state_dict(state_dict)
+        self.apply_state_dict(state_dict)
+
+    def check_state_dict(self, state_dict: Dict[str, Any], *, secret: Optional[Dict[str, Any]] = None,
+                         continues_streams: bool = False) -> None:
+        """Refuse (ValueError) a state this optimizer must not continue from, before anything is
+        loaded: a state of another noise mechanism (:func:`~opacus_rc.noises.take_noise_state`), a
+        public state its mechanism refuses and the mechanism's ``secret`` state saved with it, if
+        given (:meth:`~opacus_rc.noises.base.NoiseMechanism.check_state_dict`: banded noise's other
+        bands, kept vectors of another holder or step); a seeded run's state into a seeded run (its
+        streams restart from the seed: the noise is replayed) unless ``accept_replayed_noise`` or
+        ``continues_streams`` (the checkpoint holds the generators' states, :mod:`opacus_rc.checkpoint`).
+        torch checks the parameter groups before it loads them."""
+        noise_state = take_noise_state(self.noise_mechanism, dict(state_dict))
+        if noise_state is not None:
+            self.noise_mechanism.check_state_dict(noise_state, secret)
+        self.check_seeded_resume(bool(state_dict.get(SEEDED_STATE_KEY, False)) and not continues_streams)
+
+    def apply_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state :meth:`check_state_dict` accepted: the wrapped optimizer's; a numbered noise
+        mechanism continues its step numbering in a new run
+        (:meth:`~opacus_rc.noises.base.NoiseMechanism.load_state_dict`) unless its secret state
+        follows. A legacy entry holding generator states is dropped."""
         state_dict = dict(state_dict)
         if state_dict.pop(_LEGACY_STATE_KEY, None) is not None:
             logger.warning("ignored the sketch/noise generator states of a legacy optimizer state_dict")
-        seeded = bool(state_dict.pop(SEEDED_STATE_KEY, False))
+        state_dict.pop(SEEDED_STATE_KEY, None)
         noise_state = take_noise_state(self.noise_mechanism, state_dict)
-        if self.deferred_seeded_resume is not None:
-            self.deferred_seeded_resume = seeded
-        else:
-            self.check_seeded_resume(seeded)
         super().load_state_dict(state_dict)
         if noise_state is not None:
             self.noise_mechanism.load_state_dict(noise_state)

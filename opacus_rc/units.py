@@ -417,7 +417,13 @@ class CyclicPoissonSampler(UserPoissonSampler):
                 "identity": None if self.identity is None else self.identity()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a saved partition; refused (ValueError) when the data its keys stand for changed."""
+        """Restore a saved partition (:meth:`check_state_dict` first)."""
+        self.check_state_dict(state)
+        self._partition(bytes(state["secret"]))
+        self.run, self.next_draw = state["run"], int(state["next_draw"])
+
+    def check_state_dict(self, state: dict) -> None:
+        """Refuse (ValueError) a saved partition when the data its keys stand for changed."""
         if self.identity is not None and state["identity"] != self.identity():
             raise ValueError(
                 "the cyclic Poisson sampler: this checkpoint's partition of the units is of other rows (or of these "
@@ -425,8 +431,6 @@ class CyclicPoissonSampler(UserPoissonSampler):
                 "same dataset rows in the same order to continue the noise's run with include_rng_state=True; resume "
                 "from a checkpoint without it (the noise restarts, charged as a new run) or restore the rows"
             )
-        self._partition(bytes(state["secret"]))
-        self.run, self.next_draw = state["run"], int(state["next_draw"])
 
 
 def _words(secret: bytes) -> List[int]:

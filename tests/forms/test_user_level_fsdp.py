@@ -18,7 +18,8 @@ checkpointing, banded noise (cyclic Poisson over users), and a run saved after 2
 (``include_rng_state=True``, one file per rank) and resumed in a new engine, model and loader:
 its 4 steps equal the uninterrupted run's. The accountant charges ``q_u`` (the same history on
 both ranks); the mean loss of an empty share is 0 (finite). Ranks given their own shard of the
-rows and ids are refused on both.
+rows and ids are refused on both, and a refused checkpoint load (a banded run's state into an
+independent run) leaves each rank's shards and optimizer as they were.
 """
 
 from __future__ import annotations
@@ -115,6 +116,35 @@ def resumed(rank: int, out_dir: str) -> dict:
     return train(second, 2, record)
 
 
+def refused_load(rank: int, out_dir: str) -> dict:
+    """A banded run's checkpoint (its parameters moved by hand after its step, so that a load would
+    show) loaded into an independent run: refused on each rank, and the loading run's parameter
+    shards, optimizer state and accountant are untouched."""
+    path = os.path.join(out_dir, f"banded{rank}.pt")
+    saved = private({"noise": "banded", "bands": 2}, SequenceClassifier, 4)
+    train(saved, 1, {})
+    with torch.no_grad():
+        for p in saved[2].params:
+            local_shard(p).add_(1.0)
+    saved[0].save_checkpoint(path=path, module=saved[1], optimizer=saved[2])
+    loading = private({}, SequenceClassifier, 16)
+    train(loading, 1, {})
+
+    def state():
+        return ([local_shard(p.detach()).clone() for p in loading[2].params], repr(loading[2].state_dict()),
+                repr(loading[0].accountant.history))
+
+    before = state()
+    try:
+        loading[0].load_checkpoint(path=path, module=loading[1], optimizer=loading[2])
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    after = state()
+    untouched = all(torch.equal(a, b) for a, b in zip(before[0], after[0])) and before[1:] == after[1:]
+    return {"refused": refused, "untouched": untouched}
+
+
 def own_shard(rank: int) -> dict:
     """Each rank given its own rows (rank, rank + 2, ...) and their ids: every user has rows in
     both shards; refused on both ranks, by name."""
@@ -134,6 +164,7 @@ def worker(rank, init_file, out_dir):
     out = {name: train(private(options, cls, seed), STEPS, {}) for name, (options, cls, seed) in RUNS.items()}
     out["resumed"] = resumed(rank, out_dir)
     out["own_shard"] = own_shard(rank)
+    out["refused_load"] = refused_load(rank, out_dir)
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -213,3 +244,12 @@ def test_fsdp_user_level_ranks_given_their_own_shards_are_refused_gloo(spawned):
     """A rank-local shard of rows and ids (each user with rows in both): refused on both ranks."""
     for r in spawned:
         assert "the ranks were given different rows or user_ids" in r["own_shard"]["refused"]
+
+
+def test_fsdp_refused_load_leaves_the_shards_and_optimizer_untouched_gloo(spawned):
+    """A banded run's checkpoint loaded into an independent FSDP2 run: refused on both ranks
+    (noise mismatch), and each rank's parameter shards, optimizer state and accountant history are
+    the loading run's own (before issue 53 the module's state was loaded before the refusal)."""
+    for r in spawned:
+        assert "noise=banded loaded into a run with noise=independent" in r["refused_load"]["refused"]
+        assert r["refused_load"]["untouched"]
