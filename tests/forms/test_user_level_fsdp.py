@@ -60,14 +60,16 @@ def make_model(cls=SequenceClassifier) -> nn.Module:
     return cls()
 
 
-def private(options: dict, cls, seed: int, data=None, owners=None):
-    """An FSDP2 model made private at user level (lr 0, noise 0, exact norms: sketch_size above
-    every regrouped sequence); returns (engine, module called, optimizer, criterion, loader)."""
+def private(options: dict, cls, seed: int, data=None, owners=None, model=None):
+    """An FSDP2 model (``model``, else ``cls`` wrapped by FSDP2Wrapper) made private at user level
+    (lr 0, noise 0, exact norms: sketch_size above every regrouped sequence); returns (engine,
+    module called, optimizer, criterion, loader)."""
     from opacus.utils.fsdp_utils import FSDP2Wrapper
 
     if data is None:
         data, owners = user_data(users=USERS)
-    model = FSDP2Wrapper(make_model(cls))
+    if model is None:
+        model = FSDP2Wrapper(make_model(cls))
     engine = PrivacyEngine(accountant="rc_prv")
     module, opt, crit, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), criterion=nn.CrossEntropyLoss(),
@@ -145,6 +147,51 @@ def refused_load(rank: int, out_dir: str) -> dict:
     return {"refused": refused, "untouched": untouched}
 
 
+def refused_combinations(rank: int) -> dict:
+    """A tied embedding / head (grouped by hand) and the chunked LM head at user level under
+    FSDP2: refused on every rank, whatever its share holds (the two-pass form refuses them in a
+    backward pass that holds a user of several rows, which under FSDP2 one rank would reach alone
+    while the other waits in FSDP2's collectives): the tied model at make_private, the head at its
+    call; each rank's error."""
+    from torch.distributed.fsdp import fully_shard
+    from opacus.utils.fsdp_utils import FSDP2Wrapper
+
+    from opacus_rc.lm_head import ChunkedLMHeadLoss
+    from tests.forms.test_fsdp import make_tied
+    from tests.models import TinyLM
+    from tests.test_lm_head import batch
+
+    out = {}
+    tied = make_tied()
+    for layer in (tied.fc1, tied.norm, tied.fc2):
+        fully_shard(layer)
+    fully_shard([tied.emb, tied.head])
+    fully_shard(tied)
+    data, owners = user_data(users=USERS)
+    try:
+        private({}, SequenceClassifier, 16, data, owners, model=tied)
+        out["tied"] = None
+    except ValueError as error:
+        out["tied"] = str(error)
+    lm = FSDP2Wrapper(TinyLM(vocab=24))
+    x, y = batch(12, 6, 24)
+    rows = torch.utils.data.TensorDataset(x, y)
+    engine = PrivacyEngine(accountant="rc_prv")
+    module, opt, crit, loader = engine.make_private(
+        module=lm, optimizer=torch.optim.SGD(lm.parameters(), lr=0.0), criterion=ChunkedLMHeadLoss(lm.head, block_size=3),
+        data_loader=torch.utils.data.DataLoader(rows, batch_size=2), noise_multiplier=0.0, max_grad_norm=C,
+        grad_sample_mode="ghost_fsdp", clipping="randomized", privacy_unit="user", user_ids=[r % 4 for r in range(12)],
+        seed=1,
+    )
+    xb, yb = next(iter(loader))
+    try:
+        crit(module(xb), yb)
+        out["head"] = None
+    except ValueError as error:
+        out["head"] = str(error)
+    return out
+
+
 def own_shard(rank: int) -> dict:
     """Each rank given its own rows (rank, rank + 2, ...) and their ids: every user has rows in
     both shards; refused on both ranks, by name."""
@@ -165,6 +212,7 @@ def worker(rank, init_file, out_dir):
     out["resumed"] = resumed(rank, out_dir)
     out["own_shard"] = own_shard(rank)
     out["refused_load"] = refused_load(rank, out_dir)
+    out["refused_combinations"] = refused_combinations(rank)
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -253,3 +301,12 @@ def test_fsdp_refused_load_leaves_the_shards_and_optimizer_untouched_gloo(spawne
     for r in spawned:
         assert "noise=banded loaded into a run with noise=independent" in r["refused_load"]["refused"]
         assert r["refused_load"]["untouched"]
+
+
+def test_fsdp_user_level_tied_weights_and_chunked_head_refused_on_every_rank_gloo(spawned):
+    """Tied parameters at make_private, the chunked LM head at its call: refused by name on both
+    ranks (never in one rank's backward pass alone)."""
+    for r in spawned:
+        refused = r["refused_combinations"]
+        assert "privacy_unit='user' with tied parameters is not supported with grad_sample_mode='ghost_fsdp'" in refused["tied"]
+        assert "privacy_unit='user' with the chunked LM head is not supported" in refused["head"]
