@@ -16,9 +16,11 @@ normaliser (expected users per step), at every step: both shares non-empty, one 
 rank), both empty. The runs: the wrapping form, the hooks form (``wrap_model=False``), activation
 checkpointing, banded noise (cyclic Poisson over users), and a run saved after 2 steps
 (``include_rng_state=True``, one file per rank) and resumed in a new engine, model and loader:
-its 4 steps equal the uninterrupted run's. The accountant charges ``q_u`` (the same history on
-both ranks); the mean loss of an empty share is 0 (finite). Ranks given their own shard of the
-rows and ids are refused on both, and a refused checkpoint load (a banded run's state into an
+its 4 steps equal the uninterrupted run's. With sketched norms (shared sketches of one seed) the
+release equals the one-process two-pass form's at user level. The accountant charges ``q_u`` (the
+same history on both ranks); the mean loss of an empty share is 0 (finite). Ranks given their own
+shard of the rows and ids are refused on both; so are tied parameters and the chunked LM head at
+user level, up front on every rank; and a refused checkpoint load (a banded run's state into an
 independent run) leaves each rank's shards and optimizer as they were.
 """
 
@@ -118,6 +120,33 @@ def resumed(rank: int, out_dir: str) -> dict:
     return train(second, 2, record)
 
 
+#: sketched norms (sketch_size 4 below every regrouped sequence of 30 to 36 tokens), shared sketches
+#: of one seed; every user drawn with all its rows (q_u = 1, k above every user's count)
+SKETCHED = dict(sketch_size=4, sketching="shared", sketch_seed=7, estimator="hutchinson", max_examples_per_user=64,
+                sample_rate=1.0)
+
+
+def sketched_release(wrap=None) -> list:
+    """One step at user level with sketched norms (:data:`SKETCHED`), lr 0, noise 0: the release
+    (this rank's shards under FSDP2: ``wrap``; else two passes in one process)."""
+    data, owners = user_data(users=USERS)
+    model = make_model() if wrap is None else wrap(make_model())
+    module, opt, crit, loader = PrivacyEngine(accountant="rc_prv").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), criterion=nn.CrossEntropyLoss(),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=BATCH), noise_multiplier=0.0, max_grad_norm=C,
+        grad_sample_mode="ghost" if wrap is None else "ghost_fsdp", clipping="randomized", privacy_unit="user",
+        user_ids=owners, **SKETCHED,
+    )
+    released = []
+    opt.original_optimizer.register_step_pre_hook(
+        lambda *_: released.append([local_shard(p.grad.detach()).clone() for p in opt.params])
+    )
+    x, y, _ = next(iter(loader))
+    crit(module(x), y).backward()
+    opt.step()
+    return released[0]
+
+
 def refused_load(rank: int, out_dir: str) -> dict:
     """A banded run's checkpoint (its parameters moved by hand after its step, so that a load would
     show) loaded into an independent run: refused on each rank, and the loading run's parameter
@@ -209,6 +238,9 @@ def worker(rank, init_file, out_dir):
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     out = {name: train(private(options, cls, seed), STEPS, {}) for name, (options, cls, seed) in RUNS.items()}
+    from opacus.utils.fsdp_utils import FSDP2Wrapper
+
+    out["sketched"] = sketched_release(FSDP2Wrapper)
     out["resumed"] = resumed(rank, out_dir)
     out["own_shard"] = own_shard(rank)
     out["refused_load"] = refused_load(rank, out_dir)
@@ -271,6 +303,17 @@ def test_fsdp_user_level_equals_brute_force_per_user_clipping_gloo(spawned):
         if "noise" not in options:
             (sigma, rate, steps, *_), = ranks[0]["history"]
             assert (sigma, steps) == (0.0, STEPS) and abs(rate - BATCH / USERS) < 1e-12  # q_u = E[U] / users
+
+
+def test_fsdp_user_level_sketched_equals_one_process_gloo(spawned):
+    """Sketched norms (shared sketches of one seed, every user drawn with all its rows): the ranks'
+    shards of the release are the one-process two-pass form's at user level (each rank sketching
+    its own users' regrouped sequences with the same sketch)."""
+    single = sketched_release()
+    for slot, want in enumerate(single):
+        got = torch.cat([r["sketched"][slot] for r in spawned])
+        torch.testing.assert_close(got, want, atol=ATOL * 1e-2, rtol=1e-5)
+    assert any(t.abs().max() > 0 for t in single)
 
 
 def test_fsdp_user_level_resume_continues_the_run_gloo(spawned):
