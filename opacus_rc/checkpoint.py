@@ -14,15 +14,20 @@ a file is as secret as the training data.
 A Poisson generator that a restarted script re-creates as it was (the DataLoader's own
 ``generator=``, or its per-rank child: :func:`reproducible`) would replay the original run's
 draws on resume: a checkpoint without its state is refused (:func:`load_checked`). The
-states are one rank's (its own streams): loaded on another rank, they are refused.
+states are one rank's (its own streams): loaded on another rank, they are refused. Every
+refusal is decided before anything is loaded: a refused load leaves the module, the optimizer,
+the accountant and the generators as they were.
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
 import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 import torch
+from torch import nn
 
 from . import sketch
 
@@ -55,7 +60,7 @@ def _sources(module: Any, optimizer: Optional[Any], engine: Any) -> Dict[str, An
     (the noise mechanism's secret state after the optimizer's, the partition of the cyclic sampler
     that serves its run after it)."""
     mechanism = getattr(optimizer, "noise_mechanism", None)
-    secret = {} if mechanism is None else {f"{mechanism.name}_noise": mechanism.secret}  # e.g. "banded_noise"
+    secret = {} if mechanism is None else {_secret_key(mechanism): mechanism.secret}
     sources = {
         "sketcher": getattr(module, "sketcher", None),
         "noise_generator": getattr(optimizer, "generator", None),
@@ -68,6 +73,12 @@ def _sources(module: Any, optimizer: Optional[Any], engine: Any) -> Dict[str, An
         key: source for key, source in sources.items()
         if (isinstance(source, torch.Generator) if key.endswith("_generator") else source is not None)
     }
+
+
+def _secret_key(mechanism: Any) -> str:
+    """The key of a noise mechanism's secret state among the generators' states (e.g.
+    ``"banded_noise"``)."""
+    return f"{mechanism.name}_noise"
 
 
 def with_rng_state(engine: Any, include_rng_state: bool, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -92,28 +103,101 @@ def with_rng_state(engine: Any, include_rng_state: bool, kwargs: Dict[str, Any])
     return {**kwargs, "checkpoint_dict": {**(kwargs.get("checkpoint_dict") or {}), RNG_STATE_KEY: state}}
 
 
-def load_checked(engine: Any, load: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """The checkpoint Opacus's ``load_checkpoint`` (``load(**kwargs)``) returns, without the
-    generators' states, which are restored if the file has them (saved with
-    ``include_rng_state=True``). The state of a seeded run loaded into a seeded optimizer is
-    refused (:meth:`~opacus_rc.optimizer.RandomizedClippingMixin.check_seeded_resume`) unless
-    the file has the generators' states, which continue the streams instead of replaying them.
-    So is any checkpoint without the Poisson generator's state loaded into a run whose
-    Poisson generator :func:`replays` (the loader's own ``generator=``, seeded again)."""
-    optimizer = kwargs.get("optimizer")
-    checks = hasattr(optimizer, "check_seeded_resume")
-    if checks:
-        optimizer.deferred_seeded_resume = False
-    try:
-        checkpoint = load(**kwargs)
-        seeded = checks and optimizer.deferred_seeded_resume
-    finally:
-        if checks:
-            optimizer.deferred_seeded_resume = None
-    if seeded and RNG_STATE_KEY not in checkpoint:
-        optimizer.check_seeded_resume(True)
-    state = checkpoint.pop(RNG_STATE_KEY, {})
-    saved_rank, rank = state.pop("rank", None), sketch._process_rank()
+def load_checked(
+    engine: Any,
+    *,
+    path: Any,
+    module: nn.Module,
+    optimizer: Optional[Any] = None,
+    noise_scheduler: Optional[Any] = None,
+    grad_clip_scheduler: Optional[Any] = None,
+    module_load_dict_kwargs: Optional[Dict[str, Any]] = None,
+    torch_load_kwargs: Optional[Dict[str, Any]] = None,
+) -> Dict[str, Any]:
+    """Opacus's ``load_checkpoint`` (module, accountant, optimizer, schedulers, in its order; the
+    checkpoint returned without the optimizer's and schedulers' states), in two phases: the file is
+    read and every refusal decided, then the states are loaded. A refused load leaves the module,
+    the optimizer, the accountant and the generators as they were (Opacus's loads the module and
+    the accountant before the optimizer refuses).
+
+    Refused (nothing loaded): a module state torch would load in part (:func:`check_module_state`);
+    an accountant state its accountant refuses; an optimizer state its optimizer refuses
+    (:meth:`~opacus_rc.optimizer.RandomizedClippingMixin.check_state_dict`: another noise
+    mechanism, a public or secret state the mechanism refuses (banded noise: other bands, kept
+    vectors of another step or holder), a seeded run's state into a seeded run unless the file
+    holds the generators' states, which continue the streams instead of replaying them);
+    generator states of another rank; any checkpoint without the Poisson generator's state loaded
+    into a run whose Poisson generator :func:`replays` (the loader's own ``generator=``, seeded
+    again); a cyclic sampler's partition of other rows. The generators' states, if the file has
+    them (``include_rng_state=True``), are restored last."""
+    checkpoint = torch.load(path, **(torch_load_kwargs or {}), weights_only=False)
+    state = checkpoint.pop(RNG_STATE_KEY, None)
+    optimizer_state = checkpoint.pop("optimizer_state_dict", {})
+    noise_state = checkpoint.pop("noise_scheduler_state_dict", {})
+    clip_state = checkpoint.pop("grad_clip_scheduler_state_dict", {})
+    sources = _sources(module, optimizer, engine)
+    mechanism = getattr(optimizer, "noise_mechanism", None)
+    secret_key = None if mechanism is None else _secret_key(mechanism)
+    # 1. every refusal, before anything is loaded
+    check_module_state(module, checkpoint["module_state_dict"], (module_load_dict_kwargs or {}).get("strict", True))
+    copy.deepcopy(engine.accountant).load_state_dict(checkpoint["privacy_accountant_state_dict"])  # a dry run
+    loads_optimizer = optimizer is not None and len(optimizer_state) > 0
+    if loads_optimizer and hasattr(optimizer, "check_state_dict"):
+        optimizer.check_state_dict(optimizer_state, secret=(state or {}).get(secret_key),
+                                   continues_streams=state is not None)
+    _check_rng_state(engine, state or {})
+    for key, source in sources.items():
+        if state is not None and key in state and hasattr(source, "check_state_dict") and key != secret_key:
+            source.check_state_dict(state[key])  # (the noise's secret: checked with its public state)
+    # 2. load
+    module.load_state_dict(checkpoint["module_state_dict"], **(module_load_dict_kwargs or {}))
+    engine.accountant.load_state_dict(checkpoint["privacy_accountant_state_dict"])
+    if loads_optimizer:
+        getattr(optimizer, "apply_state_dict", optimizer.load_state_dict)(optimizer_state)
+    elif (optimizer is not None) ^ (len(optimizer_state) > 0):  # Opacus's warning
+        warnings.warn(
+            f"optimizer_state_dict has {len(optimizer_state)} items but optimizer is "
+            f"{'' if optimizer else 'not'} provided."
+        )
+    if noise_scheduler is not None and len(noise_state) > 0:
+        noise_scheduler.load_state_dict(noise_state)
+    if grad_clip_scheduler is not None and len(clip_state) > 0:
+        grad_clip_scheduler.load_state_dict(clip_state)
+    for key, source in sources.items():
+        if state is not None and key in state:
+            restore = source.set_state if key.endswith("_generator") else source.load_state_dict
+            restore(state[key])
+    return checkpoint
+
+
+def check_module_state(module: nn.Module, saved: Mapping[str, Any], strict: bool = True) -> None:
+    """Refuse (RuntimeError, as torch's ``load_state_dict``) a module state that torch would load
+    only in part, before it loads any: keys missing or unexpected (``strict``), a tensor of
+    another shape."""
+    current = module.state_dict()
+    problems = []
+    if strict:
+        missing = [k for k in current if k not in saved]
+        unexpected = [k for k in saved if k not in current]
+        if missing:
+            problems.append(f"Missing key(s) in state_dict: {', '.join(map(repr, missing))}")
+        if unexpected:
+            problems.append(f"Unexpected key(s) in state_dict: {', '.join(map(repr, unexpected))}")
+    for key, value in current.items():
+        other = saved.get(key)
+        if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor) and other.shape != value.shape:
+            problems.append(f"size mismatch for {key}: the checkpoint's {tuple(other.shape)}, the module's "
+                            f"{tuple(value.shape)}")
+    if problems:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__} (nothing was loaded): " + "; ".join(problems)
+        )
+
+
+def _check_rng_state(engine: Any, state: Dict[str, Any]) -> None:
+    """Refuse generator states of another rank, and a checkpoint without the Poisson generator's
+    state for a run whose Poisson generator :func:`replays`."""
+    saved_rank, rank = state.get("rank"), sketch._process_rank()
     if saved_rank is not None and saved_rank != rank:
         raise ValueError(
             f"this checkpoint holds rank {saved_rank}'s generator states (include_rng_state=True): "
@@ -128,8 +212,3 @@ def load_checked(engine: Any, load: Any, kwargs: Dict[str, Any]) -> Dict[str, An
             "checkpoint saved with save_checkpoint(..., include_rng_state=True) (the draws continue), "
             "or build the resumed run's DataLoader without generator= (fresh draws from os.urandom)"
         )
-    for key, source in _sources(kwargs.get("module"), optimizer, engine).items():
-        if key in state:
-            restore = source.set_state if key.endswith("_generator") else source.load_state_dict
-            restore(state[key])
-    return checkpoint

@@ -5,7 +5,8 @@ Every check (per-sample loss, per-sample norm, clipped gradient) folds into a de
 optimizer that can skip an update on the device (``found_inf``: PyTorch's fused SGD, Adam and
 AdamW) gets the flag, and a refusal is raised at the next ``step()``; any other costs one host
 synchronisation per step and raises at once. In a distributed run the flag is agreed (MIN
-all-reduce), so every rank refuses together. Why and how: docs/robustness.md.
+all-reduce, a rank check of :mod:`opacus_rc.ranks`), so every rank refuses together, and a rank
+that raised before it makes the others refuse. Why and how: docs/robustness.md.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from .ranks import FLAG_TRUE, RAISED, agree_flag, join_failed
+
 #: What the flags watch, in the order a refusal names them. The fourth is not a finiteness
 #: check: the norm pass's in-module gradient check (a parameter used outside its module's
 #: forward), decided with the others, refused as a ValueError.
@@ -21,7 +24,9 @@ OUTSIDE_USE = "in-module gradient"
 #: Not a finiteness check either: a forward pass changed a parameter or buffer
 #: (:mod:`opacus_rc.forward_changes`), decided here only when the ranks must agree.
 FORWARD_CHANGE = "forward-pass change"
-KINDS = ("per-sample loss", "per-sample gradient norm", "clipped gradient", OUTSIDE_USE, FORWARD_CHANGE)
+#: Nor this: another rank raised before the step's agreement (:mod:`opacus_rc.ranks`).
+RANK_ERROR = "error on another rank"
+KINDS = ("per-sample loss", "per-sample gradient norm", "clipped gradient", OUTSIDE_USE, FORWARD_CHANGE, RANK_ERROR)
 
 
 def all_finite(tensors: Iterable[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
@@ -36,20 +41,6 @@ def all_finite(tensors: Iterable[Optional[torch.Tensor]]) -> Optional[torch.Tens
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2), or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def agree_across_ranks(flag: torch.Tensor) -> torch.Tensor:
-    """``flag`` AND-ed over the ranks of the default process group (MIN all-reduce; a
-    no-op in one process). NCCL reduces on the device without a host synchronisation;
-    gloo needs a CPU tensor."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    where = flag.device if dist.get_backend() == "nccl" else torch.device("cpu")
-    value = flag.to(device=where, dtype=torch.int32).reshape(1)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return value.to(flag.device).reshape(()).bool()
 
 
 class NonFiniteGuard:
@@ -71,13 +62,25 @@ class NonFiniteGuard:
         self._flags[kind] = ok if previous is None else previous & ok.to(previous.device)
 
     def take(self, device: torch.device, distributed: bool) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        """The step's combined flag (True: all finite; agreed across ranks when
-        ``distributed``) and the per-kind flags; the guard starts the next step empty."""
+        """The step's combined flag (True: all finite; agreed across ranks when ``distributed``,
+        a rank check of :mod:`opacus_rc.ranks`, whose :data:`RANK_ERROR` flag is False when
+        another rank raised before it) and the per-kind flags; the guard starts the next step
+        empty. No host synchronisation."""
         flags, self._flags = self._flags, {}
         ok = torch.ones((), dtype=torch.bool, device=device)
         for flag in flags.values():
             ok = ok & flag.to(device)
-        return (agree_across_ranks(ok) if distributed else ok), flags
+        if not distributed:
+            return ok, flags
+        code = agree_flag(ok)
+        flags[RANK_ERROR] = code != RAISED
+        return code == FLAG_TRUE, flags
+
+    def join_failed(self, device: torch.device) -> None:
+        """This rank raised before the step's rank check: it takes part with the failure flag
+        (:func:`opacus_rc.ranks.join_failed`); the step's flags are dropped."""
+        self._flags = {}
+        join_failed(lambda failed: agree_flag(torch.ones((), dtype=torch.bool, device=device), failed=failed))
 
     def defer(self, ok: torch.Tensor, flags: Dict[str, torch.Tensor]) -> None:
         """Keep ``ok`` for a later report: copied to host memory without waiting (CUDA:

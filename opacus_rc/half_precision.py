@@ -135,13 +135,24 @@ def check_no_mean_in_half(loss_reduction: str, gradient: torch.Tensor, rows: int
         raise mean_in_half_error()
 
 
+def mean_over_rows(per_sample: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """``per_sample`` averaged over its rows (``dim``: the batch dimension only; None: all), and
+    0 over no rows: ``sum_i l_i / max(1, n)``. An empty Poisson share (an empty draw, a rank
+    without rows under DDP or FSDP2) has the sum over no rows, not torch's ``0 / 0 = NaN``; its
+    gradient, and so the release, is the same either way (there is no row to weight)."""
+    if per_sample.shape[0] == 0:
+        return per_sample.sum() if dim is None else per_sample.sum(dim=dim)
+    return per_sample.mean() if dim is None else per_sample.mean(dim=dim)
+
+
 def reduced_for_backward(per_sample: torch.Tensor, shown: str, backward: str) -> torch.Tensor:
     """The per-example losses reduced as ``shown`` (the value the script reads) with the gradient
     of their reduction as ``backward`` (the module's): under ``shown="mean"``, ``backward="sum"``
-    the mean's value and the sum's gradient (no ``1/n`` in any example's gradient)."""
+    the mean's value and the sum's gradient (no ``1/n`` in any example's gradient). The mean of
+    no rows (an empty Poisson share or draw) is 0, not NaN (:func:`mean_over_rows`)."""
     total = per_sample.sum(dim=0)
     if backward == "mean":
-        return per_sample.mean(dim=0)
+        return mean_over_rows(per_sample, dim=0)
     if shown == "sum":
         return total
     return total - total.detach() + total.detach() / max(1, per_sample.shape[0])
@@ -217,5 +228,5 @@ class ClippedPassSums:
 
 __all__ = [
     "HALF", "ClippedPassSums", "HalfPrecisionCalls", "OwnerRef", "autocasts_to_half", "computes_in_half",
-    "forward_without_in_module_grads", "in_function_transform", "mixed_precision_error",
+    "forward_without_in_module_grads", "in_function_transform", "mean_over_rows", "mixed_precision_error",
 ]

@@ -29,8 +29,11 @@ from .options import (  # noqa: F401  (loader_batch_size, loader_rate, public_sa
     RC_ACCOUNTANTS, RC_CALIBRATION_KEYWORDS, Options, PublicSampling, check_keywords, keywords, loader_batch_size,
     loader_rate, public_sampling, split_options, with_options,
 )
+from .forms.fsdp import is_fsdp_module
 from .prepare import MakePrivateCall, OpacusPrivacyEngine
-from .values import EXAMPLE_UNIT, check_choice, did_you_mean
+from .ranks import agreed, world_size
+from .units import check_same_on_ranks
+from .values import EXAMPLE_UNIT, RANDOMIZED, check_choice, did_you_mean
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,24 @@ def denoised_weights(module: nn.Module) -> List[nn.Parameter]:
         and m.weight.requires_grad
         and m.weight.dim() == 2
     ]
+
+
+def distributed_module(module: Any) -> bool:
+    """Opacus's test of a distributed ``make_private`` call: a DPDDP, DDP or FSDP2 module."""
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return isinstance(module, (DPDDP, DDP)) or is_fsdp_module(module)
+
+
+def agreed_call(clipping: Any, kwargs: Dict[str, Any], parsed: List[Options]) -> Any:
+    """The block that parses a randomized ``make_private`` call on a distributed module, ended by
+    its rank check (:func:`opacus_rc.ranks.agreed`): every rank reaches
+    :func:`~opacus_rc.units.check_same_on_ranks` with the user index it parsed (``parsed[0]``),
+    or with the failure flag when its options were refused, so the other ranks refuse too instead
+    of waiting in the check (or in FSDP2's broadcast of the sketch seed after it)."""
+    active = clipping == RANDOMIZED and distributed_module(kwargs.get("module")) and world_size() > 1
+    return agreed(lambda failed: check_same_on_ranks(None if failed else parsed[0].users, failed), active)
 
 
 class PrivacyEngine(OpacusPrivacyEngine):
@@ -124,11 +145,13 @@ class PrivacyEngine(OpacusPrivacyEngine):
             ValueError: an invalid option, named with its accepted values; a keyword that
                 neither the plugin nor Opacus knows, named with the nearest accepted one.
         """
-        check_keywords("make_private", kwargs, clipping, keywords(OpacusPrivacyEngine.make_private))
-        plugin, kwargs = split_options(kwargs)
-        arguments = _with_opacus_defaults(OpacusPrivacyEngine.make_private, kwargs)
-        options = Options.parse(self, clipping, plugin, arguments)
-        return self._make_private(options, arguments, kwargs)
+        parsed: List[Options] = []
+        with agreed_call(clipping, kwargs, parsed):
+            check_keywords("make_private", kwargs, clipping, keywords(OpacusPrivacyEngine.make_private))
+            plugin, kwargs = split_options(kwargs)
+            arguments = _with_opacus_defaults(OpacusPrivacyEngine.make_private, kwargs)
+            parsed.append(Options.parse(self, clipping, plugin, arguments))
+        return self._make_private(parsed[0], arguments, kwargs)
 
     @with_options
     def make_private_with_epsilon(
@@ -155,11 +178,14 @@ class PrivacyEngine(OpacusPrivacyEngine):
         opacus_keywords = keywords(OpacusPrivacyEngine.make_private_with_epsilon) | (
             keywords(OpacusPrivacyEngine.make_private) - {"noise_multiplier"}  # it calibrates sigma
         )
-        check_keywords("make_private_with_epsilon", kwargs, clipping, opacus_keywords, self.accountant)
-        plugin, kwargs = split_options(kwargs)
-        call = {**kwargs, "target_epsilon": target_epsilon, "target_delta": target_delta, "epochs": epochs}
-        arguments = _with_opacus_defaults(OpacusPrivacyEngine.make_private_with_epsilon, call)
-        options = Options.parse(self, clipping, plugin, arguments)
+        parsed: List[Options] = []
+        with agreed_call(clipping, kwargs, parsed):
+            check_keywords("make_private_with_epsilon", kwargs, clipping, opacus_keywords, self.accountant)
+            plugin, kwargs = split_options(kwargs)
+            call = {**kwargs, "target_epsilon": target_epsilon, "target_delta": target_delta, "epochs": epochs}
+            arguments = _with_opacus_defaults(OpacusPrivacyEngine.make_private_with_epsilon, call)
+            parsed.append(Options.parse(self, clipping, plugin, arguments))
+        options = parsed[0]
         if not options.randomized:
             call["clipping"] = clipping
             return self._run_opacus(OpacusPrivacyEngine.make_private_with_epsilon, options, arguments, call)
@@ -227,12 +253,28 @@ class PrivacyEngine(OpacusPrivacyEngine):
         such a file is as secret as the training data; :mod:`opacus_rc.checkpoint`)."""
         return super().save_checkpoint(**checkpoint.with_rng_state(self, include_rng_state, kwargs))
 
-    def load_checkpoint(self, **kwargs: Any) -> Dict[str, Any]:
-        """Opacus's ``load_checkpoint``; restores the generators' states if the file has
-        them (saved with ``include_rng_state=True``). A checkpoint of a run that used
-        ``seed=``, without them, loaded into a run with ``seed=`` is refused (it would
-        replay the noise) unless ``make_private(..., accept_replayed_noise=True)``."""
-        return checkpoint.load_checked(self, super().load_checkpoint, kwargs)
+    def load_checkpoint(
+        self,
+        *,
+        path: Any,
+        module: nn.Module,
+        optimizer: Optional[Any] = None,
+        noise_scheduler: Optional[Any] = None,
+        grad_clip_scheduler: Optional[Any] = None,
+        module_load_dict_kwargs: Optional[Dict[str, Any]] = None,
+        torch_load_kwargs: Optional[Dict[str, Any]] = None,
+    ) -> Dict[str, Any]:
+        """Opacus's ``load_checkpoint`` (same arguments); restores the generators' states if the
+        file has them (saved with ``include_rng_state=True``). Every refusal is decided before
+        anything is loaded: a refused load leaves the module, optimizer, accountant and generators
+        as they were (:func:`opacus_rc.checkpoint.load_checked`). A checkpoint of a run that used
+        ``seed=``, without the generators' states, loaded into a run with ``seed=`` is refused (it
+        would replay the noise) unless ``make_private(..., accept_replayed_noise=True)``."""
+        return checkpoint.load_checked(
+            self, path=path, module=module, optimizer=optimizer, noise_scheduler=noise_scheduler,
+            grad_clip_scheduler=grad_clip_scheduler, module_load_dict_kwargs=module_load_dict_kwargs,
+            torch_load_kwargs=torch_load_kwargs,
+        )
 
     # --- one make_private call ----------------------------------------------------------
 

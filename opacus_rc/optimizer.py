@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 import numpy as np
 import torch
@@ -24,18 +24,23 @@ from .clip_guard import ClipGuard
 from .config import SketchConfig
 from .draws import Batch, Draw, Ledger, accumulation_error
 from .estimators import at_least_float32
-from .finite import FORWARD_CHANGE, NonFiniteGuard, failed_kinds
+from .finite import FORWARD_CHANGE, RANK_ERROR, NonFiniteGuard, failed_kinds
 from .forward_changes import ForwardChanges, watched_model
 from .noises import INDEPENDENT, NOISES, NoiseSpec, draw_step_error, take_noise_state
 from .per_parameter import drop_sums, drop_wide_grads, set_grad_sample, set_summed, take_wide_grad
+from .ranks import agree_values, join_failed, refused_on_another_rank
 from .sketch import NOISE_STREAM, DeviceStreams, check_seed
-from .units import ExampleUnits, UserIndex, agree_across_ranks
+from .units import ExampleUnits, UserIndex
 from .values import EXAMPLE_UNIT, RAISE, USER_UNIT
 
 
 _LEGACY_STATE_KEY = "opacus_rc"  # generator states stored by versions up to 0.1.0
 #: key of ``optimizer.state_dict()`` saying the run drew its noise from ``seed=``
 SEEDED_STATE_KEY = "opacus_rc_seeded"
+#: the rank checks of a distributed step (:mod:`opacus_rc.ranks`), in order: its refusal flags,
+#: and the released draw of a numbered noise mechanism
+FLAGS_CHECK, DRAW_CHECK = "flags", "draw"
+_DRAW_CHECK_WHAT = "this step's check that every rank releases the same draw"
 logger = logging.getLogger(__name__)
 
 
@@ -96,9 +101,6 @@ class RandomizedClippingMixin:
         self.privacy_unit = EXAMPLE_UNIT if isinstance(user_index, (type(None), ExampleUnits)) else USER_UNIT
         self.seeded = noise_seed is not None  # the noise stream replays from its seed
         self.accept_replayed_noise = accept_replayed_noise
-        #: set while PrivacyEngine.load_checkpoint runs: a seeded state is checked after it
-        #: (a checkpoint with the generators' states continues the streams: no replay)
-        self.deferred_seeded_resume: Optional[bool] = None
         check_seed("noise_seed", noise_seed, self.secure_mode)
         #: the plugin's own noise stream (per device, rank folded in): see noise_generator()
         self.noise_streams = DeviceStreams(
@@ -125,6 +127,7 @@ class RandomizedClippingMixin:
         self.clip_guard = self.clip_guard_class(self)
         self._forward_changes: Optional[ForwardChanges] = None  # see bind_module()
         self._forward_changed: Callable[[], List[str]] = list  # what it saw: decided with the step's flags
+        self._checks_due: Tuple[str, ...] = ()  # this step's rank checks not reached yet: see step()
 
     @property
     def accumulated_iterations(self) -> int:
@@ -370,6 +373,8 @@ class RandomizedClippingMixin:
 
     def _raise_deferred_refusal(self, wait: bool) -> None:
         refused = self._nonfinite_guard.arrived_refusal(wait=wait)
+        if refused is not None and RANK_ERROR in refused:
+            raise refused_on_another_rank("an earlier step's agreement across ranks (refused on the device)")
         if refused is not None and FORWARD_CHANGE in refused:
             raise ValueError(
                 "an earlier step was refused on the device: a forward pass changed a parameter or "
@@ -409,12 +414,16 @@ class RandomizedClippingMixin:
         guard = self._nonfinite_guard
         guard.note("clipped gradient", self._clipped_sums())
         device = next((p.device for p in self.params), torch.device("cpu"))
+        self._reach_check(FLAGS_CHECK)
         ok, flags = guard.take(device, distributed=self.refusals_across_ranks)
         if getattr(self.original_optimizer, "_step_supports_amp_scaling", False):
             self.original_optimizer.found_inf = (~ok).float()
             guard.defer(ok, flags)
             return
         if not bool(ok):  # the step's one host synchronisation
+            if RANK_ERROR in flags and not bool(flags[RANK_ERROR]):
+                self.clip_guard.clear_flags()
+                raise refused_on_another_rank("this step's agreement across ranks")
             outside = self.clip_guard.refusal(flags)
             if outside is not None:
                 raise outside
@@ -429,12 +438,43 @@ class RandomizedClippingMixin:
             )
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[torch.Tensor]:
+        """Opacus's step. A distributed form's step reaches its rank checks in order: its refusal
+        flags (:meth:`_decide_finite`) and, for a numbered noise mechanism, the released draw
+        (:meth:`_release_steps`). A rank that raises before one takes part in every check it has not
+        reached with a failure flag (:mod:`opacus_rc.ranks`), so the other ranks raise
+        ``RefusedOnAnotherRank`` there instead of waiting for it (at the flags' check; with a fused
+        optimizer, whose decision on the flags stays on the device, at the draw's check, or at their
+        next step under independent noise)."""
+        self._checks_due = self._step_checks() if self.refusals_across_ranks else ()
         try:
             return super().step(closure)
+        except BaseException:
+            self._join_due_checks()
+            raise
         finally:  # a device-side refusal flag is for this step only
             self.original_optimizer.__dict__.pop("found_inf", None)
             self.clip_guard.clear_flags()
             self.forget_per_example_values()
+
+    def _step_checks(self) -> Tuple[str, ...]:
+        """The rank checks of a distributed step, in the order every rank reaches them."""
+        return (FLAGS_CHECK, DRAW_CHECK) if self.noise_mechanism.numbered else (FLAGS_CHECK,)
+
+    def _reach_check(self, check: str) -> None:
+        """This step reached its rank check ``check`` (and passed the earlier ones)."""
+        if check in self._checks_due:
+            self._checks_due = self._checks_due[self._checks_due.index(check) + 1:]
+
+    def _join_due_checks(self) -> None:
+        """This rank raised in ``step()``: it takes part with the failure flag in every rank check
+        of the step it had not reached (:func:`opacus_rc.ranks.join_failed`), in order, so that every
+        rank takes part in each once."""
+        due, self._checks_due = self._checks_due, ()
+        for check in due:
+            if check == FLAGS_CHECK:
+                self._nonfinite_guard.join_failed(next((p.device for p in self.params), torch.device("cpu")))
+            else:
+                join_failed(lambda failed: agree_values([-1], _DRAW_CHECK_WHAT, failed))
 
     def forget_after_step(self, holder: Any) -> None:
         """``holder.per_sample_gradient_norms`` (Opacus's debugging copy of the last
@@ -491,7 +531,8 @@ class RandomizedClippingMixin:
         step = signalled if draw is None else draw.step
         name = self.noise_mechanism.name
         unnumbered = step is None or (draw is not None and signalled is not None) or self.accumulated_iterations > 1
-        agreed = agree_across_ranks([-1 if unnumbered else step]) if self.refusals_across_ranks else None
+        self._reach_check(DRAW_CHECK)
+        agreed = agree_values([-1 if unnumbered else step], _DRAW_CHECK_WHAT) if self.refusals_across_ranks else None
         if unnumbered:  # (after the agreement: every rank refuses, none waits in a collective)
             self.refuse_steps(draw_step_error(name))
         if agreed is not None and agreed[0] != agreed[1]:
@@ -589,23 +630,37 @@ class RandomizedClippingMixin:
         return {**state, SEEDED_STATE_KEY: True} if self.seeded else state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """The wrapped optimizer's state. Generator states are never part of it (see
-        ``PrivacyEngine.save_checkpoint(..., include_rng_state=True)``); a legacy entry
-        holding them is dropped. The state of a seeded run loaded into a seeded one is
-        refused unless ``accept_replayed_noise=True`` (:meth:`check_seeded_resume`). The noise
-        mechanism's public state is checked to be of this run's mechanism
-        (:func:`~opacus_rc.noises.take_noise_state`); a numbered one continues its step numbering
-        in a new run (:meth:`~opacus_rc.noises.base.NoiseMechanism.load_state_dict`) unless its
-        secret state follows."""
+        """The wrapped optimizer's state: :meth:`check_state_dict`, then :meth:`apply_state_dict`
+        (a refused state changes nothing). Generator states are never part of it (see
+        ``PrivacyEngine.save_checkpoint(..., include_rng_state=True)``)."""
+        self.check_state_dict(state_dict)
+        self.apply_state_dict(state_dict)
+
+    def check_state_dict(self, state_dict: Dict[str, Any], *, secret: Optional[Dict[str, Any]] = None,
+                         continues_streams: bool = False) -> None:
+        """Refuse (ValueError) a state this optimizer must not continue from, before anything is
+        loaded: a state of another noise mechanism (:func:`~opacus_rc.noises.take_noise_state`), a
+        public state its mechanism refuses and the mechanism's ``secret`` state saved with it, if
+        given (:meth:`~opacus_rc.noises.base.NoiseMechanism.check_state_dict`: banded noise's other
+        bands, kept vectors of another holder or step); a seeded run's state into a seeded run (its
+        streams restart from the seed: the noise is replayed) unless ``accept_replayed_noise`` or
+        ``continues_streams`` (the checkpoint holds the generators' states, :mod:`opacus_rc.checkpoint`).
+        torch checks the parameter groups before it loads them."""
+        noise_state = take_noise_state(self.noise_mechanism, dict(state_dict))
+        if noise_state is not None:
+            self.noise_mechanism.check_state_dict(noise_state, secret)
+        self.check_seeded_resume(bool(state_dict.get(SEEDED_STATE_KEY, False)) and not continues_streams)
+
+    def apply_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state :meth:`check_state_dict` accepted: the wrapped optimizer's; a numbered noise
+        mechanism continues its step numbering in a new run
+        (:meth:`~opacus_rc.noises.base.NoiseMechanism.load_state_dict`) unless its secret state
+        follows. A legacy entry holding generator states is dropped."""
         state_dict = dict(state_dict)
         if state_dict.pop(_LEGACY_STATE_KEY, None) is not None:
             logger.warning("ignored the sketch/noise generator states of a legacy optimizer state_dict")
-        seeded = bool(state_dict.pop(SEEDED_STATE_KEY, False))
+        state_dict.pop(SEEDED_STATE_KEY, None)
         noise_state = take_noise_state(self.noise_mechanism, state_dict)
-        if self.deferred_seeded_resume is not None:
-            self.deferred_seeded_resume = seeded
-        else:
-            self.check_seeded_resume(seeded)
         super().load_state_dict(state_dict)
         if noise_state is not None:
             self.noise_mechanism.load_state_dict(noise_state)

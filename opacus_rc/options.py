@@ -515,10 +515,10 @@ def _user_index(options: Mapping[str, Any], opacus: Mapping[str, Any], runs: str
             raise ValueError(f"{', '.join(given)} only apply with privacy_unit='user'; got privacy_unit='example'")
         return None
     if not FORMS[runs].honours_users:
+        honouring = ", ".join(repr(name) for name, form in FORMS.items() if form.honours_users)
         raise ValueError(
-            f"privacy_unit='user' is not supported by the {runs!r} form; accepted with it: book-keeping "
-            "(grad_sample_mode='hooks' or 'bookkeeping'), two passes (grad_sample_mode='ghost') and the "
-            "per-example form (per_example_backward=True)"
+            f"privacy_unit='user' is not supported by the {runs!r} form (it does not clip per user); accepted "
+            f"with it: the forms {honouring} (docs/forms.md)"
         )
     if not opacus["poisson_sampling"]:
         raise ValueError(

@@ -28,7 +28,6 @@ from .forward_changes import check_no_max_norm
 from .options import Options, per_rank_normaliser
 from .sketch import POISSON_STREAM, DeviceStreams
 from .draws import CyclicPoissonLoader, UserDataLoader
-from .units import check_same_on_ranks
 
 #: Opacus's engine, as ``opacus.privacy_engine`` defines it
 OpacusPrivacyEngine = opacus.privacy_engine.PrivacyEngine
@@ -193,9 +192,9 @@ class MakePrivateCall:
         else:
             generator = poisson_generator(data_loader, self.options.seed, distributed)
             setattr(self, checkpoint.POISSON_GENERATOR_ATTR, generator)  # include_rng_state
+        # (distributed: the ranks' user indexes were checked alike when the call was parsed,
+        # opacus_rc.integration.agreed_call)
         if parts is not None:  # cyclic Poisson over parts of the units (e.g. noise="banded")
-            if distributed and self.options.users is not None:
-                check_same_on_ranks(self.options.users)
             loader = CyclicPoissonLoader(
                 data_loader.dataset, index=self.options.users, bands=parts,
                 sample_rate=self.options.charged_rate, generator=generator, distributed=distributed,
@@ -205,8 +204,6 @@ class MakePrivateCall:
             setattr(self, checkpoint.CYCLIC_SAMPLER_ATTR, loader.batch_sampler.poisson)  # include_rng_state
             return loader
         if self.options.users is not None:  # privacy_unit="user": Poisson over (this rank's share of) users
-            if distributed:
-                check_same_on_ranks(self.options.users)  # one user index on every rank, each user on one
             return UserDataLoader(
                 data_loader.dataset, index=self.options.users, generator=generator, **settings,
                 **loader_settings(data_loader),

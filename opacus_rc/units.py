@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.data import Sampler
 
 from .estimators import as_sequence
+from .ranks import agree_values, collective_device
 from .sketch import entropy_seed
 from .values import EXAMPLE_UNIT, PRIVACY_UNITS, USER_UNIT, positive_int
 
@@ -183,21 +184,26 @@ class ExampleUnits:
 EXAMPLES = ExampleUnits()
 
 
-def check_same_on_ranks(index: UserIndex) -> None:
+def check_same_on_ranks(index: Optional[UserIndex], failed: bool = False) -> None:
     """Under ``torch.distributed``, refuse ranks given different rows or ids: the sampler
     splits one user index over the ranks, so a user in two ranks' shards would be drawn and
-    clipped on both (2 C). One all-reduce (MAX) of ``[d, -d]``, ``d`` = (dataset length, the
-    :attr:`UserIndex.digest` bytes): equal on every rank iff max = -max(-d).
+    clipped on both (2 C). A rank check (:mod:`opacus_rc.ranks`): one all-reduce (MAX) of
+    ``[failed, d, -d]``, ``d`` = (whether the call is at user level, the dataset length, the
+    :attr:`UserIndex.digest` bytes; zeros at example level): equal on every rank iff max = -max(-d).
+    ``failed``: this rank raised before the check (the others then raise).
 
     Raises:
-        ValueError: the ranks' dataset lengths or ``user_ids`` differ."""
-    agreed = agree_across_ranks([len(index.user_of_row), *index.digest])
-    if agreed is not None and agreed[0] != agreed[1]:
+        ValueError: the ranks' privacy units, dataset lengths or ``user_ids`` differ.
+        RefusedOnAnotherRank: another rank raised before the check.
+    """
+    values = [0] * 34 if index is None else [1, len(index.user_of_row), *index.digest]
+    agreed = agree_values(values, "make_private's check of the options and user ids across ranks", failed)
+    if agreed is not None and agreed[0] != agreed[1] and not failed:
         raise ValueError(
             "privacy_unit='user' under torch.distributed: the ranks were given different rows or user_ids (the "
-            "dataset's length or its ids differ between ranks); accepted values: every rank passes the whole "
-            "dataset and the same user_ids (the returned loader shards the users itself: rank r draws users "
-            "r, r + world_size, ...)"
+            "privacy unit, the dataset's length or its ids differ between ranks); accepted values: every rank "
+            "passes the whole dataset and the same user_ids (the returned loader shards the users itself: rank r "
+            "draws users r, r + world_size, ...)"
         )
 
 
@@ -304,22 +310,9 @@ def unit_parts(keys: Sequence[Any], bands: int, secret: bytes) -> torch.Tensor:
     )
 
 
-def agree_across_ranks(values: Sequence[int]) -> Optional[Tuple[List[int], List[int]]]:
-    """Under ``torch.distributed`` (else None): one all-reduce (MAX) of ``[v, -v]``; returns the
-    ranks' largest and smallest ``values``, element by element (equal iff every rank agrees)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
-    both = torch.cat([mine, -mine])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    return both[: len(mine)].tolist(), (-both[len(mine):]).tolist()
-
-
 def _from_rank_zero(words: List[int]) -> List[int]:
     """``words`` (int64s) of rank 0, on every rank (one broadcast)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    tensor = torch.tensor(words, dtype=torch.int64, device=device)
+    tensor = torch.tensor(words, dtype=torch.int64, device=collective_device())
     dist.broadcast(tensor, src=0)
     return tensor.tolist()
 
@@ -372,7 +365,7 @@ class CyclicPoissonSampler(UserPoissonSampler):
         (else ValueError on every rank); a new run takes rank 0's secret and run."""
         self.next_draw = max(self.next_draw, int(noise.next_step))
         binding = self.run != noise.run_id
-        agreed = agree_across_ranks([noise.next_step, self.next_draw, int(binding)])
+        agreed = agree_values([noise.next_step, self.next_draw, int(binding)], "the loader's check of its draws")
         if agreed is not None and agreed[0][:2] != agreed[1][:2]:
             raise ValueError(
                 f"noise={noise.name!r} under torch.distributed: the ranks' {noise.name} noise is at steps {agreed[1][0]} to "
@@ -417,7 +410,13 @@ class CyclicPoissonSampler(UserPoissonSampler):
                 "identity": None if self.identity is None else self.identity()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a saved partition; refused (ValueError) when the data its keys stand for changed."""
+        """Restore a saved partition (:meth:`check_state_dict` first)."""
+        self.check_state_dict(state)
+        self._partition(bytes(state["secret"]))
+        self.run, self.next_draw = state["run"], int(state["next_draw"])
+
+    def check_state_dict(self, state: dict) -> None:
+        """Refuse (ValueError) a saved partition when the data its keys stand for changed."""
         if self.identity is not None and state["identity"] != self.identity():
             raise ValueError(
                 "the cyclic Poisson sampler: this checkpoint's partition of the units is of other rows (or of these "
@@ -425,8 +424,6 @@ class CyclicPoissonSampler(UserPoissonSampler):
                 "same dataset rows in the same order to continue the noise's run with include_rng_state=True; resume "
                 "from a checkpoint without it (the noise restarts, charged as a new run) or restore the rows"
             )
-        self._partition(bytes(state["secret"]))
-        self.run, self.next_draw = state["run"], int(state["next_draw"])
 
 
 def _words(secret: bytes) -> List[int]:
@@ -613,5 +610,5 @@ __all__ = [
     "ExampleUnits",
     "RowUnits", "UserIndex", "UserPoissonSampler", "check_max_examples_per_user", "check_privacy_unit",
     "in_row_slots", "mean_clip_factors", "per_row", "regroup_rows", "regroup_uses", "sum_rows_by_unit",
-    "unit_layout", "unit_parts", "unit_sizes", "user_key", "user_epoch_draws", "check_same_on_ranks", "agree_across_ranks",
+    "unit_layout", "unit_parts", "unit_sizes", "user_key", "user_epoch_draws", "check_same_on_ranks",
 ]

@@ -7,6 +7,7 @@ import io
 
 import pytest
 import torch
+from opacus import PrivacyEngine
 from torch import nn
 
 from .models import SequenceClassifier, token_task
@@ -97,3 +98,83 @@ def test_checkpoint_with_rng_state_restores_plugin_noise_and_poisson_streams():
     again = _steps(resumed)
     assert all(torch.equal(a, b) for a, b in zip(uninterrupted[0], again[0]))
     assert uninterrupted[1] == again[1]
+
+
+def _trained(seed=None, steps=2, rows=32, **options):
+    """A book-keeping run (SGD with momentum: the optimizer has state) after ``steps`` steps."""
+    torch.manual_seed(0)
+    model = SequenceClassifier()
+    engine = PrivacyEngine(accountant="rc_prv")
+    module, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        data_loader=torch.utils.data.DataLoader(token_task(n=rows, t=8), batch_size=8), noise_multiplier=0.5,
+        max_grad_norm=1.0, clipping="randomized", grad_sample_mode="bookkeeping", seed=seed, **options,
+    )
+    done = 0
+    while done < steps:
+        for x, y in loader:
+            nn.functional.cross_entropy(module(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            done += 1
+            if done == steps:
+                break
+    return engine, module, opt
+
+
+def _other_rank(checkpoint):
+    checkpoint["opacus_rc_rng_state"]["rank"] = 1
+
+
+def _unexpected_key(checkpoint):
+    checkpoint["module_state_dict"]["_module.extra"] = torch.zeros(1)
+
+
+def _bad_history(checkpoint):
+    checkpoint["privacy_accountant_state_dict"]["history"].append((1.0, 0.1))
+
+
+#: case: (the saved run's options, its save options, an edit of the file, the loading run's options, the refusal)
+REFUSED_LOADS = {
+    "banded_into_independent": ({"noise": "banded", "bands": 2}, {}, None, {}, "noise=banded loaded into a run with noise=independent"),
+    "independent_into_banded": ({}, {}, None, {"noise": "banded", "bands": 2}, "noise=independent loaded into a run with noise=banded"),
+    "other_bands": ({"noise": "banded", "bands": 2}, {}, None, {"noise": "banded", "bands": 3}, "resume with the same bands="),
+    "seeded_into_seeded": ({"seed": 5}, {}, None, {"seed": 6}, "replays its noise"),
+    "other_rank": ({}, {"include_rng_state": True}, _other_rank, {}, "rank 1's generator states"),
+    "banded_partition_of_other_rows": ({"noise": "banded", "bands": 2}, {"include_rng_state": True}, None,
+                                       {"noise": "banded", "bands": 2, "rows": 24}, "partition of the units is of other rows"),
+    "module_keys": ({}, {}, _unexpected_key, {}, "Unexpected key"),
+    "accountant_history": ({}, {}, _bad_history, {}, "history entry"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_LOADS))
+def test_a_refused_load_leaves_the_module_optimizer_accountant_and_generators_untouched(case):
+    """Every refusal of PrivacyEngine.load_checkpoint is decided before anything is loaded (issue
+    53): the module's parameters, the optimizer's state (momentum buffers, banded noise's step),
+    the accountant's history and the noise and Poisson generators are the loading run's own after
+    the refusal. Before, Opacus's load had loaded the module and the accountant (and torch the
+    optimizer's state, for other bands) when the optimizer's state or the generators' were refused."""
+    saved_options, save_options, edit, options, refusal = REFUSED_LOADS[case]
+    engine, module, opt = _trained(**saved_options)
+    buf = io.BytesIO()
+    engine.save_checkpoint(path=buf, module=module, optimizer=opt, **save_options)
+    if edit is not None:
+        checkpoint = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+        edit(checkpoint)
+        buf = io.BytesIO()
+        torch.save(checkpoint, buf)
+    engine2, module2, opt2 = _trained(steps=3, **options)
+    before = (copy.deepcopy(module2.state_dict()), copy.deepcopy(opt2.state_dict()),
+              copy.deepcopy(engine2.accountant.history), opt2.noise_streams.state_dict(),
+              getattr(engine2, "_opacus_rc_poisson_generator").get_state())
+    assert any(not torch.equal(v, before[0][k]) for k, v in module.state_dict().items())  # a load would show
+    buf.seek(0)
+    with pytest.raises((ValueError, RuntimeError), match=refusal):
+        engine2.load_checkpoint(path=buf, module=module2, optimizer=opt2)
+    after = (module2.state_dict(), opt2.state_dict(), engine2.accountant.history, opt2.noise_streams.state_dict(),
+             getattr(engine2, "_opacus_rc_poisson_generator").get_state())
+    assert before[0].keys() == after[0].keys() and all(torch.equal(before[0][k], after[0][k]) for k in after[0])
+    assert repr(before[1]) == repr(after[1])
+    assert before[2] == after[2]
+    assert repr(before[3]) == repr(after[3]) and torch.equal(before[4], after[4])

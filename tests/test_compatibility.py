@@ -76,6 +76,9 @@ MATRIX: Dict[Cell, str] = {
     (PLAIN, FSDP2, "ghost_fsdp", "example", "independent"): "tests/forms/test_fsdp.py::test_exact_norms_equal_opacus_ghost_fsdp",
     (PLAIN, FSDP2, "ghost_fsdp", "example", "banded"):
         "tests/forms/test_banded.py::test_fsdp_banded_noise_is_sharded_like_the_parameters_gloo",
+    **{(PLAIN, FSDP2, "ghost_fsdp", "user", noise):
+       "tests/forms/test_user_level_fsdp.py::test_fsdp_user_level_equals_brute_force_per_user_clipping_gloo"
+       for noise in NOISES},
     # the private Trainer and TRL, one process
     (TRAINER, ONE, "bookkeeping", "example", "independent"): "tests/hf/test_trainer.py::test_sigma0_equals_plain_loop_and_epsilon_matches",
     (TRAINER, ONE, "output_passes", "example", "independent"): "tests/hf/test_trainer.py::test_gradient_checkpointing_equals_plain_loop",

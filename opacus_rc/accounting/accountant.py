@@ -189,10 +189,17 @@ class RCPRVAccountant(IAccountant):
         return state
 
     def load_state_dict(self, state_dict: Any) -> None:
-        """Loads a state of any version (dict records, 3-tuples), each entry checked."""
+        """Loads a state of any version (dict records, 3-tuples), each entry checked first
+        (:meth:`check_state_dict`: a refused state leaves the history as it was)."""
+        self.check_state_dict(state_dict)
         super().load_state_dict(state_dict)
         self.history = [self.entry(e) for e in self.history]
         self._cache = {}
+
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Refuse (ValueError) a state with an entry :meth:`entry` cannot read."""
+        for e in state_dict["history"]:
+            self.entry(e)
 
     # ---- entries -----------------------------------------------------------------------
     @staticmethod

@@ -160,6 +160,7 @@ FORMS: Dict[str, Form] = {
             FSDP_MODE,
             modules=(GradSampleModuleRandomizedClippingFSDP, GradSampleHooksRandomizedClippingFSDP),
             optimizers=(FSDPRandomizedClippingOptimizer, FSDPRandomizedClippingOptimizer),
+            honours_users=True,
             sums_losses=True,
         ),
         Form(

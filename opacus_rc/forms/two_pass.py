@@ -18,6 +18,7 @@ from opacus.utils.fast_gradient_clipping_utils import (
     DPTensorFastGradientClipping,
 )
 
+from ..half_precision import mean_over_rows
 from ..per_parameter import add_wide_grad, take_wide_grad
 from ..recompute import quiet_hook_notes
 
@@ -27,6 +28,13 @@ _ARITHMETIC = ("__truediv__", "__mul__", "__rmul__", "__add__", "__radd__", "__s
 class DPTensorRandomizedClipping(DPTensorFastGradientClipping):
     """Per-sample loss whose ``backward()`` clips with the estimated norms and
     accumulates across micro-batches."""
+
+    def detach(self) -> torch.Tensor:
+        """The loss a script reads (``loss.item()``): Opacus's reduction over this batch's rows,
+        the mean (:func:`mean_over_rows`: 0 for an empty batch) or the sum."""
+        if self.loss_reduction == "mean":
+            return mean_over_rows(self.loss_per_sample).detach()
+        return super().detach()
 
     def backward(self) -> None:
         """Opacus's two passes; the per-sample losses and norms join the step's

@@ -19,9 +19,10 @@ from transformers import Trainer
 
 from ..accounting.accountant import RCPRVAccountant
 from ..clip_guard import complete_unused
-from ..finite import agree_across_ranks, all_finite
+from ..finite import all_finite
 from ..forms import form_of
 from ..per_parameter import set_grad_sample
+from ..ranks import FLAG_TRUE, agree_flag, agreed, world_size
 from ..units import RowUnits, UserIndex, check_same_on_ranks
 from ..values import RANDOMIZED, check_choice
 from .arguments import PrivacyArguments
@@ -186,7 +187,9 @@ def check_setup(trainer: Trainer, mixin: type) -> None:
     if trainer.privacy.user_level and trainer.train_dataset is not None:
         # the user column read now: a bad one is refused at construction, as expected users per
         # step above the users and (several processes) ranks given different rows or ids
-        check_same_on_ranks(trainer.user_index())
+        index: List[UserIndex] = []  # a rank whose column is refused joins the check with its failure flag
+        with agreed(lambda failed: check_same_on_ranks(None if failed else index[0], failed), world_size() > 1):
+            index.append(trainer.user_index())
         trainer.sample_rate  # noqa: B018
     check_noise_sampling(trainer)  # the noise mechanism's sampler (e.g. banded noise's cyclic parts) at q
 
@@ -324,7 +327,7 @@ def refuse_non_finite(trainer: Trainer, optimizer: DPOptimizer) -> None:
     if ok is None:  # an empty batch (or nothing recorded): nothing to refuse here
         ok = torch.ones((), dtype=torch.bool, device=trainer.args.device)
     if trainer.args.world_size > 1:
-        ok = agree_across_ranks(ok)
+        ok = agree_flag(ok) == FLAG_TRUE
     if not bool(ok):
         raise FloatingPointError(
             "non-finite per-sample gradient in this batch (clipping='flat'): the step is refused "

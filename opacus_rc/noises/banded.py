@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import math
 import weakref
-from typing import Any, Callable, Deque, Dict, List, Mapping, Sequence
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -124,16 +124,22 @@ class BandedNoise(NoiseMechanism):
         """The public state: the coefficients and the next step (no kept vector, no run)."""
         return {"coefficients": list(self.coefficients), "next_step": self.next_step}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continue the step numbering of a checkpoint (its coefficients must be these) in a new
-        run; the kept vectors, if the checkpoint has them, follow (:attr:`kept`, restored after
-        this). A legacy state's vectors (versions up to 0.1.0 kept them in the optimizer's
-        state) are not used."""
+    def check_state_dict(self, state: Dict[str, Any], secret: Optional[Dict[str, Any]] = None) -> None:
+        """Refuse (ValueError) a checkpoint's state of other coefficients (other ``bands=``), and
+        kept vectors ``secret`` saved with it that do not continue it (:meth:`KeptNoise.check_state_dict`)."""
         if tuple(float(c) for c in state["coefficients"]) != self.coefficients:
             raise ValueError(
                 f"a checkpoint of banded noise with {len(state['coefficients'])} bands (coefficients "
                 f"{state['coefficients']}) loaded into a run with bands={self.bands}: resume with the same bands="
             )
+        if secret is not None:
+            self.kept.check_state_dict(secret, int(state["next_step"]))
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue the step numbering of a checkpoint (its coefficients must be these) in a new
+        run; the kept vectors, if the checkpoint has them, follow (:attr:`kept`, restored after
+        this). A legacy state's vectors (versions up to 0.1.0 kept them in the optimizer's
+        state) are not used."""
         super().load_state_dict(state)
 
 
@@ -154,10 +160,9 @@ class KeptNoise:
             "past": {slot: list(past) for slot, past in noise._past.items()},
         }
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continue the saved run: refused when the optimizer state loaded with it is of another
-        step, or the vectors are not of this process's kind (:attr:`holder`)."""
-        noise = self._noise()
+    def check_state_dict(self, state: Dict[str, Any], next_step: int) -> None:
+        """Refuse (ValueError) saved vectors that are not of this process's kind (:attr:`holder`) or
+        not of the step ``next_step`` of the optimizer state loaded with them."""
         holder = tuple(state["holder"]) if isinstance(state["holder"], (list, tuple)) else state["holder"]
         if holder != self.holder:
             raise ValueError(
@@ -165,11 +170,16 @@ class KeptNoise:
                 f"{self.holder or 'absent'} on this process (DDP: rank 0 keeps them; FSDP2: each rank its own shards, "
                 "same world size): load each rank's own checkpoint"
             )
-        if int(state["next_step"]) != noise.next_step:
+        if int(state["next_step"]) != next_step:
             raise ValueError(
                 f"noise='banded': the checkpoint's kept noise vectors are of step {state['next_step']}, its optimizer "
-                f"state of step {noise.next_step}: load the optimizer state saved with them"
+                f"state of step {next_step}: load the optimizer state saved with them"
             )
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue the saved run (:meth:`check_state_dict` against the noise's step)."""
+        noise = self._noise()
+        self.check_state_dict(state, noise.next_step)
         noise.run_id, noise.run_start = int(state["run_id"]), int(state["run_start"])
         noise._past = {
             int(slot): collections.deque(past, maxlen=noise.bands - 1) for slot, past in state["past"].items()

@@ -190,14 +190,23 @@ class NoiseMechanism:
         save (independent noise). A numbered mechanism saves its next step."""
         return {"next_step": self.next_step} if self.numbered else None
 
+    def check_state_dict(self, state: Dict[str, Any], secret: Optional[Dict[str, Any]] = None) -> None:
+        """Refuse (ValueError) a checkpoint's public ``state`` (:meth:`state_dict`) this mechanism
+        must not continue from, and its ``secret`` state saved with it, if given (:attr:`secret`'s
+        ``state_dict``), before anything is loaded (:mod:`opacus_rc.checkpoint`). The base refuses
+        nothing."""
+
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue a checkpoint's step numbering in a new run (:meth:`restart`); the secret
-        state, if the checkpoint has it, follows (:attr:`secret`, restored after this)."""
+        state, if the checkpoint has it, follows (:attr:`secret`, restored after this).
+        :meth:`check_state_dict` first."""
+        self.check_state_dict(state)
         self.next_step = int(state["next_step"])
         self.restart()
 
     #: the secret part of its state (an object with ``state_dict``/``load_state_dict``), saved
-    #: and restored only with the generators' states (:mod:`opacus_rc.checkpoint`); None: none
+    #: and restored only with the generators' states (:mod:`opacus_rc.checkpoint`; checked with
+    #: the public state by :meth:`check_state_dict` before anything is loaded); None: none
     secret: Any = None
 
     @property

@@ -13,7 +13,7 @@ clipping (:func:`tests.oracles.per_example_clipped_mean`) of the union of both r
 the public normaliser B, for every step: both shares non-empty, one empty (on either rank), both
 empty (a release of zeros). Independent noise (the wrapping and the hooks form) and
 ``noise="banded", bands=2``; the loader seeds are chosen so that the draws hold each case, which
-the test asserts.
+the test asserts. The mean loss a rank reports for its empty share is 0 (it was 0 / 0 = NaN).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 from opacus import PrivacyEngine
@@ -76,16 +77,18 @@ def run_steps(options: dict, seed: int) -> dict:
     opt.original_optimizer.register_step_pre_hook(
         lambda *_: releases.append([local_shard(p.grad.detach()).clone() for p in opt.params])
     )
-    rows = []
+    rows, losses = [], []
     for x, y, index in loader:
-        crit(module(x), y).backward()
+        loss = crit(module(x), y)
+        losses.append(loss.item())
+        loss.backward()
         opt.step()
         opt.zero_grad()
         rows.append(index.tolist())
         if len(rows) == STEPS:
             break
     return {
-        "rows": rows, "releases": releases, "normaliser": opt.expected_batch_size * WORLD,
+        "rows": rows, "releases": releases, "losses": losses, "normaliser": opt.expected_batch_size * WORLD,
         "history": engine.accountant.state_dict()["history"],
     }
 
@@ -117,6 +120,9 @@ def test_fsdp_empty_poisson_share_releases_the_other_ranks_rows_gloo():
             f"{name}: the draws miss a case ({shares}): pick another seed"
         for rank, r in enumerate(ranks):
             assert r["normaliser"] == BATCH  # the public normaliser q N, not the rows drawn
+            # the mean loss over this rank's rows: 0 over none (was 0 / 0 = NaN), finite otherwise
+            assert all(loss == 0.0 for share, loss in zip(r["rows"], r["losses"]) if not share), name
+            assert torch.isfinite(torch.tensor(r["losses"])).all(), name
             for step, (share, release) in enumerate(zip(shares, r["releases"])):
                 rows = torch.tensor(sorted(share[0] + share[1]), dtype=torch.long)
                 want = per_example_clipped_mean(reference, _ce, x_all[rows], y_all[rows], C, BATCH)
@@ -126,3 +132,26 @@ def test_fsdp_empty_poisson_share_releases_the_other_ranks_rows_gloo():
                         release[slot].double(), expected.double(), atol=ATOL, rtol=0,
                         msg=lambda m: f"{name}, rank {rank}, step {step} {share}, {param}: {m}",
                     )
+
+
+@pytest.mark.parametrize("mode, bookkeeping", [("ghost", None), ("ghost", True)])
+def test_mean_loss_of_an_empty_draw_is_zero(mode, bookkeeping):
+    """One process: the criterion of a ghost script (two passes, or book-keeping behind it) on an
+    empty Poisson draw reports a mean loss of 0, not NaN, and the step releases zeros (noise 0)."""
+    data, _ = user_data(n=ROWS, users=8)
+    torch.manual_seed(0)
+    model = SequenceClassifier()
+    extra = {} if bookkeeping is None else {"bookkeeping": bookkeeping}
+    module, opt, crit, loader = PrivacyEngine(accountant="rc_prv").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), criterion=nn.CrossEntropyLoss(),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=BATCH), noise_multiplier=0.0, max_grad_norm=C,
+        grad_sample_mode=mode, clipping="randomized", sample_rate=1e-9, seed=0, **extra,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y, index = next(iter(loader))
+    assert len(index) == 0
+    loss = crit(module(x), y)
+    assert loss.item() == 0.0
+    loss.backward()
+    opt.step()
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))

@@ -158,6 +158,26 @@ def test_a_new_form_is_its_classes_one_row_and_its_branch_of_the_rule(monkeypatc
     assert not torch.equal(params[0], init[0].weight)  # it trained
 
 
+def test_a_form_that_does_not_declare_honours_users_is_refused_at_user_level(monkeypatch):
+    """``honours_users`` defaults to False: a new form clips per row until it declares that it
+    clips per user, and ``privacy_unit="user"`` on it is refused by name, listing the forms that
+    do (every form of the table, FSDP2's included, since issue 53)."""
+    toy = Form("toy", modules=(GradSampleModuleRandomizedClipping, GradSampleHooksRandomizedClipping),
+               optimizers=(RandomizedClippingOptimizer, DistributedRandomizedClippingOptimizer))
+    assert not toy.honours_users and all(form.honours_users for form in FORMS.values())
+    monkeypatch.setitem(FORMS, "toy", toy)
+    rule = options_module.resolve_form
+    monkeypatch.setattr(options_module, "resolve_form", lambda *a, **k: ("toy", rule(*a, **k)[1]))
+    model = nn.Linear(6, 3)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    with pytest.raises(ValueError, match=r"privacy_unit='user' is not supported by the 'toy' form .*'ghost_fsdp'"):
+        PrivacyEngine(accountant="rc_prv").make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+            data_loader=torch.utils.data.DataLoader(data, batch_size=2), max_grad_norm=0.1, clipping="randomized",
+            grad_sample_mode="ghost", privacy_unit="user", user_ids=[0, 1] * 4,
+        )
+
+
 class _MaterialisedModule(BatchReader, GradSampleModule):
     """A form of its own (no base of the plugin's forms): Opacus's per-sample gradients,
     materialised, reading each forward's batch through the modules' one base."""

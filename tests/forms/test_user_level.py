@@ -163,7 +163,7 @@ def test_per_example_form_charges_opacus_prv_at_the_user_rate():
         (dict(privacy_unit="user", user_ids=[0] * 39 + [None]), r"user_ids\[39\]=None is invalid"),
         (dict(privacy_unit="user", user_ids=[0] * 40, max_examples_per_user=0), "max_examples_per_user=0 is invalid"),
         (dict(user_ids=[0] * 40), "user_ids only apply with privacy_unit='user'"),
-        (dict(privacy_unit="user", user_ids=[0] * 40, grad_sample_mode="ghost_fsdp"), "not supported by the 'ghost_fsdp' form"),
+        (dict(privacy_unit="user", user_ids=[0] * 40, poisson_sampling=False), "needs poisson_sampling=True"),
     ],
 )
 def test_bad_input_names_the_parameter(options, message):
