@@ -62,7 +62,9 @@ SKETCH_SIZE = 32
 FORMS = {
     "per_example": dict(per_example_backward=True),
     "two_pass": dict(grad_sample_mode="ghost", per_example_backward=False),
-    "bookkeeping": dict(grad_sample_mode="bookkeeping", per_example_backward=False),
+    # a plain loss the script averages is refused in half precision (the mean's 1/n rounds into every
+    # example's gradient): this form's loss is summed over the sequences, its update the noisy sum
+    "bookkeeping": dict(grad_sample_mode="bookkeeping", per_example_backward=False, loss_reduction="sum"),
 }
 PRECISIONS = ("bf16", "autocast")
 
@@ -92,8 +94,11 @@ def _cast(autocast: bool, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
 
 
-def sequence_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+def sequence_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Each sequence's mean token loss, averaged (``"mean"``) or summed (``"sum"``) over the sequences."""
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    per_sequence = per_token.view(targets.shape).mean(dim=1)
+    return per_sequence.sum() if reduction == "sum" else per_sequence.mean()
 
 
 def exact_norms(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: bool) -> torch.Tensor:
@@ -123,10 +128,10 @@ def _private(model: nn.Module, form: str, x: torch.Tensor, y: torch.Tensor, clip
     )
 
 
-def _loss(module: nn.Module, criterion: Optional[Any], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _loss(module: nn.Module, criterion: Optional[Any], x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     logits = module(x)
     if criterion is None:
-        return sequence_loss(logits, y)
+        return sequence_loss(logits, y, reduction)
     return criterion(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), shape=logits.shape[:2])
 
 
@@ -154,7 +159,7 @@ def released_update(model: nn.Module, form: str, x: torch.Tensor, y: torch.Tenso
     optimizer.original_optimizer.register_step_pre_hook(keep)
     for xb, yb in loader:
         with _cast(autocast, x.device):
-            loss = _loss(module, criterion[0] if criterion else None, xb, yb)
+            loss = _loss(module, criterion[0] if criterion else None, xb, yb, FORMS[form].get("loss_reduction", "mean"))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -242,13 +242,13 @@ def chunked_head_terms(batch: int, seq_len: int, d: int, vocab: int, block_size:
       the sketch (a rounded float32 copy next to G_b: 8 + compute bytes per logit);
     * ``backward_block``: the weight-gradient sweep (the plain backward, the two-pass
       form's second pass, book-keeping's clipped sum at ``optimizer.step()``): the float32
-      (V x d) ``weight_grad`` and, per recomputed block, G_b, its rounded float32 copy and
-      its compute-dtype copy, and the block's (V x d) product in the compute dtype with its
-      float32 copy; ``grad_to_body``: the gradient handed to the body (B, T, d), alive
+      (V x d) ``weight_grad`` (summed in place in float32, at every precision) and, per
+      recomputed block, G_b, its rounded float32 copy and its compute-dtype copy;
+      ``grad_to_body``: the gradient handed to the body (B, T, d), alive
       through that backward (absent from book-keeping's assembly).
 
     Under float32 compute nothing is cast or rounded (``F.linear``'s logits are the float32
-    block, the weight gradient is accumulated in place). Left out (the tolerance of
+    block). Left out (the tolerance of
     tests/test_scaling.py): per block O(B·c·d) casts of A and the (B, c, d) product of H,
     O(B·c) reductions (maximum, sum, picked logit), the (B, c, k) sketched block and one
     (B, d, k) partial sum.
@@ -263,7 +263,7 @@ def chunked_head_terms(batch: int, seq_len: int, d: int, vocab: int, block_size:
     logits = b * c * v
     if low:
         forward_block = 4 * logits + max(cb * logits + cb * v * d, (4 + cb) * logits if private else 0)
-        backward_block = (8 + cb) * logits + (cb + 4) * v * d
+        backward_block = (8 + cb) * logits
     else:
         forward_block, backward_block = 4 * logits, 4 * logits
     return {

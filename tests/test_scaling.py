@@ -142,11 +142,13 @@ def test_chunked_head_terms_match_its_counted_peak(point):
     term and leaves out only per-block O(B·c·d), O(B·c·k), O(B·c) temporaries and one
     (B, d, k) partial sum (chunked_head_omitted_bytes), so it may only undercount, by at
     most that bound: modelled <= counted <= modelled + bound. At these points the bound is
-    0.4-0.9% of the peak; the measured gap is below 0.15%."""
+    0.5-1.3% of the peak (it was 0.4-0.9% until the head's weight gradient was summed in place in
+    float32 under autocast, which took 6 V·d bytes off the CPU peaks, not off the omitted terms);
+    the measured gap is below 0.15%."""
     (row,) = scaling.validate_chunked_head([point])
     gap = row["measured_bytes"] - row["modelled_bytes"]
     assert 0 <= gap <= row["omitted_bound_bytes"], row
-    assert row["omitted_bound_bytes"] <= 0.01 * row["measured_bytes"], row
+    assert row["omitted_bound_bytes"] <= 0.015 * row["measured_bytes"], row
     assert abs(row["rel_error"]) < 0.005, row
 
 

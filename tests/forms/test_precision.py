@@ -196,7 +196,7 @@ def released_step_fsdp(model: nn.Module, sigma: float, autocast: Optional[torch.
         seen["update"] = [p.grad.full_tensor().double().clone() for p in optimizer.params]
         seen["grad_dtypes"] = {p.grad.dtype for p in optimizer.params}
         seen["sum_dtypes"] = {optimizer.grad_state[p]["summed_grad"].dtype for p in optimizer.params}
-        seen["normaliser"] = optimizer.expected_batch_size * optimizer.accumulated_iterations if reduction == "mean" else 1
+        seen["normaliser"] = optimizer.expected_batch_size * optimizer.accumulated_iterations  # a mean loss
 
     optimizer.original_optimizer.register_step_pre_hook(keep)
     cast = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
