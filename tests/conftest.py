@@ -61,6 +61,11 @@ FAST_CASES = {
         "plain-per_example-example-banded", "bmm-bookkeeping_with_criterion-user-banded", "bmm-per_example-user-independent",
         "bmm-two_pass-example-independent", "bmm-output_passes-example-banded",
     ),
+    # the Trainer's and TRL's cells of the matrix: each entry, form, unit and noise once (issue 53)
+    "test_trainer_cell_equals_brute_force": (
+        "trainer-per_example-user-banded", "sft-output_passes-user-independent", "packed-bookkeeping-example-banded",
+        "packed-per_example-user-independent",
+    ),
     # 1,029 aligned rows twice per case: the 4.4 C case before the fix stays fast (issue 52)
     "test_under_a_mean_loss_one_row_moves_the_sum_by_one_contribution": ("two_pass-autocast_bf16",),
     "test_padding_free_equals_brute_force_over_the_unpacked_sequences": (

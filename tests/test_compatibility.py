@@ -7,7 +7,9 @@ drift apart:
 
 * :func:`test_the_document_is_the_matrix` renders the tables below and compares them with
   docs/compatibility.md (``OPACUS_RC_WRITE_COMPATIBILITY=1`` rewrites it);
-* :func:`test_every_named_test_exists` imports every test a cell names;
+* :func:`test_every_named_test_exists` imports every test a cell names, and
+  :func:`test_the_trainer_cells_are_those_tested` checks that the cells naming
+  tests/hf/test_trainer_cells.py's tests are the cases they run;
 * :func:`test_one_process_cell_equals_brute_force` is the evidence of every one-process cell of
   the plain loop and of BatchMemoryManager (each form, unit and noise), two releases at sigma 0
   against :mod:`tests.oracles`, and :func:`test_ddp_cell_equals_brute_force_gloo` of every DDP
@@ -57,6 +59,9 @@ UNITS, NOISES = ("example", "user"), ("independent", "banded")
 Cell = Tuple[str, str, str, str, str]  # (entry, engine, form, unit, noise)
 
 _MATRIX = "tests/test_compatibility.py::test_one_process_cell_equals_brute_force"
+_TRAINER_CELLS = "tests/hf/test_trainer_cells.py::test_trainer_cell_equals_brute_force"
+_TRAINER_CELLS_DDP = "tests/hf/test_trainer_cells.py::test_two_gloo_ranks_cells_equal_brute_force_on_the_union"
+_DDP_BANDED = "tests/hf/test_trainer_banded.py::test_two_gloo_ranks_banded_release_is_the_union_of_the_ranks_draws_and_resumes"
 
 
 def _one_process(entry: str) -> Dict[Cell, str]:
@@ -88,7 +93,9 @@ MATRIX: Dict[Cell, str] = {
     (TRAINER, ONE, "per_example", "user", "independent"): "tests/hf/test_trainer_users.py::test_update_equals_brute_force_per_user_clipping",
     (TRAINER, ONE, "output_passes", "user", "independent"):
         "tests/hf/test_trainer_users.py::test_gradient_checkpointing_runs_the_output_passes_per_user",
-    (TRL, ONE, "output_passes", "example", "independent"): "tests/hf/test_trainer.py::test_private_sft_trainer_sigma0_equals_plain_loop",
+    # the cells of tests/hf/test_trainer_cells.py (its CELLS and DDP_CELLS: test_the_trainer_cells_are_those_tested)
+    **{(TRAINER, ONE, form, unit, "banded"): _TRAINER_CELLS for form, unit in itertools.product(TRAINER_FORMS, UNITS)},
+    **{(TRL, ONE, "output_passes", unit, noise): _TRAINER_CELLS for unit, noise in itertools.product(UNITS, NOISES)},
     # the private Trainer, two gloo ranks
     (TRAINER, DDP, "bookkeeping", "example", "independent"): "tests/hf/test_trainer.py::test_two_gloo_ranks_equal_one_process_on_the_union",
     (TRAINER, DDP, "per_example", "example", "independent"):
@@ -97,17 +104,21 @@ MATRIX: Dict[Cell, str] = {
         "tests/hf/test_trainer_users.py::test_two_gloo_ranks_at_user_level_equal_brute_force_on_the_union",
     (TRAINER, DDP, "per_example", "user", "independent"):
         "tests/hf/test_trainer_users.py::test_two_gloo_ranks_at_user_level_equal_brute_force_on_the_union",
-    (TRAINER, DDP, "bookkeeping", "example", "banded"):
-        "tests/hf/test_trainer_banded.py::test_two_gloo_ranks_banded_release_is_the_union_of_the_ranks_draws_and_resumes",
-    (TRAINER, DDP, "bookkeeping", "user", "banded"):
-        "tests/hf/test_trainer_banded.py::test_two_gloo_ranks_banded_release_is_the_union_of_the_ranks_draws_and_resumes",
-    (TRL, DDP, "bookkeeping", "example", "banded"):
-        "tests/hf/test_trainer_banded.py::test_two_gloo_ranks_banded_release_is_the_union_of_the_ranks_draws_and_resumes",
+    # its kinds "trainer" and "sft" run book-keeping, "users" the per-example form (a physical batch of one)
+    (TRAINER, DDP, "bookkeeping", "example", "banded"): _DDP_BANDED,
+    (TRAINER, DDP, "per_example", "user", "banded"): _DDP_BANDED,
+    (TRL, DDP, "bookkeeping", "example", "banded"): _DDP_BANDED,
+    (TRAINER, DDP, "per_example", "example", "banded"): _TRAINER_CELLS_DDP,
+    (TRAINER, DDP, "bookkeeping", "user", "banded"): _TRAINER_CELLS_DDP,
+    (TRL, DDP, "bookkeeping", "example", "independent"): _TRAINER_CELLS_DDP,
+    **{(TRL, DDP, "bookkeeping", "user", noise): _TRAINER_CELLS_DDP for noise in NOISES},
     # TRL's packed rows: each sequence its own example (or its user's)
     **{(PACKED, ONE, form, unit, "independent"):
        "tests/hf/test_trainer_padding_free.py::test_padding_free_equals_brute_force_over_the_unpacked_sequences"
        for form, unit in (("bookkeeping", "example"), ("output_passes", "example"), ("per_example", "example"),
                           ("bookkeeping", "user"), ("output_passes", "user"))},
+    (PACKED, ONE, "per_example", "user", "independent"): _TRAINER_CELLS,
+    **{(PACKED, ONE, form, unit, "banded"): _TRAINER_CELLS for form, unit in itertools.product(TRAINER_FORMS, UNITS)},
 }
 
 
@@ -171,6 +182,16 @@ def test_every_named_test_exists():
         path, name = evidence.split("::", 1)
         module = importlib.import_module(path[:-3].replace("/", "."))
         assert callable(getattr(module, name.split("[", 1)[0], None)), evidence
+
+
+def test_the_trainer_cells_are_those_tested():
+    """The cells naming tests/hf/test_trainer_cells.py's tests are the cases those tests run."""
+    from tests.hf import test_trainer_cells as cells
+
+    entries = {"trainer": TRAINER, "sft": TRL, "packed": PACKED}
+    for name, engine, tested in ((_TRAINER_CELLS, ONE, cells.CELLS), (_TRAINER_CELLS_DDP, DDP, cells.DDP_CELLS)):
+        named = {cell for cell, evidence in MATRIX.items() if evidence == name}
+        assert named == {(entries[entry], engine, *rest) for entry, *rest in tested}, name
 
 
 # --- the one-process evidence -----------------------------------------------------------------------

@@ -20,6 +20,7 @@ from opacus_rc.hf import DPTrainer, PrivacyArguments, is_empty_batch, private_tr
 from opacus_rc.hf.noise import check_draw_step
 from opacus_rc.noises.banded import BandedNoise
 from opacus_rc.hf.data import PoissonAccumulationSampler, poisson_sampler_of
+from opacus_rc.packing import SEGMENTS_KEY
 from opacus_rc.units import UserIndex
 
 from tests.models import RowDataset, tiny_llama
@@ -284,25 +285,35 @@ def test_private_sft_trainer_with_banded_noise(tmp_path):
 DDP_C = 0.05
 #: kind -> (b, q, per-device batch), 2 accumulation steps, 2 ranks. Rows: B = 2 x 2 x 2 = 8 = q N
 #: at q = 1/3 of 24 rows; users (privacy_unit="user", 6 users): B = 1 x 2 x 2 = 4 expected users at
-#: q = 1/2. The rate inside a part, b q, is 1: every unit of the part is drawn, so a rank's share
-#: of a draw is empty only for a part of at most one unit, whatever the secret partition (the test
-#: needs a draw with rows on both ranks)
+#: q = 1/2, in the per-example form (a physical batch of one). The rate inside a part, b q, is 1:
+#: every unit of the part is drawn, so a rank's share of a draw is empty only for a part of at most
+#: one unit, whatever the secret partition (the test needs a draw with rows on both ranks)
 DDP_RUNS = {"trainer": (3, 1 / 3, 2), "sft": (3, 1 / 3, 2), "users": (2, 1 / 2, 1)}
+#: the form each kind runs (its physical batch and options: :func:`ddp_banded_run`)
+DDP_FORMS = {"trainer": "bookkeeping", "sft": "bookkeeping", "users": "per_example"}
 
 
-def ddp_recording(trainer_class):
-    """The trainer class recording, on its rank: each physical batch (its tensors, units and draw
-    number, before the Trainer takes them off), each logical draw the sampler makes (its number and
-    the stable keys of its units: the rows, or the users' ids), each release (``p.grad`` when the
-    wrapped optimizer updates, after the ranks' all-reduce) and each ``z`` the optimizer draws
-    (rank 0 only: the others add none)."""
+def release_recording(trainer_class):
+    """The trainer class recording, on its rank (or in its one process): each physical batch (its
+    draw number, its rows and units, before the Trainer takes them off: the collated tensors, or a
+    padding-free batch's packed sequences, each unpacked as its own row), each logical draw the
+    sampler makes (its number, its rows and the stable keys of their units: the rows, or the users'
+    ids), each release (``p.grad`` when the wrapped optimizer updates, after the ranks' all-reduce)
+    and each ``z`` the optimizer draws (rank 0 only: the others add none). :func:`recorded`
+    collects it."""
 
-    class DDPRecording(trainer_class):
+    class Recording(trainer_class):
         def training_step(self, model, inputs, num_items_in_batch=None):
             self.batches = getattr(self, "batches", [])
-            tensors = None if is_empty_batch(inputs) else {k: v.clone() for k, v in inputs.items()
-                                                           if isinstance(v, torch.Tensor)}
-            self.batches.append((inputs.get(_DRAW), tensors, inputs.get(_UNITS)))
+            segments = inputs.get(SEGMENTS_KEY)
+            if is_empty_batch(inputs):
+                rows = None
+            elif segments is not None:  # padding_free: each packed sequence is a row of its own
+                fields = {k: inputs[k].clone() for k in ("input_ids", "labels")}
+                rows = [{k: v[0] for k, v in row.items()} for row in segments.unpacked(fields)]
+            else:
+                rows = {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+            self.batches.append((inputs.get(_DRAW), rows, inputs.get(_UNITS)))
             return super().training_step(model, inputs, num_items_in_batch)
 
         def get_train_dataloader(self):
@@ -327,7 +338,31 @@ def ddp_recording(trainer_class):
                 optimizer._noise = lambda std, reference: (lambda z: self.z.append(z.clone()) or z)(draw(std, reference))
             return optimizer
 
-    return DDPRecording
+    return Recording
+
+
+def trainer_form(trainer) -> str:
+    """The clipping form a private Trainer runs, by the compatibility matrix's names
+    (docs/forms.md): the two passes from the output on a checkpointed model, else its optimizer's."""
+    return "output_passes" if getattr(trainer._dp_hooks, "output_passes", None) is not None else trainer._dp_form.name
+
+
+def recorded(trainer) -> dict:
+    """What a :func:`release_recording` trainer recorded in its run, with what :func:`check_releases`
+    reads of the run: its sampler's share, secret partition (cyclic draws) and parts, the unit, the
+    users' ids, every training row's tokens, the public B, the form, the history and epsilon."""
+    bands = trainer.privacy.noise_spec().parts
+    sampler, index, data = poisson_sampler_of(trainer._dp_loader), trainer.user_index(), trainer.train_dataset
+    return {
+        "batches": trainer.batches, "drawn": trainer.drawn[:len(trainer.batches)], "releases": trainer.releases,
+        "z": trainer.z, "slot_names": trainer.slot_names, "history": trainer.accountant.history,
+        "epsilon": trainer.get_epsilon(), "bands": bands,
+        "secret": None if bands is None else cyclic_sampler(trainer)._secret, "share": (sampler.rank, sampler.world_size), "unit": trainer.privacy_unit,
+        "user_keys": None if index is None else list(index.keys),
+        "row_ids": [tuple(int(t) for t in data[i]["input_ids"]) for i in range(len(data))],
+        "expected_batch_size": trainer.expected_batch_size, "form": trainer_form(trainer),
+        "optimizer": type(trainer._dp_optimizer).__name__,
+    }
 
 
 def ddp_banded_run(out, kind: str, max_steps: int, resume=None) -> dict:
@@ -345,26 +380,24 @@ def ddp_banded_run(out, kind: str, max_steps: int, resume=None) -> dict:
     schedule = dict(per_device_train_batch_size=per_device, gradient_accumulation_steps=2, max_steps=max_steps,
                     save_strategy="steps", save_steps=2, logging_steps=1, ignore_data_skip=True)
     if kind == "trainer":
-        trainer = ddp_recording(DPTrainer)(args=training_args(out, **schedule), train_dataset=RowDataset(), **common)
+        trainer = release_recording(DPTrainer)(args=training_args(out, **schedule), train_dataset=RowDataset(),
+                                               **common)
     elif kind == "users":
-        trainer = ddp_recording(DPTrainer)(args=training_args(out, remove_unused_columns=False, **schedule),
-                                           train_dataset=user_dataset(), data_collator=default_data_collator, **common)
+        trainer = release_recording(DPTrainer)(args=training_args(out, remove_unused_columns=False, **schedule),
+                                               train_dataset=user_dataset(), data_collator=default_data_collator,
+                                               **common)
     else:
         import trl
 
         config = trl.SFTConfig(output_dir=str(out / "out"), report_to=[], use_cpu=True, disable_tqdm=True, bf16=False,
                                gradient_checkpointing=False, lr_scheduler_type="constant", **schedule)
-        trainer = ddp_recording(private_trainer(trl.SFTTrainer))(
+        trainer = release_recording(private_trainer(trl.SFTTrainer))(
             args=config, train_dataset=sft_dataset(), processing_class=char_tokenizer(), **common)
     trainer.train(resume_from_checkpoint=resume)
-    optimizer, sampler = trainer._dp_optimizer, cyclic_sampler(trainer)
+    optimizer = trainer._dp_optimizer
     return {
-        "batches": trainer.batches, "drawn": trainer.drawn[:len(trainer.batches)], "releases": trainer.releases,
-        "z": trainer.z, "slot_names": trainer.slot_names, "history": trainer.accountant.history,
-        "epsilon": trainer.get_epsilon(), "secret": sampler._secret, "run_id": optimizer.banded.run_id,
-        "run_start": optimizer.banded.run_start, "holder": optimizer.banded.holder,
-        "optimizer": type(optimizer).__name__, "share": (sampler.rank, sampler.world_size),
-        "expected_batch_size": trainer.expected_batch_size, "record": trainer.privacy.step_record(per_device),
+        **recorded(trainer), "run_id": optimizer.banded.run_id, "run_start": optimizer.banded.run_start,
+        "holder": optimizer.banded.holder, "record": trainer.privacy.step_record(per_device),
     }
 
 
@@ -393,71 +426,97 @@ def ddp_shifted_draws(out) -> dict:
     return {"raised": raised, "history": trainer.accountant.history}
 
 
-def ddp_row_loss(model, row):
-    """A collated row's per-row loss computed alone: its tokens up to its padding (right padding),
-    positions from 0, the mean over its supervised tokens."""
-    from opacus_rc.hf import per_example_token_loss
+def rows_of(batch) -> list:
+    """A recorded physical batch's rows, each alone: a padding-free batch's sequences as recorded,
+    a collated batch's rows cut to their tokens (right padding: the attention mask's ones first)."""
+    if batch is None or isinstance(batch, list):
+        return batch or []
+    ids, labels, mask = batch["input_ids"], batch["labels"], batch.get("attention_mask")
+    rows = []
+    for i in range(ids.shape[0]):
+        n = ids.shape[1] if mask is None else int(mask[i].sum())
+        assert mask is None or bool(mask[i, :n].all()), "not right padding"
+        rows.append({"input_ids": ids[i, :n], "labels": labels[i, :n]})
+    return rows
 
-    n = int(row["attention_mask"].sum()) if "attention_mask" in row else row["input_ids"].shape[0]
-    ids, labels = row["input_ids"][None, :n], row["labels"][None, :n]
-    logits = model(input_ids=ids, position_ids=torch.arange(n)[None], use_cache=False).logits
-    return per_example_token_loss(logits, labels, shift=True).mean()
 
-
-def check_ddp_banded(ranks, start: int, steps: int, kind: str) -> None:
-    """Both ranks number the draws ``start .. start + steps - 1`` alike and draw them from part
-    ``t mod b`` of one partition (rank 0's secret), their rows (users) disjoint; rank 0 alone adds
-    noise; every release, on both ranks, is brute-force clipping (per row, or per user) of the
-    union of the ranks' rows of the draw over B plus ``(C^-1 z)_t / B`` of rank 0's ``z`` from the
-    run's first step (a resumed run restarts the recursion: ``C`` from its start), ``C`` built
-    here; the histories agree."""
+def check_releases(ranks, start: int, steps: int, clip: float = DDP_C, accumulation: int = 2) -> None:
+    """The releases of ``steps`` logical steps from draw ``start`` of one run recorded on each rank
+    (:func:`recorded`; one process: one rank). Every rank trained on exactly the rows its sampler
+    drew (their tokens, and their users' ids), the ranks' units disjoint; with cyclic draws
+    (``bands``) every rank numbers the draws ``start ..`` alike and draws them from part ``t mod b``
+    of one partition (rank 0's secret). Rank 0 alone draws noise; every release, on every rank, is
+    brute-force clipping (per row, or per user: :mod:`tests.oracles`; each row alone, positions from
+    0) of the union of the ranks' rows of the step over the public B, plus ``(C^-1 z)_t / B`` of
+    rank 0's ``z`` from the run's first step (independent noise: ``C = I``; a resumed banded run
+    restarts the recursion: ``C`` from its start), ``C`` built here; the histories agree."""
     from tests.forms.test_banded import band_matrix
     from tests.oracles import per_example_clipped_mean, per_user_clipped_mean
 
-    bands, _, per_device = DDP_RUNS[kind]
-    first, second = ranks
-    assert first["history"] == second["history"] and first["epsilon"] == second["epsilon"]
-    assert first["secret"] == second["secret"] and first["run_id"] == second["run_id"]
-    assert (first["run_start"], first["share"], second["share"]) == (start, (0, 2), (1, 2))
-    assert first["optimizer"].startswith("Distributed") and (first["holder"], second["holder"]) == ("full", None)
-    assert second["z"] == [] and len(first["z"]) == steps * len(first["slot_names"])
-    for r in ranks:
-        assert [d for d, *_ in r["batches"]] == [t for t in range(start, start + steps) for _ in range(2)]
-        assert [d for d, *_ in r["drawn"]] == [d for d, *_ in r["batches"]]
-        assert all(cyclic_part(first["secret"], key, bands) == t % bands for t, _, keys in r["drawn"] for key in keys)
-    assert not {k for _, _, keys in first["drawn"] for k in keys} & {k for _, _, keys in second["drawn"] for k in keys}
-    both = [t for t in range(steps) if all(any(rows for _, rows, _ in r["drawn"][2 * t:2 * t + 2]) for r in ranks)]
-    assert both, "no draw with rows on both ranks: pick another schedule"
-    if kind == "trainer":  # the rows trained on are the rows drawn
-        data = RowDataset()
-        for r in ranks:
-            for (_, rows, _), (_, batch, _) in zip(r["drawn"], r["batches"]):
-                assert rows == [] if batch is None else torch.equal(batch["input_ids"], data.ids[rows])
+    from .test_trainer_padding_free import sequence_loss
+
+    first, world = ranks[0], len(ranks)
+    bands, unit = first["bands"], first["unit"]
+    numbers = [None if bands is None else t for t in range(start, start + steps) for _ in range(accumulation)]
+    for rank, r in enumerate(ranks):
+        assert (r["history"], r["epsilon"], r["secret"], r["form"]) == (first["history"], first["epsilon"],
+                                                                        first["secret"], first["form"])
+        assert r["share"] == (rank, world) and len(r["releases"]) == steps
+        assert [d for d, *_ in r["batches"]] == [d for d, *_ in r["drawn"]] == numbers
+        assert bands is None or all(cyclic_part(first["secret"], key, bands) == t % bands
+                                    for t, _, keys in r["drawn"] for key in keys)
+        for (_, rows, keys), (_, batch, units) in zip(r["drawn"], r["batches"]):  # the rows trained: those drawn
+            trained = [tuple(row["input_ids"].tolist()) for row in rows_of(batch)]
+            drawn = [r["row_ids"][row] for row in rows]
+            if unit == "user":
+                users = [] if batch is None else units.users.tolist()
+                assert len(users) == len(trained)
+                trained, drawn = zip(trained, [r["user_keys"][u] for u in users]), zip(drawn, keys)
+            assert sorted(trained) == sorted(drawn)
+    units_of = [{key for _, _, keys in r["drawn"] for key in keys} for r in ranks]
+    assert sum(map(len, units_of)) == len(set().union(*units_of)), "a unit drawn on two ranks"
+    batches = [[b for r in ranks for b in r["batches"][accumulation * t:accumulation * (t + 1)]] for t in range(steps)]
+    assert any(sum(len(rows_of(batch)) for _, batch, _ in step) > 1 for step in batches), "no draw of several rows"
+    both = [t for t in range(steps)
+            if all(any(rows for _, rows, _ in r["drawn"][accumulation * t:accumulation * (t + 1)]) for r in ranks)]
+    assert world == 1 or both, "no draw with rows on both ranks: pick another schedule"
     reference = tiny_llama(seed=0)  # rank 0's weights: DPDDP broadcast them, learning rate 0 kept them
     names, slots = first["slot_names"], len(first["slot_names"])
+    assert len(first["z"]) == steps * slots and all(r["z"] == [] for r in ranks[1:])
     z = [[first["z"][t * slots + s] for s in range(slots)] for t in range(steps)]
-    w = [torch.linalg.solve_triangular(band_matrix(bands, steps), torch.stack([zt[s].double().flatten() for zt in z]),
-                                       upper=False) for s in range(slots)]
+    w = [torch.linalg.solve_triangular(band_matrix(bands or 1, steps),
+                                       torch.stack([zt[s].double().flatten() for zt in z]), upper=False)
+         for s in range(slots)]
     normaliser = first["expected_batch_size"]
-    assert normaliser == per_device * 2 * 2
-    for t in range(steps):
-        batches = [(batch, units) for r in ranks for _, batch, units in r["batches"][2 * t:2 * t + 2] if batch is not None]
-        rows = [{k: v[i] for k, v in batch.items()} for batch, _ in batches for i in range(batch["input_ids"].shape[0])]
+    for t, step in enumerate(batches):
+        rows = [row for _, batch, _ in step for row in rows_of(batch)]
         index = torch.arange(len(rows))  # the oracles take tensors: row i is index i
 
         def loss_of(m, i, _):
-            return ddp_row_loss(m, rows[int(i)])
+            return sequence_loss(m, rows[int(i)]["input_ids"][None], rows[int(i)]["labels"][None])
 
-        if kind == "users":  # each rank holds whole users: a user's rows are on one rank
-            users = [u for _, units in batches for u in units.users.tolist()]
-            want = per_user_clipped_mean(reference, loss_of, index, index, users, DDP_C, normaliser)
+        if unit == "user":  # each rank holds whole users: a user's rows are on one rank
+            users = [u for _, batch, units in step if batch is not None for u in units.users.tolist()]
+            want = per_user_clipped_mean(reference, loss_of, index, index, users, clip, normaliser)
         else:
-            want = per_example_clipped_mean(reference, loss_of, index, index, DDP_C, normaliser)
+            want = per_example_clipped_mean(reference, loss_of, index, index, clip, normaliser)
         for r in ranks:
             for s, name in enumerate(names):
                 torch.testing.assert_close(
                     r["releases"][t][s].double().flatten(), want[name].double().flatten() + w[s][t] / normaliser,
                     atol=1e-6, rtol=0, msg=lambda m: f"draw {start + t}, {name}: {m}")
+
+
+def check_ddp_banded(ranks, start: int, steps: int, kind: str) -> None:
+    """Two ranks' banded run of ``kind`` (:func:`ddp_banded_run`) from draw ``start``: one run
+    (rank 0's, from ``start``) and the form of the kind, held by rank 0; its releases
+    (:func:`check_releases`)."""
+    _, _, per_device = DDP_RUNS[kind]
+    first, second = ranks
+    assert first["run_id"] == second["run_id"] and first["run_start"] == start
+    assert first["optimizer"].startswith("Distributed") and (first["holder"], second["holder"]) == ("full", None)
+    assert first["form"] == DDP_FORMS[kind] and first["expected_batch_size"] == per_device * 2 * 2
+    check_releases(ranks, start, steps)
 
 
 @pytest.mark.parametrize("kind", sorted(DDP_RUNS))

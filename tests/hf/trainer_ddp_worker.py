@@ -2,7 +2,8 @@
 ``python -m torch.distributed.run --nproc_per_node 2 tests/hf/trainer_ddp_worker.py OUT SIGMA CLIPPING``
 (CLIPPING: "randomized", "flat", "per_example" (randomized, one row per backward pass), "users"
 (privacy_unit="user", tests/hf/test_trainer_users.py), "banded_trainer" or "banded_sft" (noise="banded",
-tests/hf/test_trainer_banded.py), or a refusal scenario)
+tests/hf/test_trainer_banded.py), "cells" (the compatibility matrix's cells of two ranks,
+tests/hf/test_trainer_cells.py), or a refusal scenario)
 (gloo on CPU). Each rank saves what it trained on and where it ended."""
 
 import os
@@ -112,6 +113,19 @@ def banded(out: str, kind: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def cells(out: str) -> None:
+    """Both ranks, every cell of tests/hf/test_trainer_cells.py's ``DDP_CELLS`` (sigma 0), each
+    rank's model seeded with its rank (rank 0's is broadcast): what each run recorded."""
+    import pathlib
+
+    import tests.hf.test_trainer_cells as c
+
+    rank = int(os.environ["RANK"])
+    results = {cell: c.cell_run(pathlib.Path(out) / "-".join(cell), *cell, seed=rank) for cell in c.DDP_CELLS}
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
 def main(out: str, sigma: float, clipping: str) -> None:
     import pathlib
 
@@ -124,6 +138,8 @@ def main(out: str, sigma: float, clipping: str) -> None:
         return users(out)
     if clipping == "users_sharded":
         return users_sharded(out)
+    if clipping == "cells":
+        return cells(out)
     if clipping == "banded_shifted":
         import pathlib
 
