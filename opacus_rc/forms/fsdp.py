@@ -58,7 +58,7 @@ from ..per_parameter import set_norm_sample
 from ..recompute import late_use_error
 from ..refusals import refusal
 from ..sketch import entropy_seed
-from ..values import EXAMPLE_UNIT, FSDP_MODE, USER_UNIT
+from ..values import FSDP_MODE
 
 logger = logging.getLogger(__name__)
 
@@ -95,21 +95,6 @@ def check_fsdp_mode(module: Any, grad_sample_mode: str) -> None:
             "(opacus.utils.fsdp_utils.FSDP2Wrapper); for one process or DPDDP use "
             "grad_sample_mode='ghost' or 'hooks'"
         )
-
-
-def user_level_error(what: str) -> ValueError:
-    """The refusal of ``what`` (tied parameters, the chunked LM head) at ``privacy_unit="user"``
-    under FSDP2. Book-keeping and the two-pass form clip them per user without FSDP2 (equal to
-    brute force in tests/forms/test_cells.py); under FSDP2 that path is not verified against
-    brute-force per-user clipping, so it is refused, on every rank and before any backward pass (at
-    ``make_private``; the head at its call): a refusal in one rank's backward pass would leave
-    the other ranks in FSDP2's collectives."""
-    return ValueError(
-        f"privacy_unit='user' with {what} is not supported with grad_sample_mode='ghost_fsdp': FSDP2's per-user "
-        "clipping of them is not verified against brute-force per-user clipping (refused on every rank). Accepted "
-        f"instead: privacy_unit='example' under FSDP2, or {what} at privacy_unit='user' with "
-        "grad_sample_mode='ghost' or 'bookkeeping' (without FSDP2)"
-    )
 
 
 def shared_sketch_seed(seed: Optional[int], secure_mode: bool) -> Optional[int]:
@@ -173,19 +158,6 @@ class FSDPSketchingMixin(SketchingMixin):
             (id(m), n): p for m in self._module.modules() for n, p in m.named_parameters(recurse=False)
         }
         super()._setup()
-
-    @property
-    def privacy_unit(self) -> str:
-        """What the followed optimizer's steps protect (its ``bind_module`` sets it)."""
-        return self.__dict__.get("_privacy_unit", EXAMPLE_UNIT)
-
-    @privacy_unit.setter
-    def privacy_unit(self, unit: str) -> None:
-        """Refused (:func:`user_level_error`) at ``"user"`` with tied parameters, when
-        ``make_private`` binds the optimizer: on every rank, up front."""
-        if unit == USER_UNIT and self._tied_modules:
-            raise user_level_error("tied parameters")
-        self.__dict__["_privacy_unit"] = unit
 
     # --- half precision: the clipped sums reduced in float32 (opacus_rc.half_precision) -----
 
