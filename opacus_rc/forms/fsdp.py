@@ -24,7 +24,10 @@
   are all on one rank. That rank forms the user's sums in the norm pass (the two-pass form's
   regrouped sequences, :func:`~opacus_rc.units.regroup_uses`) and weights each of its rows by
   ``c_u / m_u`` in the clipped pass; FSDP2 reduce-scatters the clipped sums
-  ``sum_u c_u mean_{r in u} g_r`` as at example level. No per-user value crosses ranks.
+  ``sum_u c_u mean_{r in u} g_r`` as at example level. No per-user value crosses ranks. Tied
+  parameters and the chunked LM head take the two-pass form's per-user path: a tied use's rows
+  regrouped into the rank's users before its projection, the uses' projections summed per user in
+  the tied slots before the norm; the head's block sums reduced to users.
 
 Book-keeping does not fit FSDP2's hooks and is refused (:func:`check_fsdp_mode`).
 """
