@@ -22,11 +22,11 @@ from .clipped_sums import keep_rows, wide_dtype
 from .estimators import ghost_sq_norms, sketch_side
 from .forms import form_of
 from .forms.bookkeeping import Record
-from .forms.fsdp import head_unit, is_fsdp_module, user_level_error
+from .forms.fsdp import head_unit, is_fsdp_module
 from .norm_samplers import tied_row_sketch
 from .recompute import NON_REENTRANT, REENTRANT, forward_replay
 from .units import RowUnits, per_row, regroup_rows, sum_rows_by_unit, unit_layout
-from .values import HUTCHINSON, HUTCHPP, USER_UNIT
+from .values import HUTCHINSON, HUTCHPP
 
 REDUCTIONS = ("mean", "sum")
 _LOW = (torch.float16, torch.bfloat16)
@@ -456,10 +456,6 @@ class ChunkedLMHeadLoss(nn.Module):
                 "model) clip at: use grad_sample_mode='bookkeeping' (or bookkeeping=True) in "
                 "make_private, or grad_sample_mode='ghost' with this module as the criterion"
             )
-        if owner is not None and owner.sharded and owner.privacy_unit == USER_UNIT:
-            # refused at every rank's call of the head, whatever its share holds: a refusal in one
-            # rank's backward pass (a user of several rows) would leave the others in FSDP2's collectives
-            raise user_level_error("the chunked LM head")
         # A reentrant checkpoint's replay reduces as the region's forward did (Opacus's
         # criterion sets reduction="none" for that call only, and has restored it since).
         if forward_replay() == REENTRANT:

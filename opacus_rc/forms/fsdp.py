@@ -24,7 +24,10 @@
   are all on one rank. That rank forms the user's sums in the norm pass (the two-pass form's
   regrouped sequences, :func:`~opacus_rc.units.regroup_uses`) and weights each of its rows by
   ``c_u / m_u`` in the clipped pass; FSDP2 reduce-scatters the clipped sums
-  ``sum_u c_u mean_{r in u} g_r`` as at example level. No per-user value crosses ranks.
+  ``sum_u c_u mean_{r in u} g_r`` as at example level. No per-user value crosses ranks. Tied
+  parameters and the chunked LM head take the two-pass form's per-user path: a tied use's rows
+  regrouped into the rank's users before its projection, the uses' projections summed per user in
+  the tied slots before the norm; the head's block sums reduced to users.
 
 Book-keeping does not fit FSDP2's hooks and is refused (:func:`check_fsdp_mode`).
 """
@@ -58,7 +61,7 @@ from ..per_parameter import set_norm_sample
 from ..recompute import late_use_error
 from ..refusals import refusal
 from ..sketch import entropy_seed
-from ..values import EXAMPLE_UNIT, FSDP_MODE, USER_UNIT
+from ..values import FSDP_MODE
 
 logger = logging.getLogger(__name__)
 
@@ -95,21 +98,6 @@ def check_fsdp_mode(module: Any, grad_sample_mode: str) -> None:
             "(opacus.utils.fsdp_utils.FSDP2Wrapper); for one process or DPDDP use "
             "grad_sample_mode='ghost' or 'hooks'"
         )
-
-
-def user_level_error(what: str) -> ValueError:
-    """The refusal of ``what`` (tied parameters, the chunked LM head) at ``privacy_unit="user"``
-    under FSDP2. Book-keeping and the two-pass form clip them per user without FSDP2 (equal to
-    brute force in tests/forms/test_cells.py); under FSDP2 that path is not verified against
-    brute-force per-user clipping, so it is refused, on every rank and before any backward pass (at
-    ``make_private``; the head at its call): a refusal in one rank's backward pass would leave
-    the other ranks in FSDP2's collectives."""
-    return ValueError(
-        f"privacy_unit='user' with {what} is not supported with grad_sample_mode='ghost_fsdp': FSDP2's per-user "
-        "clipping of them is not verified against brute-force per-user clipping (refused on every rank). Accepted "
-        f"instead: privacy_unit='example' under FSDP2, or {what} at privacy_unit='user' with "
-        "grad_sample_mode='ghost' or 'bookkeeping' (without FSDP2)"
-    )
 
 
 def shared_sketch_seed(seed: Optional[int], secure_mode: bool) -> Optional[int]:
@@ -173,19 +161,6 @@ class FSDPSketchingMixin(SketchingMixin):
             (id(m), n): p for m in self._module.modules() for n, p in m.named_parameters(recurse=False)
         }
         super()._setup()
-
-    @property
-    def privacy_unit(self) -> str:
-        """What the followed optimizer's steps protect (its ``bind_module`` sets it)."""
-        return self.__dict__.get("_privacy_unit", EXAMPLE_UNIT)
-
-    @privacy_unit.setter
-    def privacy_unit(self, unit: str) -> None:
-        """Refused (:func:`user_level_error`) at ``"user"`` with tied parameters, when
-        ``make_private`` binds the optimizer: on every rank, up front."""
-        if unit == USER_UNIT and self._tied_modules:
-            raise user_level_error("tied parameters")
-        self.__dict__["_privacy_unit"] = unit
 
     # --- half precision: the clipped sums reduced in float32 (opacus_rc.half_precision) -----
 

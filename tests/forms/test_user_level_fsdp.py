@@ -19,9 +19,16 @@ checkpointing, banded noise (cyclic Poisson over users), and a run saved after 2
 its 4 steps equal the uninterrupted run's. With sketched norms (shared sketches of one seed) the
 release equals the one-process two-pass form's at user level. The accountant charges ``q_u`` (the
 same history on both ranks); the mean loss of an empty share is 0 (finite). Ranks given their own
-shard of the rows and ids are refused on both; so are tied parameters and the chunked LM head at
-user level, up front on every rank; and a refused checkpoint load (a banded run's state into an
-independent run) leaves each rank's shards and optimizer as they were.
+shard of the rows and ids are refused on both; and a refused checkpoint load (a banded run's state
+into an independent run) leaves each rank's shards and optimizer as they were.
+
+Tied parameters and the chunked LM head at user level (before: refused under FSDP2, "not
+verified"): an embedding tied to a Linear head (grouped by hand in one unit), the chunked head
+(untied, and tied to the embedding), in the wrapping and hooks forms, over the same draws: each
+release equals brute-force per-user clipping as above (a tied use's rows regrouped into the
+rank's users before its projection onto the row sketch, the uses' projections summed per user
+before the norm; the head's block sums reduced to users; exact norms: every regrouped sequence
+and the tied weight's 32 rows within the sketch size).
 """
 
 from __future__ import annotations
@@ -37,13 +44,20 @@ from torch import nn
 
 import opacus_rc  # noqa: F401  (registers the plugin: a spawned rank loads no conftest)
 from opacus_rc.finite import local_shard
+from opacus_rc.lm_head import ChunkedLMHeadLoss
 
+from tests.forms.test_cells import head_ce
+from tests.forms.test_fsdp import make_tied
 from tests.forms.test_user_level import _ce, user_data
-from tests.models import CheckpointedSequenceClassifier, SequenceClassifier
+from tests.models import CheckpointedSequenceClassifier, SequenceClassifier, TinyLM
 from tests.oracles import per_user_clipped_mean
 from tests.spawn import spawn
+from tests.test_lm_head_fsdp import shard as shard_lm
 
 WORLD, STEPS, USERS = 2, 6, 7
+#: the LMs' vocabulary (user_data's token ids); its 32 rows of the tied weight are no more than the
+#: sketch size (64): the tied row sketch is the identity, every norm exact
+VOCAB = 32
 #: expected users per step (q_u = 2 / 7), clip bound, rows per user and draw (users have 5 or 6)
 BATCH, C, K = 2, 0.05, 4
 ATOL = 1e-6
@@ -62,10 +76,10 @@ def make_model(cls=SequenceClassifier) -> nn.Module:
     return cls()
 
 
-def private(options: dict, cls, seed: int, data=None, owners=None, model=None):
+def private(options: dict, cls, seed: int, data=None, owners=None, model=None, criterion=None):
     """An FSDP2 model (``model``, else ``cls`` wrapped by FSDP2Wrapper) made private at user level
-    (lr 0, noise 0, exact norms: sketch_size above every regrouped sequence); returns (engine,
-    module called, optimizer, criterion, loader)."""
+    (lr 0, noise 0, exact norms: sketch_size above every regrouped sequence; ``criterion``: the loss,
+    cross-entropy by default); returns (engine, module called, optimizer, criterion, loader)."""
     from opacus.utils.fsdp_utils import FSDP2Wrapper
 
     if data is None:
@@ -74,7 +88,8 @@ def private(options: dict, cls, seed: int, data=None, owners=None, model=None):
         model = FSDP2Wrapper(make_model(cls))
     engine = PrivacyEngine(accountant="rc_prv")
     module, opt, crit, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), criterion=nn.CrossEntropyLoss(),
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        criterion=nn.CrossEntropyLoss() if criterion is None else criterion,
         data_loader=torch.utils.data.DataLoader(data, batch_size=BATCH), noise_multiplier=0.0, max_grad_norm=C,
         grad_sample_mode="ghost_fsdp", clipping="randomized", sketch_size=64, privacy_unit="user", user_ids=owners,
         max_examples_per_user=K, seed=seed, **options,
@@ -176,49 +191,59 @@ def refused_load(rank: int, out_dir: str) -> dict:
     return {"refused": refused, "untouched": untouched}
 
 
-def refused_combinations(rank: int) -> dict:
-    """A tied embedding / head (grouped by hand) and the chunked LM head at user level under
-    FSDP2: refused on every rank, whatever its share holds (the two-pass form refuses them in a
-    backward pass that holds a user of several rows, which under FSDP2 one rank would reach alone
-    while the other waits in FSDP2's collectives): the tied model at make_private, the head at its
-    call; each rank's error."""
+def tied_model() -> nn.Module:
+    """tests/forms/test_fsdp.py's classifier whose head (a Linear) is tied to its embedding: the
+    two grouped by hand in one FSDP2 unit (FSDP2 wants a shared parameter in one group), the other
+    layers sharded one by one."""
     from torch.distributed.fsdp import fully_shard
-    from opacus.utils.fsdp_utils import FSDP2Wrapper
 
-    from opacus_rc.lm_head import ChunkedLMHeadLoss
-    from tests.forms.test_fsdp import make_tied
-    from tests.models import TinyLM
-    from tests.test_lm_head import batch
-
-    out = {}
-    tied = make_tied()
-    for layer in (tied.fc1, tied.norm, tied.fc2):
+    model = make_tied()
+    for layer in (model.fc1, model.norm, model.fc2):
         fully_shard(layer)
-    fully_shard([tied.emb, tied.head])
-    fully_shard(tied)
+    fully_shard([model.emb, model.head])
+    return fully_shard(model)
+
+
+def lm(tied: bool = False) -> nn.Module:
+    """The LM whose head the chunked loss computes (a tied embedding / head: one unit)."""
+    return TinyLM(vocab=VOCAB, tied=tied)
+
+
+#: the models of the combinations: name -> (the FSDP2 model, its unsharded reference, the loss of
+#: one row for brute force, whether its loss is the chunked head's: labels are the inputs)
+MODELS = {
+    "tied": (tied_model, make_tied, _ce, False),
+    "head": (lambda: shard_lm(lm(), False), lm, head_ce, True),
+    "tied_head": (lambda: shard_lm(lm(tied=True), True), lambda: lm(tied=True), head_ce, True),
+}
+#: tied parameters and the chunked LM head at user level: name -> (make_private options, model);
+#: the draws of :data:`RUNS`'s seed 16 (the same loader: empty shares included)
+COMBINATIONS = {
+    "tied": ({}, "tied"),
+    "tied_hooks_form": ({"wrap_model": False}, "tied"),
+    "head": ({}, "head"),
+    "head_hooks_form": ({"wrap_model": False}, "head"),
+    "tied_head": ({}, "tied_head"),
+}
+
+
+def model_data(kind: str):
+    """The rows (x, labels, row index) and owners of ``kind``'s model: the chunked head's labels
+    are the inputs (next-token loss), the classifier's its classes."""
     data, owners = user_data(users=USERS)
-    try:
-        private({}, SequenceClassifier, 16, data, owners, model=tied)
-        out["tied"] = None
-    except ValueError as error:
-        out["tied"] = str(error)
-    lm = FSDP2Wrapper(TinyLM(vocab=24))
-    x, y = batch(12, 6, 24)
-    rows = torch.utils.data.TensorDataset(x, y)
-    engine = PrivacyEngine(accountant="rc_prv")
-    module, opt, crit, loader = engine.make_private(
-        module=lm, optimizer=torch.optim.SGD(lm.parameters(), lr=0.0), criterion=ChunkedLMHeadLoss(lm.head, block_size=3),
-        data_loader=torch.utils.data.DataLoader(rows, batch_size=2), noise_multiplier=0.0, max_grad_norm=C,
-        grad_sample_mode="ghost_fsdp", clipping="randomized", privacy_unit="user", user_ids=[r % 4 for r in range(12)],
-        seed=1,
-    )
-    xb, yb = next(iter(loader))
-    try:
-        crit(module(xb), yb)
-        out["head"] = None
-    except ValueError as error:
-        out["head"] = str(error)
-    return out
+    if MODELS[kind][3]:
+        x, _, index = data.tensors
+        data = torch.utils.data.TensorDataset(x, x, index)
+    return data, owners
+
+
+def combination(options: dict, kind: str):
+    """``kind``'s FSDP2 model made private at user level (:func:`private`): the chunked head its
+    criterion where ``kind`` has one."""
+    model = MODELS[kind][0]()
+    data, owners = model_data(kind)
+    criterion = ChunkedLMHeadLoss(model.head, block_size=4, shift_labels=True) if MODELS[kind][3] else None
+    return private(options, None, 16, data, owners, model=model, criterion=criterion)
 
 
 def own_shard(rank: int) -> dict:
@@ -244,24 +269,28 @@ def worker(rank, init_file, out_dir):
     out["resumed"] = resumed(rank, out_dir)
     out["own_shard"] = own_shard(rank)
     out["refused_load"] = refused_load(rank, out_dir)
-    out["refused_combinations"] = refused_combinations(rank)
+    for name, (options, kind) in COMBINATIONS.items():
+        out[name] = train(combination(options, kind), STEPS, {})
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def check_releases(name: str, ranks: list, steps: int) -> None:
+def check_releases(name: str, ranks: list, steps: int, kind: str = None) -> None:
     """Every step's release on each rank is its shard of brute-force per-user clipping of the
-    union of the ranks' rows over the public normaliser BATCH."""
-    data, owners = user_data(users=USERS)
+    union of the ranks' rows over the public normaliser BATCH (``kind``: a model of
+    :data:`MODELS`, else :class:`SequenceClassifier`)."""
+    if kind is None:
+        (data, owners), reference, loss_of = user_data(users=USERS), make_model(), _ce
+    else:
+        (data, owners), reference, loss_of = model_data(kind), MODELS[kind][1](), MODELS[kind][2]
     x_all, y_all, _ = data.tensors
-    reference = make_model()
     names = [n for n, p in reference.named_parameters() if p.requires_grad]
     for rank, r in enumerate(ranks):
         assert len(r["rows"]) == len(r["releases"]) == steps, name
         for step, release in enumerate(r["releases"]):
             rows = ranks[0]["rows"][step] + ranks[1]["rows"][step]
             users = [owners[i] for i in rows]
-            want = per_user_clipped_mean(reference, _ce, x_all[rows], y_all[rows], users, C, BATCH)
+            want = per_user_clipped_mean(reference, loss_of, x_all[rows], y_all[rows], users, C, BATCH)
             for slot, param in enumerate(names):
                 torch.testing.assert_close(
                     release[slot].double(), torch.chunk(want[param], WORLD, dim=0)[rank].double(), atol=ATOL, rtol=0,
@@ -272,6 +301,29 @@ def check_releases(name: str, ranks: list, steps: int) -> None:
 @pytest.fixture(scope="module")
 def spawned():
     return spawn(worker, WORLD)
+
+
+def check_draws(name: str, ranks: list, by_rank: bool) -> None:
+    """The run's draws hold a step with both shares non-empty, one with one share empty and one
+    with both empty; each user is drawn, with all its m_u rows, by one rank only (``by_rank``:
+    rank r draws users r, r + 2, ...); the ranks charge the same history; the mean loss of an
+    empty share is 0."""
+    _, owners = user_data(users=USERS)
+    shares = list(zip(ranks[0]["rows"], ranks[1]["rows"]))
+    kinds = {(bool(a), bool(b)) for a, b in shares}
+    assert {(True, True), (False, False)} <= kinds and kinds & {(True, False), (False, True)}, \
+        f"{name}: the draws miss a case ({shares}): pick another seed"
+    drawn = [{owners[i] for step in r["rows"] for i in step} for r in ranks]
+    assert drawn[0].isdisjoint(drawn[1]), name  # each user drawn by one rank only, over the whole run
+    if by_rank:
+        assert all(u % WORLD == rank for rank, users in enumerate(drawn) for u in users)
+    for rank, r in enumerate(ranks):
+        for step in r["rows"]:
+            users = [owners[i] for i in step]
+            assert all(users.count(u) == min(K, owners.count(u)) for u in users)  # all m_u rows of a drawn user
+        assert all(loss == 0.0 for step, loss in zip(r["rows"], r["losses"]) if not step), name
+        assert all(torch.isfinite(torch.tensor(r["losses"]))), name
+    assert ranks[0]["history"] == ranks[1]["history"], name
 
 
 def test_fsdp_user_level_equals_brute_force_per_user_clipping_gloo(spawned):
@@ -285,24 +337,25 @@ def test_fsdp_user_level_equals_brute_force_per_user_clipping_gloo(spawned):
     for name, (options, _, _) in RUNS.items():
         ranks = [r[name] for r in spawned]
         check_releases(name, ranks, STEPS)
-        shares = list(zip(ranks[0]["rows"], ranks[1]["rows"]))
-        kinds = {(bool(a), bool(b)) for a, b in shares}
-        assert {(True, True), (False, False)} <= kinds and kinds & {(True, False), (False, True)}, \
-            f"{name}: the draws miss a case ({shares}): pick another seed"
-        drawn = [{owners[i] for step in r["rows"] for i in step} for r in ranks]
-        assert drawn[0].isdisjoint(drawn[1]), name  # each user drawn by one rank only, over the whole run
-        if "noise" not in options:  # rank r owns users r, r + 2, ... (banded: every 2nd user of each part)
-            assert all(u % WORLD == rank for rank, users in enumerate(drawn) for u in users)
-        for rank, r in enumerate(ranks):
-            for step in r["rows"]:
-                users = [owners[i] for i in step]
-                assert all(users.count(u) == min(K, owners.count(u)) for u in users)  # all m_u rows of a drawn user
-            assert all(loss == 0.0 for step, loss in zip(r["rows"], r["losses"]) if not step), name
-            assert all(torch.isfinite(torch.tensor(r["losses"]))), name
-        assert ranks[0]["history"] == ranks[1]["history"], name
+        # rank r owns users r, r + 2, ... (banded: every 2nd user of each part)
+        check_draws(name, ranks, by_rank="noise" not in options)
         if "noise" not in options:
             (sigma, rate, steps, *_), = ranks[0]["history"]
             assert (sigma, steps) == (0.0, STEPS) and abs(rate - BATCH / USERS) < 1e-12  # q_u = E[U] / users
+
+
+@pytest.mark.parametrize("name", sorted(COMBINATIONS))
+def test_fsdp_user_level_tied_weights_and_chunked_head_equal_brute_force_gloo(spawned, name):
+    """Tied parameters (an embedding tied to a Linear head, and to the chunked head) and the chunked
+    LM head at user level under FSDP2, in the wrapping and hooks forms: every step's release is
+    each rank's shard of brute-force per-user clipping of the ranks' union (each use's rows
+    regrouped into the rank's users before the tied projection; the head's block sums reduced to
+    users), at steps with both shares non-empty, one empty and both empty; every user has rows at
+    even and odd positions."""
+    ranks = [r[name] for r in spawned]
+    check_releases(name, ranks, STEPS, COMBINATIONS[name][1])
+    check_draws(name, ranks, by_rank=True)
+    assert any(t.abs().max() > 0 for r in ranks for release in r["releases"] for t in release), name
 
 
 def test_fsdp_user_level_sketched_equals_one_process_gloo(spawned):
@@ -344,12 +397,3 @@ def test_fsdp_refused_load_leaves_the_shards_and_optimizer_untouched_gloo(spawne
     for r in spawned:
         assert "noise=banded loaded into a run with noise=independent" in r["refused_load"]["refused"]
         assert r["refused_load"]["untouched"]
-
-
-def test_fsdp_user_level_tied_weights_and_chunked_head_refused_on_every_rank_gloo(spawned):
-    """Tied parameters at make_private, the chunked LM head at its call: refused by name on both
-    ranks (never in one rank's backward pass alone)."""
-    for r in spawned:
-        refused = r["refused_combinations"]
-        assert "privacy_unit='user' with tied parameters is not supported with grad_sample_mode='ghost_fsdp'" in refused["tied"]
-        assert "privacy_unit='user' with the chunked LM head is not supported" in refused["head"]
