@@ -94,7 +94,7 @@ def test_private_search_example_quick_writes_its_json(tmp_path):
         assert key in report, key
     assert 2.99 <= report["epsilon"] <= 3.0 and report["delta"] == 1e-5 and report["distribution"] == "poisson"
     assert report["mean_trials"] == 3 and report["clipping"] == "randomized" and report["seed"] == 1
-    assert report["trials_run"] == 0 or report["test_accuracy"] >= report["majority_accuracy"]
+    assert report["trials_run"] == 0 or report["test_accuracy"] > report["majority_accuracy"] + 0.02
     assert "epsilon 2.99" in out.stdout or "epsilon 3.00" in out.stdout
 
 
