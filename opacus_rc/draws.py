@@ -328,6 +328,16 @@ class _OutputReached:
         self.reached = True
 
 
+def split_twice_error(max_batch_size: int, split: int) -> ValueError:
+    """The refusal of BatchMemoryManager(``max_batch_size``) over a loader that already splits
+    its draws into physical batches of up to ``split`` rows, more than ``max_batch_size``."""
+    return ValueError(
+        f"BatchMemoryManager(max_physical_batch_size={max_batch_size}) over a loader already split into "
+        f"physical batches of up to {split}: give the unsplit Poisson loader, or a max_physical_batch_size "
+        f"of at least {split}"
+    )
+
+
 def accumulation_error(batches: int) -> ValueError:
     """The refusal of a ``step()`` that does not follow exactly one physical batch."""
     return ValueError(
@@ -477,11 +487,7 @@ def split_draws(*, data_loader: DataLoader, max_batch_size: int, optimizer: Any)
         return DataLoader(dataset=data_loader.dataset, batch_sampler=sampler, **_options(data_loader))
     if isinstance(sampler, DrawSampler):  # a loader of the plugin's: its draws, split (again)
         if sampler.max_batch_size is not None and sampler.max_batch_size > max_batch_size:
-            raise ValueError(
-                f"BatchMemoryManager(max_physical_batch_size={max_batch_size}) over a loader already split "
-                f"into physical batches of up to {sampler.max_batch_size}: give the unsplit Poisson loader, "
-                f"or a max_physical_batch_size of at least {sampler.max_batch_size}"
-            )
+            raise split_twice_error(max_batch_size, sampler.max_batch_size)
         size = max_batch_size if sampler.max_batch_size is None else sampler.max_batch_size
         sampler = DrawSampler(sampler.poisson, sampler.index, size)
     else:

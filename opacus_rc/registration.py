@@ -22,7 +22,7 @@ from opacus.accountants import register_accountant
 from opacus.utils.batch_memory_manager import BatchSplittingSampler
 
 from .accounting.accountant import RCPRVAccountant
-from .draws import split_draws
+from .draws import split_draws, split_twice_error
 from .integration import OpacusPrivacyEngine, PrivacyEngine
 from .forms import form_of
 from .optimizer import RandomizedClippingMixin
@@ -66,12 +66,7 @@ def _splitting_iter(self: BatchSplittingSampler):
         return _OPACUS_SPLITTING_ITER(self)
     if isinstance(self.sampler, BatchSplittingSampler):  # over a loader that splits already
         if self.sampler.max_batch_size > self.max_batch_size:
-            raise ValueError(
-                f"BatchMemoryManager(max_physical_batch_size={self.max_batch_size}) over a loader "
-                f"already split into physical batches of up to {self.sampler.max_batch_size}: "
-                "give the unsplit Poisson loader, or a max_physical_batch_size of at least "
-                f"{self.sampler.max_batch_size}"
-            )
+            raise split_twice_error(self.max_batch_size, self.sampler.max_batch_size)
         return iter(self.sampler)  # its batches fit; it signals the draws itself
     splitter = copy.copy(self)
     splitter.optimizer = _SameDrawSignals(self.optimizer)

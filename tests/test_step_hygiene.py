@@ -200,3 +200,24 @@ def test_no_per_example_values_after_a_step(mode):
     for name, p in torch.load(buf, weights_only=False).named_parameters():
         for key in ("_norm_sample", "grad_sample"):
             assert getattr(p, key, None) is None, (name, key)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_memory_manager_over_a_split_loader_with_smaller_batches_is_refused_by_name(mode):
+    """BatchMemoryManager over a loader BatchMemoryManager already split: a smaller
+    max_physical_batch_size is refused, naming both sizes and what to pass; an equal or larger one
+    keeps the first split's batches (one micro-batch a draw, as above)."""
+    torch.manual_seed(0)
+    engine, _, opt, backward, loader = make_private(SequenceClassifier(), mode, batch_size=16, n=64)
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=opt) as split:
+        with pytest.raises(ValueError, match=r"max_physical_batch_size=2\) over a loader already split into "
+                                             r"physical batches of up to 4: give the unsplit Poisson loader"):
+            with BatchMemoryManager(data_loader=split, max_physical_batch_size=2, optimizer=opt) as again:
+                next(iter(again))
+        with BatchMemoryManager(data_loader=split, max_physical_batch_size=8, optimizer=opt) as again:
+            for x, y in again:
+                assert len(x) <= 4
+                backward(x, y)
+                opt.step()
+                opt.zero_grad()
+    assert engine.accountant.history[0][2] == 4 and engine.accountant.history[0][-1].micro_batches == 1
