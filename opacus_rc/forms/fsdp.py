@@ -285,7 +285,10 @@ class FSDPSketchingMixin(SketchingMixin):
 
     def begin_head_use(self, layer: nn.Module, weight: nn.Parameter, bias: Optional[nn.Parameter]) -> bool:
         """A tied head counts its uses as the tied layers' hooks do (FSDP2's parameters keep no
-        counters)."""
+        counters); a head applied directly earlier in this pass is tied for the pass by this use
+        (:meth:`_tie_reused`: the two uses summed, as in one process)."""
+        if id(layer) not in self._tied_modules and self.hooks_enabled and getattr(layer, "_forward_counter", 0) > 0:
+            self._tie_reused(layer)
         tied = id(layer) in self._tied_modules
         if tied:
             self._count_tied_use(layer)

@@ -14,7 +14,9 @@ the wrapping and the hooks (``wrap_model=False``) forms, at example and at user 
 taken use by use (``sum_uses ||g_use||^2``, Opacus's per-module norms) would release something
 else (asserted: the test can fail). A layer applied twice without a tied projection (a LayerNorm
 in an ALBERT-style shared stack) stays refused, on both ranks alike (no rank waits alone in a
-collective), by :data:`opacus_rc.refusals.REFUSALS`'s ``tied_layer`` entry.
+collective), by :data:`opacus_rc.refusals.REFUSALS`'s ``tied_layer`` entry. The LM head applied
+directly and then by ``ChunkedLMHeadLoss`` in one pass is the same case (equal to brute force);
+applied directly after the chunked loss, it stays refused on both ranks.
 """
 
 from __future__ import annotations
@@ -155,6 +157,54 @@ def refused_shared_stack(rank: int):
     return None
 
 
+def head_rows():
+    """Token rows and labels of the LM with a chunked head (tests/test_lm_head.py's batch)."""
+    from tests.test_lm_head import batch
+
+    return batch(WORLD * PER_RANK, 8, 24)
+
+
+def head_aux(model, hidden):
+    """An auxiliary per-sequence loss through the head applied directly."""
+    return 0.1 * model.head(hidden).pow(2).mean(dim=(1, 2))
+
+
+def head_run(rank: int, order: str):
+    """The LM head (its own unit) applied directly and by the chunked loss in one pass, each
+    sequence's loss their sum (``order``: which use comes first); one step (noise 0, lr 0, exact
+    norms): the release, or the refusal each rank saw."""
+    from opacus_rc.forms.two_pass import DPTensorRandomizedClipping
+    from opacus_rc.lm_head import ChunkedLMHeadLoss
+    from tests.models import TinyLM
+    from tests.test_lm_head_fsdp import shard
+
+    model = shard(TinyLM(bias=True), tied=False)
+    head_loss = ChunkedLMHeadLoss(model.head, block_size=3)
+    x, y = head_rows()
+    module, opt, *_ = PrivacyEngine(accountant="rc_prv").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), criterion=head_loss,
+        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x)),
+        noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False, grad_sample_mode="ghost_fsdp",
+        clipping="randomized", sketch_size=K, sketch_seed=3,
+    )
+    head_loss.reduction = "none"  # per-sequence losses
+    released = releases_of(opt)
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    hidden = module(x[mine])
+    try:
+        if order == "direct_first":
+            first = head_aux(model, hidden)
+            losses = first + head_loss(hidden, y[mine])
+        else:
+            losses = head_loss(hidden, y[mine])
+            losses = losses + head_aux(model, hidden)
+        DPTensorRandomizedClipping(module, opt, losses, "mean").backward()
+        opt.step()
+    except ValueError as error:
+        return str(error)
+    return {"releases": released}
+
+
 def worker(rank, init_file, out_dir):
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -163,6 +213,8 @@ def worker(rank, init_file, out_dir):
         for form, options in FORMS.items():
             out[("example", kind, form)] = example_run(rank, kind, options)
             out[("user", kind, form)] = user_run(kind, options)
+    for order in ("direct_first", "chunked_first"):
+        out[("head", order)] = head_run(rank, order)
     out["refused"] = refused_shared_stack(rank)
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -173,7 +225,7 @@ def spawned():
     return spawn(worker, WORLD)
 
 
-def per_use_clipped_mean(model, layer: nn.Linear, xs, ys, units, normaliser: float) -> dict:
+def per_use_clipped_mean(model, layer: nn.Linear, xs, ys, units, normaliser: float, loss=None) -> dict:
     """What a norm taken use by use would release: each unit's (mean) gradient clipped by the norm
     ``sqrt(sum_uses ||g_use||^2 + ||g_rest||^2)``, ``g_use`` the Linear ``layer``'s gradient through
     one of its uses (the per-module norms that count two uses as two parameters), not of their sum."""
@@ -188,10 +240,10 @@ def per_use_clipped_mean(model, layer: nn.Linear, xs, ys, units, normaliser: flo
             calls = []
             handle = layer.register_forward_hook(lambda _m, inputs, output: calls.append((inputs[0], output)))
             try:
-                loss = loss_of(model, xs[r][None], ys[r][None])
+                value = (loss or loss_of)(model, xs[r][None], ys[r][None])
             finally:
                 handle.remove()
-            grads = torch.autograd.grad(loss, [*params.values(), *(out for _, out in calls)])
+            grads = torch.autograd.grad(value, [*params.values(), *(out for _, out in calls)])
             for n, g in zip(params, grads):
                 mean[n] += g.double() / len(members)
             for i, ((inp, _), go) in enumerate(zip(calls, grads[len(params):])):
@@ -281,3 +333,32 @@ def test_fsdp_reused_layer_without_tied_projection_is_refused_gloo(spawned):
         assert r["refused"] is not None
         assert "LayerNorm applied twice in one forward pass" in r["refused"]
         assert "is the sum of its uses' gradients" in r["refused"] and "up to L C" in r["refused"]
+
+
+def test_fsdp_head_applied_directly_before_the_chunked_loss_equals_brute_force_gloo(spawned):
+    """The LM head applied directly, then by the chunked loss, in one pass (before: the chunked
+    use's norm was overwritten by the direct use's, a norm of one use): the two uses are summed as
+    a tied head's, so each rank's release is its shard of brute-force per-sequence clipping of the
+    ranks' union; a norm of either use alone, or one per use, would differ. Applied directly
+    after the chunked loss (whose norm was taken as untied): refused on both ranks."""
+    from tests.models import TinyLM
+    from tests.test_lm_head import per_sequence_ce
+
+    reference = TinyLM(bias=True)
+    x, y = head_rows()
+
+    def loss_of(model, xb, yb):
+        hidden = model(xb)
+        return (head_aux(model, hidden) + per_sequence_ce(model.head(hidden), yb)).mean()
+
+    want = per_example_clipped_mean(reference, loss_of, x, y, C, normaliser=WORLD * PER_RANK)
+    per_use = per_use_clipped_mean(reference, reference.head, x, y, list(range(len(x))), WORLD * PER_RANK,
+                                   loss=loss_of)
+    assert differs(want, per_use)
+    names = [n for n, p in reference.named_parameters() if p.requires_grad]
+    for rank, r in enumerate(spawned):
+        (release,) = r[("head", "direct_first")]["releases"]
+        for slot, param in enumerate(names):
+            torch.testing.assert_close(release[slot].double(), torch.chunk(want[param].double(), WORLD)[rank],
+                                       atol=ATOL, rtol=0, msg=lambda m: f"rank {rank}, {param}: {m}")
+        assert "more than once in one forward pass" in r[("head", "chunked_first")]
