@@ -29,7 +29,8 @@ REFUSALS: Dict[str, Refusal] = {
     "tied_layer": Refusal(
         what="parameter tying through {layer} with clipping='randomized' ({form})",
         why=(
-            "a tied parameter's per-example gradient is the sum of its uses' gradients, and its norm "
+            "a tied parameter's per-example gradient is the sum of its uses' gradients (a parameter shared "
+            "by several modules, or one of a layer applied several times in one forward pass), and its norm "
             "is taken of that sum; each use must therefore give its per-example gradient in one common "
             "space (the projection P^T grad onto the parameter's row sketch), which only the layer "
             "types listed have: a norm taken use by use would bound each use, not their sum (up to "

@@ -15,6 +15,11 @@
   per-sample gradient to a running sum and the norm is taken of the sum, as in one process
   (Opacus's per-module norms would count ``||a||^2 + ||b||^2``); uses are tracked by parameter
   name under the sharded parameter's identity, since FSDP2 swaps the parameter objects.
+* **Layers applied several times** in one forward pass (a Linear called twice, an RNN cell in a
+  loop, ALBERT-style shared layers): at its second use a layer becomes tied for the pass (its
+  first use's inputs and count moved to the per-parameter counters) and its uses are summed as
+  tied weights' are; a layer type without a tied projection is refused (``"tied_layer"``,
+  :mod:`opacus_rc.refusals`). The decision is the model code's, the same on every rank.
 * **Consensus**: a refused step is agreed on by all ranks (one scalar all-reduce).
 * **Empty shares**: a rank whose Poisson share has no rows runs both backward passes (every
   FSDP2 collective) with empty per-example norms and contributes a zero clipped sum
@@ -155,6 +160,8 @@ class FSDPSketchingMixin(SketchingMixin):
             for m in tied
         }
         self._tied_slots: Dict[int, _TiedSlot] = {}  # this pass's, by sharded identity
+        #: the modules tied for this pass because it applies them several times (:meth:`_tie_reused`)
+        self._reused_modules: set = set()
         #: each module's own parameters as the optimizer holds them (sharded: FSDP2 swaps the
         #: module's attributes for unsharded ones around its forward and backward)
         self._sharded_params: Dict[Tuple[int, str], nn.Parameter] = {
@@ -198,8 +205,8 @@ class FSDPSketchingMixin(SketchingMixin):
     def capture_activations_hook(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
     ) -> None:
-        """Opacus's FSDP capture (module-level counter). A layer applied twice in one
-        forward pass (its parameters used twice) is refused with a clear message.
+        """Opacus's FSDP capture (module-level counter). A layer applied several times in one
+        forward pass becomes a tied layer for the pass at its second use (:meth:`_tie_reused`).
         Activation checkpointing's replays are told apart (:meth:`_capture`)."""
         self._capture(module, forward_input, lambda: self._capture_fsdp_activations(module, forward_input, _forward_output))
 
@@ -219,25 +226,56 @@ class FSDPSketchingMixin(SketchingMixin):
     def _capture_fsdp_activations(
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
     ) -> None:
+        captured = _saves_inputs(module) and self.hooks_enabled
+        if captured and id(module) not in self._tied_modules and getattr(module, "_forward_counter", 0) > 0:
+            self._tie_reused(module)  # its second use in this forward pass
         if id(module) in self._tied_modules:  # per-parameter use counters
-            if _saves_inputs(module) and self.hooks_enabled:
+            if captured:
                 if not hasattr(module, "activations"):
                     module.activations = []
                 module.activations.append([t.detach() for t in forward_input])
                 self._count_tied_use(module)
             return
-        if _saves_inputs(module) and self.hooks_enabled and getattr(module, "_forward_counter", 0) > 0:
-            raise ValueError(
-                f"{self._get_module_type(module).__name__} is applied twice in one forward pass (its "
-                "parameters are used twice): not supported with grad_sample_mode='ghost_fsdp'; "
-                "use grad_sample_mode='ghost' (one process or DPDDP), which supports it"
-            )
         GradSampleHooksFastGradientClippingFSDP.capture_activations_hook(
             self, module, forward_input, _forward_output
         )
 
+    def _tie_reused(self, module: nn.Module) -> None:
+        """``module``, used earlier in this forward pass (Opacus's module-level counter), is used
+        again: for the rest of the pass its parameters are tied ones (a parameter used several
+        times, as by two modules: the norm of the uses' summed projections), its earlier uses
+        moved to the per-parameter counters (their inputs stay in ``module.activations``). Decided
+        by the model's code alone, so alike on every rank (a refusal included: no rank raises
+        alone). A layer type without a tied projection is refused (``"tied_layer"``)."""
+        layer = self._get_module_type(module)
+        projections = {**TIED_PROJECTIONS, **self._third_party_projections}
+        if layer not in projections:
+            raise refusal(
+                "tied_layer", layer=f"{layer.__name__} applied twice in one forward pass (its parameters used twice)",
+                form=f"grad_sample_mode={FSDP_MODE!r}", supported=", ".join(c.__name__ for c in projections),
+            )
+        self._tied_modules.add(id(module))
+        self._tied_names[id(module)] = [
+            (n, id(self._sharded_params[(id(module), n)]))
+            for n, p in module.named_parameters(recurse=False) if p.requires_grad
+        ]
+        self._reused_modules.add(id(module))
+        for _ in range(module._forward_counter):
+            self._count_tied_use(module)
+        module._forward_counter = 0
+
+    def _on_pass_start(self) -> None:
+        """A layer tied for the last pass by its reuse (:meth:`_tie_reused`) is untied again: this
+        pass decides anew."""
+        super()._on_pass_start()
+        for key in self._reused_modules:
+            self._tied_modules.discard(key)
+            self._tied_names.pop(key, None)
+        self._reused_modules.clear()
+
     def _is_tied_use(self, module: nn.Module) -> bool:
-        """Known from the setup: FSDP2's parameter objects keep no use counts."""
+        """Known from the setup, or from the module's second use in this pass
+        (:meth:`_tie_reused`): FSDP2's parameter objects keep no use counts."""
         return id(module) in self._tied_modules
 
     def _tied_slot(self, module: nn.Module, param: nn.Parameter) -> _TiedSlot:
@@ -247,7 +285,10 @@ class FSDPSketchingMixin(SketchingMixin):
 
     def begin_head_use(self, layer: nn.Module, weight: nn.Parameter, bias: Optional[nn.Parameter]) -> bool:
         """A tied head counts its uses as the tied layers' hooks do (FSDP2's parameters keep no
-        counters)."""
+        counters); a head applied directly earlier in this pass is tied for the pass by this use
+        (:meth:`_tie_reused`: the two uses summed, as in one process)."""
+        if id(layer) not in self._tied_modules and self.hooks_enabled and getattr(layer, "_forward_counter", 0) > 0:
+            self._tie_reused(layer)
         tied = id(layer) in self._tied_modules
         if tied:
             self._count_tied_use(layer)

@@ -494,10 +494,13 @@ def test_no_host_synchronisation_in_a_step(ranks):
 
 
 def test_layer_used_inside_and_after_a_region_is_refused(ranks):
-    """Non-reentrant: the second use in the forward pass is refused (FSDP2's per-module
-    norms hold one use). Reentrant: the replay's use comes after the later use's norm was
-    taken; refused too, never one of the two uses' norms alone (an under-estimate)."""
+    """Non-reentrant: the second use in the forward pass is refused (a layer applied twice
+    is summed over its uses as a tied one, and a LayerNorm has no tied projection: the
+    ``tied_layer`` refusal, tests/forms/test_fsdp_reused_layers.py for the layers that run).
+    Reentrant: the replay's use comes after the later use's norm was taken; refused too,
+    never one of the two uses' norms alone (an under-estimate)."""
     for r in ranks:
         errors = r["reused_across_region"]
-        assert "applied twice in one forward pass" in errors[False]
+        assert "LayerNorm applied twice in one forward pass" in errors[False]
+        assert "is not supported: a tied parameter's per-example gradient" in errors[False]
         assert errors[True] is not None and "use_reentrant=False" in errors[True]
