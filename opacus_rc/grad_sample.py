@@ -268,18 +268,21 @@ class PerExampleStore(BatchReader):
             if len(getattr(module, "activations", ())) > entries:
                 module.activations[-1] = saved
 
-    def tied_projection(self, module: nn.Module) -> Callable[..., Dict[nn.Parameter, torch.Tensor]]:
+    def tied_projection(
+        self, module: nn.Module, use: str = "", form: str = ""
+    ) -> Callable[..., Dict[nn.Parameter, torch.Tensor]]:
         """The projection of a use of ``module``'s tied parameters (:data:`~opacus_rc.norm_samplers.
         TIED_PROJECTIONS`, or this model's third-party layers): ``(module, [A], G, sketcher)`` to
         each trainable parameter's per-example ``P^T grad`` (``P`` its row sketch, shared by its uses).
 
         Raises:
-            ValueError: a layer type without one (:data:`~opacus_rc.refusals.REFUSALS`, ``"tied_layer"``).
+            ValueError: a layer type without one (:data:`~opacus_rc.refusals.REFUSALS`, ``"tied_layer"``;
+                ``use`` follows the layer's name in it, ``form`` names the form, this class's by default).
         """
         projections = {**TIED_PROJECTIONS, **self._third_party_projections}
         layer = self._get_module_type(module)
         if layer not in projections:
-            raise refusal("tied_layer", layer=layer.__name__, form=type(self).__name__,
+            raise refusal("tied_layer", layer=layer.__name__ + use, form=form or type(self).__name__,
                           supported=", ".join(c.__name__ for c in projections))
         return projections[layer]
 

@@ -153,21 +153,25 @@ class FSDPSketchingMixin(SketchingMixin):
             raise refusal("tied_layer", layer=", ".join(unsupported), form="grad_sample_mode='ghost_fsdp'",
                           supported=", ".join(c.__name__ for c in TIED_PROJECTIONS))
         self._tied_modules = {id(m) for m in tied}
-        # FSDP2 swaps parameter objects (a grouped module's forward hook may already see the
-        # sharded one): tracked by name in each module, under the stable sharded identity
-        self._tied_names: Dict[int, List[Tuple[str, int]]] = {
-            id(m): [(n, id(p)) for n, p in m.named_parameters(recurse=False) if p.requires_grad]
-            for m in tied
-        }
-        self._tied_slots: Dict[int, _TiedSlot] = {}  # this pass's, by sharded identity
-        #: the modules tied for this pass because it applies them several times (:meth:`_tie_reused`)
-        self._reused_modules: set = set()
         #: each module's own parameters as the optimizer holds them (sharded: FSDP2 swaps the
         #: module's attributes for unsharded ones around its forward and backward)
         self._sharded_params: Dict[Tuple[int, str], nn.Parameter] = {
             (id(m), n): p for m in self._module.modules() for n, p in m.named_parameters(recurse=False)
         }
+        self._tied_names: Dict[int, List[Tuple[str, int]]] = {id(m): self._names_and_keys(m) for m in tied}
+        self._tied_slots: Dict[int, _TiedSlot] = {}  # this pass's, by sharded identity
+        #: the modules tied for this pass because it applies them several times (:meth:`_tie_if_reused`)
+        self._reused_modules: set = set()
         super()._setup()
+
+    def _names_and_keys(self, module: nn.Module) -> List[Tuple[str, int]]:
+        """``module``'s trainable parameters by name, each with its key: the identity of the sharded
+        parameter (FSDP2 swaps the parameter objects; a grouped module's forward hook may already
+        see the sharded one, a reused module's second use the unsharded one)."""
+        return [
+            (n, id(self._sharded_params[(id(module), n)]))
+            for n, p in module.named_parameters(recurse=False) if p.requires_grad
+        ]
 
     # --- half precision: the clipped sums reduced in float32 (opacus_rc.half_precision) -----
 
@@ -206,7 +210,7 @@ class FSDPSketchingMixin(SketchingMixin):
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
     ) -> None:
         """Opacus's FSDP capture (module-level counter). A layer applied several times in one
-        forward pass becomes a tied layer for the pass at its second use (:meth:`_tie_reused`).
+        forward pass becomes a tied layer for the pass at its second use (:meth:`_tie_if_reused`).
         Activation checkpointing's replays are told apart (:meth:`_capture`)."""
         self._capture(module, forward_input, lambda: self._capture_fsdp_activations(module, forward_input, _forward_output))
 
@@ -227,8 +231,8 @@ class FSDPSketchingMixin(SketchingMixin):
         self, module: nn.Module, forward_input: List[torch.Tensor], _forward_output: torch.Tensor
     ) -> None:
         captured = _saves_inputs(module) and self.hooks_enabled
-        if captured and id(module) not in self._tied_modules and getattr(module, "_forward_counter", 0) > 0:
-            self._tie_reused(module)  # its second use in this forward pass
+        if captured:
+            self._tie_if_reused(module)
         if id(module) in self._tied_modules:  # per-parameter use counters
             if captured:
                 if not hasattr(module, "activations"):
@@ -240,32 +244,26 @@ class FSDPSketchingMixin(SketchingMixin):
             self, module, forward_input, _forward_output
         )
 
-    def _tie_reused(self, module: nn.Module) -> None:
-        """``module``, used earlier in this forward pass (Opacus's module-level counter), is used
-        again: for the rest of the pass its parameters are tied ones (a parameter used several
-        times, as by two modules: the norm of the uses' summed projections), its earlier uses
-        moved to the per-parameter counters (their inputs stay in ``module.activations``). Decided
-        by the model's code alone, so alike on every rank (a refusal included: no rank raises
-        alone). A layer type without a tied projection is refused (``"tied_layer"``)."""
-        layer = self._get_module_type(module)
-        projections = {**TIED_PROJECTIONS, **self._third_party_projections}
-        if layer not in projections:
-            raise refusal(
-                "tied_layer", layer=f"{layer.__name__} applied twice in one forward pass (its parameters used twice)",
-                form=f"grad_sample_mode={FSDP_MODE!r}", supported=", ".join(c.__name__ for c in projections),
-            )
+    def _tie_if_reused(self, module: nn.Module) -> None:
+        """A module not tied that this forward pass used already (Opacus's module-level counter)
+        and uses again: for the rest of the pass its parameters are tied ones (a parameter used
+        several times, as by two modules: the norm of the uses' summed projections), its earlier
+        uses moved to the per-parameter counters (their inputs stay in ``module.activations``).
+        Decided by the model's code alone, so alike on every rank (a refusal included: no rank
+        raises alone). A layer type without a tied projection is refused (``"tied_layer"``)."""
+        if id(module) in self._tied_modules or getattr(module, "_forward_counter", 0) == 0:
+            return
+        self.tied_projection(module, use=" applied twice in one forward pass (its parameters used twice)",
+                             form=f"grad_sample_mode={FSDP_MODE!r}")
         self._tied_modules.add(id(module))
-        self._tied_names[id(module)] = [
-            (n, id(self._sharded_params[(id(module), n)]))
-            for n, p in module.named_parameters(recurse=False) if p.requires_grad
-        ]
+        self._tied_names[id(module)] = self._names_and_keys(module)
         self._reused_modules.add(id(module))
         for _ in range(module._forward_counter):
             self._count_tied_use(module)
         module._forward_counter = 0
 
     def _on_pass_start(self) -> None:
-        """A layer tied for the last pass by its reuse (:meth:`_tie_reused`) is untied again: this
+        """A layer tied for the last pass by its reuse (:meth:`_tie_if_reused`) is untied again: this
         pass decides anew."""
         super()._on_pass_start()
         for key in self._reused_modules:
@@ -275,7 +273,7 @@ class FSDPSketchingMixin(SketchingMixin):
 
     def _is_tied_use(self, module: nn.Module) -> bool:
         """Known from the setup, or from the module's second use in this pass
-        (:meth:`_tie_reused`): FSDP2's parameter objects keep no use counts."""
+        (:meth:`_tie_if_reused`): FSDP2's parameter objects keep no use counts."""
         return id(module) in self._tied_modules
 
     def _tied_slot(self, module: nn.Module, param: nn.Parameter) -> _TiedSlot:
@@ -286,9 +284,9 @@ class FSDPSketchingMixin(SketchingMixin):
     def begin_head_use(self, layer: nn.Module, weight: nn.Parameter, bias: Optional[nn.Parameter]) -> bool:
         """A tied head counts its uses as the tied layers' hooks do (FSDP2's parameters keep no
         counters); a head applied directly earlier in this pass is tied for the pass by this use
-        (:meth:`_tie_reused`: the two uses summed, as in one process)."""
-        if id(layer) not in self._tied_modules and self.hooks_enabled and getattr(layer, "_forward_counter", 0) > 0:
-            self._tie_reused(layer)
+        (:meth:`_tie_if_reused`: the two uses summed, as in one process)."""
+        if self.hooks_enabled:
+            self._tie_if_reused(layer)
         tied = id(layer) in self._tied_modules
         if tied:
             self._count_tied_use(layer)
