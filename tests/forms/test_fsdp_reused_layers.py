@@ -1,7 +1,8 @@
 """A layer applied several times in one forward pass under FSDP2 (``grad_sample_mode="ghost_fsdp"``,
 2 gloo processes on CPU): a Linear applied twice (:class:`tests.test_reused_layers.ReusedLinear`)
 and an embedding-input RNN whose cell Linear runs once per step (:class:`~tests.test_reused_layers.
-LoopRNN`), wrapped by ``FSDP2Wrapper``.
+LoopRNN`), and the Linear applied inside a non-reentrant checkpointed region and again after it
+(its replay in the backward pass no third use), wrapped by ``FSDP2Wrapper``.
 
 At its second use in a pass such a layer is tied for the pass (its uses' projections onto the
 row sketch summed per example, or per user, before the norm: the tied-parameter path), so the
@@ -44,9 +45,22 @@ C, K = 0.05, 64
 #: hold steps with both shares non-empty, one empty and both empty: asserted)
 USERS, USERS_PER_STEP, ROWS_PER_USER, USER_SEED, USER_ROWS = 7, 2, 4, 16, 40
 ATOL = 1e-6
-MODELS = {"reused_linear": ReusedLinear, "loop_rnn": LoopRNN}
+
+
+class ReusedAcrossRegion(ReusedLinear):
+    """:class:`ReusedLinear` with its first use inside a non-reentrant checkpointed region (replayed
+    in the backward pass: the replay is no third use) and its second after it."""
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(lambda t: torch.tanh(self.lin(t)), x, use_reentrant=False)
+        return self.head(torch.tanh(self.lin(h))).mean(dim=1)
+
+
+MODELS = {"reused_linear": ReusedLinear, "loop_rnn": LoopRNN, "across_region": ReusedAcrossRegion}
 #: the layer each model applies several times
-REUSED = {"reused_linear": "lin", "loop_rnn": "cell"}
+REUSED = {"reused_linear": "lin", "loop_rnn": "cell", "across_region": "lin"}
 FORMS = {"wrapping": {}, "hooks_form": {"wrap_model": False}}
 
 
@@ -59,7 +73,7 @@ def rows(kind: str, n: int, seed: int):
     """``n`` rows of ``kind``'s input (floats (n, T, D), or token ids (n, 6)) and labels."""
     gen = torch.Generator().manual_seed(seed)
     y = torch.randint(0, 2, (n,), generator=gen)
-    if kind == "reused_linear":
+    if kind != "loop_rnn":
         return torch.randn(n, T, D, generator=gen), y
     return torch.randint(0, 16, (n, 6), generator=gen), y
 
